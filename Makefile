@@ -1,0 +1,21 @@
+# `make demo` sets up .venv (if missing), installs the project and runs the main job; `make test` runs the suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: a loose requirement would pull a multi-GB build where a local wheel exists
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+.PHONY: install demo test
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dit-serve demo --out out/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q

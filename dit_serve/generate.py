@@ -1,0 +1,138 @@
+"""`dit-serve generate`: run a batch of images locally and write PNGs, a grid and a manifest.
+
+Everything the user gave is checked before anything is written; the images are written into a
+hidden staging folder inside DIR and moved into place one by one, the manifest last, so an
+interrupted or failed run never leaves a manifest that names missing files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+log = logging.getLogger(__name__)
+
+MAX_STEPS = 1000
+
+
+class UsageError(ValueError):
+    """Bad user input: the CLI prints the message on one line and exits 2."""
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    model: str
+    labels: tuple[str, ...]
+    num_per_label: int = 1
+    sampler: str | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    seed: int = 0
+    eta: float = 0.0
+    out: Path = Path("out")
+    device: str = "auto"
+    backend: str = "auto"
+
+
+def check_args(a: GenerateArgs) -> None:
+    """Checks that need no model."""
+    from samplers import SAMPLERS
+
+    if not a.labels:
+        raise UsageError("no labels given: pass --labels, e.g. --labels 0,1,2")
+    if a.num_per_label < 1:
+        raise UsageError(f"--num-per-label must be >= 1, got {a.num_per_label}")
+    if a.steps is not None and not 1 <= a.steps <= MAX_STEPS:
+        raise UsageError(f"--steps must be between 1 and {MAX_STEPS}, got {a.steps}")
+    if a.sampler is not None and a.sampler not in SAMPLERS:
+        raise UsageError(f"unknown sampler {a.sampler!r}; choose one of: {', '.join(sorted(SAMPLERS))}")
+    if a.guidance is not None and not a.guidance >= 0:
+        raise UsageError(f"--guidance must be >= 0, got {a.guidance}")
+    if a.eta < 0:
+        raise UsageError(f"--eta must be >= 0, got {a.eta}")
+
+
+def prepare_out(out: Path) -> Path:
+    """Create DIR if needed and a staging folder inside it; UsageError when DIR is not writable."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=".partial-", dir=out))
+    except OSError as e:
+        raise UsageError(f"output directory {str(out)!r} is not writable: {e.strerror or e}") from None
+
+
+def grid(images: list[np.ndarray], cols: int, min_side: int = 64) -> Image.Image:
+    """Tile images row-major, each upscaled (nearest) so small ones are viewable."""
+    h, w = images[0].shape[:2]
+    scale = max(1, -(-min_side // h))
+    tiles = [Image.fromarray(img).convert("RGB").resize((w * scale, h * scale), Image.NEAREST) for img in images]
+    rows = -(-len(tiles) // cols)
+    canvas = Image.new("RGB", (cols * w * scale, rows * h * scale))
+    for i, tile in enumerate(tiles):
+        canvas.paste(tile, ((i % cols) * w * scale, (i // cols) * h * scale))
+    return canvas
+
+
+def write_outputs(out: Path, staging: Path, model_name: str, entries: list[dict],
+                  images: list[np.ndarray], cols: int) -> Path:
+    """Write PNGs and the grid into staging, move them into DIR, write the manifest last (atomically)."""
+    try:
+        for entry, img in zip(entries, images):
+            Image.fromarray(img).save(staging / entry["file"])
+        grid(images, cols).save(staging / "grid.png")
+        for name in [e["file"] for e in entries] + ["grid.png"]:
+            os.replace(staging / name, out / name)
+        manifest = {"model": model_name, "grid": "grid.png", "images": entries}
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(staging / "manifest.json", out / "manifest.json")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out / "manifest.json"
+
+
+def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
+    """Validate, load the model, generate, write; returns the manifest path."""
+    import torch
+    from tqdm import tqdm
+
+    from workers.engine import Engine, EngineConfig, ImageRequest
+    from workers.loading import ModelError, load_model
+
+    check_args(a)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    dtype = torch.bfloat16 if device.startswith("cuda") and a.model != "digits" else torch.float32
+    try:
+        model = load_model(a.model, device=device, dtype=dtype)
+        label_ids = [model.label_id(lb) for lb in a.labels]
+    except ModelError as e:
+        raise UsageError(str(e)) from None
+    sampler = a.sampler or model.defaults["sampler"]
+    steps = a.steps or model.defaults["steps"]
+    guidance = model.defaults["guidance"] if a.guidance is None else a.guidance
+    staging = prepare_out(a.out)
+    n = len(label_ids) * a.num_per_label
+    reqs = [ImageRequest(id=str(i), label=label_ids[i // a.num_per_label], seed=a.seed + i, sampler=sampler,
+                         steps=steps, guidance=guidance, eta=a.eta) for i in range(n)]
+    backend = ("breakable" if device.startswith("cuda") else "eager") if a.backend == "auto" else a.backend
+    max_batch = min(64, 1 << (n - 1).bit_length())
+    engine = Engine(model, EngineConfig(backend=backend, max_batch=max_batch))
+    try:
+        engine.warmup()
+        with tqdm(total=n * steps, desc=f"{model.name} {sampler} x{n}", unit="step",
+                  disable=not progress, leave=False) as bar:
+            results = engine.generate(reqs, on_progress=lambda *_: bar.update(1), max_active=max_batch)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    entries = [{"file": f"{i:05d}_label{r.request.label}.png", "label": r.request.label,
+                "seed": r.request.seed, "sampler": sampler, "steps": steps, "guidance": guidance}
+               for i, r in enumerate(results)]
+    return write_outputs(a.out, staging, model.name, entries, [r.image for r in results], a.num_per_label)

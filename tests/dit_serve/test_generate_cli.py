@@ -1,0 +1,95 @@
+"""`dit-serve generate`: outputs, determinism across batch sizes, and one-line errors with exit 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dit_serve.cli import main
+
+
+def _run(tmp_path, *extra, out="out"):
+    return main(["generate", "--model", "digits", "--out", str(tmp_path / out), *extra])
+
+
+def test_generate_writes_pngs_grid_and_manifest(tmp_path):
+    code = _run(tmp_path, "--labels", "0,1,seven", "--num-per-label", "2", "--sampler", "ddim",
+                "--steps", "10", "--guidance", "1.5", "--seed", "5")
+    assert code == 0
+    out = tmp_path / "out"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"] == "digits"
+    assert [e["label"] for e in manifest["images"]] == [0, 0, 1, 1, 7, 7]
+    assert [e["seed"] for e in manifest["images"]] == [5, 6, 7, 8, 9, 10]
+    for e in manifest["images"]:
+        assert (e["sampler"], e["steps"], e["guidance"]) == ("ddim", 10, 1.5)
+        assert Image.open(out / e["file"]).size == (8, 8)
+    grid = Image.open(out / "grid.png")
+    assert grid.size[0] >= 2 * 64 and grid.size[1] >= 3 * 64  # upscaled for viewing
+    assert not [p for p in os.listdir(out) if p.startswith(".partial")]
+
+
+def test_an_image_does_not_depend_on_its_batch(tmp_path):
+    """Image i uses seed + i: generated alone or among others, it is the same image."""
+    _run(tmp_path, "--labels", "3,4,5,6", "--num-per-label", "3", "--steps", "8", "--seed", "0", out="batch")
+    _run(tmp_path, "--labels", "5", "--steps", "8", "--seed", "6", out="alone")
+    batch = json.loads((tmp_path / "batch" / "manifest.json").read_text())["images"]
+    (entry,) = [e for e in batch if e["seed"] == 6]
+    a = np.asarray(Image.open(tmp_path / "batch" / entry["file"]))
+    b = np.asarray(Image.open(tmp_path / "alone" / "00000_label5.png"))
+    assert np.array_equal(a, b)
+
+
+def _exit_code(argv):
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's own type errors
+        return e.code
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "no-such-model", "--labels", "1"], "unknown model 'no-such-model'"),
+    (["--labels", "10"], "label 10 is outside"),
+    (["--labels", "eleven"], "unknown class name 'eleven'"),
+    (["--labels", "1", "--steps", "0"], "--steps must be between 1 and 1000"),
+    (["--labels", "1", "--steps", "1001"], "--steps must be between 1 and 1000"),
+    (["--labels", "1", "--sampler", "plms"], "unknown sampler 'plms'; choose one of: ddim"),
+    (["--labels", "1", "--guidance", "-1"], "--guidance must be >= 0"),
+    (["--labels", "1", "--steps", "many"], "invalid int value"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, args, message):
+    out = tmp_path / "out"
+    model = [] if "--model" in args else ["--model", "digits"]
+    assert _exit_code(["generate", "--out", str(out), *model, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_unwritable_output_directory(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file, not a directory")
+    assert main(["generate", "--labels", "1", "--out", str(blocker / "sub")]) == 2
+    assert "is not writable" in capsys.readouterr().err
+
+
+def test_pickle_model_dir_exit_2(tmp_path, capsys):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"norm_type": "ada_norm_zero", "num_embeds_ada_norm": 10}))
+    (d / "diffusion_pytorch_model.bin").write_bytes(b"\x80\x04")
+    assert main(["generate", "--model", str(d), "--labels", "1", "--out", str(tmp_path / "o")]) == 2
+    assert "pickle" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_console_script_has_no_traceback(tmp_path):
+    """The installed entry point: one line on stderr, exit code 2."""
+    proc = subprocess.run([sys.executable, "-m", "dit_serve.cli", "generate", "--labels", "1", "--steps", "0",
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr

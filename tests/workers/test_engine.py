@@ -1,0 +1,107 @@
+"""The batch engine on a CPU: a request's image does not depend on its batch, bucket, join time or
+neighbours; join / leave / cancel bookkeeping; progress."""
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from workers.engine import Engine, EngineConfig, ImageRequest
+from workers.loading import load_model
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("digits")
+
+
+def engine(model, max_batch=8):
+    return Engine(model, EngineConfig(backend="eager", max_batch=max_batch))
+
+
+def req(i, **kw):
+    base = dict(id=f"r{i}", label=i % 10, seed=100 + i, sampler="ddim", steps=6, guidance=2.0)
+    return ImageRequest(**{**base, **kw})
+
+
+def alone(model, r):
+    return engine(model).generate([r])[0].latents
+
+
+def close(a, b):
+    return (a - b).abs().max().item() <= TOL * max(1.0, b.abs().max().item())
+
+
+def test_thirteen_requests_are_8_4_1_replays_and_match_alone(model):
+    e = engine(model, max_batch=8)
+    reqs = [req(i) for i in range(13)]
+    results = e.generate(reqs)
+    stats = next(iter(e.stats()["groups"].values()))
+    per_bucket = {b: s["replays"] + s["eager_fallbacks"] for b, s in stats["buckets"].items()}
+    assert per_bucket == {8: 6, 4: 6, 2: 0, 1: 6}  # 6 steps, each 8 + 4 + 1
+    for r in (results[0], results[9], results[12]):
+        assert close(r.latents, alone(model, r.request))
+
+
+def test_mixed_samplers_steps_and_guidance_share_a_batch(model):
+    reqs = [req(0, sampler="ddim", steps=5), req(1, sampler="euler", steps=7, guidance=1.0),
+            req(2, sampler="dpmpp_2m", steps=4, guidance=3.0), req(3, sampler="euler_a", steps=6),
+            req(4, sampler="ddpm", steps=3, guidance=0.0), req(5, sampler="ddim", steps=5, eta=1.0)]
+    results = engine(model).generate(reqs)
+    assert [r.request.id for r in results] == [r.id for r in reqs]
+    for r in results:
+        assert close(r.latents, alone(model, r.request)), r.request
+
+
+def test_joining_mid_flight_gives_the_same_image(model):
+    e = engine(model)
+    early, late = req(0, steps=8), req(1, steps=6)
+    e.add(early)
+    for _ in range(3):
+        assert e.step() == []
+    e.add(late)  # joins at a step boundary while `early` is at step 3
+    done = {}
+    while e.num_active:
+        done.update({r.request.id: r for r in e.step()})
+    assert close(done["r0"].latents, alone(model, early))
+    assert close(done["r1"].latents, alone(model, late))
+
+
+def test_padding_rows_do_not_change_real_rows(model):
+    """Three requests replayed in a bucket of 4 (one padding row) equal the same run unpadded."""
+    e = engine(model, max_batch=4)
+    e.groups[next(iter(e.groups))].runner.replay_ms = {1: 10.0, 2: 10.0, 4: 1.0}  # padding to 4 wins
+    results = e.generate([req(i) for i in range(3)])
+    stats = next(iter(e.stats()["groups"].values()))["buckets"]
+    assert stats[4]["replays"] + stats[4]["eager_fallbacks"] == 6 and stats[2]["eager_fallbacks"] == 0
+    for r in results:
+        assert close(r.latents, alone(model, r.request))
+
+
+def test_progress_counts_each_step_once_and_cancel_leaves_at_the_boundary(model):
+    e = engine(model)
+    seen = defaultdict(list)
+    for i in range(3):
+        e.add(req(i, steps=5))
+    e.step(lambda rid, s, n: seen[rid].append((s, n)))
+    e.step(lambda rid, s, n: seen[rid].append((s, n)))
+    assert e.cancel("r1") and not e.cancel("r1") and not e.cancel("nope")
+    assert e.progress() == {"r0": (2, 5), "r2": (2, 5)}
+    finished = []
+    while e.num_active:
+        finished += e.step(lambda rid, s, n: seen[rid].append((s, n)))
+    assert sorted(r.request.id for r in finished) == ["r0", "r2"]
+    assert seen["r0"] == [(s, 5) for s in range(1, 6)] and seen["r1"] == [(1, 5), (2, 5)]
+
+
+def test_unknown_model_in_request(model):
+    with pytest.raises(KeyError, match="not loaded"):
+        engine(model).add(req(0, model="other"))
+
+
+def test_images_are_uint8_at_native_resolution(model):
+    (r,) = engine(model).generate([req(3, steps=4)])
+    assert r.image.shape == (8, 8) and r.image.dtype.name == "uint8"
+    assert torch.isfinite(r.latents).all()

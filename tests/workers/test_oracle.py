@@ -1,0 +1,61 @@
+"""The image-correctness oracle: generated digits must be read as the digit that was asked for."""
+
+import pytest
+
+from workers.digits import classify, load_split, oracle_accuracy, sample_digits
+from workers.engine import Engine, EngineConfig
+from workers.loading import load_model
+
+# (sampler, steps): each sampler at a step count it is meant for
+SAMPLERS = [("ddpm", 100), ("ddim", 50), ("euler", 50), ("euler_a", 50), ("dpmpp_2m", 20)]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    model = load_model("digits")
+    return model, Engine(model, EngineConfig(backend="eager", max_batch=512))
+
+
+def test_classifier_reads_real_digits():
+    _, _, x_test, y_test = load_split()
+    assert oracle_accuracy(x_test, y_test) >= 0.98
+
+
+def test_classifier_rejects_noise():
+    import numpy as np
+    noise = np.random.default_rng(0).uniform(-1, 1, (200, 8, 8))
+    # pure noise is not a recognisable digit: it does not land on the label we would ask for
+    assert oracle_accuracy(noise, np.repeat(np.arange(10), 20)) < 0.3
+
+
+@pytest.mark.slow
+def test_ddim_50_steps_500_digits(digits):
+    model, engine = digits
+    images, labels = sample_digits(engine, 50, "ddim", 50, model.defaults["guidance"])
+    acc = oracle_accuracy(images, labels)
+    assert acc >= 0.90, f"oracle accuracy {acc:.3f}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampler, steps", SAMPLERS)
+def test_every_sampler_makes_digits(digits, sampler, steps):
+    model, engine = digits
+    images, labels = sample_digits(engine, 20, sampler, steps, model.defaults["guidance"], seed=1000)
+    acc = oracle_accuracy(images, labels)
+    assert acc >= 0.85, f"{sampler} {steps} steps: oracle accuracy {acc:.3f}"
+
+
+@pytest.mark.slow
+def test_flow_euler_on_the_flow_model():
+    model = load_model("digits-flow")
+    engine = Engine(model, EngineConfig(backend="eager", max_batch=512))
+    images, labels = sample_digits(engine, 20, "flow_euler", model.defaults["steps"], model.defaults["guidance"])
+    acc = oracle_accuracy(images, labels)
+    assert acc >= 0.85, f"flow_euler: oracle accuracy {acc:.3f}"
+
+
+def test_labels_are_not_ignored(digits):
+    """Asking for 3s yields 3s, not the model's favourite digit."""
+    model, engine = digits
+    images, _ = sample_digits(engine, 3, "ddim", 20, model.defaults["guidance"])
+    assert len(set(classify(images).tolist())) >= 8

@@ -1,0 +1,1 @@
+"""Model loading, the batch engine and the Ray worker actors (server side)."""

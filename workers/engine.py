@@ -1,0 +1,234 @@
+"""The batch engine: image requests in, denoising steps as graph replays, images out.
+
+Each request owns its state: latents ``x`` from its own seeded generator, the sampler's history
+``hist``, its step index and its sampler plan (per-step model timesteps and coefficients). Requests
+are grouped by graph key (model, latent shape, dtype, backend); once per ``step()`` every group's
+active requests advance exactly one denoising step through that group's ``GraphRunner``, which
+splits them into power-of-two replays. Because every per-sample quantity is a tensor row, a
+batch mixes samplers, step counts, steps and guidance scales, and requests join or leave at any
+step boundary (step-level batching). Finished latents are decoded (VAE for latent models) into
+uint8 images.
+
+Determinism: the starting noise of a request comes from ``torch.Generator("cpu").manual_seed(seed)``
+(CPU noise, so a seed means the same image on any device), and an ancestral sampler's per-step
+noise from the same generator, so an image does not depend on its batch or bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from graphs import GraphKey, GraphRunner, TensorSpec
+from samplers import Plan, cfg_combine, gather_rows, make_plan, model_input, sampler_step
+from workers.loading import LoadedModel
+from workers.patches import break_attention
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[str, int, int], None]  # (request id, steps done, total steps)
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """One image: a class label, a seed and the sampling parameters."""
+
+    id: str
+    label: int
+    seed: int
+    sampler: str = "ddim"
+    steps: int = 50
+    guidance: float = 1.0
+    eta: float = 0.0
+    model: str = ""  # the engine's only model when empty
+
+
+@dataclass
+class ImageResult:
+    request: ImageRequest
+    image: np.ndarray  # (H, W, 3) or (H, W) uint8
+    latents: torch.Tensor  # final x on the CPU, float32 (C, H, W): for equality checks
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    backend: str = "eager"        # eager | full | breakable
+    max_batch: int = 64           # largest graph bucket (a power of two)
+    attention_break: bool = True  # under `breakable`, each layer's attention is an eager break
+
+
+@dataclass
+class _Active:
+    req: ImageRequest
+    plan: Plan
+    x: torch.Tensor              # (C, H, W) float32, on the device
+    hist: torch.Tensor           # (C, H, W) previous denoised estimate
+    gen: torch.Generator         # CPU generator: initial and per-step noise
+    step: int = 0
+
+
+@dataclass
+class _Group:
+    model: LoadedModel
+    runner: GraphRunner
+    active: list[_Active] = field(default_factory=list)
+
+
+def make_step_fn(model: LoadedModel) -> Callable[..., dict[str, torch.Tensor]]:
+    """One whole denoising step, the captured unit: CFG-doubled forward, guidance, sampler update."""
+    transformer, c, null, dtype = model.transformer, model.latent_shape[0], model.null_class, model.dtype
+
+    def step(x, t, labels, guidance, coeffs, hist, noise):
+        xin = model_input(x, coeffs).to(dtype)                                  # (B, C, H, W)
+        both = torch.cat([labels, torch.full_like(labels, null)])              # (2B,) cond, uncond
+        out = transformer(torch.cat([xin, xin]), torch.cat([t, t]), both).sample  # (2B, C_out, H, W)
+        cond, uncond = out[:, :c].float().chunk(2)                             # learned sigma dropped
+        x_next, denoised = sampler_step(x, cfg_combine(cond, uncond, guidance), hist, noise, coeffs)
+        return {"x_next": x_next, "hist_next": denoised}
+
+    return step
+
+
+def step_specs(model: LoadedModel) -> tuple[dict[str, TensorSpec], dict[str, TensorSpec]]:
+    """The step's static inputs and outputs, per sample."""
+    lat, f32 = tuple(model.latent_shape), torch.float32
+    inputs = {"x": TensorSpec(lat, f32), "t": TensorSpec((), f32), "labels": TensorSpec((), torch.long),
+              "guidance": TensorSpec((), f32), "coeffs": TensorSpec((9,), f32),
+              "hist": TensorSpec(lat, f32), "noise": TensorSpec(lat, f32)}
+    return inputs, {"x_next": TensorSpec(lat, f32), "hist_next": TensorSpec(lat, f32)}
+
+
+class Engine:
+    """Runs image requests for one or more loaded models with step-level batching."""
+
+    def __init__(self, models: LoadedModel | Iterable[LoadedModel], config: EngineConfig = EngineConfig()):
+        models = [models] if isinstance(models, LoadedModel) else list(models)
+        self.config = config
+        self.models = {m.name: m for m in models}
+        self.groups: dict[GraphKey, _Group] = {}
+        self._keys: dict[str, GraphKey] = {}
+        for m in models:
+            if config.backend == "breakable" and config.attention_break:
+                break_attention(m.transformer)
+            inputs, outputs = step_specs(m)
+            runner = GraphRunner(make_step_fn(m), inputs, outputs, max_batch=config.max_batch,
+                                 backend=config.backend, device=m.device)
+            key = GraphKey(m.name, tuple(m.latent_shape), str(m.dtype).removeprefix("torch."), runner.backend)
+            self.groups[key] = _Group(m, runner)
+            self._keys[m.name] = key
+        self.steps_run = 0
+
+    def warmup(self) -> None:
+        """Capture every bucket of every group (start-up only; serving never captures)."""
+        for group in self.groups.values():
+            group.runner.warmup()
+
+    # -- admission and cancellation -------------------------------------------------------------
+    def add(self, req: ImageRequest) -> None:
+        """Admit a request; it joins its group's batch at the next step."""
+        group = self.groups[self._key(req)]
+        plan = make_plan(req.sampler, req.steps, group.model.schedule, eta=req.eta)
+        gen = torch.Generator("cpu").manual_seed(req.seed)
+        x = torch.randn(group.model.latent_shape, generator=gen) * plan.init_sigma  # (C, H, W)
+        x = x.to(group.model.device)
+        group.active.append(_Active(req, plan, x, torch.zeros_like(x), gen))
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a request at this step boundary; True if it was active."""
+        for group in self.groups.values():
+            for i, a in enumerate(group.active):
+                if a.req.id == request_id:
+                    del group.active[i]
+                    return True
+        return False
+
+    @property
+    def num_active(self) -> int:
+        return sum(len(g.active) for g in self.groups.values())
+
+    def progress(self) -> dict[str, tuple[int, int]]:
+        return {a.req.id: (a.step, a.plan.num_steps) for g in self.groups.values() for a in g.active}
+
+    # -- the step loop ---------------------------------------------------------------------------
+    def step(self, on_progress: ProgressFn | None = None) -> list[ImageResult]:
+        """Advance every active request one denoising step; return the ones that finished."""
+        finished: list[ImageResult] = []
+        for group in self.groups.values():
+            if group.active:
+                finished += self._step_group(group, on_progress)
+        self.steps_run += 1
+        return finished
+
+    def _step_group(self, group: _Group, on_progress: ProgressFn | None) -> list[ImageResult]:
+        active, device = group.active, group.model.device
+        t, coeffs = gather_rows([a.plan for a in active], [a.step for a in active])  # (B,), (B, 9)
+        out = group.runner.run(
+            x=torch.stack([a.x for a in active]), t=t.to(device), coeffs=coeffs.to(device),
+            labels=torch.tensor([a.req.label for a in active], device=device),
+            guidance=torch.tensor([a.req.guidance for a in active], dtype=torch.float32, device=device),
+            hist=torch.stack([a.hist for a in active]), noise=self._noise(active, group.model).to(device))
+        done: list[_Active] = []
+        for i, a in enumerate(active):
+            a.x, a.hist, a.step = out["x_next"][i], out["hist_next"][i], a.step + 1
+            if on_progress is not None:
+                on_progress(a.req.id, a.step, a.plan.num_steps)
+            if a.step == a.plan.num_steps:
+                done.append(a)
+        if not done:
+            return []
+        group.active = [a for a in active if a.step < a.plan.num_steps]
+        return self._finish(group.model, done)
+
+    @staticmethod
+    def _noise(active: list[_Active], model: LoadedModel) -> torch.Tensor:
+        """Fresh per-step noise for ancestral rows (each from its own generator), zeros elsewhere."""
+        rows = [torch.randn(model.latent_shape, generator=a.gen) if a.plan.stochastic
+                else torch.zeros(model.latent_shape) for a in active]
+        return torch.stack(rows)  # (B, C, H, W)
+
+    def _finish(self, model: LoadedModel, done: list[_Active]) -> list[ImageResult]:
+        latents = torch.stack([a.x for a in done])  # (B, C, H, W)
+        images = decode(model, latents)
+        cpu = latents.float().cpu()
+        return [ImageResult(a.req, images[i], cpu[i]) for i, a in enumerate(done)]
+
+    def _key(self, req: ImageRequest) -> GraphKey:
+        name = req.model or next(iter(self.models))
+        if name not in self._keys:
+            raise KeyError(f"model {name!r} is not loaded here (loaded: {', '.join(self._keys)})")
+        return self._keys[name]
+
+    # -- convenience -----------------------------------------------------------------------------
+    def generate(self, requests: list[ImageRequest], on_progress: ProgressFn | None = None,
+                 max_active: int | None = None) -> list[ImageResult]:
+        """Run requests to completion (admitting at most ``max_active`` at a time, new ones joining
+        as others finish); results come back in request order."""
+        pending, results = list(requests), {}
+        limit = max_active or len(requests) or 1
+        while pending or self.num_active:
+            while pending and self.num_active < limit:
+                self.add(pending.pop(0))
+            for r in self.step(on_progress):
+                results[r.request.id] = r
+        return [results[r.id] for r in requests]
+
+    def stats(self) -> dict:
+        return {"steps": self.steps_run,
+                "groups": {f"{k.model}:{'x'.join(map(str, k.latent_shape))}:{k.dtype}:{k.backend}":
+                           g.runner.stats() for k, g in self.groups.items()}}
+
+
+@torch.no_grad()
+def decode(model: LoadedModel, latents: torch.Tensor) -> list[np.ndarray]:
+    """Latents (B, C, h, w) -> uint8 images; pixel-space models are their own image."""
+    if model.vae is None:
+        pixels = latents.float()
+    else:
+        pixels = model.vae.decode(latents.to(model.vae.dtype) / model.vae_scale).sample.float()
+    u8 = ((pixels.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()  # (B, c, H, W)
+    u8 = u8.permute(0, 2, 3, 1).numpy()                                     # (B, H, W, c)
+    return [img[..., 0] if img.shape[-1] == 1 else img for img in u8]

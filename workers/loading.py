@@ -1,0 +1,209 @@
+"""Load class-conditional DiT models from local diffusers-format directories (safetensors only).
+
+Accepted layouts, never fetched from a hub:
+- a pipeline directory: ``model_index.json`` with ``transformer/``, optional ``vae/`` and
+  ``scheduler/scheduler_config.json`` (the layout of ``facebook/DiT-XL-2-256`` and ``-512``,
+  whose ``id2label`` lets users name classes), or
+- a bare transformer directory: ``config.json`` plus ``*.safetensors``.
+
+Built-in names: ``digits`` and ``digits-flow`` (the shipped pixel-space models, epsilon and
+rectified-flow) and ``dit-xl-2-256`` / ``dit-xl-2-512``
+(the DiT-XL/2 architecture with the sd-vae-ft-ema VAE, randomly initialised, for benchmarks).
+Pickle-based weights (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are refused: unpickling runs code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from samplers import NoiseSchedule
+
+log = logging.getLogger(__name__)
+
+SHIPPED = {name: Path(__file__).parent / "models" / name for name in ("digits", "digits-flow")}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+DIT_XL_2 = dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8,
+                num_layers=28, patch_size=2, num_embeds_ada_norm=1000, norm_type="ada_norm_zero")
+SD_VAE_FT_EMA = dict(
+    in_channels=3, out_channels=3, latent_channels=4, block_out_channels=[128, 256, 512, 512],
+    down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+    layers_per_block=2, norm_num_groups=32, act_fn="silu", scaling_factor=0.18215)
+DIT_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 0.02,
+                 "beta_schedule": "linear", "prediction_type": "epsilon", "clip_sample": False}
+BUILTIN_RESOLUTIONS = {"dit-xl-2-256": 256, "dit-xl-2-512": 512}
+FALLBACK_DEFAULTS = {"guidance": 4.0, "sampler": "ddim", "steps": 50}
+
+
+class ModelError(ValueError):
+    """A model name or directory that cannot be served; the message says what to fix."""
+
+
+@dataclass
+class LoadedModel:
+    """A transformer (and VAE for latent models) ready to serve, with what the service needs to know."""
+
+    name: str
+    transformer: torch.nn.Module
+    vae: torch.nn.Module | None
+    schedule: NoiseSchedule
+    num_classes: int
+    latent_shape: tuple[int, int, int]  # (C, H, W) the sampler works on
+    image_size: int                     # pixels per side of the decoded image
+    learned_sigma: bool                 # out_channels == 2 * in_channels: keep the first half
+    vae_scale: float = 1.0
+    id2label: dict[int, str] = field(default_factory=dict)
+    defaults: dict = field(default_factory=lambda: dict(FALLBACK_DEFAULTS))
+
+    @property
+    def null_class(self) -> int:
+        """The label embedding's extra row, used for the unconditional half of CFG."""
+        return self.num_classes
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    def label_id(self, label: int | str) -> int:
+        """A class index from a number or a name in id2label; ModelError when it is not a class."""
+        if isinstance(label, str) and label.strip().lstrip("-").isdigit():
+            label = int(label)
+        if isinstance(label, int):
+            if 0 <= label < self.num_classes:
+                return label
+            raise ModelError(f"label {label} is outside model {self.name!r}'s classes 0..{self.num_classes - 1}")
+        key = label.strip().lower()
+        for idx, names in self.id2label.items():
+            if key in (n.strip().lower() for n in names.split(",")):
+                return idx
+        hint = ", ".join(list(self.id2label.values())[:5])
+        raise ModelError(f"unknown class name {label!r} for model {self.name!r}"
+                         + (f" (class names look like: {hint}, ...)" if hint else " (it has no class names: use 0.."
+                            f"{self.num_classes - 1})"))
+
+
+def builtin_names() -> list[str]:
+    return [*SHIPPED, *BUILTIN_RESOLUTIONS]
+
+
+def load_model(spec: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load ``digits``, a built-in architecture name, or a local model directory."""
+    spec_str = str(spec)
+    if spec_str in BUILTIN_RESOLUTIONS:
+        return _builtin_dit_xl(spec_str, device, dtype)
+    path = SHIPPED.get(spec_str) or Path(spec_str).expanduser()
+    if not path.exists():
+        raise ModelError(f"unknown model {spec_str!r}: not a built-in name ({', '.join(builtin_names())}) "
+                         "and no such directory")
+    if not path.is_dir():
+        raise ModelError(f"model path {spec_str!r} is not a directory (expected a diffusers-format model directory)")
+    name = spec_str if spec_str in SHIPPED else path.name
+    if (path / "model_index.json").exists():
+        return _load_pipeline_dir(path, name, device, dtype)
+    if (path / "config.json").exists():
+        return _assemble(name, _load_transformer(path, device, dtype), None, {}, {}, {})
+    raise ModelError(f"{path} holds neither model_index.json (a pipeline) nor config.json (a transformer)")
+
+
+def _load_pipeline_dir(path: Path, name: str, device, dtype) -> LoadedModel:
+    index = _read_json(path / "model_index.json")
+    if not (path / "transformer").is_dir():
+        raise ModelError(f"{path}/model_index.json has no transformer/ directory beside it")
+    transformer = _load_transformer(path / "transformer", device, dtype)
+    vae = _load_vae(path / "vae", device, dtype) if (path / "vae").is_dir() else None
+    sched_file = path / "scheduler" / "scheduler_config.json"
+    sched = _read_json(sched_file) if sched_file.exists() else {}
+    id2label = {int(k): v for k, v in (index.get("id2label") or {}).items()}
+    return _assemble(name, transformer, vae, sched, id2label, index.get("dit_serve", {}).get("defaults", {}))
+
+
+def _assemble(name, transformer, vae, sched: dict, id2label: dict, defaults: dict) -> LoadedModel:
+    cfg = transformer.config
+    c, size, patch_px = cfg.in_channels, cfg.sample_size, 1
+    if vae is not None:
+        patch_px = 2 ** (len(vae.config.block_out_channels) - 1)  # the VAE's downsampling factor
+    return LoadedModel(
+        name=name, transformer=transformer, vae=vae,
+        schedule=NoiseSchedule.from_config(sched or DIT_SCHEDULER),
+        num_classes=cfg.num_embeds_ada_norm, latent_shape=(c, size, size), image_size=size * patch_px,
+        learned_sigma=cfg.out_channels == 2 * c,
+        vae_scale=float(getattr(vae.config, "scaling_factor", 0.18215)) if vae is not None else 1.0,
+        id2label=id2label, defaults={**FALLBACK_DEFAULTS, **defaults})
+
+
+def _load_transformer(path: Path, device, dtype) -> torch.nn.Module:
+    from diffusers import DiTTransformer2DModel
+
+    cfg = _read_json(path / "config.json")
+    if cfg.get("norm_type") != "ada_norm_zero" or not cfg.get("num_embeds_ada_norm"):
+        raise ModelError(f"{path} is not a class-conditional DiT (needs norm_type 'ada_norm_zero' and "
+                         "num_embeds_ada_norm): other transformers are not supported yet")
+    model = _instantiate(DiTTransformer2DModel, cfg)
+    _load_weights(model, path)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def _load_vae(path: Path, device, dtype) -> torch.nn.Module:
+    from diffusers import AutoencoderKL
+
+    model = _instantiate(AutoencoderKL, _read_json(path / "config.json"))
+    _load_weights(model, path)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def _instantiate(cls, cfg: dict) -> torch.nn.Module:
+    """Build ``cls`` from a config, keeping only the keys its constructor takes (Transformer2DModel
+    configs carry keys DiTTransformer2DModel does not need)."""
+    params = inspect.signature(cls.__init__).parameters
+    return cls(**{k: v for k, v in cfg.items() if k in params})
+
+
+def _load_weights(model: torch.nn.Module, path: Path) -> None:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise ModelError(f"{path} has only pickle weights ({', '.join(pickles)}); they are refused because "
+                             "loading them runs arbitrary code. Convert them to .safetensors.")
+        raise ModelError(f"{path} has no weights: expected diffusion_pytorch_model.safetensors")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ModelError(f"weights in {path} do not match its config.json: {len(missing)} missing "
+                         f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})")
+
+
+def _builtin_dit_xl(name: str, device, dtype) -> LoadedModel:
+    """DiT-XL/2 with random weights (a seeded init), built directly on the device."""
+    from diffusers import AutoencoderKL, DiTTransformer2DModel
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        transformer = DiTTransformer2DModel(**DIT_XL_2, sample_size=BUILTIN_RESOLUTIONS[name] // 8)
+        vae = AutoencoderKL(**SD_VAE_FT_EMA, sample_size=BUILTIN_RESOLUTIONS[name])
+    transformer = transformer.to(dtype=dtype).eval().requires_grad_(False)
+    vae = vae.to(dtype=dtype).eval().requires_grad_(False)
+    return _assemble(name, transformer, vae, DIT_SCHEDULER, {}, {})
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"missing {path}") from None
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{path} is not valid JSON: {e}") from None

@@ -1,0 +1,1 @@
+"""Shipped model directories and the recipe that trained them."""
