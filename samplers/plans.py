@@ -1,0 +1,265 @@
+"""Plan builders: one pure host function per sampler, float64 on the CPU, run once per request at admission.
+
+A Plan is a table. Row i holds the model timestep of step i and nine coefficients, which the one update
+every sampler shares (samplers.update.sampler_step) applies to a sample:
+
+    denoised = clamp(c_skip * x + c_out * out, -clip, clip)              # x0 estimate
+    x_next   = c_x * x + c_e * out + c_d * denoised + c_h * hist + c_z * noise
+
+where out is the (guided) network output at input c_in * x, hist the previous step's denoised and noise a
+fresh N(0, 1) draw. Each builder below is "the rows that make this update equal my scheduler's step". The
+target is diffusers' scheduler of the same name, quirks included (each docstring lists the quirks).
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from samplers.schedules import (
+    NoiseSchedule,
+    alphas_cumprod,
+    dpm_timesteps,
+    flow_shift,
+    interp,
+    np_linspace,
+    sigmas,
+    spaced_timesteps,
+)
+
+COEFFS = ("c_in", "c_skip", "c_out", "clip", "c_x", "c_e", "c_d", "c_h", "c_z")
+C_IN, C_SKIP, C_OUT, CLIP, C_X, C_E, C_D, C_H, C_Z = range(len(COEFFS))
+
+
+# eq=False: fields are tensors, and a generated __eq__ would compare them elementwise and fail.
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """One request's sampler, unrolled: what to feed the model and how to update x at each step."""
+
+    sampler: str
+    timesteps: torch.Tensor  # (S,) float32: the model timestep at step i
+    coeffs: torch.Tensor  # (S, 9) float32: the row of step i, columns in COEFFS order
+    init_sigma: float  # x_T = init_sigma * randn
+    stochastic: bool  # some step has c_z != 0: it needs fresh noise per step
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.timesteps)
+
+
+def _plan(sampler: str, timesteps: torch.Tensor, init_sigma: float, **columns) -> Plan:
+    """Stack (S,) float64 columns (or scalars) in COEFFS order; a column left out is 0 (c_in 1, clip inf)."""
+    defaults = {"c_in": 1.0, "clip": math.inf}
+    steps = len(timesteps)
+    cols = [torch.as_tensor(columns.pop(k, defaults.get(k, 0.0)), dtype=torch.float64).expand(steps) for k in COEFFS]
+    if columns:
+        raise TypeError(f"unknown coefficient columns: {sorted(columns)}")
+    coeffs = torch.stack(cols, dim=1)
+    return Plan(sampler, timesteps.float(), coeffs.float(), float(init_sigma), bool((coeffs[:, C_Z] != 0).any()))
+
+
+def _vp_denoiser(schedule: NoiseSchedule, abar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c_skip, c_out): x0 = c_skip x + c_out out for x = sqrt(abar) x0 + sqrt(1 - abar) eps.
+
+    epsilon: x0 = (x - sqrt(1 - abar) eps) / sqrt(abar)   (Ho et al. 2020, eq. 15)
+    v:       x0 = sqrt(abar) x - sqrt(1 - abar) v         (Salimans & Ho 2022, v = sqrt(abar) eps - sqrt(1 - abar) x0)
+    """
+    a, s = abar.sqrt(), (1 - abar).sqrt()
+    if schedule.prediction_type == "epsilon":
+        return 1 / a, -s / a
+    return a, -s
+
+
+def _vp_eps(schedule: NoiseSchedule, abar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c_x, c_e): eps = c_x x + c_e out; for v, eps = sqrt(abar) v + sqrt(1 - abar) x."""
+    if schedule.prediction_type == "epsilon":
+        return torch.zeros_like(abar), torch.ones_like(abar)
+    return (1 - abar).sqrt(), abar.sqrt()
+
+
+def _ve_denoiser(schedule: NoiseSchedule, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c_skip, c_out) for x = x0 + sigma eps (Karras et al. 2022, Table 1): eps: x0 = x - sigma eps;
+    v: x0 = x / (sigma^2 + 1) - sigma / sqrt(sigma^2 + 1) v."""
+    if schedule.prediction_type == "epsilon":
+        return torch.ones_like(sigma), -sigma
+    return 1 / (sigma**2 + 1), -sigma / (sigma**2 + 1).sqrt()
+
+
+def _clip(schedule: NoiseSchedule) -> float:
+    return schedule.clip_sample_range if schedule.clip_sample else math.inf
+
+
+def _table_timesteps(schedule: NoiseSchedule, num_steps: int) -> torch.Tensor:
+    """The grid of samplers that index alphas_cumprod by t: steps_offset may push a leading grid past it
+    (diffusers then fails with an IndexError mid-request)."""
+    t = spaced_timesteps(schedule, num_steps)
+    if t[0] >= schedule.num_train_timesteps:
+        raise ValueError(
+            f"{num_steps} steps with steps_offset {schedule.steps_offset} reach timestep {int(t[0])}, "
+            f"past the last one ({schedule.num_train_timesteps - 1}): use fewer steps"
+        )
+    return t
+
+
+def ddpm(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
+    """Ancestral DDPM (Ho et al. 2020, eqs. 6-7) on a strided grid, as DDPMScheduler (variance fixed_small).
+
+    x_prev = sqrt(abar_prev) beta_t / (1 - abar_t) x0 + sqrt(alpha_t) (1 - abar_prev) / (1 - abar_t) x + sigma_t z,
+    alpha_t = abar_t / abar_prev over the stride, sigma_t^2 = (1 - abar_prev) / (1 - abar_t) beta_t.
+    Quirks kept: abar_prev = 1 after the last step; no noise at t = 0; the variance is clamped at 1e-20,
+    so a last step at t > 0 (trailing grid) still adds 1e-10 z.
+    """
+    abar = alphas_cumprod(schedule)
+    t = _table_timesteps(schedule, num_steps)
+    a_t = abar[t.long()]
+    a_prev = torch.cat([abar[t.long()[1:]], abar.new_ones(1)])
+    beta = 1 - a_t / a_prev
+    c_skip, c_out = _vp_denoiser(schedule, a_t)
+    std = ((1 - a_prev) / (1 - a_t) * beta).clamp(min=1e-20).sqrt()
+    return _plan(
+        "ddpm", t, 1.0, c_skip=c_skip, c_out=c_out, clip=_clip(schedule),
+        c_x=(1 - beta).sqrt() * (1 - a_prev) / (1 - a_t),
+        c_d=a_prev.sqrt() * beta / (1 - a_t),
+        c_z=torch.where(t > 0, std, 0.0),
+    )  # fmt: skip
+
+
+def ddim(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
+    """DDIM (Song et al. 2021, eq. 12; stochastic for eta > 0, eq. 16), as DDIMScheduler.
+
+    x_prev = sqrt(abar_prev) x0 + sqrt(1 - abar_prev - sigma_t^2) eps + sigma_t z,
+    sigma_t = eta sqrt((1 - abar_prev) / (1 - abar_t)) sqrt(1 - abar_t / abar_prev).
+    Quirks kept: the previous timestep is t - N // S whatever the spacing; below 0 it is 1 (set_alpha_to_one)
+    or abar_0; eps is the raw prediction even when x0 is clipped.
+    """
+    abar = alphas_cumprod(schedule)
+    t = _table_timesteps(schedule, num_steps)
+    prev = t.long() - schedule.num_train_timesteps // num_steps
+    final = 1.0 if schedule.set_alpha_to_one else abar[0]
+    a_t, a_prev = abar[t.long()], torch.where(prev >= 0, abar[prev.clamp(min=0)], final)
+    std = eta * ((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)).sqrt()
+    direction = (1 - a_prev - std**2).clamp(min=0).sqrt()  # clamp: at eta = 1 rounding can go below 0
+    c_skip, c_out = _vp_denoiser(schedule, a_t)
+    eps_x, eps_out = _vp_eps(schedule, a_t)
+    return _plan(
+        "ddim", t, 1.0, c_skip=c_skip, c_out=c_out, clip=_clip(schedule),
+        c_x=direction * eps_x, c_e=direction * eps_out, c_d=a_prev.sqrt(), c_z=std,
+    )  # fmt: skip
+
+
+def _euler_sigmas(schedule: NoiseSchedule, num_steps: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Timesteps (S,), sigmas (S + 1,) and init_noise_sigma of Euler(-ancestral)DiscreteScheduler.
+
+    sigma is the training table interpolated linearly in t, stored in float32, then a final 0. Quirk kept:
+    init_noise_sigma is sigma_max on linspace/trailing grids but sqrt(sigma_max^2 + 1) on leading ones.
+    """
+    t = spaced_timesteps(schedule, num_steps, integer=False)
+    s = torch.cat([interp(t, sigmas(schedule)).float().double(), torch.zeros(1, dtype=torch.float64)])
+    s_max = s.max().item()
+    init = s_max if schedule.timestep_spacing != "leading" else math.sqrt(s_max**2 + 1)
+    return t, s, init
+
+
+def euler(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
+    """Euler on the probability-flow ODE dx/dsigma = (x - D(x)) / sigma (Karras et al. 2022, Alg. 2 without
+    churn), as EulerDiscreteScheduler. x lives in sigma space; the model sees x / sqrt(sigma^2 + 1).
+
+    x_next = x + (x - denoised) / sigma (sigma_next - sigma)
+           = (sigma_next / sigma) x + (1 - sigma_next / sigma) denoised.
+    """
+    t, s, init = _euler_sigmas(schedule, num_steps)
+    sigma, ratio = s[:-1], s[1:] / s[:-1]
+    c_skip, c_out = _ve_denoiser(schedule, sigma)
+    return _plan(
+        "euler", t, init, c_in=(sigma**2 + 1).rsqrt(), c_skip=c_skip, c_out=c_out, c_x=ratio, c_d=1 - ratio
+    )
+
+
+def euler_a(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
+    """Euler ancestral (k-diffusion sample_euler_ancestral, eta 1), as EulerAncestralDiscreteScheduler.
+
+    sigma_up = sqrt(sigma_next^2 (sigma^2 - sigma_next^2) / sigma^2), sigma_down = sqrt(sigma_next^2 - sigma_up^2);
+    x_next = x + (x - denoised) / sigma (sigma_down - sigma) + sigma_up z.
+    """
+    t, s, init = _euler_sigmas(schedule, num_steps)
+    sigma, sigma_next = s[:-1], s[1:]
+    sigma_up = (sigma_next**2 * (sigma**2 - sigma_next**2) / sigma**2).sqrt()
+    ratio = (sigma_next**2 - sigma_up**2).clamp(min=0).sqrt() / sigma  # sigma_down / sigma
+    c_skip, c_out = _ve_denoiser(schedule, sigma)
+    return _plan(
+        "euler_a", t, init, c_in=(sigma**2 + 1).rsqrt(), c_skip=c_skip, c_out=c_out,
+        c_x=ratio, c_d=1 - ratio, c_z=sigma_up,
+    )  # fmt: skip
+
+
+def dpmpp_2m(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
+    """DPM-Solver++(2M) (Lu et al. 2022, Algorithm 2, midpoint form), as DPMSolverMultistepScheduler with
+    solver_order 2, lower_order_final and final_sigmas_type "zero".
+
+    In VP terms alpha_t = 1 / sqrt(sigma^2 + 1), s_t = sigma alpha_t, lambda = log(alpha_t / s_t),
+    h = lambda_next - lambda:
+    x_next = (s_next / s_t) x + alpha_next (1 - e^-h) ((1 + 1 / 2r) D - 1 / 2r D_prev), r = h_prev / h,
+    with D = denoised and D_prev = hist. Quirks kept: the first and the last step are first order (the last
+    always is with final sigma 0), the grid is the scheduler's own (n + 1 points, t = 0 dropped).
+    """
+    t = dpm_timesteps(schedule, num_steps)
+    s = torch.cat([interp(t, sigmas(schedule)).float().double(), torch.zeros(1, dtype=torch.float64)])
+    alpha = (s**2 + 1).rsqrt()
+    lam = -s.log()  # log(alpha / (sigma alpha)); +inf at the final sigma 0
+    h = lam[1:] - lam[:-1]
+    a = alpha[1:] * -torch.expm1(-h)
+    half_inv_r = torch.zeros_like(h)  # 1 / 2r on second-order steps, 0 on first-order ones
+    half_inv_r[1:-1] = 0.5 * h[1:-1] / h[:-2]
+    c_skip, c_out = _vp_denoiser(schedule, alpha[:-1] ** 2)
+    return _plan(
+        "dpmpp_2m", t, 1.0, c_skip=c_skip, c_out=c_out,
+        c_x=s[1:] * alpha[1:] / (s[:-1] * alpha[:-1]), c_d=a * (1 + half_inv_r), c_h=-a * half_inv_r,
+    )  # fmt: skip
+
+
+def flow_euler(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
+    """Euler on the rectified-flow ODE dx/dsigma = v (Liu et al. 2023; shifted sigmas, Esser et al. 2024),
+    as FlowMatchEulerDiscreteScheduler: x_next = x + (sigma_next - sigma) v, model timestep sigma N.
+
+    Quirk kept: the grid runs linearly from 1 to the *shifted* last training sigma, and is shifted again.
+    """
+    n = schedule.num_train_timesteps
+    sigma_min = flow_shift(schedule, torch.tensor(1.0, dtype=torch.float32) / n).item()  # float32, as diffusers
+    sigma = flow_shift(schedule, np_linspace(n, sigma_min * n, num_steps) / n).float().double()
+    s = torch.cat([sigma, torch.zeros(1, dtype=torch.float64)])
+    return _plan("flow_euler", sigma * n, 1.0, c_skip=1.0, c_out=-sigma, c_x=1.0, c_e=s[1:] - s[:-1])
+
+
+# name -> builder(num_steps, schedule, eta) -> Plan; builders trust their input (make_plan checks it).
+SAMPLERS = {
+    "ddpm": ddpm,
+    "ddim": ddim,
+    "euler": euler,
+    "euler_a": euler_a,
+    "dpmpp_2m": dpmpp_2m,
+    "flow_euler": flow_euler,
+}
+_TAKES_ETA = ("ddim",)
+_PREDICTIONS = {name: ("flow",) if name == "flow_euler" else ("epsilon", "v_prediction") for name in SAMPLERS}
+
+
+def make_plan(name: str, num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
+    """Check a request's sampler settings and build its plan. Raises ValueError with a message to act on."""
+    if name not in SAMPLERS:
+        raise ValueError(f"unknown sampler {name!r}; valid samplers: {', '.join(SAMPLERS)}")
+    n = schedule.num_train_timesteps
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 1 <= num_steps <= n:
+        raise ValueError(f"num_steps must be an integer from 1 to {n} (num_train_timesteps), got {num_steps!r}")
+    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not eta >= 0:  # not >=: also NaN
+        raise ValueError(f"eta must be >= 0, got {eta!r}")
+    if eta and name not in _TAKES_ETA:
+        raise ValueError(f"eta applies only to {', '.join(_TAKES_ETA)}; {name!r} got eta={eta!r}")
+    if schedule.prediction_type not in _PREDICTIONS[name]:
+        raise ValueError(
+            f"sampler {name!r} supports prediction_type {' or '.join(_PREDICTIONS[name])}, "
+            f"the model's schedule says {schedule.prediction_type!r}"
+        )
+    plan = SAMPLERS[name](num_steps, schedule, eta)
+    rest = [k for k in range(len(COEFFS)) if k != CLIP]
+    if not torch.isfinite(plan.coeffs[:, rest]).all():  # e.g. dpmpp_2m at S = N on a leading grid: h = 0
+        raise ValueError(f"{name} with {num_steps} steps on a {schedule.timestep_spacing} grid is degenerate")
+    return plan

@@ -1,0 +1,179 @@
+"""Noise schedules: beta tables, sigmas and timestep spacings, reproducing diffusers' schedulers.
+
+Where diffusers keeps a table in float32 (betas, alphas_cumprod, inference sigmas), the same float32 values
+are made here and handed out as float64, so the coefficients computed from them in float64 start from the
+numbers the checkpoint's scheduler uses. Timestep grids repeat numpy's arange/linspace arithmetic (diffusers
+builds them with numpy), so rounding ties fall the same way.
+"""
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
+PREDICTION_TYPES = ("epsilon", "v_prediction", "flow")
+TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
+
+# diffusers options implemented here only at their default: refused when a config sets them, because
+# ignoring them would sample from a different schedule than the checkpoint's.
+_ONLY_DEFAULT = {
+    "trained_betas": None,
+    "rescale_betas_zero_snr": False,
+    "thresholding": False,
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "use_lu_lambdas": False,
+    "use_flow_sigmas": False,
+    "use_dynamic_shifting": False,
+    "shift_terminal": None,
+    "invert_sigmas": False,
+    "stochastic_sampling": False,
+    "interpolation_type": "linear",
+    "final_sigmas_type": "zero",
+    "timestep_type": "discrete",
+    "lambda_min_clipped": -math.inf,
+}
+
+# Defaults of the diffusers class a config names (`_class_name`) that differ from NoiseSchedule's, for keys
+# the file leaves out: diffusers fills those from that class's __init__.
+_CLASS_DEFAULTS = {
+    "DDPMScheduler": {"clip_sample": True},
+    "DDIMScheduler": {"clip_sample": True},
+    "EulerDiscreteScheduler": {"timestep_spacing": "linspace"},
+    "EulerAncestralDiscreteScheduler": {"timestep_spacing": "linspace"},
+    "DPMSolverMultistepScheduler": {"timestep_spacing": "linspace"},
+    # its config has no prediction_type: the model predicts the rectified-flow velocity
+    "FlowMatchEulerDiscreteScheduler": {"prediction_type": "flow"},
+}
+
+
+@dataclass(frozen=True)
+class NoiseSchedule:
+    """A model's training noise schedule and how inference timesteps are spaced (diffusers' field names)."""
+
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.0001
+    beta_end: float = 0.02
+    beta_schedule: str = "linear"  # linear | scaled_linear | squaredcos_cap_v2
+    prediction_type: str = "epsilon"  # epsilon | v_prediction | flow (rectified-flow velocity)
+    timestep_spacing: str = "leading"  # leading | trailing | linspace
+    steps_offset: int = 0
+    clip_sample: bool = False
+    clip_sample_range: float = 1.0
+    set_alpha_to_one: bool = True
+    shift: float = 1.0  # flow matching: sigma -> shift * sigma / (1 + (shift - 1) * sigma)
+
+    def __post_init__(self):
+        _check_choice("beta_schedule", self.beta_schedule, BETA_SCHEDULES)
+        _check_choice("prediction_type", self.prediction_type, PREDICTION_TYPES)
+        _check_choice("timestep_spacing", self.timestep_spacing, TIMESTEP_SPACINGS)
+        if self.num_train_timesteps < 2:
+            raise ValueError(f"num_train_timesteps must be at least 2, got {self.num_train_timesteps}")
+        if not self.shift > 0:
+            raise ValueError(f"shift must be positive, got {self.shift}")
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "NoiseSchedule":
+        """Build from a diffusers scheduler_config.json dict; keys this class does not use are ignored."""
+        unsupported = {k: cfg[k] for k, default in _ONLY_DEFAULT.items() if k in cfg and not _same(cfg[k], default)}
+        if unsupported:
+            raise ValueError(f"scheduler config sets options dit-serve's samplers do not implement: {unsupported}")
+        known = {f.name for f in fields(cls)}
+        kwargs = {**_CLASS_DEFAULTS.get(cfg.get("_class_name"), {}), **cfg}
+        return cls(**{k: v for k, v in kwargs.items() if k in known})
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _same(value, default) -> bool:
+    """Config equality where null and false both mean 'off' (configs write either)."""
+    return value == default or (not value and not default)
+
+
+def betas(schedule: NoiseSchedule) -> torch.Tensor:
+    """beta_t, (N,) float64 holding diffusers' float32 values.
+
+    linear: Ho et al. 2020; scaled_linear: linear in sqrt(beta) (latent diffusion); squaredcos_cap_v2: Nichol &
+    Dhariwal 2021, eq. 17, beta capped at 0.999.
+    """
+    n = schedule.num_train_timesteps
+    if schedule.beta_schedule == "linear":
+        return torch.linspace(schedule.beta_start, schedule.beta_end, n, dtype=torch.float32).double()
+    if schedule.beta_schedule == "scaled_linear":
+        root = torch.linspace(schedule.beta_start**0.5, schedule.beta_end**0.5, n, dtype=torch.float32)
+        return (root**2).double()
+    abar = [math.cos((i / n + 0.008) / 1.008 * math.pi / 2) ** 2 for i in range(n + 1)]
+    return torch.tensor([min(1 - abar[i + 1] / abar[i], 0.999) for i in range(n)], dtype=torch.float32).double()
+
+
+def alphas_cumprod(schedule: NoiseSchedule) -> torch.Tensor:
+    """abar_t = prod_{s <= t} (1 - beta_s) (Ho et al. 2020, eq. 4), (N,); multiplied up in float32 like diffusers."""
+    return torch.cumprod(1 - betas(schedule).float(), dim=0).double()
+
+
+def sigmas(schedule: NoiseSchedule) -> torch.Tensor:
+    """sigma_t = sqrt((1 - abar_t) / abar_t), (N,): the VE noise level of timestep t (Karras et al. 2022, Table 1)."""
+    abar = alphas_cumprod(schedule)
+    return ((1 - abar) / abar).sqrt()
+
+
+def interp(t: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """np.interp(t, arange(len(table)), table): table at fractional timesteps, clamped at its ends."""
+    t = t.clamp(0, len(table) - 1)
+    lo = t.floor().clamp(max=len(table) - 2)
+    i = lo.long()
+    return (table[i + 1] - table[i]) * (t - lo) + table[i]
+
+
+def np_linspace(start: float, stop: float, n: int) -> torch.Tensor:
+    """np.linspace(start, stop, n) in float64, same arithmetic: i * step + start, the last point exactly stop."""
+    if n == 1:
+        return torch.tensor([float(start)], dtype=torch.float64)
+    y = torch.arange(n, dtype=torch.float64) * ((stop - start) / (n - 1)) + start
+    y[-1] = stop
+    return y
+
+
+def trailing_timesteps(schedule: NoiseSchedule, n: int) -> torch.Tensor:
+    """round(arange(N, 0, -N/n)) - 1, descending, (n,) float64.
+
+    numpy fills arange as start + i * ((start + step) - start); that arithmetic is kept. For some n (61,
+    103, ...) numpy's arange yields n + 1 points, the last rounding to t = -1; diffusers then runs an extra
+    step at t = -1 (alphas_cumprod[-1] is the *noisiest* entry). That bug is not reproduced: exactly n points.
+    """
+    big_n = schedule.num_train_timesteps
+    delta = (big_n - big_n / n) - big_n
+    return (torch.arange(n, dtype=torch.float64) * delta + big_n).round() - 1
+
+
+def spaced_timesteps(schedule: NoiseSchedule, n: int, *, integer: bool = True) -> torch.Tensor:
+    """The n inference timesteps of DDPM/DDIM/Euler(-ancestral) set_timesteps, descending, float64.
+
+    Spacings of Lin et al. 2023, Table 2. integer=False is Euler's linspace: fractional, rounded to float32.
+    """
+    big_n = schedule.num_train_timesteps
+    if schedule.timestep_spacing == "leading":
+        return torch.arange(n - 1, -1, -1, dtype=torch.float64) * (big_n // n) + schedule.steps_offset
+    if schedule.timestep_spacing == "trailing":
+        return trailing_timesteps(schedule, n)
+    t = np_linspace(0, big_n - 1, n).flip(0)
+    return t.round() if integer else t.float().double()
+
+
+def dpm_timesteps(schedule: NoiseSchedule, n: int) -> torch.Tensor:
+    """DPMSolverMultistepScheduler.set_timesteps: leading and linspace space n + 1 points and drop t = 0."""
+    big_n = schedule.num_train_timesteps
+    if schedule.timestep_spacing == "leading":
+        return torch.arange(n, 0, -1, dtype=torch.float64) * (big_n // (n + 1)) + schedule.steps_offset
+    if schedule.timestep_spacing == "trailing":
+        return trailing_timesteps(schedule, n)
+    return np_linspace(0, big_n - 1, n + 1).round().flip(0)[:-1]
+
+
+def flow_shift(schedule: NoiseSchedule, sigma: torch.Tensor) -> torch.Tensor:
+    """Timestep shift of flow matching, sigma -> s sigma / (1 + (s - 1) sigma) (Esser et al. 2024, eq. 23)."""
+    return schedule.shift * sigma / (1 + (schedule.shift - 1) * sigma)
