@@ -97,10 +97,8 @@ def build_runner(model, backend: str, **kw):
 
 
 def bench_resolution(res: int, rows: list, capture_s: dict, memory: dict) -> None:
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
     from workers.loading import load_model
-    from workers.patches import break_attention
+    from workers.patches import break_attention, restore_attention
 
     model = load_model(f"dit-xl-2-{res}", device="cuda", dtype=torch.bfloat16)
     name = f"dit-xl-2-{res}"
@@ -129,7 +127,7 @@ def bench_resolution(res: int, rows: list, capture_s: dict, memory: dict) -> Non
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         _memory_variants(model, name, memory)
-        model.transformer.set_attn_processor(AttnProcessor2_0())
+        restore_attention(model.transformer)
         if res == 256:
             _bench_compile(model, name, rows, capture_s)
     del model
@@ -194,14 +192,14 @@ def main() -> None:
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     rows, capture_s, memory = [], {}, {}
-    for res in args.resolutions:
-        bench_resolution(res, rows, capture_s, memory)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "diffusers": diffusers.__version__,
               "rows": rows, "capture_s": capture_s, "memory_mb": memory}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "step_latency.json").write_text(json.dumps(result, indent=1) + "\n")
-    md = markdown(result)
-    (args.out / "step_latency.md").write_text(md)
+    for res in args.resolutions:
+        bench_resolution(res, rows, capture_s, memory)
+        (args.out / "step_latency.json").write_text(json.dumps(result, indent=1) + "\n")  # partial results survive
+        md = markdown(result)
+        (args.out / "step_latency.md").write_text(md)
     print(md)
 
 

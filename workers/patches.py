@@ -4,7 +4,16 @@
 attention kernel is an ``eager_on_graph`` call: under the ``breakable`` backend each layer's
 attention runs eagerly between captured segments (projections, norms, MLP), the pattern SGLang
 uses to keep kernels that plan from sequence lengths out of the graph. Under ``full`` or without
-capture the marked call is an ordinary call, so the patched model computes exactly what it did.
+capture the marked call is an ordinary call, so the patched model computes what it did.
+
+Boundary buffers. Everything that crosses a break must stay at a fixed address for the graph's
+life (pitfalls 1-3). Keeping each layer's own q, k, v and output alive would pin 4 x 28 activations
+per bucket (about 14 GB of graph pool for DiT-XL/2 at 256 px, buckets 1..64). Instead q, k, v and
+the attention output of every layer live in ONE scratch allocation per transformer, made outside
+capture (warm-up runs the largest bucket first) and shared by all layers and all buckets: layers
+run one after another and buckets never replay concurrently (one runner lock), so sharing is safe.
+The break reads q, k, v from it and writes its fresh result into the output slot in place.
+Consequence: a patched transformer must be served by one runner at a time.
 """
 
 from __future__ import annotations
@@ -16,30 +25,71 @@ from graphs import eager_on_graph
 
 
 @eager_on_graph
-def attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(B, heads, T, d) x3 -> (B, heads, T, d); runs eagerly between graph segments."""
-    return F.scaled_dot_product_attention(q, k, v)
+def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    """(B, heads, T, d) x3 -> written into out (B, heads, T, d); runs eagerly between segments."""
+    out.copy_(F.scaled_dot_product_attention(q, k, v))
+
+
+class AttentionScratch:
+    """One allocation for q, k, v and the attention output, reused by every layer and bucket."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self._retired: list[torch.Tensor] = []  # graphs captured on an older buffer still read it
+
+    def views(self, rows: int, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Four (rows, dim) views: q, k, v, out."""
+        n = 4 * rows * dim
+        buf = self.buffer
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+            if like.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("attention scratch grew during capture: warm up at the largest batch first")
+            if buf is not None:
+                self._retired.append(buf)
+            buf = self.buffer = torch.empty(n, dtype=like.dtype, device=like.device)
+        return tuple(buf[:n].view(4, rows, dim).unbind(0))
 
 
 class BreakableSelfAttention:
-    """Self-attention for DiT blocks (no mask, no cross-attention), as diffusers' AttnProcessor2_0."""
+    """Self-attention for DiT blocks (no mask, no cross-attention), as diffusers' AttnProcessor2_0,
+    with q, k, v and the output in the shared scratch."""
+
+    def __init__(self, scratch: AttentionScratch) -> None:
+        self.scratch = scratch
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states=None,
                  attention_mask=None, temb=None, **kwargs) -> torch.Tensor:
         b, t, _ = hidden_states.shape                                           # (B, T, D)
-        q, k, v = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        head_dim = k.shape[-1] // attn.heads
-        q, k, v = (y.view(b, t, attn.heads, head_dim).transpose(1, 2) for y in (q, k, v))  # (B, h, T, d)
-        out = attention_kernel(q, k, v)                                         # (B, h, T, d)
-        out = out.transpose(1, 2).reshape(b, t, attn.heads * head_dim).to(q.dtype)  # (B, T, D)
-        out = attn.to_out[1](attn.to_out[0](out))                               # proj + dropout
+        inner = attn.to_q.out_features
+        h2d = hidden_states.reshape(b * t, -1)                                  # (B*T, D)
+        q, k, v, o = self.scratch.views(b * t, inner, h2d)                      # (B*T, inner) x4
+        for proj, dst in ((attn.to_q, q), (attn.to_k, k), (attn.to_v, v)):
+            _linear_into(h2d, proj, dst)
+        heads, d = attn.heads, inner // attn.heads
+        split = lambda y: y.view(b, t, heads, d).transpose(1, 2)                # (B, h, T, d)
+        attention_into(split(q), split(k), split(v), split(o))
+        out = attn.to_out[1](attn.to_out[0](o.view(b, t, inner)))              # proj + dropout
         return out / attn.rescale_output_factor
+
+
+def _linear_into(x: torch.Tensor, proj: torch.nn.Linear, out: torch.Tensor) -> None:
+    if proj.bias is None:
+        torch.mm(x, proj.weight.t(), out=out)
+    else:
+        torch.addmm(proj.bias, x, proj.weight.t(), out=out)
 
 
 def break_attention(transformer: torch.nn.Module) -> int:
     """Route every self-attention of ``transformer`` through the eager break; returns how many."""
-    n = 0
+    scratch = AttentionScratch()
     for block in transformer.transformer_blocks:
-        block.attn1.set_processor(BreakableSelfAttention())
-        n += 1
-    return n
+        block.attn1.set_processor(BreakableSelfAttention(scratch))
+    return len(transformer.transformer_blocks)
+
+
+def restore_attention(transformer: torch.nn.Module) -> None:
+    """Undo ``break_attention``: diffusers' own SDPA processor again."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    for block in transformer.transformer_blocks:
+        block.attn1.set_processor(AttnProcessor2_0())
