@@ -121,6 +121,8 @@ class Engine:
             self.groups[key] = _Group(m, runner)
             self._keys[m.name] = key
         self.steps_run = 0
+        self.real_rows = 0    # sample-steps served
+        self.padded_rows = 0  # bucket rows replayed without a sample in them (padding waste)
 
     def warmup(self) -> None:
         """Capture every bucket of every group (start-up only; serving never captures)."""
@@ -165,6 +167,8 @@ class Engine:
 
     def _step_group(self, group: _Group, on_progress: ProgressFn | None) -> list[ImageResult]:
         active, device = group.active, group.model.device
+        self.real_rows += len(active)
+        self.padded_rows += sum(group.runner.plan(len(active))) - len(active)
         t, coeffs = gather_rows([a.plan for a in active], [a.step for a in active])  # (B,), (B, 9)
         out = group.runner.run(
             x=torch.stack([a.x for a in active]), t=t.to(device), coeffs=coeffs.to(device),
@@ -217,7 +221,7 @@ class Engine:
         return [results[r.id] for r in requests]
 
     def stats(self) -> dict:
-        return {"steps": self.steps_run,
+        return {"steps": self.steps_run, "real_rows": self.real_rows, "padded_rows": self.padded_rows,
                 "groups": {f"{k.model}:{'x'.join(map(str, k.latent_shape))}:{k.dtype}:{k.backend}":
                            g.runner.stats() for k, g in self.groups.items()}}
 

@@ -1,0 +1,235 @@
+"""Throughput and latency of the batch engine under seeded Poisson arrivals, against diffusers.
+
+Workload (interactive use): requests of 1 image (70%), 2-8 images (25%) or 16-100 images (5%),
+DDIM 50 steps, CFG 4, VAE decode; arrivals are a seeded Poisson process at an offered load in
+images/s. Variant `mixed`: each request is 256 or 512 px with equal odds (two models).
+Systems, each driven by the same single-threaded clock (a request's latency runs from its arrival
+to its last image decoded):
+  a  our engine with graphs and step-level batching (requests join at any step)
+  b  our engine with request-level batching only (queued requests start together when it is idle)
+  c  diffusers DiTPipeline, one call per request, first come first served
+  d  diffusers DiTPipeline with static batching (queued requests up to 64 images or a wait limit)
+For each system: images/s and p50/p99 latency at each offered load; the maximum sustained images/s
+(everything queued at t=0); single-image latency with nothing else running (a and c); padding waste.
+
+    python bench/engine_throughput.py                       # on a GPU: DiT-XL/2, random weights, bf16
+    python bench/engine_throughput.py --smoke               # a seconds-long run of the same code on digits/CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Job:
+    id: int
+    arrival: float
+    n: int
+    res: int
+    label: int
+    done_images: int = 0
+    finished: float | None = None
+
+
+@dataclass
+class Setup:
+    models: dict  # res -> LoadedModel
+    steps: int
+    guidance: float
+    max_batch: int
+    wait_s: float
+    jobs_per_point: int
+    loads: dict = field(default_factory=dict)  # system -> offered images/s list
+
+
+def make_jobs(load: float, count: int, seed: int, resolutions: tuple[int, ...], classes: int) -> list[Job]:
+    rng = random.Random(seed)
+    jobs, t = [], 0.0
+    for i in range(count):
+        u = rng.random()
+        n = 1 if u < 0.70 else rng.randint(2, 8) if u < 0.95 else rng.randint(16, 100)
+        jobs.append(Job(i, t, n, rng.choice(resolutions), rng.randrange(classes)))
+        t += rng.expovariate(load / 4.85)  # mean request size of the mix: 0.7 + 0.25*5 + 0.05*58 = 4.85
+    return jobs
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# -- systems a and b: our engine ---------------------------------------------------------------------
+def run_engine(engine, jobs: list[Job], s: Setup, step_level: bool) -> None:
+    from workers.engine import ImageRequest
+
+    pending, start, by_id = list(jobs), time.perf_counter(), {j.id: j for j in jobs}
+    while pending or engine.num_active:
+        now = time.perf_counter() - start
+        if step_level or engine.num_active == 0:
+            while pending and pending[0].arrival <= now:
+                j = pending.pop(0)
+                for k in range(j.n):
+                    engine.add(ImageRequest(id=f"{j.id}:{k}", label=j.label, seed=j.id * 1000 + k,
+                                            steps=s.steps, guidance=s.guidance, model=s.models[j.res].name))
+        if engine.num_active == 0:
+            time.sleep(max(0.0, min(0.005, pending[0].arrival - now)))
+            continue
+        for r in engine.step():
+            j = by_id[int(r.request.id.split(":")[0])]
+            j.done_images += 1
+            if j.done_images == j.n:
+                sync()
+                j.finished = time.perf_counter() - start
+
+
+# -- systems c and d: diffusers DiTPipeline -----------------------------------------------------------
+def pipelines(s: Setup) -> dict:
+    from diffusers import DDIMScheduler, DiTPipeline
+
+    out = {}
+    for res, m in s.models.items():
+        sched = DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear", clip_sample=False)
+        pipe = DiTPipeline(transformer=m.transformer, vae=m.vae, scheduler=sched)
+        pipe.set_progress_bar_config(disable=True)
+        out[res] = pipe
+    return out
+
+
+def run_pipeline(pipes: dict, jobs: list[Job], s: Setup, static: bool) -> None:
+    pending, start = list(jobs), time.perf_counter()
+    while pending:
+        now = time.perf_counter() - start
+        if pending[0].arrival > now:
+            time.sleep(min(0.005, pending[0].arrival - now))
+            continue
+        batch = [pending.pop(0)]
+        if static:  # same resolution, up to max_batch images, waiting at most wait_s for more
+            deadline = batch[0].arrival + s.wait_s
+            while sum(j.n for j in batch) < s.max_batch and time.perf_counter() - start < deadline:
+                ready = [j for j in pending if j.arrival <= time.perf_counter() - start and j.res == batch[0].res
+                         and sum(b.n for b in batch) + j.n <= s.max_batch]
+                if ready:
+                    batch.append(ready[0])
+                    pending.remove(ready[0])
+                else:
+                    time.sleep(0.002)
+        labels = [j.label for j in batch for _ in range(j.n)]
+        pipes[batch[0].res](class_labels=labels, guidance_scale=s.guidance, num_inference_steps=s.steps,
+                            output_type="np", generator=torch.Generator().manual_seed(batch[0].id))
+        sync()
+        for j in batch:
+            j.finished = time.perf_counter() - start
+
+
+# -- measurement -------------------------------------------------------------------------------------
+def summarise(system: str, workload: str, load: float, jobs: list[Job]) -> dict:
+    lat = np.array([(j.finished - j.arrival) * 1e3 for j in jobs])
+    span = max(j.finished for j in jobs) - min(j.arrival for j in jobs)
+    return {"system": system, "workload": workload, "offered_images_per_s": load,
+            "images_per_s": round(sum(j.n for j in jobs) / span, 3),
+            "p50_ms": round(float(np.percentile(lat, 50)), 1), "p99_ms": round(float(np.percentile(lat, 99)), 1)}
+
+
+def run_system(system: str, jobs: list[Job], s: Setup, engines: dict, pipes: dict) -> None:
+    if system in ("a", "b"):
+        run_engine(engines[system], jobs, s, step_level=system == "a")
+    else:
+        run_pipeline(pipes, jobs, s, static=system == "d")
+
+
+def bench(s: Setup, workloads: dict, out: Path, label: str) -> dict:
+    from workers.engine import Engine, EngineConfig
+
+    backend = "breakable" if torch.cuda.is_available() else "eager"
+    engines = {k: Engine(list(s.models.values()), EngineConfig(backend=backend, max_batch=s.max_batch))
+               for k in ("a", "b")}
+    for e in engines.values():
+        e.warmup()
+    pipes = pipelines(s) if {"c", "d"} & set(s.loads) else {}
+    classes = min(m.num_classes for m in s.models.values())
+    rows, max_ips, single = [], {}, {}
+    for workload, res in workloads.items():
+        for system, loads in s.loads.items():
+            for i, load in enumerate(loads):
+                jobs = make_jobs(load, s.jobs_per_point, seed=i, resolutions=res, classes=classes)
+                run_system(system, jobs, s, engines, pipes)
+                rows.append(summarise(system, workload, load, jobs))
+                print(rows[-1], flush=True)
+            backlog = make_jobs(1e9, s.jobs_per_point, seed=99, resolutions=res, classes=classes)  # all at t=0
+            run_system(system, backlog, s, engines, pipes)
+            max_ips[f"{system}/{workload}"] = summarise(system, workload, float("inf"), backlog)["images_per_s"]
+    for system in [x for x in ("a", "c") if x in s.loads]:
+        lat = []
+        for rep in range(3):
+            job = [Job(rep, 0.0, 1, min(s.models), 7)]
+            run_system(system, job, s, engines, pipes)
+            lat.append(job[0].finished * 1e3)
+        single[system] = round(float(np.median(lat)), 1)
+    a = engines["a"]
+    padding = a.padded_rows / max(1, a.padded_rows + a.real_rows)
+    return {"rows": rows, "max_images_per_s": max_ips, "single_image_ms": single,
+            "padding_fraction": round(padding, 4)}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, workload in zip(axes, sorted({r["workload"] for r in result["rows"]})):
+        for system in sorted({r["system"] for r in result["rows"]}):
+            pts = [(r["offered_images_per_s"], r["p99_ms"]) for r in result["rows"]
+                   if r["system"] == system and r["workload"] == workload]
+            ax.plot(*zip(*pts), marker="o", label=system)
+        ax.set(xlabel="offered load (images/s)", ylabel="p99 latency (ms)", title=workload, yscale="log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    import diffusers
+
+    from workers.loading import load_model
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny run on digits (CPU is fine): checks the harness")
+    p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    p.add_argument("--jobs", type=int, default=40, help="requests per load point")
+    args = p.parse_args()
+    if args.smoke:
+        m = load_model("digits")
+        m.vae = None
+        s = Setup({8: m}, steps=5, guidance=4.0, max_batch=16, wait_s=0.05, jobs_per_point=6,
+                  loads={"a": [20.0], "b": [20.0]})
+        workloads = {"single": (8,)}
+    else:
+        dev, dt = "cuda", torch.bfloat16
+        models = {r: load_model(f"dit-xl-2-{r}", device=dev, dtype=dt) for r in (256, 512)}
+        s = Setup(models, steps=50, guidance=4.0, max_batch=64, wait_s=0.1, jobs_per_point=args.jobs,
+                  loads={"a": [5, 10, 20, 40], "b": [5, 10, 20], "c": [1, 2, 4], "d": [2, 5, 10, 20]})
+        workloads = {"256": (256,), "mixed": (256, 512)}
+    result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "diffusers": diffusers.__version__}
+    result.update(bench(s, workloads, args.out, "smoke" if args.smoke else "full"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "engine_throughput_smoke" if args.smoke else "engine_throughput"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    if not args.smoke:
+        plot(result, args.out / f"{name}_p99.png")
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
