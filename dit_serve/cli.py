@@ -1,4 +1,12 @@
-"""The `dit-serve` command line. Bad input prints one line to stderr and exits 2."""
+"""The `dit-serve` command line. Bad input prints one line to stderr and exits 2.
+
+    dit-serve serve [--config FILE]          the service (local Ray, SQLite, digits on the CPU by default)
+    dit-serve submit --labels 3,7 [--out D]  queue a job (and wait for it and write its images)
+    dit-serve status JOB                     a job's state and progress
+    dit-serve fetch JOB --out DIR            write a job's PNGs, grid.png and manifest.json
+    dit-serve generate ...                   run locally, no service
+    dit-serve demo                           the main job: service + SDK + images, then shut down
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,7 @@ import sys
 from pathlib import Path
 
 EXIT_USAGE = 2
+DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,13 +45,55 @@ def _add_generate(sub) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "eager", "full", "breakable"])
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="run the service: HTTP API, job store, scheduler and Ray workers")
+    p.add_argument("--config", type=Path, help="TOML config file (every field has a default)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="bind port (default 8000; 0 picks a free one)")
+    p.add_argument("--ray-address", help="join this Ray cluster (default: start a local Ray)")
+    p.add_argument("--database-url", help="sqlite:///path.db or postgresql://user:pw@host/db")
+    p.add_argument("--data-dir", help="where images (and the default SQLite database) live")
+    p.add_argument("--model", action="append", dest="models", help="serve this model (repeatable)")
+    p.add_argument("--role", choices=["all", "api", "scheduler"], default="all",
+                   help="api: HTTP only; scheduler: workers only (several API processes share one PostgreSQL)")
+
+
+def _add_client(sub) -> None:
+    p = sub.add_parser("submit", help="queue a job on a running service")
+    p.add_argument("--url", default=DEFAULT_URL)
+    p.add_argument("--model", default="digits")
+    p.add_argument("--labels", type=_labels, required=True, help="comma-separated class numbers or names")
+    p.add_argument("--num-per-label", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sampler")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--guidance", type=float)
+    p.add_argument("--eta", type=float)
+    p.add_argument("--wait", action="store_true", help="wait for the job with a progress bar")
+    p.add_argument("--out", type=Path, help="wait, then write the images here")
+    p = sub.add_parser("status", help="a job's state and progress")
+    p.add_argument("job")
+    p.add_argument("--url", default=DEFAULT_URL)
+    p.add_argument("--json", action="store_true", help="print the whole job as JSON")
+    p = sub.add_parser("fetch", help="write a job's PNGs, grid.png and manifest.json")
+    p.add_argument("job")
+    p.add_argument("--url", default=DEFAULT_URL)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--wait", action="store_true", help="wait for the job to finish first")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dit-serve", description="Batch image generation with diffusion transformers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_serve(sub)
+    _add_client(sub)
     _add_generate(sub)
-    demo = sub.add_parser("demo", help="the main job on the embedded default (digits)")
+    demo = sub.add_parser("demo", help="the main job: start the service, submit digits through the SDK, "
+                                       "write PNGs + grid.png, shut down")
     demo.add_argument("--out", type=Path, default=Path("out/demo"))
+    demo.add_argument("--num-per-label", type=int, default=8)
+    demo.add_argument("--config", type=Path, help="TOML config (default: the embedded defaults)")
     return parser
 
 
@@ -57,20 +108,30 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    from dit_serve.commands import serve
+
+    return serve(args)
+
+
+def _cmd_client(args) -> int:
+    from dit_serve import commands
+
+    return {"submit": commands.submit, "status": commands.status, "fetch": commands.fetch}[args.command](args)
+
+
 def _cmd_demo(args) -> int:
-    from dit_serve.generate import GenerateArgs, run_generate
+    from dit_serve.commands import demo
 
-    a = GenerateArgs(model="digits", labels=tuple(str(i) for i in range(10)), num_per_label=8,
-                     out=args.out)
-    manifest = run_generate(a, progress=sys.stderr.isatty())
-    print(f"wrote {manifest} and {args.out / 'grid.png'}")
-    return 0
+    return demo(args)
 
 
-COMMANDS = {"generate": _cmd_generate, "demo": _cmd_demo}
+COMMANDS = {"generate": _cmd_generate, "demo": _cmd_demo, "serve": _cmd_serve,
+            "submit": _cmd_client, "status": _cmd_client, "fetch": _cmd_client}
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dit_serve.commands import CommandError, user_error
     from dit_serve.generate import UsageError
 
     args = build_parser().parse_args(argv)
@@ -81,9 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"dit-serve: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except CommandError as e:
+        print(f"dit-serve: error: {e.message}", file=sys.stderr)
+        return e.code
     except KeyboardInterrupt:
         print("dit-serve: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        mapped = user_error(e)
+        if mapped is None:
+            raise
+        print(f"dit-serve: error: {mapped.message}", file=sys.stderr)
+        return mapped.code
 
 
 if __name__ == "__main__":

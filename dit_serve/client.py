@@ -1,0 +1,227 @@
+"""The Python SDK: submit jobs to a dit-serve service, watch them with a progress bar, get PIL images.
+
+    from dit_serve.client import Client
+
+    with Client("http://127.0.0.1:8000") as c:
+        job = c.submit(labels=[3, 7], num_per_label=4)
+        job = c.wait(job)                    # a tqdm bar over the job's denoising steps
+        images = c.images(job)               # PIL images, in item order
+
+``AsyncClient`` has the same methods as coroutines. Imports httpx, pydantic, tqdm and (for images)
+pillow; never torch or ray, so a laptop can submit to a remote cluster. Service errors raise
+``ApiError`` with the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from dit_serve.schemas import Job, JobList, ModelList
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+JobRef = Job | str
+
+
+class ApiError(Exception):
+    """An error answer from the service: ``status`` (HTTP), ``message`` and the offending ``param``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+        super().__init__(f"{message} (HTTP {status})")
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def _check(r: httpx.Response) -> httpx.Response:
+    if r.is_success:
+        return r
+    try:
+        err = r.json()["error"]
+        raise ApiError(r.status_code, err["message"], err.get("param"), err.get("type"))
+    except (ValueError, KeyError, TypeError):
+        raise ApiError(r.status_code, r.text[:200] or r.reason_phrase) from None
+
+
+def _job_id(job: JobRef) -> str:
+    return job.id if isinstance(job, Job) else job
+
+
+def _job_body(labels, model, num_per_label, seed, seeds, sampler, steps, guidance, eta) -> dict[str, Any]:
+    body = dict(model=model, labels=list(labels), num_per_label=num_per_label, seed=seed, seeds=seeds,
+                sampler=sampler, steps=steps, guidance=guidance, eta=eta)
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _pil(png: bytes):
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(png))
+    img.load()
+    return img
+
+
+class _Bar:
+    """A tqdm bar over a job's denoising steps (all items together)."""
+
+    def __init__(self, job: Job, enabled: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=job.steps_total, desc=f"job {job.id[:8]}", unit="step", disable=not enabled)
+
+    def update(self, job: Job) -> None:
+        self.bar.total = job.steps_total
+        self.bar.n = job.steps_done
+        self.bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in sorted(job.counts.items())), refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class Client:
+    """A blocking client. ``url`` is the service's base URL."""
+
+    def __init__(self, url: str = DEFAULT_URL, timeout: float = 60.0, http: httpx.Client | None = None):
+        self.url = url.rstrip("/")
+        self._http = http or httpx.Client(base_url=self.url, timeout=timeout)
+
+    def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
+        return _check(self._http.request(method, path, **kwargs))
+
+    def submit(self, labels: list[int | str], *, model: str = "digits", num_per_label: int = 1, seed: int = 0,
+               seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
+               guidance: float | None = None, eta: float | None = None) -> Job:
+        """Queue a job: each label ``num_per_label`` times; returns once the service stored it."""
+        body = _job_body(labels, model, num_per_label, seed, seeds, sampler, steps, guidance, eta)
+        return Job.model_validate(self._call("POST", "/v1/jobs", json=body).json())
+
+    def get(self, job: JobRef, items: bool = True) -> Job:
+        return Job.model_validate(self._call("GET", f"/v1/jobs/{_job_id(job)}", params={"items": items}).json())
+
+    def list(self, limit: int = 20, offset: int = 0) -> JobList:
+        return JobList.model_validate(self._call("GET", "/v1/jobs", params={"limit": limit, "offset": offset}).json())
+
+    def cancel(self, job: JobRef) -> Job:
+        return Job.model_validate(self._call("DELETE", f"/v1/jobs/{_job_id(job)}").json())
+
+    def models(self) -> ModelList:
+        return ModelList.model_validate(self._call("GET", "/v1/models").json())
+
+    def wait(self, job: JobRef, progress: bool = True, timeout: float | None = None, interval: float = 0.25) -> Job:
+        """Poll until the job is done, failed or cancelled (TimeoutError after ``timeout`` seconds)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        current = self.get(job, items=False)
+        bar = _Bar(current, progress)
+        try:
+            while not current.finished:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"job {current.id} still {current.state} after {timeout} s")
+                time.sleep(interval)
+                current = self.get(current.id, items=False)
+                bar.update(current)
+        finally:
+            bar.close()
+        return self.get(current.id)
+
+    def image_bytes(self, job: JobRef, index: int) -> bytes:
+        return self._call("GET", f"/v1/jobs/{_job_id(job)}/images/{index}").content
+
+    def image(self, job: JobRef, index: int):
+        return _pil(self.image_bytes(job, index))
+
+    def images(self, job: JobRef) -> list:
+        """The finished items' images as PIL images, in item order."""
+        full = self.get(job)
+        return [self.image(full.id, it.index) for it in full.items if it.state == "done"]
+
+    def archive(self, job: JobRef, path: str | Path) -> Path:
+        """Download the zip of the job's images and manifest to ``path``."""
+        path = Path(path)
+        with self._http.stream("GET", f"/v1/jobs/{_job_id(job)}/archive") as r:
+            if not r.is_success:
+                r.read()
+                _check(r)
+            with path.open("wb") as f:
+                for chunk in r.iter_bytes():
+                    f.write(chunk)
+        return path
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """``Client`` with coroutines (a copy of its methods over ``httpx.AsyncClient``)."""
+
+    def __init__(self, url: str = DEFAULT_URL, timeout: float = 60.0, http: httpx.AsyncClient | None = None):
+        self.url = url.rstrip("/")
+        self._http = http or httpx.AsyncClient(base_url=self.url, timeout=timeout)
+
+    async def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
+        return _check(await self._http.request(method, path, **kwargs))
+
+    async def submit(self, labels: list[int | str], *, model: str = "digits", num_per_label: int = 1, seed: int = 0,
+                     seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
+                     guidance: float | None = None, eta: float | None = None) -> Job:
+        body = _job_body(labels, model, num_per_label, seed, seeds, sampler, steps, guidance, eta)
+        return Job.model_validate((await self._call("POST", "/v1/jobs", json=body)).json())
+
+    async def get(self, job: JobRef, items: bool = True) -> Job:
+        r = await self._call("GET", f"/v1/jobs/{_job_id(job)}", params={"items": items})
+        return Job.model_validate(r.json())
+
+    async def list(self, limit: int = 20, offset: int = 0) -> JobList:
+        r = await self._call("GET", "/v1/jobs", params={"limit": limit, "offset": offset})
+        return JobList.model_validate(r.json())
+
+    async def cancel(self, job: JobRef) -> Job:
+        return Job.model_validate((await self._call("DELETE", f"/v1/jobs/{_job_id(job)}")).json())
+
+    async def models(self) -> ModelList:
+        return ModelList.model_validate((await self._call("GET", "/v1/models")).json())
+
+    async def wait(self, job: JobRef, progress: bool = True, timeout: float | None = None,
+                   interval: float = 0.25) -> Job:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        current = await self.get(job, items=False)
+        bar = _Bar(current, progress)
+        try:
+            while not current.finished:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"job {current.id} still {current.state} after {timeout} s")
+                await asyncio.sleep(interval)
+                current = await self.get(current.id, items=False)
+                bar.update(current)
+        finally:
+            bar.close()
+        return await self.get(current.id)
+
+    async def image_bytes(self, job: JobRef, index: int) -> bytes:
+        return (await self._call("GET", f"/v1/jobs/{_job_id(job)}/images/{index}")).content
+
+    async def image(self, job: JobRef, index: int):
+        return _pil(await self.image_bytes(job, index))
+
+    async def images(self, job: JobRef) -> list:
+        full = await self.get(job)
+        pngs = await asyncio.gather(*[self.image_bytes(full.id, it.index) for it in full.items if it.state == "done"])
+        return [_pil(p) for p in pngs]
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

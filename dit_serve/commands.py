@@ -1,0 +1,143 @@
+"""What the CLI's service commands do (``serve``, ``submit``, ``status``, ``fetch``, ``demo``);
+``cli.py`` keeps the parser. The client commands import neither torch nor ray.
+
+Exit codes: 0 ok; 2 bad input (a 4xx from the service, a bad config, a port in use); 1 the service
+could not be reached or failed (5xx); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+EXIT_USAGE, EXIT_FAILURE = 2, 1
+
+
+@dataclass
+class CommandError(Exception):
+    message: str
+    code: int = EXIT_USAGE
+
+
+def user_error(e: Exception) -> CommandError | None:
+    """The one-line message and exit code for an error the user can act on; None for a bug."""
+    import httpx
+
+    from dit_serve.client import ApiError
+    from dit_serve.config import ConfigError
+
+    if isinstance(e, ApiError):
+        return CommandError(e.message, EXIT_USAGE if e.status < 500 else EXIT_FAILURE)
+    if isinstance(e, httpx.TransportError):
+        url = getattr(getattr(e, "request", None), "url", "the service")
+        return CommandError(f"cannot reach dit-serve at {url}: {e or type(e).__name__}", EXIT_FAILURE)
+    if isinstance(e, ConfigError):
+        return CommandError(str(e))
+    if type(e).__name__ == "ServiceError":  # not imported here: it lives beside ray and torch
+        return CommandError(str(e))
+    return None
+
+
+def _config(args):
+    from dit_serve.config import load_config
+
+    cfg = load_config(getattr(args, "config", None))
+    return cfg.with_overrides(
+        server={"host": getattr(args, "host", None), "port": getattr(args, "port", None)},
+        store={"url": getattr(args, "database_url", None), "data_dir": getattr(args, "data_dir", None)},
+        ray={"address": getattr(args, "ray_address", None)},
+        workers={"models": tuple(args.models) if getattr(args, "models", None) else None})
+
+
+def serve(args) -> int:
+    """Run until SIGINT or SIGTERM, then stop cleanly (leases back to the queue, workers stopped)."""
+    from dit_serve.service import Service
+
+    cfg = _config(args)
+    roles = ("api", "scheduler") if args.role == "all" else (args.role,)
+    stop = threading.Event()
+    with Service(cfg, roles=roles) as svc:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
+            signal.signal(sig, lambda *_: stop.set())
+        where = svc.url if "api" in roles else "no HTTP (scheduler only)"
+        print(f"dit-serve: serving {', '.join(cfg.workers.models)} at {where}; "
+              f"store {cfg.store.database_url()}", flush=True)
+        stop.wait()
+        print("dit-serve: stopping", file=sys.stderr, flush=True)
+    return 0
+
+
+def _client(args):
+    from dit_serve.client import Client
+
+    return Client(args.url)
+
+
+def submit(args) -> int:
+    with _client(args) as client:
+        job = client.submit(list(args.labels), model=args.model, num_per_label=args.num_per_label, seed=args.seed,
+                            sampler=args.sampler, steps=args.steps, guidance=args.guidance, eta=args.eta)
+        print(job.id, flush=True)
+        if args.wait or args.out:
+            job = client.wait(job, progress=sys.stderr.isatty())
+            print(_summary(job), file=sys.stderr)
+        if args.out:
+            return _write(client, job, args.out)
+    return 0 if job.state != "failed" else EXIT_FAILURE
+
+
+def status(args) -> int:
+    with _client(args) as client:
+        job = client.get(args.job, items=args.json)
+        print(job.model_dump_json(indent=2) if args.json else _summary(job))
+    return 0
+
+
+def fetch(args) -> int:
+    with _client(args) as client:
+        job = client.wait(args.job, progress=sys.stderr.isatty()) if args.wait else client.get(args.job)
+        return _write(client, job, args.out)
+
+
+def _write(client, job, out: Path) -> int:
+    from dit_serve.outputs import write_job
+
+    try:
+        manifest = write_job(client, job, out)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    except OSError as e:
+        raise CommandError(f"cannot write to {str(out)!r}: {e.strerror or e}") from None
+    print(f"wrote {manifest}")
+    return 0
+
+
+def _summary(job) -> str:
+    counts = ", ".join(f"{n} {state}" for state, n in sorted(job.counts.items()))
+    return (f"{job.id} {job.state}: {counts}; {job.steps_done}/{job.steps_total} steps "
+            f"({job.model}, {job.params.sampler}, {job.params.steps} steps)")
+
+
+def demo(args) -> int:
+    """The main job: the service on the embedded default (local Ray, SQLite in a temporary folder,
+    digits on the CPU), a job of the ten digits through the SDK with a progress bar, PNGs + grid +
+    manifest into --out, then a clean shutdown."""
+    from dit_serve.client import Client
+    from dit_serve.service import local_service
+
+    if args.num_per_label < 1:
+        raise CommandError(f"--num-per-label must be >= 1, got {args.num_per_label}")
+    with local_service(_config(args)) as svc, Client(svc.url) as client:
+        cfg = svc.config
+        print(f"dit-serve: service at {svc.url} (Ray {'at ' + cfg.ray.address if cfg.ray.address else 'local'}, "
+              f"SQLite in {cfg.store.data_dir})", file=sys.stderr)
+        model = client.models().data[0].id
+        job = client.submit(list(range(10)), model=model, num_per_label=args.num_per_label)
+        job = client.wait(job, progress=True)
+        print(_summary(job), file=sys.stderr)
+        code = _write(client, job, args.out)
+    print(f"grid: {args.out / 'grid.png'}")
+    return code

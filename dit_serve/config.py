@@ -1,0 +1,137 @@
+"""Typed service configuration, loaded from a TOML file; every field has a default, so no file
+is needed (``dit-serve serve`` alone: local Ray, SQLite under ./dit-serve-data, digits on the CPU).
+
+    [server]
+    host = "127.0.0.1"
+    port = 8000
+
+    [store]
+    url = ""                    # empty: SQLite (WAL) at <data_dir>/jobs.db; or postgresql://user@host/db
+    data_dir = "dit-serve-data" # PNG results (shared storage when several API processes serve them)
+    lease_seconds = 30
+
+    [ray]
+    address = ""                # empty: start a local Ray; "auto" or "ray://..." joins a cluster
+
+    [workers]
+    models = ["digits"]
+    resource = "auto"           # auto (one worker per GPU, else one CPU worker), GPU, CPU, or a custom
+    max_batch = 64              # resource name: one worker per unit of it on each node
+                                # graph buckets are the powers of two up to max_batch
+
+    [limits]
+    max_items_per_job = 10000
+
+Components receive their own section (``StoreConfig``, ``WorkerConfig``...), never the whole file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """An unreadable or invalid config file; the message names the file and the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535, description="0 picks a free port")
+    public_url: str = Field("", description="base of image URLs in responses; empty: the request's own")
+
+
+class StoreConfig(_Section):
+    url: str = Field("", description="SQLAlchemy-style URL; empty: SQLite at <data_dir>/jobs.db")
+    data_dir: Path = Path("dit-serve-data")
+    lease_seconds: float = Field(30.0, gt=0, description="a leased item returns to the queue this long "
+                                                         "after its scheduler stops renewing it")
+    max_attempts: int = Field(3, ge=1, description="leases per item before it is marked failed")
+
+    def database_url(self) -> str:
+        return self.url or f"sqlite:///{self.data_dir / 'jobs.db'}"
+
+
+class RayConfig(_Section):
+    address: str = Field("", description="empty: start a local Ray instance")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray instance (default: all)")
+    namespace: str = "dit-serve"
+    log_to_driver: bool = False
+
+
+class WorkerConfig(_Section):
+    models: tuple[str, ...] = ("digits",)
+    resource: str = Field("auto", min_length=1, description="auto | GPU | CPU | a custom resource name")
+    cpu_workers: int = Field(1, ge=1, description="workers when running on CPUs")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved by each worker actor")
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    backend: Literal["auto", "eager", "full", "breakable"] = "auto"
+    max_batch: int = Field(64, ge=1, description="largest graph bucket, a power of two")
+    max_inflight: int = Field(0, ge=0, description="items leased to one worker at once; 0: max_batch")
+    torch_threads: int | None = Field(None, ge=1)
+
+    def inflight(self) -> int:
+        return self.max_inflight or self.max_batch
+
+
+class LimitsConfig(_Section):
+    max_items_per_job: int = Field(10000, ge=1)
+    max_steps: int = Field(1000, ge=1)
+    max_images_per_request: int = Field(10, ge=1, description="`n` of the OpenAI images endpoint")
+    generation_timeout_s: float = Field(600.0, gt=0, description="how long the images endpoint waits")
+
+
+class SchedulerConfig(_Section):
+    tick_seconds: float = Field(0.05, gt=0)
+    heartbeat_seconds: float = Field(0.5, gt=0, description="progress writes, lease renewals, cancel checks")
+    reconcile_seconds: float = Field(2.0, gt=0, description="how often the cluster's nodes are checked")
+
+
+class Config(_Section):
+    server: ServerConfig = ServerConfig()
+    store: StoreConfig = StoreConfig()
+    ray: RayConfig = RayConfig()
+    workers: WorkerConfig = WorkerConfig()
+    limits: LimitsConfig = LimitsConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    def with_overrides(self, **sections: dict) -> "Config":
+        """A copy with some fields replaced, e.g. ``with_overrides(server={"port": 0})``; validated."""
+        data = self.model_dump()
+        for name, fields in sections.items():
+            data[name].update({k: v for k, v in fields.items() if v is not None})
+        return _validate(data, "overrides")
+
+
+def load_config(path: Path | None = None) -> Config:
+    """The config in ``path`` (TOML), or the defaults when ``path`` is None."""
+    if path is None:
+        return Config()
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    return _validate(data, str(path))
+
+
+def _validate(data: dict, source: str) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise ConfigError(f"{source}: {where}: {err['msg']}") from None

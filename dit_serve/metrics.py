@@ -1,0 +1,86 @@
+"""Prometheus metrics of one service process, in a registry of its own (not the global one), so
+several services in one process (tests) do not collide.
+
+The scheduler updates the worker-side numbers (step latency, graph replays, eager fallbacks, busy
+fraction, items finished); the queue depth is read from the store at scrape time, so it is right
+in an API-only process too.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class Metrics:
+    def __init__(self, window_s: float = 30.0):
+        self.registry = r = CollectorRegistry()
+        self.queue_depth = Gauge("dit_serve_queue_depth", "items waiting for a worker", registry=r)
+        self.items_running = Gauge("dit_serve_items_running", "items leased to workers", registry=r)
+        self.items = Counter("dit_serve_items", "items finished by this process's scheduler", ["state"], registry=r)
+        self.items_per_second = Gauge("dit_serve_items_per_second",
+                                      f"items done per second over the last {window_s:.0f} s", registry=r)
+        self.step_seconds = Histogram("dit_serve_step_seconds", "one engine step (all active items advance once)",
+                                      ["worker"], buckets=STEP_BUCKETS, registry=r)
+        self.graph_replays = Gauge("dit_serve_graph_replays", "graph replays since the worker started",
+                                   ["worker"], registry=r)
+        self.eager_fallbacks = Gauge("dit_serve_graph_eager_fallbacks", "steps run eagerly instead of replayed "
+                                     "(a bucket that failed to capture, or the eager backend)", ["worker"], registry=r)
+        self.busy = Gauge("dit_serve_worker_busy_fraction", "fraction of wall time a worker spent stepping",
+                          ["worker"], registry=r)
+        self.rows = Gauge("dit_serve_engine_rows", "sample-steps a worker's engine ran: real, or padding that "
+                          "filled a graph bucket", ["worker", "kind"], registry=r)
+        self.workers = Gauge("dit_serve_workers", "worker actors ready", registry=r)
+        self._window_s = window_s
+        self._done_times: deque[float] = deque()
+        self._busy: dict[str, tuple[float, float]] = {}  # worker -> decayed (busy s, wall s)
+
+    def item_finished(self, state: str, n: int = 1) -> None:
+        self.items.labels(state).inc(n)
+        if state == "done":
+            now = time.monotonic()
+            self._done_times.extend([now] * n)
+
+    def worker_report(self, worker: str, report: dict) -> None:
+        """One actor poll's numbers: step durations, busy fraction and the engine's graph counters."""
+        for dt in report.get("step_seconds", ()):
+            self.step_seconds.labels(worker).observe(dt)
+        # time-weighted over the last ~5 s: a poll covers a few ms, a step may span several polls
+        busy_s, window_s = self._busy.get(worker, (0.0, 0.0))
+        decay = math.exp(-report.get("window_s", 0.0) / 5.0)
+        busy_s, window_s = busy_s * decay + report.get("busy_s", 0.0), window_s * decay + report.get("window_s", 0.0)
+        self._busy[worker] = (busy_s, window_s)
+        self.busy.labels(worker).set(min(1.0, busy_s / window_s) if window_s > 0 else 0.0)
+        replays, fallbacks = graph_counts(report.get("stats", {}))
+        self.graph_replays.labels(worker).set(replays)
+        self.eager_fallbacks.labels(worker).set(fallbacks)
+        for kind in ("real", "padded"):
+            self.rows.labels(worker, kind).set(report.get("stats", {}).get(f"{kind}_rows", 0))
+
+    def forget_worker(self, worker: str) -> None:
+        self._busy.pop(worker, None)
+        for g, labels in ((self.step_seconds, [(worker,)]), (self.busy, [(worker,)]), (self.graph_replays, [(worker,)]),
+                          (self.eager_fallbacks, [(worker,)]), (self.rows, [(worker, "real"), (worker, "padded")])):
+            for values in labels:
+                try:
+                    g.remove(*values)
+                except KeyError:
+                    pass
+
+    def render(self) -> bytes:
+        cutoff = time.monotonic() - self._window_s
+        while self._done_times and self._done_times[0] < cutoff:
+            self._done_times.popleft()
+        self.items_per_second.set(len(self._done_times) / self._window_s)
+        return generate_latest(self.registry)
+
+
+def graph_counts(stats: dict) -> tuple[int, int]:
+    """Replays and eager fallbacks summed over the groups of an ``Engine.stats()``."""
+    totals = [g.get("totals", {}) for g in stats.get("groups", {}).values()]
+    return sum(t.get("replays", 0) for t in totals), sum(t.get("eager_fallbacks", 0) for t in totals)

@@ -1,0 +1,59 @@
+"""Write a finished job's images into a directory: the PNGs as the service stored them, a grid and a
+manifest. Client side (no torch): ``dit-serve fetch``, ``submit --out``, the demo and the examples.
+
+As ``dit_serve.generate.write_outputs``: files go to a hidden staging folder first and are moved
+into place one by one, the manifest last, so an interrupted fetch never leaves a manifest that
+names missing files.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from dit_serve.client import Client
+from dit_serve.generate import grid
+from dit_serve.schemas import Job
+
+
+def grid_columns(labels: list[int]) -> int:
+    """One row per label when the job is label-major (each label repeated k times), else ~square."""
+    run = next((i for i, lb in enumerate(labels) if lb != labels[0]), len(labels))
+    if len(labels) % run == 0 and run > 1 and all(labels[i] == labels[i - i % run] for i in range(len(labels))):
+        return run
+    return max(1, math.ceil(math.sqrt(len(labels))))
+
+
+def write_job(client: Client, job: Job, out: Path) -> Path:
+    """Download the job's finished images into ``out``; returns the manifest's path."""
+    done = [it for it in job.items if it.state == "done"]
+    if not done:
+        raise ValueError(f"job {job.id} has no finished images (state: {job.state})")
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=out))
+    try:
+        entries, images = [], []
+        for it in done:
+            name = f"{it.index:05d}_label{it.label}.png"
+            png = client.image_bytes(job, it.index)
+            (staging / name).write_bytes(png)
+            images.append(np.asarray(Image.open(io.BytesIO(png))))
+            entries.append({"file": name, "index": it.index, "label": it.label, "seed": it.seed})
+        grid(images, grid_columns([e["label"] for e in entries])).save(staging / "grid.png")
+        for name in [e["file"] for e in entries] + ["grid.png"]:
+            os.replace(staging / name, out / name)
+        manifest = {"job": job.id, "model": job.model, "state": job.state, **job.params.model_dump(),
+                    "grid": "grid.png", "images": entries}
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(staging / "manifest.json", out / "manifest.json")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out / "manifest.json"

@@ -1,0 +1,267 @@
+"""The scheduler: keeps one worker actor per GPU (or CPU slot) of the Ray cluster, leases queued
+items from the store to them, and commits what they finish.
+
+One loop, one thread; each turn:
+
+1. every ``reconcile_seconds``: read ``ray.nodes()``; start a worker for each new slot (a GPU, a
+   unit of the configured custom resource, or the CPU worker) and drop workers whose node left;
+2. wait up to ``tick_seconds`` for the workers' outstanding ``poll()`` and ``info()`` calls; commit
+   finished PNGs (exactly once, through the lease), record failures, note progress;
+3. every ``heartbeat_seconds``: renew the leases and write progress in one store call; items whose
+   lease is gone (the job was cancelled) are cancelled on their worker;
+4. lease new items for every ready worker with room (``max_inflight``); the engine batches
+   whatever a worker holds, so grouping by model and shape happens there, step by step.
+
+A worker that dies, or whose poll stalls for a lease period, is dropped: its leases go back to the
+queue at once (``Store.release``) and the slot is filled again at the next reconcile if its node is
+still there. The scheduler's own state is only the leases it holds; if it dies they expire and any
+scheduler picks the items up again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from dit_serve.config import SchedulerConfig, WorkerConfig
+from dit_serve.metrics import Metrics
+from dit_serve.store import Lease, Store
+from workers.actor import WorkerSpec, WorkItem, remote_worker_class
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """Where one worker should run: a node (None: anywhere) and the resource it takes one of."""
+
+    node_id: str | None
+    resource: str  # GPU | CPU | a custom resource
+
+
+def plan_slots(nodes: list[dict], cfg: WorkerConfig) -> dict[str, SlotPlan]:
+    """Slot key -> plan for the alive nodes of ``ray.nodes()``: one per GPU (or per unit of a custom
+    resource) on each node; with ``resource = auto`` and no GPU anywhere, ``cpu_workers`` CPU workers."""
+    alive = [n for n in nodes if n.get("Alive")]
+    resource = cfg.resource
+    if resource == "auto":
+        resource = "GPU" if any(n["Resources"].get("GPU", 0) >= 1 for n in alive) else "CPU"
+    if resource == "CPU":
+        return {f"cpu-{i}": SlotPlan(None, "CPU") for i in range(cfg.cpu_workers)}
+    return {f"{n['NodeID'][:12]}-{i}": SlotPlan(n["NodeID"], resource)
+            for n in alive for i in range(int(n["Resources"].get(resource, 0)))}
+
+
+@dataclass
+class _Worker:
+    key: str
+    plan: SlotPlan
+    handle: Any
+    ready_ref: Any                      # info(): resolves once models are loaded and warm
+    models: list[str] = field(default_factory=list)
+    leases: dict[str, Lease] = field(default_factory=dict)
+    poll_ref: Any = None
+    poll_sent: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"worker-{self.key}"
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_ref is None
+
+
+@lru_cache(maxsize=1)
+def _actor_class():
+    return remote_worker_class()
+
+
+class Scheduler:
+    def __init__(self, store: Store, workers: WorkerConfig, config: SchedulerConfig, lease_seconds: float,
+                 metrics: Metrics | None = None):
+        self.store, self.cfg, self.sched = store, workers, config
+        self.lease_seconds = lease_seconds
+        self.metrics = metrics or Metrics()
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.workers: dict[str, _Worker] = {}
+        self._backoff: dict[str, tuple[int, float]] = {}  # slot -> (failed starts, when to retry)
+        self._last_reconcile = self._last_heartbeat = 0.0
+
+    @property
+    def num_ready(self) -> int:
+        return sum(w.ready for w in self.workers.values())
+
+    def run(self, stop: threading.Event) -> None:
+        """Loop until ``stop`` is set, then hand the leases back and stop the workers."""
+        try:
+            while not stop.is_set():
+                try:
+                    self.turn()
+                except Exception:  # a store or cluster hiccup must not end scheduling
+                    log.exception("scheduler turn failed; retrying")
+                    stop.wait(1.0)
+        finally:
+            self.shutdown()
+
+    def turn(self) -> None:
+        now = time.monotonic()
+        if now - self._last_reconcile >= self.sched.reconcile_seconds:
+            self._last_reconcile = now
+            self.reconcile()
+        self._collect()
+        if now - self._last_heartbeat >= self.sched.heartbeat_seconds:
+            self._last_heartbeat = now
+            self._heartbeat()
+        self._dispatch()
+
+    # -- workers -----------------------------------------------------------------------------------
+    def reconcile(self) -> None:
+        import ray
+
+        wanted = plan_slots(ray.nodes(), self.cfg)
+        for key in [k for k in self.workers if k not in wanted]:
+            self._drop(self.workers[key], "its node left the cluster")
+        for key, plan in wanted.items():
+            if key not in self.workers and self._backoff.get(key, (0, 0.0))[1] <= time.monotonic():
+                self._start(key, plan)
+        self.metrics.workers.set(self.num_ready)
+
+    def _start(self, key: str, plan: SlotPlan) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        opts: dict[str, Any] = {"num_cpus": self.cfg.num_cpus}
+        if plan.resource == "GPU":
+            opts["num_gpus"] = 1
+        elif plan.resource != "CPU":
+            opts["resources"] = {plan.resource: 1}
+        if plan.node_id is not None:
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(plan.node_id, soft=False)
+        spec = WorkerSpec(models=tuple(self.cfg.models), device=self.cfg.device, dtype=self.cfg.dtype,
+                          backend=self.cfg.backend, max_batch=self.cfg.max_batch, torch_threads=self.cfg.torch_threads)
+        handle = _actor_class().options(**opts).remote(spec)
+        self.workers[key] = _Worker(key, plan, handle, handle.info.remote())
+        log.info("starting worker %s (%s%s)", key, plan.resource, f" on node {plan.node_id[:12]}" if plan.node_id else "")
+
+    def _drop(self, w: _Worker, reason: str, failed_start: bool = False) -> None:
+        """Forget a worker; its leases go back to the queue now rather than when they expire."""
+        import ray
+
+        log.warning("dropping %s (%d items back to the queue): %s", w.name, len(w.leases), reason)
+        self.store.release(list(w.leases.values()), count_attempt=True)
+        self.workers.pop(w.key, None)
+        self.metrics.forget_worker(w.name)
+        if failed_start:
+            n = self._backoff.get(w.key, (0, 0.0))[0] + 1
+            self._backoff[w.key] = (n, time.monotonic() + min(60.0, 2.0 ** n))
+        try:
+            ray.kill(w.handle, no_restart=True)
+        except Exception:  # already gone
+            pass
+
+    # -- results -----------------------------------------------------------------------------------
+    def _collect(self) -> None:
+        import ray
+
+        refs = {}
+        for w in self.workers.values():
+            if not w.ready:
+                refs[w.ready_ref] = w
+            elif w.poll_ref is None:
+                w.poll_ref, w.poll_sent = w.handle.poll.remote(), time.monotonic()
+                refs[w.poll_ref] = w
+            else:
+                refs[w.poll_ref] = w
+        if not refs:
+            time.sleep(self.sched.tick_seconds)
+            return
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.sched.tick_seconds)
+        for ref in done:
+            self._receive(refs[ref], ref)
+        for w in [w for w in self.workers.values() if w.ready and w.poll_ref is not None]:
+            if time.monotonic() - w.poll_sent > self.lease_seconds:
+                self._drop(w, f"no answer to poll() for {self.lease_seconds:.0f} s")
+
+    def _receive(self, w: _Worker, ref) -> None:
+        import ray
+
+        starting = not w.ready
+        try:
+            value = ray.get(ref)
+        except ray.exceptions.RayError as e:
+            self._drop(w, f"{'failed to start' if starting else 'died'}: {type(e).__name__}: {_first_line(e)}",
+                       failed_start=starting)
+            return
+        if starting:
+            w.ready_ref, w.models = None, list(value["models"])
+            self._backoff.pop(w.key, None)
+            log.info("%s ready: %s on %s (%s)", w.name, ", ".join(w.models), value["device"], value["backend"])
+            return
+        w.poll_ref = None
+        self._apply_report(w, value)
+
+    def _apply_report(self, w: _Worker, report: dict) -> None:
+        for key, (done, _total) in report["progress"].items():
+            if key in w.leases:
+                w.leases[key].step = done
+        for key, png in report["finished"]:
+            lease = w.leases.pop(key, None)
+            if lease is not None and self.store.commit_result(lease, png):
+                self.metrics.item_finished("done")
+        for key, error in report["failed"]:
+            lease = w.leases.pop(key, None)
+            if lease is not None and self.store.fail_item(lease, error):
+                log.warning("item %s failed: %s", key, error)
+                self.metrics.item_finished("failed")
+        self.metrics.worker_report(w.name, report)
+
+    # -- leases ------------------------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        held = [ls for w in self.workers.values() for ls in w.leases.values()]
+        self.metrics.items_running.set(len(held))
+        lost = {ls.key for ls in self.store.heartbeat(held, self.lease_seconds)}
+        for w in self.workers.values():
+            gone = [k for k in w.leases if k in lost]
+            if gone:
+                w.handle.cancel.remote(gone)
+                for k in gone:
+                    del w.leases[k]
+
+    def _dispatch(self) -> None:
+        for w in self.workers.values():
+            room = self.cfg.inflight() - len(w.leases)
+            if not w.ready or room <= 0:
+                continue
+            leases = self.store.lease(f"{self.owner}/{w.key}", w.models, room, self.lease_seconds)
+            if not leases:
+                continue
+            w.handle.submit.remote([WorkItem(ls.key, ls.model, ls.label, ls.seed, ls.params.sampler, ls.params.steps,
+                                             ls.params.guidance, ls.params.eta) for ls in leases])
+            w.leases.update({ls.key: ls for ls in leases})
+
+    def shutdown(self) -> None:
+        """Give every lease back (not counted as an attempt) and stop the workers."""
+        import ray
+
+        for w in list(self.workers.values()):
+            try:
+                self.store.release(list(w.leases.values()), count_attempt=False)
+            except Exception:
+                log.exception("could not release the leases of %s; they expire on their own", w.name)
+            try:
+                ray.kill(w.handle, no_restart=True)
+            except Exception:
+                pass
+        self.workers.clear()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[-1] if text else ""

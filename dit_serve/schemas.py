@@ -1,0 +1,183 @@
+"""Request and response models shared by the server and the client SDK.
+
+Imports pydantic only (no torch, no ray), so the SDK installs and imports on a laptop. Requests
+forbid unknown fields: a typo such as ``num_per_lable`` is a 400, not a silently ignored option.
+Static checks (types, signs, lengths) live here; checks that need the deployment's configuration
+or the model's classes (limits, label names) are made once by the API (``dit_serve.catalog``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+State = Literal["queued", "running", "done", "failed", "cancelled"]
+TERMINAL_STATES = ("done", "failed", "cancelled")
+MAX_SEED = 2**63 - 1  # seeds are stored as signed 64-bit integers
+
+
+def _label(value):
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"a label is a class number or a class name, not {value!r}")
+    return value
+
+
+Label = Annotated[int | str, BeforeValidator(_label)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # a newer server may add fields; older clients still parse
+
+
+class JobRequest(_Request):
+    """N images of one model with shared sampling parameters: ``labels`` each repeated
+    ``num_per_label`` times (label-major); item i uses ``seeds[i]``, else ``seed + i``."""
+
+    model: str = Field("digits", min_length=1, description="a model listed by GET /v1/models")
+    labels: list[Label] = Field(min_length=1, description="class numbers or class names")
+    num_per_label: int = Field(1, ge=1)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    seeds: list[int] | None = Field(None, description="one seed per item; overrides `seed`")
+    sampler: str | None = Field(None, description="ddpm, ddim, euler, euler_a, dpmpp_2m, flow_euler; "
+                                                  "the model's default when omitted")
+    steps: int | None = Field(None, ge=1)
+    guidance: float | None = Field(None, ge=0, description="classifier-free guidance scale")
+    eta: float = Field(0.0, ge=0, description="DDIM eta (0 = deterministic)")
+
+    @property
+    def num_items(self) -> int:
+        return len(self.labels) * self.num_per_label
+
+    @model_validator(mode="after")
+    def _check_seeds(self) -> "JobRequest":
+        if self.seeds is None:
+            if self.seed + self.num_items - 1 > MAX_SEED:
+                raise ValueError(f"seed + number of items must stay below 2**63, got seed {self.seed}")
+            return self
+        if len(self.seeds) != self.num_items:
+            raise ValueError(f"seeds has {len(self.seeds)} entries but the job has {self.num_items} items "
+                             "(len(labels) * num_per_label)")
+        if any(not 0 <= s <= MAX_SEED for s in self.seeds):
+            raise ValueError("every seed must be between 0 and 2**63 - 1")
+        return self
+
+
+class JobParams(_Response):
+    """The sampling parameters a job runs with, after the model's defaults are filled in."""
+
+    sampler: str
+    steps: int
+    guidance: float
+    eta: float = 0.0
+
+
+class ItemStatus(_Response):
+    index: int
+    label: int
+    seed: int
+    state: State
+    step: int = Field(description="denoising steps done (equal to total_steps once done)")
+    total_steps: int
+    attempts: int = 0
+    error: str | None = None
+
+
+class Job(_Response):
+    id: str
+    state: State
+    model: str
+    params: JobParams
+    created_at: float
+    finished_at: float | None = None
+    num_items: int
+    counts: dict[str, int] = Field(description="items per state")
+    steps_done: int = Field(description="denoising steps done over all items")
+    steps_total: int
+    items: list[ItemStatus] | None = Field(None, description="per-item progress (GET /v1/jobs/{id} only)")
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+
+class JobList(_Response):
+    data: list[Job]
+    total: int
+    next_offset: int | None = None
+
+
+# -- OpenAI-compatible images API ----------------------------------------------------------------
+class ImageGenerationRequest(_Request):
+    """OpenAI's ``POST /v1/images/generations`` body. For class-conditional models the prompt names
+    the class (a digit for ``digits``; a class name from ``id2label`` for DiT-XL/2). ``quality``,
+    ``style``, ``user``, ``moderation`` and ``safety_identifier`` are accepted and ignored; only PNG,
+    opaque, non-streamed output exists; ``seed``, ``steps`` and
+    ``guidance`` are extensions (pass them with the OpenAI SDK's ``extra_body``)."""
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    size: str | None = Field(None, description="'WxH' equal to the model's image size, or 'auto'")
+    response_format: Literal["url", "b64_json"] = "url"
+    output_format: Literal["png"] | None = None
+    background: Literal["auto", "opaque"] | None = None
+    stream: Literal[False] | None = None
+    quality: str | None = None
+    style: str | None = None
+    user: str | None = None
+    moderation: str | None = None
+    safety_identifier: str | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    steps: int | None = Field(None, ge=1)
+    guidance: float | None = Field(None, ge=0)
+
+
+class ImageData(_Response):
+    b64_json: str | None = None
+    url: str | None = None
+    revised_prompt: str | None = None
+
+
+class ImagesResponse(_Response):
+    created: int
+    data: list[ImageData]
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "dit-serve"
+    num_classes: int
+    image_size: int
+    class_names: list[str] = Field(default_factory=list, description="index i names class i; empty if unnamed")
+    defaults: dict = Field(default_factory=dict)
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    """Every 4xx/5xx body: OpenAI's error shape, so OpenAI clients show the message."""
+
+    error: ErrorDetail
+
+
+class Health(_Response):
+    status: Literal["ok", "degraded"]
+    queue_depth: int
+    workers: int | None = Field(None, description="ready workers (None when this process runs no scheduler)")

@@ -1,0 +1,191 @@
+"""Start and stop the whole service in one process: Ray (local, or joining a cluster), the store,
+the scheduler thread and the HTTP server thread.
+
+    with Service(load_config(None)) as svc:   # local Ray, SQLite, digits on the CPU
+        Client(svc.url).submit(labels=[7])
+
+``roles`` picks what this process runs: ``api`` and ``scheduler`` (the default, one process), or
+only one of them, e.g. several ``api`` processes and one ``scheduler`` sharing a PostgreSQL store.
+``stop()`` stops accepting requests, hands the scheduler's leases back to the queue, stops the
+workers and shuts Ray down if this process started it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import tempfile
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+from dit_serve.api import create_app
+from dit_serve.catalog import Catalog, describe
+from dit_serve.config import Config
+from dit_serve.metrics import Metrics
+from dit_serve.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(RuntimeError):
+    """The service could not start (bad model, port in use, unreachable database or cluster)."""
+
+
+def build_catalog(config: Config) -> Catalog:
+    """The configured models' metadata; each model's default sampler settings are checked now
+    (which also pays the samplers' import before the first request)."""
+    try:
+        catalog = Catalog([describe(m) for m in config.workers.models], config.limits)
+        for info in catalog.models.values():
+            catalog.params(info, None, None, None, 0.0)
+    except (ValueError, KeyError) as e:
+        raise ServiceError(f"cannot serve the configured models: {e}") from None
+    return catalog
+
+
+def open_store(config: Config) -> Store:
+    try:
+        return Store(config.store.database_url(), config.store.data_dir, config.store.max_attempts)
+    except ModuleNotFoundError as e:
+        raise ServiceError(f"the job store {config.store.database_url()!r} needs {e.name!r}: "
+                           "pip install 'dit-serve[postgres]'") from None
+    except Exception as e:  # driver errors vary: say which database could not be opened
+        raise ServiceError(f"cannot open the job store {config.store.database_url()!r}: {e}") from None
+
+
+class Service:
+    def __init__(self, config: Config, roles: tuple[str, ...] = ("api", "scheduler")):
+        self.config, self.roles = config, roles
+        self.metrics = Metrics()
+        self.store: Store | None = None
+        self.scheduler = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._server = None
+        self._started_ray = False
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        host = self.config.server.host
+        return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
+
+    def start(self) -> "Service":
+        catalog = build_catalog(self.config)
+        self.store = open_store(self.config)
+        try:
+            if "scheduler" in self.roles:
+                self._start_scheduler()
+            if "api" in self.roles:
+                self._start_api(catalog)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_scheduler(self) -> None:
+        from dit_serve.scheduler import Scheduler
+
+        self._init_ray()
+        cfg = self.config
+        self.scheduler = Scheduler(self.store, cfg.workers, cfg.scheduler, cfg.store.lease_seconds, self.metrics)
+        # the first actors are created from this thread: Ray sets up its serializers (importing pydantic.v1)
+        # on first use, and doing that while another thread imports FastAPI raced into a KeyError
+        self.scheduler.reconcile()
+        self._spawn("scheduler", self.scheduler.run, self._stop)
+
+    def _init_ray(self) -> None:
+        import ray
+
+        rc = self.config.ray
+        if ray.is_initialized():  # an embedding program (or a test) owns Ray
+            return
+        kwargs = dict(namespace=rc.namespace, log_to_driver=rc.log_to_driver, include_dashboard=False)
+        try:
+            if rc.address:
+                ray.init(address=rc.address, **kwargs)
+            else:
+                ray.init(num_cpus=rc.num_cpus, **kwargs)
+        except Exception as e:
+            raise ServiceError(f"cannot start or join Ray{f' at {rc.address}' if rc.address else ''}: {e}") from None
+        self._started_ray = True
+
+    def _start_api(self, catalog: Catalog) -> None:
+        import uvicorn
+
+        app = create_app(self.store, catalog, self.config.server, self.metrics,
+                         lambda: self.scheduler.num_ready if self.scheduler else None)
+        sock = _bind(self.config.server.host, self.config.server.port)
+        self.port = sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+        self._server.install_signal_handlers = lambda: None  # signals belong to the main thread (the CLI)
+        self._spawn("http", self._server.run, [sock])
+        if not _wait_for(lambda: self._server.started or not self._threads[-1].is_alive(), 30):
+            raise ServiceError("the HTTP server did not start within 30 s")
+        log.info("dit-serve API at %s", self.url)
+
+    def _spawn(self, name: str, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, name=f"dit-serve-{name}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def wait_ready(self, timeout: float = 120.0) -> bool:
+        """Block until at least one worker is ready (models loaded and warm)."""
+        return _wait_for(lambda: self.scheduler is not None and self.scheduler.num_ready > 0, timeout)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=30)
+        self._threads.clear()
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
+        if self.store is not None:
+            self.store.close()
+
+    def __enter__(self) -> "Service":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@contextmanager
+def local_service(config: Config | None = None, data_dir: Path | None = None):
+    """A throwaway service for a script or a test: a free port, data in a temporary folder unless
+    ``data_dir`` is given, Ray local unless the config names a cluster."""
+    with tempfile.TemporaryDirectory(prefix="dit-serve-") as tmp:
+        cfg = (config or Config()).with_overrides(server={"port": 0}, store={"data_dir": str(data_dir or tmp)})
+        with Service(cfg) as svc:
+            yield svc
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ServiceError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _wait_for(cond, timeout: float, interval: float = 0.05) -> bool:
+    event = threading.Event()
+    waited = 0.0
+    while not cond():
+        if waited >= timeout:
+            return False
+        event.wait(interval)
+        waited += interval
+    return True

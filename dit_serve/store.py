@@ -1,0 +1,337 @@
+"""The durable job store: jobs and their items in SQL (SQLite in WAL mode, or PostgreSQL), images as
+PNG files under a data directory.
+
+State machine of an item: ``queued -> running -> done | failed | cancelled``; a running item holds
+a *lease* (owner, token, expiry). Schedulers renew the leases of the items they run; an item whose
+lease expired (its scheduler or worker died) is leasable again, so restarting anything loses
+nothing. A job's state is derived from its items' states, never stored twice.
+
+Exactly-once results: ``commit_result`` writes the PNG to a temporary file, then in one transaction
+marks the item done *only if* the caller still holds its lease (state running, same token) and
+renames the file to its final name ``images/<job>/<index>.png`` before committing. A late or
+duplicate result finds no matching row and is dropped; a crash between rename and commit leaves a
+file that the item's re-run replaces with the same bytes (seeded generation is deterministic).
+
+Concurrency: on SQLite every writing transaction is ``BEGIN IMMEDIATE`` (one writer at a time, no
+lock upgrades that fail with "database is locked"); on PostgreSQL leasing uses ``FOR UPDATE SKIP
+LOCKED``, so several schedulers or API processes may share one database. Times are ``time.time()``
+of the writing host: schedulers on several hosts need synchronised clocks (NTP) for leases.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import (BigInteger, Boolean, Column, Float, Index, Integer, MetaData, String, Table, Text,
+                        and_, bindparam, create_engine, event, func, or_, select, update)
+
+from dit_serve.schemas import TERMINAL_STATES, ItemStatus, Job, JobParams
+
+log = logging.getLogger(__name__)
+
+meta = MetaData()
+jobs = Table(
+    "jobs", meta,
+    Column("id", String(32), primary_key=True),
+    Column("model", String(200), nullable=False),
+    Column("params", Text, nullable=False),  # JSON of JobParams
+    Column("num_items", Integer, nullable=False),
+    Column("created_at", Float, nullable=False, index=True),
+    Column("cancelled", Boolean, nullable=False, default=False),
+)
+items = Table(
+    "items", meta,
+    Column("job_id", String(32), primary_key=True),
+    Column("idx", Integer, primary_key=True),
+    Column("model", String(200), nullable=False),  # copied from the job: the lease query needs no join
+    Column("created_at", Float, nullable=False),   # copied from the job: FIFO order across jobs
+    Column("label", Integer, nullable=False),
+    Column("seed", BigInteger, nullable=False),
+    Column("state", String(10), nullable=False),
+    Column("step", Integer, nullable=False, default=0),
+    Column("total_steps", Integer, nullable=False),
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("lease_owner", String(200)),
+    Column("lease_token", String(32)),
+    Column("lease_expires", Float),
+    Column("path", String(300)),  # relative to the data dir; set once, when the item is done
+    Column("error", Text),
+    Column("finished_at", Float),
+    Index("items_leasable", "state", "model", "created_at"),
+)
+
+
+@dataclass
+class Lease:
+    """One item leased to a worker: what the worker needs to run it, and the token that proves the
+    lease when its result is committed."""
+
+    job_id: str
+    index: int
+    model: str
+    label: int
+    seed: int
+    params: JobParams
+    token: str
+    step: int = 0  # progress, reported by the worker
+
+    @property
+    def key(self) -> str:
+        return f"{self.job_id}/{self.index}"
+
+
+class Store:
+    """Jobs, items, leases and results. Thread-safe: each call uses its own pooled connection."""
+
+    def __init__(self, url: str, data_dir: Path, max_attempts: int = 3):
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.max_attempts = max_attempts
+        self.engine = create_engine(_driver_url(url), pool_pre_ping=True)
+        if self.engine.dialect.name == "sqlite":
+            _sqlite_setup(self.engine)
+        meta.create_all(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def _tx(self, write: bool = True):
+        options = {} if write else {"dit_serve_read": True}
+        with self.engine.connect().execution_options(**options) as conn, conn.begin():
+            yield conn
+
+    # -- jobs --------------------------------------------------------------------------------------
+    def create_job(self, model: str, params: JobParams, labels: list[int], seeds: list[int]) -> str:
+        """Store a job and its items in one transaction; returns the job id."""
+        job_id, now = uuid.uuid4().hex, time.time()
+        with self._tx() as conn:
+            conn.execute(jobs.insert().values(id=job_id, model=model, params=params.model_dump_json(),
+                                              num_items=len(labels), created_at=now, cancelled=False))
+            conn.execute(items.insert(), [
+                dict(job_id=job_id, idx=i, model=model, created_at=now, label=lb, seed=sd, state="queued",
+                     step=0, total_steps=params.steps, attempts=0) for i, (lb, sd) in enumerate(zip(labels, seeds))])
+        return job_id
+
+    def get_job(self, job_id: str, with_items: bool = True) -> Job | None:
+        with self._tx(write=False) as conn:
+            row = conn.execute(select(jobs).where(jobs.c.id == job_id)).first()
+            if row is None:
+                return None
+            stats = _item_stats(conn, [job_id])
+            rows = conn.execute(select(items).where(items.c.job_id == job_id).order_by(items.c.idx)).all() \
+                if with_items else None
+        return _job(row, stats.get(job_id, {}), rows)
+
+    def list_jobs(self, limit: int, offset: int) -> tuple[list[Job], int]:
+        """Newest first."""
+        with self._tx(write=False) as conn:
+            total = conn.execute(select(func.count()).select_from(jobs)).scalar_one()
+            rows = conn.execute(select(jobs).order_by(jobs.c.created_at.desc(), jobs.c.id)
+                                .limit(limit).offset(offset)).all()
+            stats = _item_stats(conn, [r.id for r in rows])
+        return [_job(r, stats.get(r.id, {}), None) for r in rows], total
+
+    def cancel_job(self, job_id: str) -> bool:
+        """Queued and running items become cancelled (a worker drops a running one at its next step
+        boundary, when its scheduler sees the lease is gone). False for an unknown job."""
+        with self._tx() as conn:
+            found = conn.execute(update(jobs).where(jobs.c.id == job_id).values(cancelled=True)).rowcount
+            conn.execute(update(items).where(items.c.job_id == job_id, items.c.state.in_(("queued", "running")))
+                         .values(state="cancelled", finished_at=time.time(), **_NO_LEASE))
+        return bool(found)
+
+    def image_path(self, job_id: str, index: int) -> Path | None:
+        with self._tx(write=False) as conn:
+            path = conn.execute(select(items.c.path).where(items.c.job_id == job_id, items.c.idx == index)).scalar()
+        return self.data_dir / path if path else None
+
+    def counts(self) -> dict[str, int]:
+        """Items per state, over all jobs."""
+        with self._tx(write=False) as conn:
+            rows = conn.execute(select(items.c.state, func.count()).group_by(items.c.state)).all()
+        return {state: n for state, n in rows}
+
+    # -- leases ------------------------------------------------------------------------------------
+    def lease(self, owner: str, models: list[str], limit: int, ttl: float) -> list[Lease]:
+        """Lease up to ``limit`` queued or lease-expired items of ``models``, oldest job first."""
+        now = time.time()
+        leasable = and_(items.c.model.in_(models), or_(
+            items.c.state == "queued", and_(items.c.state == "running", items.c.lease_expires < now)))
+        if limit <= 0 or not self._any(leasable):
+            return []
+        with self._tx() as conn:
+            rows = conn.execute(
+                select(items.c.job_id, items.c.idx, items.c.model, items.c.label, items.c.seed, items.c.attempts,
+                       jobs.c.params).join(jobs, jobs.c.id == items.c.job_id).where(leasable)
+                .order_by(items.c.created_at, items.c.job_id, items.c.idx).limit(limit)
+                .with_for_update(skip_locked=True, of=items)).all()
+            spent = [r for r in rows if r.attempts >= self.max_attempts]
+            if spent:
+                _set(conn, [(r.job_id, r.idx) for r in spent], state="failed", finished_at=now, **_NO_LEASE,
+                     error=f"gave up after {self.max_attempts} attempts (its worker died or stalled each time)")
+            rows = [r for r in rows if r.attempts < self.max_attempts]
+            token = uuid.uuid4().hex
+            _set(conn, [(r.job_id, r.idx) for r in rows], state="running", step=0, lease_owner=owner,
+                 lease_token=token, lease_expires=now + ttl, attempts=items.c.attempts + 1)
+        return [Lease(r.job_id, r.idx, r.model, r.label, r.seed, JobParams.model_validate_json(r.params), token)
+                for r in rows]
+
+    def _any(self, where) -> bool:
+        """A cheap read before taking the write lock: an idle scheduler polls this often."""
+        with self._tx(write=False) as conn:
+            return conn.execute(select(items.c.idx).where(where).limit(1)).first() is not None
+
+    def heartbeat(self, leases: list[Lease], ttl: float) -> list[Lease]:
+        """Renew leases and record progress; returns the leases no longer held (cancelled, or
+        expired and taken by someone else): their workers should drop them."""
+        if not leases:
+            return []
+        expires = time.time() + ttl
+        with self._tx() as conn:
+            conn.execute(update(items).where(
+                items.c.job_id == bindparam("j"), items.c.idx == bindparam("i"), items.c.state == "running",
+                items.c.lease_token == bindparam("t")).values(lease_expires=expires, step=bindparam("s")),
+                [dict(j=ls.job_id, i=ls.index, t=ls.token, s=ls.step) for ls in leases])
+            held = set(conn.execute(select(items.c.job_id, items.c.idx, items.c.lease_token).where(
+                items.c.job_id.in_(sorted({ls.job_id for ls in leases})), items.c.state == "running")).all())
+        return [ls for ls in leases if (ls.job_id, ls.index, ls.token) not in held]
+
+    def release(self, leases: list[Lease], count_attempt: bool = True) -> None:
+        """Return leased items to the queue now (worker died, node left, scheduler stopping) instead
+        of waiting for their leases to expire. A graceful stop does not count as an attempt."""
+        if not leases:
+            return
+        with self._tx() as conn:
+            conn.execute(update(items).where(
+                items.c.job_id == bindparam("j"), items.c.idx == bindparam("i"), items.c.state == "running",
+                items.c.lease_token == bindparam("t")).values(
+                    state="queued", step=0, **_NO_LEASE,
+                    attempts=items.c.attempts - (0 if count_attempt else 1)),
+                [dict(j=ls.job_id, i=ls.index, t=ls.token) for ls in leases])
+
+    # -- results -----------------------------------------------------------------------------------
+    def commit_result(self, lease: Lease, png: bytes) -> bool:
+        """Record an item's PNG once; False (and nothing written) when the lease is no longer held."""
+        rel = Path("images") / lease.job_id / f"{lease.index:05d}.png"
+        final = self.data_dir / rel
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{lease.index:05d}-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(png)
+                f.flush()
+                os.fsync(f.fileno())
+            with self._tx() as conn:
+                won = conn.execute(update(items).where(*_held(lease)).values(
+                    state="done", step=items.c.total_steps, path=str(rel), finished_at=time.time(),
+                    **_NO_LEASE)).rowcount == 1
+                if won:
+                    os.replace(tmp, final)  # before commit: a failed commit leaves an orphan a re-run replaces
+            return won
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def fail_item(self, lease: Lease, error: str) -> bool:
+        with self._tx() as conn:
+            return conn.execute(update(items).where(*_held(lease)).values(
+                state="failed", error=error[:2000], finished_at=time.time(), **_NO_LEASE)).rowcount == 1
+
+
+_NO_LEASE = dict(lease_owner=None, lease_token=None, lease_expires=None)
+
+
+def _held(lease: Lease):
+    return (items.c.job_id == lease.job_id, items.c.idx == lease.index, items.c.state == "running",
+            items.c.lease_token == lease.token)
+
+
+def _set(conn, keys: list[tuple[str, int]], **values) -> None:
+    if keys:
+        conn.execute(update(items).where(items.c.job_id == bindparam("j"), items.c.idx == bindparam("i"))
+                     .values(**values), [dict(j=j, i=i) for j, i in keys])
+
+
+def _item_stats(conn, job_ids: list[str]) -> dict[str, dict]:
+    """Per job: counts per state, steps done, steps total and the last finish time."""
+    if not job_ids:
+        return {}
+    rows = conn.execute(select(items.c.job_id, items.c.state, func.count(), func.sum(items.c.step),
+                               func.sum(items.c.total_steps), func.max(items.c.finished_at))
+                        .where(items.c.job_id.in_(job_ids)).group_by(items.c.job_id, items.c.state)).all()
+    out: dict[str, dict] = {}
+    for job_id, state, n, steps, total, finished in rows:
+        s = out.setdefault(job_id, {"counts": {}, "steps_done": 0, "steps_total": 0, "finished_at": None})
+        s["counts"][state] = n
+        s["steps_done"] += int(steps or 0) if state in ("running", "done") else 0
+        s["steps_total"] += int(total or 0) if state != "cancelled" else 0
+        if finished is not None:
+            s["finished_at"] = max(finished, s["finished_at"] or 0.0)
+    return out
+
+
+def job_state(cancelled: bool, counts: dict[str, int]) -> str:
+    """A job's state from its items': any running -> running; a cancel wins over the rest; then
+    all done -> done; queued items left -> queued (none started yet) or running; else failed."""
+    if counts.get("running"):
+        return "running"
+    if cancelled:
+        return "cancelled"
+    n, done, queued = sum(counts.values()), counts.get("done", 0), counts.get("queued", 0)
+    if done == n:
+        return "done"
+    if queued:
+        return "queued" if queued == n else "running"
+    return "failed"
+
+
+def _job(row, stats: dict, item_rows) -> Job:
+    counts = stats.get("counts", {})
+    state = job_state(row.cancelled, counts)
+    return Job(id=row.id, state=state, model=row.model, params=JobParams.model_validate_json(row.params),
+               created_at=row.created_at, num_items=row.num_items, counts=counts,
+               finished_at=stats.get("finished_at") if state in TERMINAL_STATES else None,
+               steps_done=stats.get("steps_done", 0), steps_total=stats.get("steps_total", 0),
+               items=None if item_rows is None else [
+                   ItemStatus(index=r.idx, label=r.label, seed=r.seed, state=r.state, step=r.step,
+                              total_steps=r.total_steps, attempts=r.attempts, error=r.error) for r in item_rows])
+
+
+def _driver_url(url: str) -> str:
+    """``postgresql://`` means psycopg 3 (the driver this project installs), not psycopg2."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    return url
+
+
+def _sqlite_setup(engine) -> None:
+    """WAL (readers never block the writer), a busy timeout, and BEGIN IMMEDIATE for writes."""
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn, _record):
+        dbapi_conn.isolation_level = None  # let the "begin" hook below issue BEGIN itself
+        cur = dbapi_conn.cursor()
+        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=30000"):
+            cur.execute(f"PRAGMA {pragma}")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn):
+        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get("dit_serve_read") else "BEGIN IMMEDIATE")
+
+
+def dump_manifest(job: Job) -> str:
+    """The archive's manifest.json: the job and, per image, its file name, label and seed."""
+    images = [{"file": f"{it.index:05d}.png", "index": it.index, "label": it.label, "seed": it.seed,
+               "state": it.state} for it in job.items or []]
+    return json.dumps({"job": job.model_dump(exclude={"items"}), "images": images}, indent=2) + "\n"

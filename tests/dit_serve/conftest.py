@@ -1,0 +1,54 @@
+"""Shared fixtures for the service tests: the shipped digits model, service configs, free data dirs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dit_serve.config import Config
+
+DIGITS_DIR = Path(__file__).resolve().parents[2] / "workers" / "models" / "digits"
+
+
+@pytest.fixture(scope="session")
+def digits_model() -> str:
+    if not (DIGITS_DIR / "model_index.json").exists():
+        pytest.skip("the shipped digits model (workers/models/digits) is missing")
+    return "digits"
+
+
+def service_config(data_dir: Path, model: str = "digits", **sections) -> Config:
+    """A config for tests: free port, data under ``data_dir``, short leases, small buckets."""
+    base = dict(server={"port": 0}, store={"data_dir": str(data_dir), "lease_seconds": 5.0},
+                workers={"models": (model,), "max_batch": 32, "torch_threads": 1},
+                scheduler={"reconcile_seconds": 0.5})
+    for name, fields in sections.items():
+        base.setdefault(name, {}).update(fields)
+    return Config().with_overrides(**base)
+
+
+def oracle(images, labels) -> float:
+    """The digit classifier's accuracy on PIL images (8x8 grayscale) for the labels asked for."""
+    from workers.digits import oracle_accuracy
+
+    x = np.stack([np.asarray(im.convert("L"), dtype=np.float32) for im in images]) / 127.5 - 1.0  # (N, 8, 8)
+    return oracle_accuracy(x, np.asarray(labels))
+
+
+@pytest.fixture
+def postgres_url() -> str:
+    """A PostgreSQL database emptied for the test (.ci/run starts one and sets the variable)."""
+    url = os.environ.get("DIT_SERVE_TEST_POSTGRES_URL", "")
+    if not url:
+        pytest.skip("no PostgreSQL server: set DIT_SERVE_TEST_POSTGRES_URL (.ci/run starts one)")
+    from sqlalchemy import create_engine
+
+    from dit_serve.store import _driver_url, meta
+
+    engine = create_engine(_driver_url(url))
+    meta.drop_all(engine)
+    engine.dispose()
+    return url

@@ -1,0 +1,139 @@
+"""The HTTP API over real uvicorn and httpx, in an API-only service (no workers): validation, errors,
+listing, cancel, the schema, health and metrics. Generation itself is in test_service.py."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from dit_serve.service import Service
+
+from .conftest import service_config
+
+
+@pytest.fixture(scope="module")
+def api(digits_model, tmp_path_factory):
+    cfg = service_config(tmp_path_factory.mktemp("api"), digits_model,
+                         limits={"max_items_per_job": 50, "max_steps": 200, "max_images_per_request": 4})
+    with Service(cfg, roles=("api",)) as svc:
+        with httpx.Client(base_url=svc.url, timeout=10) as http:
+            yield svc, http
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+def _stored_jobs(api) -> int:
+    return api[1].get("/v1/jobs").json()["total"]
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"model": "nope", "labels": [1]}, "model", "unknown model 'nope'"),
+    ({"labels": [10]}, "labels", "outside model 'digits'"),
+    ({"labels": ["eleven"]}, "labels", "unknown class name 'eleven'"),
+    ({"labels": [1], "num_per_label": 51}, "labels", "the limit is 50"),
+    ({"labels": [1], "steps": 201}, "steps", "at most 200"),
+    ({"labels": [1], "sampler": "warp"}, "sampler", "unknown sampler 'warp'"),
+    ({"labels": [1], "sampler": "euler", "eta": 0.5}, "eta", "eta"),
+    ({"labels": [1], "colour": "red"}, "colour", "unknown field 'colour'"),
+    ({"labels": []}, "labels", "at least 1"),
+    ({"labels": [1.5]}, "labels.0", ""),
+    ({"labels": [1], "guidance": -1}, "guidance", "greater than or equal to 0"),
+    ({"labels": [1, 2], "seeds": [1]}, None, "seeds has 1 entries but the job has 2 items"),
+])
+def test_bad_jobs_are_4xx_and_store_nothing(api, body, param, words):
+    before = _stored_jobs(api)
+    err = _error(api[1].post("/v1/jobs", json=body), 400)
+    assert words in err["message"] and err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param
+    assert _stored_jobs(api) == before
+
+
+@pytest.mark.parametrize("content, words", [
+    (b'{"labels": [1', "malformed JSON body"),
+    (b'[1, 2]', "JSON object"),
+    (b'', "needs a JSON body"),
+])
+def test_malformed_bodies(api, content, words):
+    r = api[1].post("/v1/jobs", content=content, headers={"content-type": "application/json"})
+    assert words in _error(r, 400)["message"]
+
+
+def test_unknown_ids_and_indices(api):
+    http = api[1]
+    assert "no job with id 'nope'" in _error(http.get("/v1/jobs/nope"), 404)["message"]
+    assert _error(http.delete("/v1/jobs/nope"), 404)["type"] == "not_found"
+    _error(http.get("/v1/jobs/nope/images/0"), 404)
+    _error(http.get("/v1/jobs/nope/archive"), 404)
+    job = http.post("/v1/jobs", json={"labels": [3], "num_per_label": 2}).json()
+    assert "has 2 images (0..1), not 2" in _error(http.get(f"/v1/jobs/{job['id']}/images/2"), 404)["message"]
+    assert "not ready (item state: queued)" in _error(http.get(f"/v1/jobs/{job['id']}/images/0"), 409)["message"]
+    _error(http.get("/v1/jobs/x/images/minus-one"), 400)
+    _error(http.get("/v1/no-such-route"), 404)
+
+
+def test_submit_resolves_names_defaults_and_seeds(api):
+    r = api[1].post("/v1/jobs", json={"labels": ["seven", 2], "num_per_label": 2, "seed": 40})
+    assert r.status_code == 202 and r.headers["location"] == f"/v1/jobs/{r.json()['id']}"
+    job = r.json()
+    assert job["state"] == "queued" and job["num_items"] == 4 and job["params"]["sampler"]
+    assert [(it["label"], it["seed"]) for it in job["items"]] == [(7, 40), (7, 41), (2, 42), (2, 43)]
+    again = api[1].get(f"/v1/jobs/{job['id']}", params={"items": False}).json()
+    assert again["items"] is None and again["steps_total"] == 4 * job["params"]["steps"]
+
+
+def test_list_and_cancel(api):
+    http = api[1]
+    ids = [http.post("/v1/jobs", json={"labels": [i]}).json()["id"] for i in range(3)]
+    page = http.get("/v1/jobs", params={"limit": 2}).json()
+    assert [j["id"] for j in page["data"]] == ids[::-1][:2] and page["next_offset"] == 2
+    assert page["data"][0]["items"] is None
+    _error(http.get("/v1/jobs", params={"limit": 0}), 400)
+    job = http.delete(f"/v1/jobs/{ids[0]}").json()
+    assert job["state"] == "cancelled" and job["counts"] == {"cancelled": 1}
+    assert http.delete(f"/v1/jobs/{ids[0]}").json()["state"] == "cancelled"  # idempotent
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "a cat"}, "prompt"),
+    ({"prompt": "7", "size": "256x256"}, "size"),
+    ({"prompt": "7", "n": 5}, "n"),
+    ({"prompt": "7", "model": "dall-e-3"}, "model"),
+    ({"prompt": "7", "response_format": "jpeg"}, "response_format"),
+    ({"prompt": "7", "stream": True}, "stream"),
+])
+def test_bad_openai_requests(api, body, param):
+    before = _stored_jobs(api)
+    assert _error(api[1].post("/v1/images/generations", json=body), 400)["param"] == param
+    assert _stored_jobs(api) == before
+
+
+def test_models_health_metrics_schema(api):
+    http = api[1]
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list"
+    card = models["data"][0]
+    assert (card["id"], card["num_classes"], card["image_size"]) == ("digits", 10, 8)
+    assert card["class_names"][7] == "seven"
+    health = http.get("/healthz").json()
+    assert health["status"] == "ok" and health["workers"] is None and health["queue_depth"] >= 0
+    metrics = http.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert "dit_serve_queue_depth" in metrics.text
+    paths = http.get("/openapi.json").json()["paths"]
+    for path in ("/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/images/{index}", "/v1/jobs/{job_id}/archive",
+                 "/v1/images/generations", "/v1/models", "/healthz", "/metrics"):
+        assert path in paths
+
+
+def test_api_processes_share_a_postgres_store(digits_model, postgres_url, tmp_path):
+    """Several API servers in front of one PostgreSQL store see the same jobs."""
+    cfg = service_config(tmp_path, digits_model, store={"url": postgres_url})
+    with Service(cfg, roles=("api",)) as a, Service(cfg, roles=("api",)) as b:
+        job = httpx.post(f"{a.url}/v1/jobs", json={"labels": [1, 2]}).json()
+        assert httpx.get(f"{b.url}/v1/jobs/{job['id']}").json()["state"] == "queued"
+        assert httpx.delete(f"{b.url}/v1/jobs/{job['id']}").json()["state"] == "cancelled"
+        assert httpx.get(f"{a.url}/v1/jobs").json()["data"][0]["state"] == "cancelled"

@@ -1,0 +1,80 @@
+"""Kill `dit-serve serve` (API, scheduler, its local Ray and worker) with SIGKILL mid-job, start it
+again on the same store: the job completes, every item with exactly one PNG. Then SIGTERM stops
+it cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dit_serve.client import Client
+
+from .conftest import oracle
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(config: Path, log: Path) -> subprocess.Popen:
+    # its own session, so the kill below reaches the Ray processes it started and nothing else
+    return subprocess.Popen([sys.executable, "-m", "dit_serve.cli", "serve", "--config", str(config)], cwd=ROOT,
+                            stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).json().get("workers"):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"service not ready: {log.read_text()[-3000:]}")
+
+
+def test_restart_mid_job_loses_nothing(digits_model, tmp_path):
+    port, data, log = _free_port(), tmp_path / "data", tmp_path / "serve.log"
+    config = tmp_path / "dit-serve.toml"
+    config.write_text(f'[server]\nport = {port}\n[store]\ndata_dir = "{data}"\nlease_seconds = 4\n'
+                      f'[ray]\nnum_cpus = 2\n[workers]\nmodels = ["{digits_model}"]\nmax_batch = 16\n')
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(config, log)
+    try:
+        _wait_ready(url, proc, log)
+        client = Client(url)
+        job = client.submit(labels=list(range(10)), num_per_label=2, steps=250, seed=21)
+        deadline = time.monotonic() + 60
+        while client.get(job, items=False).steps_done == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)  # no goodbye: leases are left to expire
+        proc.wait(30)
+        proc = _serve(config, log)
+        _wait_ready(url, proc, log)
+        job = client.wait(job, progress=False, timeout=180)
+        assert job.state == "done", job
+        assert sorted(p.name for p in (data / "images" / job.id).iterdir()) == [f"{i:05d}.png" for i in range(20)]
+        assert max(it.attempts for it in job.items) == 2
+        assert oracle(client.images(job), [it.label for it in job.items]) >= 0.8
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert "stopping" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

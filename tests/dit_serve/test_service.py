@@ -1,0 +1,186 @@
+"""The whole service in one process, as users run it: real local Ray, a real worker actor with the
+engine and the digits model, SQLite, uvicorn, the SDK over HTTP. One service for the module."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+from PIL import Image
+
+from dit_serve.cli import main as cli
+from dit_serve.client import AsyncClient, Client
+from dit_serve.service import Service
+
+from .conftest import oracle, service_config
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def svc(digits_model, tmp_path_factory):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        cfg = service_config(tmp_path_factory.mktemp("svc"), digits_model)
+        with Service(cfg) as service:
+            assert service.wait_ready(120), "the worker did not start"
+            yield service
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def client(svc):
+    with Client(svc.url) as c:
+        yield c
+
+
+def _wait_for(cond, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def _pngs(svc: Service, job_id: str) -> list[str]:
+    return sorted(p.name for p in (svc.config.store.data_dir / "images" / job_id).iterdir())
+
+
+def test_submit_progress_images(svc, client):
+    job = client.submit(labels=list(range(10)), num_per_label=2, seed=3)
+    assert job.state == "queued" and job.num_items == 20
+
+    def mid_step():  # a running item part-way through its steps, as GET /v1/jobs/{id} reports it
+        j = client.get(job)
+        return j if any(0 < it.step < it.total_steps and it.state == "running" for it in j.items) else j.finished
+    seen = _wait_for(mid_step, what="an item between steps")
+    assert not isinstance(seen, bool), "the job finished before any progress was seen"
+    job = client.wait(job, progress=False, timeout=120)
+    assert job.state == "done" and job.steps_done == job.steps_total == 20 * job.params.steps
+    images = client.images(job)
+    assert len(images) == 20 and images[0].size == (8, 8)
+    assert oracle(images, [it.label for it in job.items]) >= 0.8
+    assert _pngs(svc, job.id) == [f"{i:05d}.png" for i in range(20)]
+
+
+def test_three_concurrent_jobs_with_the_async_client(svc):
+    async def run():
+        async with AsyncClient(svc.url) as c:
+            jobs = await asyncio.gather(*[c.submit(labels=[d], num_per_label=4, seed=10 * d) for d in (1, 4, 8)])
+            done = await asyncio.gather(*[c.wait(j, progress=False, timeout=120) for j in jobs])
+            return done, [await c.images(j) for j in done]
+
+    jobs, images = asyncio.run(run())
+    assert [j.state for j in jobs] == ["done"] * 3
+    flat = [im for ims in images for im in ims]
+    assert len(flat) == 12 and oracle(flat, [1] * 4 + [4] * 4 + [8] * 4) >= 0.75
+
+
+def test_cancel_stops_running_and_queued_items(svc, client):
+    job = client.submit(labels=list(range(10)), num_per_label=8, steps=400)  # 80 items: more than one lease
+    _wait_for(lambda: client.get(job, items=False).steps_done > 0, what="the job to start")
+    cancelled = client.cancel(job)
+    assert cancelled.state == "cancelled"
+    time.sleep(1.5)  # a few heartbeats: the worker drops the items at its next step boundary
+    after = client.get(job)
+    assert after.counts == cancelled.counts and after.counts.get("cancelled", 0) > 0
+    assert all(it.state in ("cancelled", "done") for it in after.items)
+    _wait_for(lambda: all(w.leases == {} for w in svc.scheduler.workers.values()), 10, "leases to be dropped")
+    quick = client.wait(client.submit(labels=[5], steps=10), progress=False, timeout=60)
+    assert quick.state == "done"  # the worker is free again
+
+
+def test_openai_images_endpoint(svc):
+    with httpx.Client(base_url=svc.url, timeout=120) as http:
+        r = http.post("/v1/images/generations", json={"model": "digits", "prompt": "seven", "n": 3,
+                                                      "size": "8x8", "response_format": "b64_json"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert set(body) == {"created", "data"} and len(body["data"]) == 3
+        images = [Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))) for d in body["data"]]
+        assert oracle(images, [7, 7, 7]) >= 2 / 3
+        r = http.post("/v1/images/generations", json={"prompt": "2", "response_format": "url", "seed": 9})
+        url = r.json()["data"][0]["url"]
+        assert url.startswith(svc.url) and http.get(url).headers["content-type"] == "image/png"
+
+
+def test_archive_and_metrics(svc, client):
+    job = client.wait(client.submit(labels=[0, 1], steps=20), progress=False, timeout=60)
+    path = client.archive(job, svc.config.store.data_dir / "a.zip")
+    with zipfile.ZipFile(path) as z:
+        assert sorted(z.namelist()) == ["00000.png", "00001.png", "manifest.json"]
+        manifest = json.loads(z.read("manifest.json"))
+    assert [e["label"] for e in manifest["images"]] == [0, 1] and manifest["job"]["state"] == "done"
+    text = httpx.get(f"{svc.url}/metrics").text
+    for name in ("dit_serve_queue_depth", "dit_serve_items_per_second", "dit_serve_step_seconds_count",
+                 "dit_serve_graph_replays", "dit_serve_graph_eager_fallbacks", "dit_serve_worker_busy_fraction"):
+        assert name in text
+    assert 'dit_serve_items_total{state="done"}' in text
+    assert httpx.get(f"{svc.url}/healthz").json()["workers"] == 1
+
+
+def test_cli_submit_status_fetch(svc, tmp_path, capsys):
+    assert cli(["submit", "--url", svc.url, "--labels", "3,nine", "--num-per-label", "2", "--steps", "20",
+                "--out", str(tmp_path / "imgs")]) == 0
+    job_id = capsys.readouterr().out.splitlines()[0]
+    manifest = json.loads((tmp_path / "imgs" / "manifest.json").read_text())
+    assert [e["label"] for e in manifest["images"]] == [3, 3, 9, 9] and (tmp_path / "imgs" / "grid.png").exists()
+    assert cli(["status", "--url", svc.url, job_id]) == 0
+    assert f"{job_id} done: 4 done" in capsys.readouterr().out
+    assert cli(["fetch", "--url", svc.url, job_id, "--out", str(tmp_path / "again")]) == 0
+    assert len(list((tmp_path / "again").glob("*_label*.png"))) == 4
+    assert cli(["submit", "--url", svc.url, "--labels", "12"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "outside model 'digits'" in err
+    assert cli(["status", "--url", svc.url, "nope"]) == 2
+
+
+@pytest.mark.parametrize("script, args", [
+    ("quickstart.py", []),
+    ("batch_job.py", ["--count", "30"]),
+    ("openai_images.py", []),
+])
+def test_examples(svc, tmp_path, script, args):
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--url", svc.url, "--out", str(tmp_path),
+                        *args], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "wrote" in r.stdout or "PNGs" in r.stdout
+    assert list(tmp_path.glob("*.png")) or list(tmp_path.glob("*.zip"))
+
+
+def test_split_roles_on_postgres(svc, digits_model, postgres_url, tmp_path):
+    """The deployment with several API processes: an API-only service and a scheduler-only service
+    (its own worker, in the same Ray) that share only a PostgreSQL store and the data folder."""
+    cfg = service_config(tmp_path, digits_model, store={"url": postgres_url})
+    with Service(cfg, roles=("scheduler",)) as sched, Service(cfg, roles=("api",)) as api, Client(api.url) as c:
+        assert sched.store.engine.dialect.name == "postgresql" and api.scheduler is None
+        job = c.wait(c.submit(labels=list(range(10)), seed=5), progress=False, timeout=180)
+        assert job.state == "done" and oracle(c.images(job), list(range(10))) >= 0.8
+        assert httpx.get(f"{api.url}/healthz").json()["workers"] is None  # the API process runs none
+
+
+def test_a_killed_worker_loses_nothing(svc, client):
+    """Kill the worker mid-job: its items return to the queue, a new worker finishes them, and each
+    item ends with exactly one PNG."""
+    job = client.submit(labels=list(range(10)), num_per_label=2, steps=300, seed=50)
+    _wait_for(lambda: client.get(job, items=False).steps_done > 0, what="the job to start")
+    (victim,) = svc.scheduler.workers.values()
+    ray.kill(victim.handle, no_restart=True)
+    job = client.wait(job, progress=False, timeout=180)
+    assert job.state == "done"
+    assert max(it.attempts for it in job.items) == 2  # the killed lease counted as one attempt
+    assert _pngs(svc, job.id) == [f"{i:05d}.png" for i in range(20)]
+    assert oracle(client.images(job), [it.label for it in job.items]) >= 0.8
+    assert svc.scheduler.num_ready == 1 and victim.key in svc.scheduler.workers

@@ -1,0 +1,182 @@
+"""The job store on SQLite (always) and PostgreSQL (when DIT_SERVE_TEST_POSTGRES_URL names a server,
+as .ci/run sets up): leases, expiry, exactly-once results, cancel, restart."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+from sqlalchemy import create_engine
+
+from dit_serve.schemas import JobParams
+from dit_serve.store import Store, _driver_url, job_state, meta
+
+PARAMS = JobParams(sampler="ddim", steps=10, guidance=2.0)
+PG_URL = os.environ.get("DIT_SERVE_TEST_POSTGRES_URL", "")
+
+
+def _open(kind: str, tmp_path) -> Store:
+    if kind == "sqlite":
+        return Store(f"sqlite:///{tmp_path / 'jobs.db'}", tmp_path)
+    if not PG_URL:
+        pytest.skip("no PostgreSQL server: set DIT_SERVE_TEST_POSTGRES_URL (.ci/run starts one)")
+    engine = create_engine(_driver_url(PG_URL))
+    meta.drop_all(engine)  # a clean database per test
+    engine.dispose()
+    return Store(PG_URL, tmp_path)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def store(kind, tmp_path):
+    s = _open(kind, tmp_path)
+    yield s
+    s.close()
+
+
+def _job(store: Store, n: int = 3, model: str = "digits") -> str:
+    return store.create_job(model, PARAMS, list(range(n)), [100 + i for i in range(n)])
+
+
+def test_job_lifecycle(store):
+    job_id = _job(store)
+    job = store.get_job(job_id)
+    assert (job.state, job.counts, job.steps_total) == ("queued", {"queued": 3}, 30)
+    assert [(it.label, it.seed) for it in job.items] == [(0, 100), (1, 101), (2, 102)]
+
+    leases = store.lease("w1", ["digits"], 2, ttl=30)
+    assert [ls.index for ls in leases] == [0, 1] and leases[0].params == PARAMS
+    leases[0].step = 4
+    assert store.heartbeat(leases, ttl=30) == []
+    job = store.get_job(job_id)
+    assert job.state == "running" and job.items[0].step == 4 and job.steps_done == 4
+
+    for ls in leases:
+        assert store.commit_result(ls, b"png-%d" % ls.index)
+    last = store.lease("w1", ["digits"], 5, ttl=30)
+    assert [ls.index for ls in last] == [2]
+    assert store.commit_result(last[0], b"png-2")
+    job = store.get_job(job_id)
+    assert (job.state, job.steps_done, job.finished_at is not None) == ("done", 30, True)
+    assert store.image_path(job_id, 1).read_bytes() == b"png-1"
+
+
+def test_result_recorded_exactly_once(store):
+    job_id = _job(store, 1)
+    (lease,) = store.lease("w1", ["digits"], 1, ttl=30)
+    assert store.commit_result(lease, b"first")
+    assert not store.commit_result(lease, b"second")  # a duplicate finds no running item
+    assert store.image_path(job_id, 0).read_bytes() == b"first"
+    files = list((store.data_dir / "images" / job_id).iterdir())
+    assert [f.name for f in files] == ["00000.png"]  # no temp file left behind
+
+
+def test_expired_lease_is_taken_over_and_the_old_holder_loses(store):
+    job_id = _job(store, 1)
+    (old,) = store.lease("dead", ["digits"], 1, ttl=0.05)
+    assert store.lease("w2", ["digits"], 1, ttl=30) == []  # not expired yet
+    time.sleep(0.1)
+    (new,) = store.lease("w2", ["digits"], 1, ttl=30)
+    assert [ls.key for ls in store.heartbeat([old], ttl=30)] == [old.key]  # the old holder learns it lost
+    assert not store.commit_result(old, b"late")
+    assert store.commit_result(new, b"new")
+    job = store.get_job(job_id)
+    assert job.state == "done" and job.items[0].attempts == 2
+    assert store.image_path(job_id, 0).read_bytes() == b"new"
+
+
+def test_attempts_are_limited(tmp_path, kind):
+    store = _open(kind, tmp_path)
+    store.max_attempts = 2
+    job_id = _job(store, 1)
+    for _ in range(2):
+        (ls,) = store.lease("w", ["digits"], 1, ttl=30)
+        store.release([ls])  # its worker died
+    assert store.lease("w", ["digits"], 1, ttl=30) == []
+    item = store.get_job(job_id).items[0]
+    assert item.state == "failed" and "gave up after 2 attempts" in item.error
+
+
+def test_graceful_release_does_not_count(store):
+    job_id = _job(store, 1)
+    (ls,) = store.lease("w", ["digits"], 1, ttl=30)
+    store.release([ls], count_attempt=False)
+    item = store.get_job(job_id).items[0]
+    assert (item.state, item.attempts, item.step) == ("queued", 0, 0)
+
+
+def test_cancel(store):
+    job_id = _job(store, 3)
+    leases = store.lease("w", ["digits"], 2, ttl=30)
+    assert store.commit_result(leases[0], b"done before the cancel")
+    assert store.cancel_job(job_id)
+    assert [ls.key for ls in store.heartbeat(leases[1:], ttl=30)] == [leases[1].key]
+    assert not store.commit_result(leases[1], b"too late")
+    assert store.lease("w", ["digits"], 5, ttl=30) == []  # the queued item never runs
+    job = store.get_job(job_id)
+    assert job.state == "cancelled" and job.counts == {"done": 1, "cancelled": 2}
+    assert store.image_path(job_id, 1) is None
+    assert not store.cancel_job("no-such-job")
+
+
+def test_leases_follow_models_and_fifo(store):
+    a = _job(store, 2, model="digits")
+    b = _job(store, 2, model="other")
+    c = _job(store, 2, model="digits")
+    assert [(ls.job_id, ls.index) for ls in store.lease("w", ["digits"], 3, ttl=30)] == [(a, 0), (a, 1), (c, 0)]
+    assert {ls.job_id for ls in store.lease("w", ["other"], 5, ttl=30)} == {b}
+
+
+def test_concurrent_leases_never_overlap(store):
+    _job(store, 60)
+    got: list[list[str]] = [[] for _ in range(4)]
+
+    def worker(k: int) -> None:
+        while leases := store.lease(f"w{k}", ["digits"], 3, ttl=30):
+            got[k] += [ls.key for ls in leases]
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    keys = [k for g in got for k in g]
+    assert len(keys) == 60 and len(set(keys)) == 60
+
+
+def test_a_reopened_store_keeps_everything(tmp_path, kind):
+    store = _open(kind, tmp_path)
+    job_id = _job(store, 2)
+    (ls,) = store.lease("crashed", ["digits"], 1, ttl=0.05)
+    store.engine.dispose()  # the "process" goes away without releasing its lease
+    again = Store(store.engine.url.render_as_string(hide_password=False), tmp_path)
+    time.sleep(0.1)
+    assert sorted(x.index for x in again.lease("new", ["digits"], 5, ttl=30)) == [0, 1]
+    assert again.get_job(job_id).state == "running"
+
+
+def test_list_jobs_pages_newest_first(store):
+    ids = [_job(store, 1) for _ in range(5)]
+    page, total = store.list_jobs(limit=2, offset=0)
+    assert total == 5 and [j.id for j in page] == ids[::-1][:2] and page[0].items is None
+    page, _ = store.list_jobs(limit=2, offset=4)
+    assert [j.id for j in page] == ids[:1]
+
+
+@pytest.mark.parametrize("cancelled, counts, state", [
+    (False, {"queued": 2}, "queued"),
+    (False, {"queued": 1, "running": 1}, "running"),
+    (False, {"queued": 1, "done": 1}, "running"),
+    (False, {"done": 2}, "done"),
+    (False, {"done": 1, "failed": 1}, "failed"),
+    (True, {"done": 1, "cancelled": 1}, "cancelled"),
+    (True, {"running": 1, "cancelled": 1}, "running"),
+])
+def test_job_state(cancelled, counts, state):
+    assert job_state(cancelled, counts) == state

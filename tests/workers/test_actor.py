@@ -1,0 +1,93 @@
+"""The worker (the body of the Ray actor) with the real engine and the digits model, without Ray:
+its step-loop thread, the poll contract, cancel at a step boundary, failures and determinism."""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from workers.actor import Worker, WorkerSpec, WorkItem
+
+DIGITS_DIR = Path(__file__).resolve().parents[2] / "workers" / "models" / "digits"
+
+
+@pytest.fixture(scope="module")
+def worker():
+    if not (DIGITS_DIR / "model_index.json").exists():
+        pytest.skip("the shipped digits model (workers/models/digits) is missing")
+    w = Worker(WorkerSpec(models=("digits",), max_batch=8, torch_threads=1))
+    yield w
+    w.stop()
+
+
+def _item(i: int, label: int = 3, seed: int = 0, steps: int = 10, **kw) -> WorkItem:
+    return WorkItem(id=f"job/{i}", model="digits", label=label, seed=seed, sampler="ddim", steps=steps,
+                    guidance=2.0, **kw)
+
+
+def _drain(worker: Worker, ids: set[str], timeout: float = 60.0) -> tuple[dict, dict, list[dict]]:
+    """Poll until every id finished or failed; returns (finished, failed, reports)."""
+    finished, failed, reports = {}, {}, []
+    deadline = time.monotonic() + timeout
+    while not ids <= finished.keys() | failed.keys():
+        assert time.monotonic() < deadline, f"worker did not finish {ids - finished.keys() - failed.keys()}"
+        time.sleep(0.02)
+        report = worker.poll()
+        reports.append(report)
+        finished.update(report["finished"])
+        failed.update(report["failed"])
+    return finished, failed, reports
+
+
+def test_items_run_with_progress_and_come_back_as_pngs(worker):
+    items = [_item(i, label=i, seed=i) for i in range(4)]
+    assert worker.info()["models"] == ["digits"]
+    assert worker.submit(items) == [True] * 4
+    finished, failed, reports = _drain(worker, {it.id for it in items})
+    assert failed == {}
+    steps_seen = {s for r in reports for (s, total) in r["progress"].values() if total == 10}
+    assert steps_seen & set(range(1, 10)), "progress should show items between steps"
+    img = Image.open(io.BytesIO(finished["job/0"]))
+    assert (img.size, img.mode) == ((8, 8), "L")
+    assert sum(len(r["step_seconds"]) for r in reports) >= 10
+    busy, wall = sum(r["busy_s"] for r in reports), sum(r["window_s"] for r in reports)
+    assert 0.0 < busy <= wall * 1.05  # a step ends in one poll's window but may have begun in the one before
+
+
+def test_cancel_stops_an_item_at_a_step_boundary(worker):
+    slow, quick = _item(10, steps=1000), _item(11, steps=20)
+    worker.submit([slow, quick])
+    deadline = time.monotonic() + 30
+    while worker.poll()["progress"].get(slow.id, (0, 0))[0] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert worker.cancel([slow.id]) == [True]
+    finished, _, reports = _drain(worker, {quick.id})
+    time.sleep(0.1)
+    last = worker.poll()
+    assert slow.id not in finished and slow.id not in dict(last["finished"]) and slow.id not in last["progress"]
+    assert worker.engine.num_active == 0
+
+
+def test_a_bad_item_fails_alone(worker):
+    bad_model, bad_eta, good = _item(20), _item(21), _item(22)
+    bad_model = WorkItem(**{**bad_model.__dict__, "model": "nope"})
+    bad_eta = WorkItem(**{**bad_eta.__dict__, "sampler": "euler", "eta": 0.5})
+    worker.submit([bad_model, bad_eta, good])
+    finished, failed, _ = _drain(worker, {bad_model.id, bad_eta.id, good.id})
+    assert set(failed) == {bad_model.id, bad_eta.id} and set(finished) == {good.id}
+    assert "nope" in failed[bad_model.id] and "eta" in failed[bad_eta.id]
+
+
+def test_an_image_does_not_depend_on_its_batch(worker):
+    alone = _item(30, label=5, seed=77)
+    worker.submit([alone])
+    first, _, _ = _drain(worker, {alone.id})
+    crowd = [_item(31 + i, label=i % 10, seed=i) for i in range(6)] + [_item(40, label=5, seed=77)]
+    worker.submit(crowd)
+    second, _, _ = _drain(worker, {it.id for it in crowd})
+    assert second["job/40"] == first["job/30"]

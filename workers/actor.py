@@ -1,0 +1,203 @@
+"""The worker: one Ray actor per GPU (or one CPU worker), thin around the batch engine.
+
+``__init__`` loads the configured models, builds an ``Engine`` and warms its graphs once; then a
+background thread runs the step loop. The actor's methods only pass messages to that thread and
+never touch the engine, so the engine stays single-threaded:
+
+- ``submit(items)`` / ``cancel(ids)`` queue work; the loop admits or drops it at the next step
+  boundary (a cancelled item stops before its next step). Each returns a list as long as its input.
+- ``poll()`` hands over what happened since the last poll: per-item progress, finished items as
+  PNG bytes, failed items with their error, step durations, seconds spent stepping out of the
+  seconds since the last poll, and the engine's counters.
+
+The worker keeps no durable state: the scheduler holds the leases, the store holds the truth. If
+the actor dies, its items return to the queue. Heavy imports (torch, the engine) happen inside
+the actor process, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    models: tuple[str, ...] = ("digits",)
+    device: str = "auto"   # auto: CUDA when present (Ray sets CUDA_VISIBLE_DEVICES per actor)
+    dtype: str = "auto"    # auto: bfloat16 on CUDA except for digits, else float32
+    backend: str = "auto"  # auto: breakable on CUDA, eager on the CPU
+    max_batch: int = 64
+    torch_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One image to make; ``id`` is the store's item key."""
+
+    id: str
+    model: str
+    label: int
+    seed: int
+    sampler: str
+    steps: int
+    guidance: float
+    eta: float = 0.0
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec):
+        import torch
+
+        from workers.engine import Engine, EngineConfig
+        from workers.loading import load_model
+
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
+        cuda = torch.cuda.is_available()
+        self.device = ("cuda" if cuda else "cpu") if spec.device == "auto" else spec.device
+        on_cuda = self.device.startswith("cuda")
+        models = [load_model(m, device=self.device, dtype=_dtype(spec.dtype, m, on_cuda)) for m in spec.models]
+        self.backend = ("breakable" if on_cuda else "eager") if spec.backend == "auto" else spec.backend
+        self.engine = Engine(models, EngineConfig(backend=self.backend, max_batch=spec.max_batch))
+        t0 = time.perf_counter()
+        self.engine.warmup()
+        log.info("worker ready: %s on %s (%s), warm-up %.1f s", ", ".join(self.engine.models), self.device,
+                 self.backend, time.perf_counter() - t0)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._progress: dict[str, tuple[int, int]] = {}
+        self._finished: list[tuple[str, bytes]] = []
+        self._failed: list[tuple[str, str]] = []
+        self._step_seconds: list[float] = []
+        self._busy_s, self._since = 0.0, time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- the actor's methods (called by the scheduler) ---------------------------------------------
+    def info(self) -> dict:
+        """Returns once the worker is ready (Ray runs methods after ``__init__``)."""
+        return {"models": sorted(self.engine.models), "device": self.device, "backend": self.backend}
+
+    def submit(self, items: list[WorkItem]) -> list[bool]:
+        for item in items:
+            self._inbox.put(("add", item))
+        return [True] * len(items)
+
+    def cancel(self, ids: list[str]) -> list[bool]:
+        for item_id in ids:
+            self._inbox.put(("cancel", item_id))
+        return [True] * len(ids)
+
+    def poll(self) -> dict:
+        now = time.perf_counter()
+        with self._lock:
+            report = {"progress": dict(self._progress), "finished": self._finished, "failed": self._failed,
+                      "step_seconds": self._step_seconds, "busy_s": self._busy_s, "window_s": now - self._since,
+                      "stats": self.engine.stats()}
+            self._finished, self._failed, self._step_seconds = [], [], []
+            self._busy_s, self._since = 0.0, now
+        return report
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    # -- the step loop (its own thread) -------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._admit(block=self.engine.num_active == 0)
+            if self.engine.num_active:
+                self._step()
+
+    def _admit(self, block: bool) -> None:
+        """Apply queued submits and cancels; wait briefly for work when idle."""
+        try:
+            msg = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*msg)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, kind: str, payload) -> None:
+        from workers.engine import ImageRequest
+
+        if kind == "cancel":
+            self.engine.cancel(payload)
+            with self._lock:
+                self._progress.pop(payload, None)
+            return
+        it: WorkItem = payload
+        try:
+            self.engine.add(ImageRequest(id=it.id, label=it.label, seed=it.seed, sampler=it.sampler, steps=it.steps,
+                                         guidance=it.guidance, eta=it.eta, model=it.model))
+        except (KeyError, ValueError) as e:
+            with self._lock:
+                self._failed.append((it.id, f"{type(e).__name__}: {e}"))
+            return
+        with self._lock:
+            self._progress[it.id] = (0, it.steps)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            results = self.engine.step(self._on_progress)
+        except Exception as e:  # a step that raises fails the items in it, not the worker
+            log.exception("engine step failed")
+            self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+            return
+        dt = time.perf_counter() - t0
+        pngs = [(r.request.id, _png(r.image)) for r in results]
+        with self._lock:
+            self._step_seconds.append(dt)
+            self._busy_s += dt
+            self._finished += pngs
+            for item_id, _ in pngs:
+                self._progress.pop(item_id, None)
+
+    def _on_progress(self, item_id: str, done: int, total: int) -> None:
+        with self._lock:
+            self._progress[item_id] = (done, total)
+
+    def _fail_all(self, error: str) -> None:
+        ids = list(self.engine.progress())
+        for item_id in ids:
+            self.engine.cancel(item_id)
+        with self._lock:
+            self._failed += [(i, error) for i in ids]
+            for i in ids:
+                self._progress.pop(i, None)
+
+
+def _dtype(name: str, model: str, on_cuda: bool):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if on_cuda and model != "digits" else torch.float32
+    return getattr(torch, name)
+
+
+def _png(image) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def remote_worker_class():
+    """``Worker`` as a Ray actor class (ray imported only when a scheduler asks for it)."""
+    import ray
+
+    return ray.remote(max_restarts=0)(Worker)
