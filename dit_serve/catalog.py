@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dit_serve.config import LimitsConfig
 from dit_serve.schemas import ImageGenerationRequest, JobParams, JobRequest, ModelCard
+from workers.labels import resolve_label
 
 BUILTIN_RESOLUTIONS = {"dit-xl-2-256": 256, "dit-xl-2-512": 512}  # as workers.loading
 FALLBACK_DEFAULTS = {"guidance": 4.0, "sampler": "ddim", "steps": 50}
@@ -41,21 +42,10 @@ class ModelInfo:
 
     def label_id(self, label: int | str) -> int:
         """As ``LoadedModel.label_id``: a class number, or a name among id2label's comma-separated names."""
-        if isinstance(label, str) and label.strip().lstrip("-").isdigit():
-            label = int(label)
-        if isinstance(label, int):
-            if 0 <= label < self.num_classes:
-                return label
-            raise RequestError(f"label {label} is outside model {self.name!r}'s classes 0..{self.num_classes - 1}",
-                               "labels")
-        key = label.strip().lower()
-        for idx, names in self.id2label.items():
-            if key in (n.strip().lower() for n in names.split(",")):
-                return idx
-        hint = ", ".join(list(self.id2label.values())[:5])
-        raise RequestError(f"unknown class name {label!r} for model {self.name!r}" + (
-            f" (class names look like: {hint}, ...)" if hint else f" (it has no class names: use 0..{self.num_classes - 1})"),
-            "labels")
+        try:
+            return resolve_label(label, self.num_classes, self.id2label, self.name)
+        except ValueError as e:
+            raise RequestError(str(e), "labels") from None
 
     def card(self) -> ModelCard:
         names = [self.id2label.get(i, "") for i in range(self.num_classes)] if self.id2label else []

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from samplers import NoiseSchedule
+from workers.labels import resolve_label
 
 log = logging.getLogger(__name__)
 
@@ -75,20 +76,10 @@ class LoadedModel:
 
     def label_id(self, label: int | str) -> int:
         """A class index from a number or a name in id2label; ModelError when it is not a class."""
-        if isinstance(label, str) and label.strip().lstrip("-").isdigit():
-            label = int(label)
-        if isinstance(label, int):
-            if 0 <= label < self.num_classes:
-                return label
-            raise ModelError(f"label {label} is outside model {self.name!r}'s classes 0..{self.num_classes - 1}")
-        key = label.strip().lower()
-        for idx, names in self.id2label.items():
-            if key in (n.strip().lower() for n in names.split(",")):
-                return idx
-        hint = ", ".join(list(self.id2label.values())[:5])
-        raise ModelError(f"unknown class name {label!r} for model {self.name!r}"
-                         + (f" (class names look like: {hint}, ...)" if hint else " (it has no class names: use 0.."
-                            f"{self.num_classes - 1})"))
+        try:
+            return resolve_label(label, self.num_classes, self.id2label, self.name)
+        except ValueError as e:
+            raise ModelError(str(e)) from None
 
 
 def builtin_names() -> list[str]:
