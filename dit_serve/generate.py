@@ -69,15 +69,16 @@ def prepare_out(out: Path) -> Path:
         raise UsageError(f"output directory {str(out)!r} is not writable: {e.strerror or e}") from None
 
 
-def grid(images: list[np.ndarray], cols: int, min_side: int = 64) -> Image.Image:
-    """Tile images row-major, each upscaled (nearest) so small ones are viewable."""
+def grid(images: list[np.ndarray], cols: int, min_side: int = 64, gap: int = 4) -> Image.Image:
+    """Tile images row-major, each upscaled (nearest) so small ones are viewable, with a grey gap."""
     h, w = images[0].shape[:2]
     scale = max(1, -(-min_side // h))
-    tiles = [Image.fromarray(img).convert("RGB").resize((w * scale, h * scale), Image.NEAREST) for img in images]
+    th, tw = h * scale, w * scale
+    tiles = [Image.fromarray(img).convert("RGB").resize((tw, th), Image.NEAREST) for img in images]
     rows = -(-len(tiles) // cols)
-    canvas = Image.new("RGB", (cols * w * scale, rows * h * scale))
+    canvas = Image.new("RGB", (cols * (tw + gap) + gap, rows * (th + gap) + gap), (96, 96, 96))
     for i, tile in enumerate(tiles):
-        canvas.paste(tile, ((i % cols) * w * scale, (i // cols) * h * scale))
+        canvas.paste(tile, (gap + (i % cols) * (tw + gap), gap + (i // cols) * (th + gap)))
     return canvas
 
 

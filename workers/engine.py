@@ -174,7 +174,7 @@ class Engine:
             x=torch.stack([a.x for a in active]), t=t.to(device), coeffs=coeffs.to(device),
             labels=torch.tensor([a.req.label for a in active], device=device),
             guidance=torch.tensor([a.req.guidance for a in active], dtype=torch.float32, device=device),
-            hist=torch.stack([a.hist for a in active]), noise=self._noise(active, group.model).to(device))
+            hist=torch.stack([a.hist for a in active]), noise=self._noise(active, group.model))
         done: list[_Active] = []
         for i, a in enumerate(active):
             a.x, a.hist, a.step = out["x_next"][i], out["hist_next"][i], a.step + 1
@@ -189,10 +189,12 @@ class Engine:
 
     @staticmethod
     def _noise(active: list[_Active], model: LoadedModel) -> torch.Tensor:
-        """Fresh per-step noise for ancestral rows (each from its own generator), zeros elsewhere."""
+        """Fresh per-step noise for ancestral rows (each from its own CPU generator), zeros elsewhere."""
+        if not any(a.plan.stochastic for a in active):  # no host noise to ship: zeros made on the device
+            return torch.zeros((len(active), *model.latent_shape), device=model.device)
         rows = [torch.randn(model.latent_shape, generator=a.gen) if a.plan.stochastic
                 else torch.zeros(model.latent_shape) for a in active]
-        return torch.stack(rows)  # (B, C, H, W)
+        return torch.stack(rows).to(model.device)  # (B, C, H, W)
 
     def _finish(self, model: LoadedModel, done: list[_Active]) -> list[ImageResult]:
         latents = torch.stack([a.x for a in done])  # (B, C, H, W)

@@ -141,7 +141,7 @@ def _load_transformer(path: Path, device, dtype) -> torch.nn.Module:
                          "num_embeds_ada_norm): other transformers are not supported yet")
     model = _instantiate(DiTTransformer2DModel, cfg)
     _load_weights(model, path)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return _cast(model, device, dtype)
 
 
 def _load_vae(path: Path, device, dtype) -> torch.nn.Module:
@@ -149,7 +149,13 @@ def _load_vae(path: Path, device, dtype) -> torch.nn.Module:
 
     model = _instantiate(AutoencoderKL, _read_json(path / "config.json"))
     _load_weights(model, path)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return _cast(model, device, dtype)
+
+
+def _cast(model: torch.nn.Module, device, dtype: torch.dtype) -> torch.nn.Module:
+    """Move, cast and freeze for inference. nn.Module.to, not diffusers' override: the override logs a
+    warning on every dtype cast (its keep-in-float32 check) even for models with nothing to keep."""
+    return torch.nn.Module.to(model, device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def _instantiate(cls, cfg: dict) -> torch.nn.Module:
@@ -186,9 +192,7 @@ def _builtin_dit_xl(name: str, device, dtype) -> LoadedModel:
     with torch.device(device):
         transformer = DiTTransformer2DModel(**DIT_XL_2, sample_size=BUILTIN_RESOLUTIONS[name] // 8)
         vae = AutoencoderKL(**SD_VAE_FT_EMA, sample_size=BUILTIN_RESOLUTIONS[name])
-    transformer = transformer.to(dtype=dtype).eval().requires_grad_(False)
-    vae = vae.to(dtype=dtype).eval().requires_grad_(False)
-    return _assemble(name, transformer, vae, DIT_SCHEDULER, {}, {})
+    return _assemble(name, _cast(transformer, device, dtype), _cast(vae, device, dtype), DIT_SCHEDULER, {}, {})
 
 
 def _read_json(path: Path) -> dict:
