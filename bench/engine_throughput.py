@@ -47,17 +47,20 @@ class Setup:
     guidance: float
     max_batch: int
     wait_s: float
-    jobs_per_point: int
+    window_s: float   # arrivals at each load point come within this window...
+    drain_s: float    # ...and the point stops this long after it (unfinished requests are censored)
     loads: dict = field(default_factory=dict)  # system -> offered images/s list
 
 
-def make_jobs(load: float, count: int, seed: int, resolutions: tuple[int, ...], classes: int) -> list[Job]:
+def make_jobs(load: float, seed: int, resolutions: tuple[int, ...], classes: int,
+              window_s: float = float("inf"), count: int | None = None) -> list[Job]:
+    """Poisson arrivals at ``load`` images/s within ``window_s`` (or ``count`` requests)."""
     rng = random.Random(seed)
     jobs, t = [], 0.0
-    for i in range(count):
+    while (count is None and t < window_s) or (count is not None and len(jobs) < count):
         u = rng.random()
         n = 1 if u < 0.70 else rng.randint(2, 8) if u < 0.95 else rng.randint(16, 100)
-        jobs.append(Job(i, t, n, rng.choice(resolutions), rng.randrange(classes)))
+        jobs.append(Job(len(jobs), t, n, rng.choice(resolutions), rng.randrange(classes)))
         t += rng.expovariate(load / 4.85)  # mean request size of the mix: 0.7 + 0.25*5 + 0.05*58 = 4.85
     return jobs
 
@@ -68,12 +71,16 @@ def sync() -> None:
 
 
 # -- systems a and b: our engine ---------------------------------------------------------------------
-def run_engine(engine, jobs: list[Job], s: Setup, step_level: bool) -> None:
+def run_engine(engine, jobs: list[Job], s: Setup, step_level: bool, stop_s: float) -> None:
     from workers.engine import ImageRequest
 
     pending, start, by_id = list(jobs), time.perf_counter(), {j.id: j for j in jobs}
     while pending or engine.num_active:
         now = time.perf_counter() - start
+        if now > stop_s:
+            for rid in list(engine.progress()):  # leave the engine empty for the next point
+                engine.cancel(rid)
+            return
         if step_level or engine.num_active == 0:
             while pending and pending[0].arrival <= now:
                 j = pending.pop(0)
@@ -104,10 +111,12 @@ def pipelines(s: Setup) -> dict:
     return out
 
 
-def run_pipeline(pipes: dict, jobs: list[Job], s: Setup, static: bool) -> None:
+def run_pipeline(pipes: dict, jobs: list[Job], s: Setup, static: bool, stop_s: float) -> None:
     pending, start = list(jobs), time.perf_counter()
     while pending:
         now = time.perf_counter() - start
+        if now > stop_s:
+            return
         if pending[0].arrival > now:
             time.sleep(min(0.005, pending[0].arrival - now))
             continue
@@ -131,19 +140,24 @@ def run_pipeline(pipes: dict, jobs: list[Job], s: Setup, static: bool) -> None:
 
 
 # -- measurement -------------------------------------------------------------------------------------
-def summarise(system: str, workload: str, load: float, jobs: list[Job]) -> dict:
-    lat = np.array([(j.finished - j.arrival) * 1e3 for j in jobs])
-    span = max(j.finished for j in jobs) - min(j.arrival for j in jobs)
+def summarise(system: str, workload: str, load: float, jobs: list[Job], stop_s: float) -> dict:
+    """Completed images/s over the run; latency percentiles with unfinished requests censored at the stop
+    (so a saturated system's p99 is a lower bound)."""
+    end = max([j.finished for j in jobs if j.finished is not None] + [0.0])
+    elapsed = stop_s if any(j.finished is None for j in jobs) else end
+    lat = np.array([((j.finished if j.finished is not None else stop_s) - j.arrival) * 1e3 for j in jobs])
+    done = sum(j.n for j in jobs if j.finished is not None)
     return {"system": system, "workload": workload, "offered_images_per_s": load,
-            "images_per_s": round(sum(j.n for j in jobs) / span, 3),
-            "p50_ms": round(float(np.percentile(lat, 50)), 1), "p99_ms": round(float(np.percentile(lat, 99)), 1)}
+            "images_per_s": round(done / max(elapsed, 1e-9), 3),
+            "p50_ms": round(float(np.percentile(lat, 50)), 1), "p99_ms": round(float(np.percentile(lat, 99)), 1),
+            "requests": len(jobs), "unfinished": sum(j.finished is None for j in jobs)}
 
 
-def run_system(system: str, jobs: list[Job], s: Setup, engines: dict, pipes: dict) -> None:
+def run_system(system: str, jobs: list[Job], s: Setup, engines: dict, pipes: dict, stop_s: float) -> None:
     if system in ("a", "b"):
-        run_engine(engines[system], jobs, s, step_level=system == "a")
+        run_engine(engines[system], jobs, s, step_level=system == "a", stop_s=stop_s)
     else:
-        run_pipeline(pipes, jobs, s, static=system == "d")
+        run_pipeline(pipes, jobs, s, static=system == "d", stop_s=stop_s)
 
 
 def bench(s: Setup, workloads: dict, out: Path, label: str) -> dict:
@@ -159,19 +173,20 @@ def bench(s: Setup, workloads: dict, out: Path, label: str) -> dict:
     rows, max_ips, single = [], {}, {}
     for workload, res in workloads.items():
         for system, loads in s.loads.items():
+            stop = s.window_s + s.drain_s
             for i, load in enumerate(loads):
-                jobs = make_jobs(load, s.jobs_per_point, seed=i, resolutions=res, classes=classes)
-                run_system(system, jobs, s, engines, pipes)
-                rows.append(summarise(system, workload, load, jobs))
+                jobs = make_jobs(load, seed=i, resolutions=res, classes=classes, window_s=s.window_s)
+                run_system(system, jobs, s, engines, pipes, stop)
+                rows.append(summarise(system, workload, load, jobs, stop))
                 print(rows[-1], flush=True)
-            backlog = make_jobs(1e9, s.jobs_per_point, seed=99, resolutions=res, classes=classes)  # all at t=0
-            run_system(system, backlog, s, engines, pipes)
-            max_ips[f"{system}/{workload}"] = summarise(system, workload, float("inf"), backlog)["images_per_s"]
+            backlog = make_jobs(1e9, seed=99, resolutions=res, classes=classes, count=40)  # all queued at t=0
+            run_system(system, backlog, s, engines, pipes, stop)
+            max_ips[f"{system}/{workload}"] = summarise(system, workload, float("inf"), backlog, stop)["images_per_s"]
     for system in [x for x in ("a", "c") if x in s.loads]:
         lat = []
         for rep in range(3):
             job = [Job(rep, 0.0, 1, min(s.models), 7)]
-            run_system(system, job, s, engines, pipes)
+            run_system(system, job, s, engines, pipes, float("inf"))
             lat.append(job[0].finished * 1e3)
         single[system] = round(float(np.median(lat)), 1)
     a = engines["a"]
@@ -198,6 +213,17 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def markdown(result: dict) -> str:
+    lines = [f"# Engine throughput on {result['gpu']} (torch {result['torch']}, diffusers {result['diffusers']})", "",
+             "| system | workload | offered img/s | done img/s | p50 ms | p99 ms | unfinished |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['system']} | {r['workload']} | {r['offered_images_per_s']} | {r['images_per_s']} | {r['p50_ms']} | "
+              f"{r['p99_ms']} | {r['unfinished']}/{r['requests']} |" for r in result["rows"]]
+    lines += ["", "Max sustained images/s: " + ", ".join(f"{k} {v}" for k, v in result["max_images_per_s"].items()),
+              "", "Single image ms: " + ", ".join(f"{k} {v}" for k, v in result["single_image_ms"].items()),
+              "", f"Padding fraction (system a): {result['padding_fraction']}"]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     import diffusers
 
@@ -206,26 +232,30 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny run on digits (CPU is fine): checks the harness")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    p.add_argument("--jobs", type=int, default=40, help="requests per load point")
+    p.add_argument("--workloads", nargs="+", default=["256", "mixed"], choices=["256", "mixed"])
+    p.add_argument("--window", type=float, default=12.0, help="seconds of arrivals per load point")
     args = p.parse_args()
     if args.smoke:
         m = load_model("digits")
         m.vae = None
-        s = Setup({8: m}, steps=5, guidance=4.0, max_batch=16, wait_s=0.05, jobs_per_point=6,
+        s = Setup({8: m}, steps=5, guidance=4.0, max_batch=16, wait_s=0.05, window_s=1.0, drain_s=4.0,
                   loads={"a": [20.0], "b": [20.0]})
         workloads = {"single": (8,)}
     else:
         dev, dt = "cuda", torch.bfloat16
         models = {r: load_model(f"dit-xl-2-{r}", device=dev, dtype=dt) for r in (256, 512)}
-        s = Setup(models, steps=50, guidance=4.0, max_batch=64, wait_s=0.1, jobs_per_point=args.jobs,
-                  loads={"a": [5, 10, 20, 40], "b": [5, 10, 20], "c": [1, 2, 4], "d": [2, 5, 10, 20]})
-        workloads = {"256": (256,), "mixed": (256, 512)}
+        s = Setup(models, steps=50, guidance=4.0, max_batch=64, wait_s=0.1, window_s=args.window,
+                  drain_s=args.window, loads={"a": [5, 10, 20, 40], "b": [5, 10, 20], "c": [1, 2, 4],
+                                              "d": [2, 5, 10, 20]})
+        workloads = {w: {"256": (256,), "mixed": (256, 512)}[w] for w in args.workloads}
     result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "diffusers": diffusers.__version__}
     result.update(bench(s, workloads, args.out, "smoke" if args.smoke else "full"))
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "engine_throughput_smoke" if args.smoke else "engine_throughput"
+    both = len(args.workloads) == 2
+    name = "engine_throughput_smoke" if args.smoke else "engine_throughput" + ("" if both else f"_{args.workloads[0]}")
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"{name}.md").write_text(markdown(result))
     if not args.smoke:
         plot(result, args.out / f"{name}_p99.png")
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
