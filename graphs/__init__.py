@@ -2,6 +2,7 @@
 
 torch and the standard library only: graph code receives a callable and tensors, never a model class.
 Decision logic (buckets, splitting, arena offsets) is CUDA-free and tested on a CPU.
+"Pitfall N" in this package refers to the numbered list in docs/graph-pitfalls.md.
 """
 
 from .arena import Arena, ArenaLayout, TensorSpec
