@@ -28,5 +28,5 @@ def test_demo(digits_model, tmp_path):
     assert manifest["state"] == "done" and [e["label"] for e in entries] == [d for d in range(10) for _ in range(2)]
     images = [Image.open(out / e["file"]) for e in entries]
     assert oracle(images, [e["label"] for e in entries]) >= 0.8
-    assert Image.open(out / "grid.png").size == (2 * 64, 10 * 64)  # one row per digit
+    assert Image.open(out / "grid.png").size == (2 * 68 + 4, 10 * 68 + 4)  # one row per digit: 64 px tiles, 4 px gaps
     assert sorted(p.name for p in out.iterdir()) == sorted([e["file"] for e in entries] + ["grid.png", "manifest.json"])
