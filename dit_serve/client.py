@@ -15,10 +15,11 @@ pillow; never torch or ray, so a laptop can submit to a remote cluster. Service 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 
@@ -225,3 +226,16 @@ class AsyncClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+
+@contextlib.contextmanager
+def service_url(url: str | None) -> Iterator[str]:
+    """Yield ``url`` when one is given; else start a throwaway local service for the block (this needs
+    the server side: Ray, torch) and yield its address. For scripts that work either way."""
+    if url:
+        yield url
+        return
+    from dit_serve.service import local_service  # server side, imported only when asked for
+
+    with local_service() as svc:
+        yield svc.url

@@ -13,10 +13,9 @@ import argparse
 import json
 import time
 import zipfile
-from contextlib import nullcontext
 from pathlib import Path
 
-from dit_serve.client import Client
+from dit_serve.client import Client, service_url
 
 
 def run(url: str, count: int, out: Path) -> Path:
@@ -43,13 +42,8 @@ def main() -> None:
     p.add_argument("--count", type=int, default=1000)
     p.add_argument("--out", type=Path, default=Path("out/batch_job"))
     args = p.parse_args()
-    if args.url:
-        service = nullcontext(None)
-    else:
-        from dit_serve.service import local_service
-        service = local_service()
-    with service as svc:
-        run(args.url or svc.url, args.count, args.out)
+    with service_url(args.url) as url:
+        run(url, args.count, args.out)
 
 
 if __name__ == "__main__":

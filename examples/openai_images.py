@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-from contextlib import nullcontext
 from pathlib import Path
 
 import httpx
 from PIL import Image
+
+from dit_serve.client import service_url
 
 
 def with_httpx(url: str, out: Path) -> list[Path]:
@@ -60,13 +61,8 @@ def main() -> None:
     p.add_argument("--url", help="a running service; default: start a local one for this run")
     p.add_argument("--out", type=Path, default=Path("out/openai_images"))
     args = p.parse_args()
-    if args.url:
-        service = nullcontext(None)
-    else:
-        from dit_serve.service import local_service
-        service = local_service()
-    with service as svc:
-        run(args.url or svc.url, args.out)
+    with service_url(args.url) as url:
+        run(url, args.out)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,9 @@ The SDK (``dit_serve.client``) needs neither torch nor ray: a laptop can submit 
 from __future__ import annotations
 
 import argparse
-from contextlib import nullcontext
 from pathlib import Path
 
-from dit_serve.client import Client
+from dit_serve.client import Client, service_url
 
 
 def run(url: str, out: Path) -> list[Path]:
@@ -35,13 +34,8 @@ def main() -> None:
     p.add_argument("--url", help="a running service; default: start a local one for this run")
     p.add_argument("--out", type=Path, default=Path("out/quickstart"))
     args = p.parse_args()
-    if args.url:
-        service = nullcontext(None)
-    else:
-        from dit_serve.service import local_service  # server side: Ray, the store, the workers
-        service = local_service()
-    with service as svc:
-        run(args.url or svc.url, args.out)
+    with service_url(args.url) as url:
+        run(url, args.out)
 
 
 if __name__ == "__main__":
