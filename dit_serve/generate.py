@@ -82,21 +82,31 @@ def grid(images: list[np.ndarray], cols: int, min_side: int = 64, gap: int = 4) 
     return canvas
 
 
-def write_outputs(out: Path, staging: Path, model_name: str, entries: list[dict],
-                  images: list[np.ndarray], cols: int) -> Path:
-    """Write PNGs and the grid into staging, move them into DIR, write the manifest last (atomically)."""
+def publish(staging: Path, out: Path, files: list[str], manifest: dict) -> Path:
+    """Move staged files into DIR one by one, then write the manifest last (atomically), so DIR never
+    holds a manifest that names missing files. Removes the staging folder in any case."""
     try:
-        for entry, img in zip(entries, images):
-            Image.fromarray(img).save(staging / entry["file"])
-        grid(images, cols).save(staging / "grid.png")
-        for name in [e["file"] for e in entries] + ["grid.png"]:
+        for name in files:
             os.replace(staging / name, out / name)
-        manifest = {"model": model_name, "grid": "grid.png", "images": entries}
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(staging / "manifest.json", out / "manifest.json")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out / "manifest.json"
+
+
+def write_outputs(out: Path, staging: Path, model_name: str, entries: list[dict],
+                  images: list[np.ndarray], cols: int) -> Path:
+    """Write PNGs and the grid into staging, then publish them and the manifest into DIR."""
+    try:
+        for entry, img in zip(entries, images):
+            Image.fromarray(img).save(staging / entry["file"])
+        grid(images, cols).save(staging / "grid.png")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    manifest = {"model": model_name, "grid": "grid.png", "images": entries}
+    return publish(staging, out, [e["file"] for e in entries] + ["grid.png"], manifest)
 
 
 def run_generate(a: GenerateArgs, progress: bool = True) -> Path:

@@ -9,9 +9,7 @@ names missing files.
 from __future__ import annotations
 
 import io
-import json
 import math
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,7 +18,7 @@ import numpy as np
 from PIL import Image
 
 from dit_serve.client import Client
-from dit_serve.generate import grid
+from dit_serve.generate import grid, publish
 from dit_serve.schemas import Job
 
 
@@ -48,12 +46,9 @@ def write_job(client: Client, job: Job, out: Path) -> Path:
             images.append(np.asarray(Image.open(io.BytesIO(png))))
             entries.append({"file": name, "index": it.index, "label": it.label, "seed": it.seed})
         grid(images, grid_columns([e["label"] for e in entries])).save(staging / "grid.png")
-        for name in [e["file"] for e in entries] + ["grid.png"]:
-            os.replace(staging / name, out / name)
-        manifest = {"job": job.id, "model": job.model, "state": job.state, **job.params.model_dump(),
-                    "grid": "grid.png", "images": entries}
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        os.replace(staging / "manifest.json", out / "manifest.json")
-    finally:
+    except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
-    return out / "manifest.json"
+        raise
+    manifest = {"job": job.id, "model": job.model, "state": job.state, **job.params.model_dump(),
+                "grid": "grid.png", "images": entries}
+    return publish(staging, out, [e["file"] for e in entries] + ["grid.png"], manifest)
