@@ -13,6 +13,8 @@ For each system: images/s and p50/p99 latency at each offered load; the maximum 
 (everything queued at t=0); single-image latency with nothing else running (a and c); padding waste.
 
     python bench/engine_throughput.py                       # on a GPU: DiT-XL/2, random weights, bf16
+    python bench/engine_throughput.py --workloads 256       # one workload (fits one 10-minute slot)...
+    python bench/engine_throughput.py --workloads mixed     # ...then the other: both merge into one report
     python bench/engine_throughput.py --smoke               # a seconds-long run of the same code on digits/CPU
 """
 
@@ -165,7 +167,7 @@ def bench(s: Setup, workloads: dict, out: Path, label: str) -> dict:
 
     backend = "breakable" if torch.cuda.is_available() else "eager"
     engines = {k: Engine(list(s.models.values()), EngineConfig(backend=backend, max_batch=s.max_batch))
-               for k in ("a", "b")}
+               for k in ("a", "b") if k in s.loads}
     for e in engines.values():
         e.warmup()
     pipes = pipelines(s) if {"c", "d"} & set(s.loads) else {}
@@ -189,10 +191,12 @@ def bench(s: Setup, workloads: dict, out: Path, label: str) -> dict:
             run_system(system, job, s, engines, pipes, float("inf"))
             lat.append(job[0].finished * 1e3)
         single[system] = round(float(np.median(lat)), 1)
-    a = engines["a"]
-    padding = a.padded_rows / max(1, a.padded_rows + a.real_rows)
-    return {"rows": rows, "max_images_per_s": max_ips, "single_image_ms": single,
-            "padding_fraction": round(padding, 4)}
+    out = {"rows": rows, "max_images_per_s": max_ips, "single_image_ms": single, "padding_fraction": None}
+    if "a" in engines:  # rows replayed for padding, over all of system a's runs
+        a = engines["a"]
+        out.update(padded_rows=a.padded_rows, real_rows=a.real_rows,
+                   padding_fraction=round(a.padded_rows / max(1, a.padded_rows + a.real_rows), 4))
+    return out
 
 
 def plot(result: dict, path: Path) -> None:
@@ -213,6 +217,31 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def sustained(row: dict) -> bool:
+    """A load point is sustained when every request finished and completions kept up with arrivals."""
+    return row["unfinished"] == 0 and row["images_per_s"] >= 0.9 * row["offered_images_per_s"]
+
+
+def targets(result: dict) -> list[dict]:
+    """The issue's targets, checked on whatever systems and workloads the result holds."""
+    out, rows, mx = [], result["rows"], result["max_images_per_s"]
+    for workload in sorted({r["workload"] for r in rows}):
+        a, c = mx.get(f"a/{workload}"), mx.get(f"c/{workload}")
+        if a is not None and c:
+            out.append({"target": f"{workload}: max sustained a >= 3x c", "value": round(a / c, 2), "met": a / c >= 3})
+        p99 = {(r["system"], r["offered_images_per_s"]): r["p99_ms"] for r in rows if r["workload"] == workload}
+        for r in rows:
+            if r["system"] == "d" and r["workload"] == workload and sustained(r):
+                if ("a", r["offered_images_per_s"]) in p99:
+                    ratio = p99[("a", r["offered_images_per_s"])] / r["p99_ms"]
+                    out.append({"target": f"{workload}: p99 a <= 0.6x d at {r['offered_images_per_s']} img/s",
+                                "value": round(ratio, 3), "met": ratio <= 0.6})
+    if "a" in result["single_image_ms"]:
+        ms = result["single_image_ms"]["a"]
+        out.append({"target": "single 256 px image (a) <= 250 ms", "value": ms, "met": ms <= 250})
+    return out
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Engine throughput on {result['gpu']} (torch {result['torch']}, diffusers {result['diffusers']})", "",
              "| system | workload | offered img/s | done img/s | p50 ms | p99 ms | unfinished |", "|---|---|---|---|---|---|---|"]
@@ -220,8 +249,38 @@ def markdown(result: dict) -> str:
               f"{r['p99_ms']} | {r['unfinished']}/{r['requests']} |" for r in result["rows"]]
     lines += ["", "Max sustained images/s: " + ", ".join(f"{k} {v}" for k, v in result["max_images_per_s"].items()),
               "", "Single image ms: " + ", ".join(f"{k} {v}" for k, v in result["single_image_ms"].items()),
-              "", f"Padding fraction (system a): {result['padding_fraction']}"]
+              "", f"Padding fraction (system a): {result['padding_fraction']}", "",
+              "| target | value | met |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in targets(result)]
     return "\n".join(lines) + "\n"
+
+
+SYSTEM_LOADS = {"a": [2, 5, 10, 20, 40], "b": [5, 10, 20], "c": [1, 2, 4], "d": [2, 5, 10, 20]}
+WORKLOADS = {"256": (256,), "mixed": (256, 512)}
+
+
+def merge(parts: list[dict]) -> dict:
+    """One report from runs of single workloads or systems (each within one call's time limit): rows
+    and figures of later parts replace those of earlier parts for the same system and workload."""
+    keys = {(p["gpu"], p["torch"], p["diffusers"]) for p in parts}
+    if len(keys) != 1:
+        raise SystemExit(f"cannot merge results from different machines or versions: {sorted(keys)}")
+    out = {k: parts[0][k] for k in ("gpu", "torch", "diffusers")}
+    rows: dict = {}
+    out.update(rows=[], max_images_per_s={}, single_image_ms={}, padding_fraction=None)
+    parts = list({(tuple(p["systems"]), tuple(p["workloads"])): p for p in parts}.values())  # a rerun replaces
+    for part in parts:
+        for r in part["rows"]:
+            rows.setdefault((r["system"], r["workload"]), {})[r["offered_images_per_s"]] = r
+        out["max_images_per_s"].update(part["max_images_per_s"])
+        out["single_image_ms"].update(part["single_image_ms"])
+        for k in ("padded_rows", "real_rows"):
+            if k in part:
+                out[k] = out.get(k, 0) + part[k]
+    if "real_rows" in out:
+        out["padding_fraction"] = round(out["padded_rows"] / max(1, out["padded_rows"] + out["real_rows"]), 4)
+    out["rows"] = [r for key in sorted(rows) for _, r in sorted(rows[key].items())]
+    return out
 
 
 def main() -> None:
@@ -232,28 +291,40 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny run on digits (CPU is fine): checks the harness")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    p.add_argument("--workloads", nargs="+", default=["256", "mixed"], choices=["256", "mixed"])
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--systems", nargs="+", default=list(SYSTEM_LOADS), choices=list(SYSTEM_LOADS))
     p.add_argument("--window", type=float, default=12.0, help="seconds of arrivals per load point")
     args = p.parse_args()
     if args.smoke:
         m = load_model("digits")
         m.vae = None
         s = Setup({8: m}, steps=5, guidance=4.0, max_batch=16, wait_s=0.05, window_s=1.0, drain_s=4.0,
-                  loads={"a": [20.0], "b": [20.0]})
+                  loads={k: [20.0] for k in args.systems if k in ("a", "b")})
         workloads = {"single": (8,)}
     else:
         dev, dt = "cuda", torch.bfloat16
-        models = {r: load_model(f"dit-xl-2-{r}", device=dev, dtype=dt) for r in (256, 512)}
+        workloads = {w: WORKLOADS[w] for w in args.workloads}
+        resolutions = sorted({r for res in workloads.values() for r in res})
+        models = {r: load_model(f"dit-xl-2-{r}", device=dev, dtype=dt) for r in resolutions}
         s = Setup(models, steps=50, guidance=4.0, max_batch=64, wait_s=0.1, window_s=args.window,
-                  drain_s=args.window, loads={"a": [5, 10, 20, 40], "b": [5, 10, 20], "c": [1, 2, 4],
-                                              "d": [2, 5, 10, 20]})
-        workloads = {w: {"256": (256,), "mixed": (256, 512)}[w] for w in args.workloads}
+                  drain_s=args.window, loads={k: SYSTEM_LOADS[k] for k in args.systems})
     result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "diffusers": diffusers.__version__}
+    t0 = time.perf_counter()
+    result.update(systems=args.systems, workloads=list(workloads))
     result.update(bench(s, workloads, args.out, "smoke" if args.smoke else "full"))
+    print(f"benchmark took {time.perf_counter() - t0:.0f} s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    both = len(args.workloads) == 2
-    name = "engine_throughput_smoke" if args.smoke else "engine_throughput" + ("" if both else f"_{args.workloads[0]}")
+    if args.smoke:
+        name = "engine_throughput_smoke"
+    else:  # each call's part is kept, and engine_throughput.json is rebuilt from all parts of this machine
+        name = "engine_throughput"
+        part = args.out / f"{name}_{'+'.join(args.workloads)}_{''.join(args.systems)}.part.json"
+        part.write_text(json.dumps(result, indent=1) + "\n")
+        parts = [json.loads(f.read_text()) for f in sorted(args.out.glob(f"{name}_*.part.json"),
+                                                           key=lambda f: f.stat().st_mtime)]
+        result = merge([x for x in parts if x["gpu"] == result["gpu"] and x["torch"] == result["torch"]])
+    result["targets"] = targets(result)
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / f"{name}.md").write_text(markdown(result))
     if not args.smoke:
