@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hmac
 import time
 import zipfile
 from tempfile import SpooledTemporaryFile
 from typing import Callable
 
-from fastapi import FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Header, Query, Request, Security
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 
 from dit_serve import __version__
@@ -27,9 +29,10 @@ from dit_serve.config import ServerConfig
 from dit_serve.metrics import Metrics
 from dit_serve.schemas import (ErrorResponse, Health, ImageData, ImageGenerationRequest, ImagesResponse, Job,
                                JobList, JobRequest, ModelList)
-from dit_serve.store import Store, dump_manifest
+from dit_serve.store import IdempotencyConflict, Store, dump_manifest
 
-ERRORS = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
+ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
+_bearer = HTTPBearer(auto_error=False, description="one of the server's API keys, when it has any")
 
 
 def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Metrics,
@@ -37,6 +40,19 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
     app = FastAPI(title="dit-serve", version=__version__, responses=ERRORS,
                   description="Batch image generation with diffusion transformers.")
     _add_error_handlers(app)
+    keys = [k.get_secret_value().encode() for k in server.api_keys]
+
+    def authorize(cred: HTTPAuthorizationCredentials | None = Security(_bearer)) -> None:
+        """Every /v1 route, when the server has API keys (health and metrics stay open, for probes)."""
+        if not keys:
+            return
+        if cred is None:
+            raise RequestError("this service needs an API key: send 'Authorization: Bearer <key>'", status=401)
+        given = cred.credentials.encode()
+        if not sum(hmac.compare_digest(given, k) for k in keys):  # every key compared: constant time
+            raise RequestError("invalid API key", status=401)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Security(authorize)])
 
     def job_or_404(job_id: str, with_items: bool = True) -> Job:
         job = store.get_job(job_id, with_items)
@@ -47,32 +63,42 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
     def create(new: NewJob) -> Job:
         return store.get_job(store.create_job(new.model, new.params, new.labels, new.seeds))
 
-    @app.post("/v1/jobs", status_code=202, response_model=Job, tags=["jobs"])
-    def submit_job(req: JobRequest, response: Response) -> Job:
+    @v1.post("/jobs", status_code=202, response_model=Job, tags=["jobs"],
+             responses={409: {"model": ErrorResponse, "description": "Idempotency-Key reused for another job"}})
+    def submit_job(req: JobRequest, response: Response,
+                   idempotency_key: str | None = Header(None, min_length=1, max_length=200, pattern=r"^[!-~]+$",
+                                                        description="a retried submission with the same key "
+                                                                    "gets the first one's job")) -> Job:
         """Queue a job; 202 once it is committed to the store."""
-        job = create(catalog.resolve_job(req))
-        response.headers["Location"] = f"/v1/jobs/{job.id}"
-        return job
+        new = catalog.resolve_job(req)
+        try:
+            job_id, created = store.submit(new.model, new.params, new.labels, new.seeds, idempotency_key)
+        except IdempotencyConflict as e:
+            raise RequestError(str(e), "Idempotency-Key", status=409) from None
+        response.headers["Location"] = f"/v1/jobs/{job_id}"
+        if not created:
+            response.headers["Idempotent-Replayed"] = "true"
+        return store.get_job(job_id)
 
-    @app.get("/v1/jobs/{job_id}", response_model=Job, tags=["jobs"])
+    @v1.get("/jobs/{job_id}", response_model=Job, tags=["jobs"])
     def get_job(job_id: str, items: bool = Query(True, description="include per-item progress")) -> Job:
         """State and per-item progress (each running item's current step)."""
         return job_or_404(job_id, items)
 
-    @app.get("/v1/jobs", response_model=JobList, tags=["jobs"])
+    @v1.get("/jobs", response_model=JobList, tags=["jobs"])
     def list_jobs(limit: int = Query(20, ge=1, le=100), offset: int = Query(0, ge=0)) -> JobList:
         """Jobs, newest first, without their items."""
         jobs, total = store.list_jobs(limit, offset)
         return JobList(data=jobs, total=total, next_offset=offset + limit if offset + limit < total else None)
 
-    @app.delete("/v1/jobs/{job_id}", response_model=Job, tags=["jobs"])
+    @v1.delete("/jobs/{job_id}", response_model=Job, tags=["jobs"])
     def cancel_job(job_id: str) -> Job:
         """Queued items never run; running ones stop at their next step boundary. Finished items stay."""
         if not store.cancel_job(job_id):
             job_or_404(job_id)
         return job_or_404(job_id)
 
-    @app.get("/v1/jobs/{job_id}/images/{index}", response_class=FileResponse, tags=["jobs"],
+    @v1.get("/jobs/{job_id}/images/{index}", response_class=FileResponse, tags=["jobs"],
              responses={200: {"content": {"image/png": {}}}, 409: {"model": ErrorResponse}})
     def get_image(job_id: str, index: int):
         path = store.image_path(job_id, index)
@@ -86,14 +112,14 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
                                status=409)
         return FileResponse(path, media_type="image/png")
 
-    @app.get("/v1/jobs/{job_id}/archive", tags=["jobs"], responses={200: {"content": {"application/zip": {}}}})
+    @v1.get("/jobs/{job_id}/archive", tags=["jobs"], responses={200: {"content": {"application/zip": {}}}})
     def get_archive(job_id: str):
         """A zip of the finished images and a manifest.json describing every item."""
         job = job_or_404(job_id)
         return StreamingResponse(_zip(store, job), media_type="application/zip",
                                  headers={"Content-Disposition": f'attachment; filename="{job_id}.zip"'})
 
-    @app.post("/v1/images/generations", response_model=ImagesResponse, response_model_exclude_none=True,
+    @v1.post("/images/generations", response_model=ImagesResponse, response_model_exclude_none=True,
               tags=["openai"])
     async def generate_images(req: ImageGenerationRequest, request: Request) -> ImagesResponse:
         """OpenAI-compatible: runs a job of ``n`` images of the class the prompt names and waits for it."""
@@ -104,9 +130,11 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
                 for i in range(job.num_items)]
         return ImagesResponse(created=int(job.created_at), data=data)
 
-    @app.get("/v1/models", response_model=ModelList, tags=["models"])
+    @v1.get("/models", response_model=ModelList, tags=["models"])
     def list_models() -> ModelList:
         return ModelList(data=[m.card() for m in catalog.models.values()])
+
+    app.include_router(v1)
 
     @app.get("/healthz", response_model=Health, tags=["service"])
     def health():
@@ -172,6 +200,10 @@ def _error(status: int, message: str, param: str | None = None, kind: str | None
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def request_error(_request, e: RequestError):
+        if e.status == 401:
+            response = _error(401, e.message, kind="authentication_error")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         kind = "not_found" if e.status == 404 else None
         return _error(e.status, e.message, e.param, kind)
 
@@ -190,7 +222,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _describe(err: dict) -> tuple[str, str | None]:
     """One pydantic error as a sentence a user can act on, and the field it is about."""
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header")]
     where = ".".join(loc)
     kind = err.get("type", "")
     if kind == "json_invalid":

@@ -10,6 +10,11 @@
 ``AsyncClient`` has the same methods as coroutines. Imports httpx, pydantic, tqdm and (for images)
 pillow; never torch or ray, so a laptop can submit to a remote cluster. Service errors raise
 ``ApiError`` with the server's message.
+
+``api_key`` (default: the ``DIT_SERVE_API_KEY`` environment variable) is sent as a bearer token.
+Requests that are safe to repeat are retried on connection errors and 502/503/504 answers, with
+backoff; ``submit`` is one of them, because it sends an ``Idempotency-Key`` (a fresh one per call
+unless given), so a retried submission can never queue the same job twice.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -26,7 +33,9 @@ import httpx
 from dit_serve.schemas import Job, JobList, ModelList
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+API_KEY_ENV = "DIT_SERVE_API_KEY"
 JobRef = Job | str
+RETRY_STATUS = {502, 503, 504}  # a proxy or a restarting service: worth another try
 
 
 class ApiError(Exception):
@@ -45,6 +54,19 @@ def _check(r: httpx.Response) -> httpx.Response:
         raise ApiError(r.status_code, err["message"], err.get("param"), err.get("type"))
     except (ValueError, KeyError, TypeError):
         raise ApiError(r.status_code, r.text[:200] or r.reason_phrase) from None
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _repeatable(method: str, headers: dict) -> bool:
+    return method in ("GET", "DELETE") or "Idempotency-Key" in headers
+
+
+def _backoff(attempt: int) -> float:
+    return min(0.25 * 2 ** attempt, 4.0)
 
 
 def _job_id(job: JobRef) -> str:
@@ -86,19 +108,35 @@ class _Bar:
 class Client:
     """A blocking client. ``url`` is the service's base URL."""
 
-    def __init__(self, url: str = DEFAULT_URL, timeout: float = 60.0, http: httpx.Client | None = None):
+    def __init__(self, url: str = DEFAULT_URL, timeout: float = 60.0, http: httpx.Client | None = None, *,
+                 api_key: str | None = None, retries: int = 3):
         self.url = url.rstrip("/")
         self._http = http or httpx.Client(base_url=self.url, timeout=timeout)
+        self._auth, self.retries = _auth(api_key), retries
 
-    def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
-        return _check(self._http.request(method, path, **kwargs))
+    def _call(self, method: str, path: str, headers: dict | None = None, **kwargs) -> httpx.Response:
+        headers = {**self._auth, **(headers or {})}
+        attempts = self.retries + 1 if _repeatable(method, headers) else 1
+        for attempt in range(attempts):
+            try:
+                r = self._http.request(method, path, headers=headers, **kwargs)
+            except httpx.TransportError:
+                if attempt == attempts - 1:
+                    raise
+            else:
+                if r.status_code not in RETRY_STATUS or attempt == attempts - 1:
+                    return _check(r)
+            time.sleep(_backoff(attempt))
+        raise AssertionError("unreachable")
 
     def submit(self, labels: list[int | str], *, model: str = "digits", num_per_label: int = 1, seed: int = 0,
                seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
-               guidance: float | None = None, eta: float | None = None) -> Job:
-        """Queue a job: each label ``num_per_label`` times; returns once the service stored it."""
+               guidance: float | None = None, eta: float | None = None, idempotency_key: str | None = None) -> Job:
+        """Queue a job: each label ``num_per_label`` times; returns once the service stored it. The same
+        ``idempotency_key`` (default: a fresh one) on a later call returns this job rather than a new one."""
         body = _job_body(labels, model, num_per_label, seed, seeds, sampler, steps, guidance, eta)
-        return Job.model_validate(self._call("POST", "/v1/jobs", json=body).json())
+        headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
+        return Job.model_validate(self._call("POST", "/v1/jobs", json=body, headers=headers).json())
 
     def get(self, job: JobRef, items: bool = True) -> Job:
         return Job.model_validate(self._call("GET", f"/v1/jobs/{_job_id(job)}", params={"items": items}).json())
@@ -142,7 +180,7 @@ class Client:
     def archive(self, job: JobRef, path: str | Path) -> Path:
         """Download the zip of the job's images and manifest to ``path``."""
         path = Path(path)
-        with self._http.stream("GET", f"/v1/jobs/{_job_id(job)}/archive") as r:
+        with self._http.stream("GET", f"/v1/jobs/{_job_id(job)}/archive", headers=self._auth) as r:
             if not r.is_success:
                 r.read()
                 _check(r)
@@ -164,18 +202,34 @@ class Client:
 class AsyncClient:
     """``Client`` with coroutines (a copy of its methods over ``httpx.AsyncClient``)."""
 
-    def __init__(self, url: str = DEFAULT_URL, timeout: float = 60.0, http: httpx.AsyncClient | None = None):
+    def __init__(self, url: str = DEFAULT_URL, timeout: float = 60.0, http: httpx.AsyncClient | None = None, *,
+                 api_key: str | None = None, retries: int = 3):
         self.url = url.rstrip("/")
         self._http = http or httpx.AsyncClient(base_url=self.url, timeout=timeout)
+        self._auth, self.retries = _auth(api_key), retries
 
-    async def _call(self, method: str, path: str, **kwargs) -> httpx.Response:
-        return _check(await self._http.request(method, path, **kwargs))
+    async def _call(self, method: str, path: str, headers: dict | None = None, **kwargs) -> httpx.Response:
+        headers = {**self._auth, **(headers or {})}
+        attempts = self.retries + 1 if _repeatable(method, headers) else 1
+        for attempt in range(attempts):
+            try:
+                r = await self._http.request(method, path, headers=headers, **kwargs)
+            except httpx.TransportError:
+                if attempt == attempts - 1:
+                    raise
+            else:
+                if r.status_code not in RETRY_STATUS or attempt == attempts - 1:
+                    return _check(r)
+            await asyncio.sleep(_backoff(attempt))
+        raise AssertionError("unreachable")
 
     async def submit(self, labels: list[int | str], *, model: str = "digits", num_per_label: int = 1, seed: int = 0,
                      seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
-                     guidance: float | None = None, eta: float | None = None) -> Job:
+                     guidance: float | None = None, eta: float | None = None,
+                     idempotency_key: str | None = None) -> Job:
         body = _job_body(labels, model, num_per_label, seed, seeds, sampler, steps, guidance, eta)
-        return Job.model_validate((await self._call("POST", "/v1/jobs", json=body)).json())
+        headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
+        return Job.model_validate((await self._call("POST", "/v1/jobs", json=body, headers=headers)).json())
 
     async def get(self, job: JobRef, items: bool = True) -> Job:
         r = await self._call("GET", f"/v1/jobs/{_job_id(job)}", params={"items": items})

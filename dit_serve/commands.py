@@ -7,6 +7,7 @@ could not be reached or failed (5xx); 130 interrupted.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -45,8 +46,10 @@ def _config(args):
     from dit_serve.config import load_config
 
     cfg = load_config(getattr(args, "config", None))
+    env_key = os.environ.get("DIT_SERVE_API_KEY", "")  # a key kept out of files and the process list
     return cfg.with_overrides(
-        server={"host": getattr(args, "host", None), "port": getattr(args, "port", None)},
+        server={"host": getattr(args, "host", None), "port": getattr(args, "port", None),
+                "api_keys": (*cfg.server.api_keys, env_key) if env_key else None},
         store={"url": getattr(args, "database_url", None), "data_dir": getattr(args, "data_dir", None)},
         ray={"address": getattr(args, "ray_address", None)},
         workers={"models": tuple(args.models) if getattr(args, "models", None) else None})

@@ -4,6 +4,8 @@ is needed (``dit-serve serve`` alone: local Ray, SQLite under ./dit-serve-data, 
     [server]
     host = "127.0.0.1"
     port = 8000
+    api_keys = []              # e.g. ["..."]: /v1 requests then need "Authorization: Bearer <key>"
+                                # (or set DIT_SERVE_API_KEY for `dit-serve serve`)
 
     [store]
     url = ""                    # empty: SQLite (WAL) at <data_dir>/jobs.db; or postgresql://user@host/db
@@ -30,7 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 try:
     import tomllib
@@ -50,6 +52,17 @@ class ServerConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port")
     public_url: str = Field("", description="base of image URLs in responses; empty: the request's own")
+    api_keys: tuple[SecretStr, ...] = Field((), description="when set, every /v1 request needs "
+                                            "'Authorization: Bearer <one of them>' (several: rotate keys)")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, keys: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
+        for k in keys:
+            v = k.get_secret_value()
+            if len(v) < 8 or not v.isprintable() or " " in v:
+                raise ValueError("an API key must be at least 8 printable characters without spaces")
+        return keys
 
 
 class StoreConfig(_Section):

@@ -20,6 +20,7 @@ of the writing host: schedulers on several hosts need synchronised clocks (NTP) 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from sqlalchemy import (BigInteger, Boolean, Column, Float, Index, Integer, MetaData, String, Table, Text,
                         and_, bindparam, create_engine, event, func, or_, select, update)
+from sqlalchemy.exc import IntegrityError
 
 from dit_serve.schemas import TERMINAL_STATES, ItemStatus, Job, JobParams
 
@@ -46,6 +48,10 @@ jobs = Table(
     Column("num_items", Integer, nullable=False),
     Column("created_at", Float, nullable=False, index=True),
     Column("cancelled", Boolean, nullable=False, default=False),
+    # a client's Idempotency-Key: a retried submission finds its job instead of storing a second one
+    Column("idempotency_key", String(200)),
+    Column("request_hash", String(64)),  # what was asked under that key: a reuse must ask the same
+    Index("jobs_idempotency_key", "idempotency_key", unique=True),  # NULLs never collide
 )
 items = Table(
     "items", meta,
@@ -67,6 +73,25 @@ items = Table(
     Column("finished_at", Float),
     Index("items_leasable", "state", "model", "created_at"),
 )
+
+
+class IdempotencyConflict(ValueError):
+    """An Idempotency-Key already used for a different request."""
+
+
+# The schema's version, stored in the database. Version 1 added the idempotency columns to the
+# first layout (which had no version table); MIGRATIONS[v] brings version v to v + 1 in place.
+SCHEMA_VERSION = 2
+schema = Table("dit_serve_schema", meta, Column("version", Integer, primary_key=True))
+MIGRATIONS = {
+    1: ["ALTER TABLE jobs ADD COLUMN idempotency_key VARCHAR(200)",
+        "ALTER TABLE jobs ADD COLUMN request_hash VARCHAR(64)",
+        "CREATE UNIQUE INDEX jobs_idempotency_key ON jobs (idempotency_key)"],
+}
+
+
+class StoreError(RuntimeError):
+    """A database this version of dit-serve cannot use (for example, one written by a newer version)."""
 
 
 @dataclass
@@ -98,7 +123,37 @@ class Store:
         self.engine = create_engine(_driver_url(url), pool_pre_ping=True)
         if self.engine.dialect.name == "sqlite":
             _sqlite_setup(self.engine)
-        meta.create_all(self.engine)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Create the tables in an empty database, or bring an older one up to ``SCHEMA_VERSION`` (one
+        transaction, so a failed upgrade leaves the database as it was). A newer one is refused."""
+        from sqlalchemy import inspect, text
+
+        with self._tx() as conn:  # SQLite: BEGIN IMMEDIATE; PostgreSQL: a lock, so one process migrates
+            if conn.dialect.name == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(7346120984)"))
+            tables = set(inspect(conn).get_table_names())
+            if "jobs" not in tables:
+                meta.create_all(conn)
+                conn.execute(schema.insert().values(version=SCHEMA_VERSION))
+                return
+            if "dit_serve_schema" not in tables:  # the first layout
+                schema.create(conn)
+                version = 1
+            else:
+                version = conn.execute(select(func.max(schema.c.version))).scalar() or 1
+            if version > SCHEMA_VERSION:
+                raise StoreError(f"the database has schema version {version}, newer than this dit-serve's "
+                                 f"({SCHEMA_VERSION}): upgrade dit-serve to use it")
+            if version == SCHEMA_VERSION:
+                return
+            for v in range(version, SCHEMA_VERSION):
+                for statement in MIGRATIONS[v]:
+                    conn.execute(text(statement))
+                log.warning("job store upgraded from schema version %d to %d", v, v + 1)
+            conn.execute(schema.delete())
+            conn.execute(schema.insert().values(version=SCHEMA_VERSION))
 
     def close(self) -> None:
         self.engine.dispose()
@@ -110,16 +165,45 @@ class Store:
             yield conn
 
     # -- jobs --------------------------------------------------------------------------------------
-    def create_job(self, model: str, params: JobParams, labels: list[int], seeds: list[int]) -> str:
-        """Store a job and its items in one transaction; returns the job id."""
+    def create_job(self, model: str, params: JobParams, labels: list[int], seeds: list[int],
+                   idempotency_key: str | None = None) -> str:
+        """Store a job and its items in one transaction; returns the job id. With an
+        ``idempotency_key`` that an earlier job was stored under, returns that job's id and stores
+        nothing (``IdempotencyConflict`` if the earlier request asked for something else)."""
+        return self.submit(model, params, labels, seeds, idempotency_key)[0]
+
+    def submit(self, model: str, params: JobParams, labels: list[int], seeds: list[int],
+               idempotency_key: str | None = None) -> tuple[str, bool]:
+        """``create_job`` that also says whether the job is new (False: an earlier submission's)."""
+        digest = None
+        if idempotency_key is not None:
+            digest = hashlib.sha256(json.dumps([model, params.model_dump(mode="json"), labels, seeds],
+                                               sort_keys=True).encode()).hexdigest()
+            if (found := self._by_key(idempotency_key, digest)) is not None:
+                return found, False
         job_id, now = uuid.uuid4().hex, time.time()
-        with self._tx() as conn:
-            conn.execute(jobs.insert().values(id=job_id, model=model, params=params.model_dump_json(),
-                                              num_items=len(labels), created_at=now, cancelled=False))
-            conn.execute(items.insert(), [
-                dict(job_id=job_id, idx=i, model=model, created_at=now, label=lb, seed=sd, state="queued",
-                     step=0, total_steps=params.steps, attempts=0) for i, (lb, sd) in enumerate(zip(labels, seeds))])
-        return job_id
+        try:
+            with self._tx() as conn:
+                conn.execute(jobs.insert().values(id=job_id, model=model, params=params.model_dump_json(),
+                                                  num_items=len(labels), created_at=now, cancelled=False,
+                                                  idempotency_key=idempotency_key, request_hash=digest))
+                conn.execute(items.insert(), [
+                    dict(job_id=job_id, idx=i, model=model, created_at=now, label=lb, seed=sd, state="queued",
+                         step=0, total_steps=params.steps, attempts=0)
+                    for i, (lb, sd) in enumerate(zip(labels, seeds))])
+        except IntegrityError:  # the same key committed by a concurrent submission: that one stands
+            if idempotency_key is None or (found := self._by_key(idempotency_key, digest)) is None:
+                raise
+            return found, False
+        return job_id, True
+
+    def _by_key(self, key: str, digest: str) -> str | None:
+        with self._tx(write=False) as conn:
+            row = conn.execute(select(jobs.c.id, jobs.c.request_hash).where(jobs.c.idempotency_key == key)).first()
+        if row is not None and row.request_hash != digest:
+            raise IdempotencyConflict(f"Idempotency-Key {key!r} was already used for a different request "
+                                      f"(job {row.id}); use a new key for a new job")
+        return None if row is None else row.id
 
     def get_job(self, job_id: str, with_items: bool = True) -> Job | None:
         with self._tx(write=False) as conn:

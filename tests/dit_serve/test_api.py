@@ -137,3 +137,136 @@ def test_api_processes_share_a_postgres_store(digits_model, postgres_url, tmp_pa
         assert httpx.get(f"{b.url}/v1/jobs/{job['id']}").json()["state"] == "queued"
         assert httpx.delete(f"{b.url}/v1/jobs/{job['id']}").json()["state"] == "cancelled"
         assert httpx.get(f"{a.url}/v1/jobs").json()["data"][0]["state"] == "cancelled"
+
+
+def test_an_idempotency_key_makes_a_retried_submit_safe(api):
+    svc, http = api
+    before = _stored_jobs(api)
+    body, key = {"labels": [1, 2], "steps": 5}, {"Idempotency-Key": "retry-me-42"}
+    first = http.post("/v1/jobs", json=body, headers=key)
+    again = http.post("/v1/jobs", json=body, headers=key)
+    assert first.status_code == again.status_code == 202
+    assert again.json()["id"] == first.json()["id"] and again.headers["Idempotent-Replayed"] == "true"
+    assert "Idempotent-Replayed" not in first.headers and _stored_jobs(api) == before + 1
+    err = _error(http.post("/v1/jobs", json={"labels": [3], "steps": 5}, headers=key), 409)
+    assert "already used for a different request" in err["message"] and err["param"] == "Idempotency-Key"
+    err = _error(http.post("/v1/jobs", json=body, headers={"Idempotency-Key": "x" * 201}), 400)
+    assert err["param"] == "idempotency-key"
+    assert _stored_jobs(api) == before + 1
+
+
+def test_the_client_submits_once_however_often_it_retries(api):
+    """The SDK sends a fresh Idempotency-Key per submit and retries 503s and dropped connections with it."""
+    from dit_serve.client import ApiError, Client
+
+    svc, _ = api
+    failures = {"n": 0}
+    seen: list[str] = []
+
+    def flaky(request: httpx.Request) -> httpx.Response | None:
+        seen.append(request.headers.get("Idempotency-Key", ""))
+        failures["n"] += 1
+        if failures["n"] == 1:
+            raise httpx.ConnectError("connection reset", request=request)
+        if failures["n"] == 2:
+            return httpx.Response(503, json={"error": {"message": "restarting"}})
+        return None  # the real service answers
+
+    real = httpx.HTTPTransport()
+
+    class Flaky(httpx.BaseTransport):
+        def handle_request(self, request):
+            return flaky(request) or real.handle_request(request)
+
+    before = _stored_jobs(api)
+    with Client(svc.url, http=httpx.Client(base_url=svc.url, transport=Flaky())) as client:
+        job = client.submit([4], steps=5)
+        assert len(seen) == 3 and len(set(seen)) == 1 and seen[0]
+        assert client.submit([4], steps=5, idempotency_key=seen[0]).id == job.id
+        assert client.submit([4], steps=5).id != job.id  # a new call is a new job
+    assert _stored_jobs(api) == before + 2
+
+    calls = {"n": 0}
+
+    class Down(httpx.BaseTransport):
+        def handle_request(self, request):
+            calls["n"] += 1
+            return httpx.Response(503, json={"error": {"message": "restarting"}})
+
+    with Client(svc.url, http=httpx.Client(base_url=svc.url, transport=Down()), retries=2) as client:
+        with pytest.raises(ApiError, match="restarting"):
+            client.get("abc")
+    assert calls["n"] == 3  # one try and two retries, then the error
+
+
+def test_api_keys_guard_v1_but_not_probes(digits_model, tmp_path, monkeypatch):
+    from dit_serve.client import ApiError, Client
+
+    monkeypatch.delenv("DIT_SERVE_API_KEY", raising=False)
+    cfg = service_config(tmp_path, digits_model, server={"api_keys": ["old-key-123", "new-key-456"]})
+    with Service(cfg, roles=("api",)) as svc, httpx.Client(base_url=svc.url, timeout=10) as http:
+        for path in ("/v1/models", "/v1/jobs"):
+            err = _error(http.get(path), 401)
+            assert "Authorization: Bearer" in err["message"] and err["type"] == "authentication_error"
+        r = http.post("/v1/jobs", json={"labels": [1]}, headers={"Authorization": "Bearer wrong-key-0"})
+        assert _error(r, 401)["message"] == "invalid API key" and r.headers["WWW-Authenticate"] == "Bearer"
+        r = http.post("/v1/jobs", json={"labels": [99]})  # unauthenticated: 401 before any validation
+        assert r.status_code == 401
+        assert http.get("/healthz").status_code == 200 and http.get("/metrics").status_code == 200
+        schema = http.get("/openapi.json").json()
+        assert "HTTPBearer" in schema["components"]["securitySchemes"]
+
+        for key in ("old-key-123", "new-key-456"):  # either key works: rotation
+            with Client(svc.url, api_key=key) as client:
+                job = client.submit([1, 2], steps=5)
+                assert client.get(job).num_items == 2 and client.models().data
+        with Client(svc.url) as client:
+            with pytest.raises(ApiError) as e:
+                client.list()
+            assert e.value.status == 401
+        monkeypatch.setenv("DIT_SERVE_API_KEY", "new-key-456")
+        with Client(svc.url) as client:  # the key from the environment
+            assert client.list().total == 2
+
+        from openai import OpenAI
+
+        oa = OpenAI(base_url=f"{svc.url}/v1", api_key="new-key-456")
+        assert [m.id for m in oa.models.list()] == [m.id for m in Client(svc.url).models().data]
+        with pytest.raises(Exception, match="401"):
+            OpenAI(base_url=f"{svc.url}/v1", api_key="nope-nope-nope").models.list()
+
+
+def test_api_keys_must_look_like_keys(tmp_path):
+    from dit_serve.config import ConfigError, Config
+
+    with pytest.raises(ConfigError, match="at least 8 printable"):
+        Config().with_overrides(server={"api_keys": ["short"]})
+    assert "k-123456789" not in repr(Config().with_overrides(server={"api_keys": ["k-123456789"]}))
+
+
+def test_the_cli_uses_the_key_from_the_environment(digits_model, tmp_path, monkeypatch, capsys):
+    from dit_serve.cli import main
+
+    cfg = service_config(tmp_path, digits_model, server={"api_keys": ["cli-key-7890"]})
+    with Service(cfg, roles=("api",)) as svc:
+        monkeypatch.delenv("DIT_SERVE_API_KEY", raising=False)
+        assert main(["submit", "--url", svc.url, "--labels", "1,2", "--steps", "5"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("dit-serve: error: this service needs an API key") and "\n" not in err
+        monkeypatch.setenv("DIT_SERVE_API_KEY", "cli-key-7890")
+        assert main(["submit", "--url", svc.url, "--labels", "1,2", "--steps", "5"]) == 0
+        job_id = capsys.readouterr().out.strip()
+        assert main(["status", job_id, "--url", svc.url]) == 0
+        assert capsys.readouterr().out.startswith(f"{job_id} queued")
+
+
+def test_serve_takes_its_key_from_the_environment(monkeypatch):
+    import argparse
+
+    from dit_serve.commands import _config
+
+    monkeypatch.setenv("DIT_SERVE_API_KEY", "env-key-2468")
+    cfg = _config(argparse.Namespace())
+    assert [k.get_secret_value() for k in cfg.server.api_keys] == ["env-key-2468"]
+    monkeypatch.delenv("DIT_SERVE_API_KEY")
+    assert _config(argparse.Namespace()).server.api_keys == ()

@@ -8,10 +8,11 @@ import threading
 import time
 
 import pytest
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 
 from dit_serve.schemas import JobParams
-from dit_serve.store import Store, _driver_url, job_state, meta
+from dit_serve.store import (SCHEMA_VERSION, IdempotencyConflict, Store, StoreError, _driver_url, items, job_state,
+                             jobs, meta)
 
 PARAMS = JobParams(sampler="ddim", steps=10, guidance=2.0)
 PG_URL = os.environ.get("DIT_SERVE_TEST_POSTGRES_URL", "")
@@ -180,3 +181,94 @@ def test_list_jobs_pages_newest_first(store):
 ])
 def test_job_state(cancelled, counts, state):
     assert job_state(cancelled, counts) == state
+
+
+def test_an_idempotency_key_stores_one_job(store):
+    first, new = store.submit("digits", PARAMS, [1, 2], [5, 6], idempotency_key="k-1")
+    again, new_again = store.submit("digits", PARAMS, [1, 2], [5, 6], idempotency_key="k-1")
+    assert new and not new_again and again == first
+    assert store.list_jobs(10, 0)[1] == 1 and store.counts() == {"queued": 2}
+    other = store.create_job("digits", PARAMS, [1, 2], [5, 6], idempotency_key="k-2")
+    plain = [store.create_job("digits", PARAMS, [1], [5]) for _ in range(2)]  # no key: always a new job
+    assert len({first, other, *plain}) == 4
+    with pytest.raises(IdempotencyConflict, match="already used for a different request"):
+        store.submit("digits", PARAMS, [1, 3], [5, 6], idempotency_key="k-1")
+    assert store.list_jobs(10, 0)[1] == 4  # the refused reuse stored nothing
+
+
+def test_concurrent_submissions_with_one_key_make_one_job(store):
+    ids, start = [], threading.Barrier(6)
+
+    def submit():
+        start.wait()
+        ids.append(store.submit("digits", PARAMS, [4] * 3, [1, 2, 3], idempotency_key="race")[0])
+
+    threads = [threading.Thread(target=submit) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(ids) == 6 and len(set(ids)) == 1
+    assert store.list_jobs(10, 0)[1] == 1 and store.counts() == {"queued": 3}
+
+
+def _first_layout(engine) -> None:
+    """The tables as the first version of the store made them (no idempotency columns, no version)."""
+    from sqlalchemy import Boolean, Column, Float, Integer, MetaData, String, Table, Text
+
+    from dit_serve.store import items
+
+    old = MetaData()
+    Table("jobs", old, Column("id", String(32), primary_key=True), Column("model", String(200), nullable=False),
+          Column("params", Text, nullable=False), Column("num_items", Integer, nullable=False),
+          Column("created_at", Float, nullable=False, index=True),
+          Column("cancelled", Boolean, nullable=False, default=False))
+    items.to_metadata(old)
+    old.create_all(engine)
+
+
+def test_an_older_database_is_upgraded_in_place(tmp_path, kind):
+    store = _open(kind, tmp_path)
+    job_id = _job(store, n=2)
+    url = str(store.engine.url.render_as_string(hide_password=False))
+    store.close()
+    engine = create_engine(url)
+    with engine.begin() as conn:  # turn it back into the first layout, keeping the job
+        rows = conn.execute(jobs.select()).mappings().all()
+        item_rows = conn.execute(items.select()).mappings().all()
+    meta.drop_all(engine)
+    _first_layout(engine)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO jobs (id, model, params, num_items, created_at, cancelled) "
+                          "VALUES (:id, :model, :params, :num_items, :created_at, :cancelled)"),
+                     [{k: r[k] for k in ("id", "model", "params", "num_items", "created_at", "cancelled")}
+                      for r in rows])
+        conn.execute(items.insert(), [dict(r) for r in item_rows])
+    engine.dispose()
+
+    store = Store(url, tmp_path)  # upgrades: the job is kept and keys work
+    try:
+        assert store.get_job(job_id).counts == {"queued": 2}
+        assert store.submit("digits", PARAMS, [0], [1], idempotency_key="k")[1]
+        assert store.submit("digits", PARAMS, [0], [1], idempotency_key="k")[1] is False
+        with store.engine.begin() as conn:
+            assert conn.execute(text("SELECT version FROM dit_serve_schema")).scalars().all() == [SCHEMA_VERSION]
+    finally:
+        store.close()
+    Store(url, tmp_path).close()  # opening an up-to-date database changes nothing
+
+
+def test_a_newer_database_is_refused(tmp_path, kind):
+    store = _open(kind, tmp_path)
+    job_id = _job(store)
+    url = str(store.engine.url.render_as_string(hide_password=False))
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE dit_serve_schema SET version = :v"), {"v": SCHEMA_VERSION + 1})
+    store.close()
+    with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}, newer than"):
+        Store(url, tmp_path)
+    engine = create_engine(url)
+    with engine.begin() as conn:  # untouched
+        assert conn.execute(text("SELECT count(*) FROM jobs WHERE id = :id"), {"id": job_id}).scalar() == 1
+        conn.execute(text("UPDATE dit_serve_schema SET version = :v"), {"v": SCHEMA_VERSION})
+    engine.dispose()
