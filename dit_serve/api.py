@@ -92,11 +92,17 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
         return JobList(data=jobs, total=total, next_offset=offset + limit if offset + limit < total else None)
 
     @v1.delete("/jobs/{job_id}", response_model=Job, tags=["jobs"])
-    def cancel_job(job_id: str) -> Job:
-        """Queued items never run; running ones stop at their next step boundary. Finished items stay."""
+    def cancel_job(job_id: str, purge: bool = Query(False, description="also delete the job and its images "
+                                                                       "(answers with the job as it was)")) -> Job:
+        """Queued items never run; running ones stop at their next step boundary. Finished items stay,
+        unless ``purge``: then the job's record and images are deleted too."""
         if not store.cancel_job(job_id):
             job_or_404(job_id)
-        return job_or_404(job_id)
+        job = job_or_404(job_id)
+        if purge and not store.delete_job(job_id):
+            job_or_404(job_id)  # deleted meanwhile by another request: 404
+            raise RequestError(f"job {job_id} still has running items", status=409)
+        return job
 
     @v1.get("/jobs/{job_id}/images/{index}", response_class=FileResponse, tags=["jobs"],
              responses={200: {"content": {"image/png": {}}}, 409: {"model": ErrorResponse}})

@@ -4,6 +4,7 @@
     dit-serve submit --labels 3,7 [--out D]  queue a job (and wait for it and write its images)
     dit-serve status JOB                     a job's state and progress
     dit-serve fetch JOB --out DIR            write a job's PNGs, grid.png and manifest.json
+    dit-serve cancel JOB [--delete]          stop a job (and delete it with its images)
     dit-serve generate ...                   run locally, no service
     dit-serve demo                           the main job: service + SDK + images, then shut down
 """
@@ -75,6 +76,10 @@ def _add_client(sub) -> None:
     p.add_argument("job")
     p.add_argument("--url", default=DEFAULT_URL)
     p.add_argument("--json", action="store_true", help="print the whole job as JSON")
+    p = sub.add_parser("cancel", help="cancel a job (queued items never run, running ones stop at the next step)")
+    p.add_argument("job")
+    p.add_argument("--url", default=DEFAULT_URL)
+    p.add_argument("--delete", action="store_true", help="also delete the job and its images from the service")
     p = sub.add_parser("fetch", help="write a job's PNGs, grid.png and manifest.json")
     p.add_argument("job")
     p.add_argument("--url", default=DEFAULT_URL)
@@ -117,7 +122,8 @@ def _cmd_serve(args) -> int:
 def _cmd_client(args) -> int:
     from dit_serve import commands
 
-    return {"submit": commands.submit, "status": commands.status, "fetch": commands.fetch}[args.command](args)
+    return {"submit": commands.submit, "status": commands.status, "fetch": commands.fetch,
+            "cancel": commands.cancel}[args.command](args)
 
 
 def _cmd_demo(args) -> int:
@@ -127,7 +133,7 @@ def _cmd_demo(args) -> int:
 
 
 COMMANDS = {"generate": _cmd_generate, "demo": _cmd_demo, "serve": _cmd_serve,
-            "submit": _cmd_client, "status": _cmd_client, "fetch": _cmd_client}
+            "submit": _cmd_client, "status": _cmd_client, "fetch": _cmd_client, "cancel": _cmd_client}
 
 
 def main(argv: list[str] | None = None) -> int:

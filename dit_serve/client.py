@@ -145,7 +145,12 @@ class Client:
         return JobList.model_validate(self._call("GET", "/v1/jobs", params={"limit": limit, "offset": offset}).json())
 
     def cancel(self, job: JobRef) -> Job:
+        """Cancel: queued items never run, running ones stop at their next step; finished images stay."""
         return Job.model_validate(self._call("DELETE", f"/v1/jobs/{_job_id(job)}").json())
+
+    def delete(self, job: JobRef) -> Job:
+        """Cancel and delete the job with its images; returns the job as it was."""
+        return Job.model_validate(self._call("DELETE", f"/v1/jobs/{_job_id(job)}", params={"purge": True}).json())
 
     def models(self) -> ModelList:
         return ModelList.model_validate(self._call("GET", "/v1/models").json())
@@ -241,6 +246,10 @@ class AsyncClient:
 
     async def cancel(self, job: JobRef) -> Job:
         return Job.model_validate((await self._call("DELETE", f"/v1/jobs/{_job_id(job)}")).json())
+
+    async def delete(self, job: JobRef) -> Job:
+        r = await self._call("DELETE", f"/v1/jobs/{_job_id(job)}", params={"purge": True})
+        return Job.model_validate(r.json())
 
     async def models(self) -> ModelList:
         return ModelList.model_validate((await self._call("GET", "/v1/models")).json())

@@ -1,4 +1,4 @@
-"""What the CLI's service commands do (``serve``, ``submit``, ``status``, ``fetch``, ``demo``);
+"""What the CLI's service commands do (``serve``, ``submit``, ``status``, ``cancel``, ``fetch``, ``demo``);
 ``cli.py`` keeps the parser. The client commands import neither torch nor ray.
 
 Exit codes: 0 ok; 2 bad input (a 4xx from the service, a bad config, a port in use); 1 the service
@@ -96,6 +96,13 @@ def status(args) -> int:
     with _client(args) as client:
         job = client.get(args.job, items=args.json)
         print(job.model_dump_json(indent=2) if args.json else _summary(job))
+    return 0
+
+
+def cancel(args) -> int:
+    with _client(args) as client:
+        job = client.delete(args.job) if args.delete else client.cancel(args.job)
+        print(_summary(job) + (" (deleted)" if args.delete else ""))
     return 0
 
 

@@ -11,6 +11,7 @@ is needed (``dit-serve serve`` alone: local Ray, SQLite under ./dit-serve-data, 
     url = ""                    # empty: SQLite (WAL) at <data_dir>/jobs.db; or postgresql://user@host/db
     data_dir = "dit-serve-data" # PNG results (shared storage when several API processes serve them)
     lease_seconds = 30
+    retention_hours = 0         # delete finished jobs and their images after this long; 0 keeps them
 
     [ray]
     address = ""                # empty: start a local Ray; "auto" or "ray://..." joins a cluster
@@ -71,6 +72,8 @@ class StoreConfig(_Section):
     lease_seconds: float = Field(30.0, gt=0, description="a leased item returns to the queue this long "
                                                          "after its scheduler stops renewing it")
     max_attempts: int = Field(3, ge=1, description="leases per item before it is marked failed")
+    retention_hours: float = Field(0.0, ge=0, description="delete finished jobs (rows and images) this long "
+                                                         "after their last item ended; 0 keeps them")
 
     def database_url(self) -> str:
         return self.url or f"sqlite:///{self.data_dir / 'jobs.db'}"

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import (BigInteger, Boolean, Column, Float, Index, Integer, MetaData, String, Table, Text,
-                        and_, bindparam, create_engine, event, func, or_, select, update)
+                        and_, bindparam, case, create_engine, event, func, or_, select, update)
 from sqlalchemy.exc import IntegrityError
 
 from dit_serve.schemas import TERMINAL_STATES, ItemStatus, Job, JobParams
@@ -226,12 +227,42 @@ class Store:
 
     def cancel_job(self, job_id: str) -> bool:
         """Queued and running items become cancelled (a worker drops a running one at its next step
-        boundary, when its scheduler sees the lease is gone). False for an unknown job."""
+        boundary, when its scheduler sees the lease is gone). A job that had already finished keeps
+        its state. False for an unknown job."""
         with self._tx() as conn:
-            found = conn.execute(update(jobs).where(jobs.c.id == job_id).values(cancelled=True)).rowcount
-            conn.execute(update(items).where(items.c.job_id == job_id, items.c.state.in_(("queued", "running")))
-                         .values(state="cancelled", finished_at=time.time(), **_NO_LEASE))
-        return bool(found)
+            stopped = conn.execute(update(items).where(items.c.job_id == job_id,
+                                                       items.c.state.in_(("queued", "running")))
+                                   .values(state="cancelled", finished_at=time.time(), **_NO_LEASE)).rowcount
+            if stopped:
+                conn.execute(update(jobs).where(jobs.c.id == job_id).values(cancelled=True))
+                return True
+            return conn.execute(select(jobs.c.id).where(jobs.c.id == job_id)).first() is not None
+
+    def delete_job(self, job_id: str) -> bool | None:
+        """Delete a finished job: its rows, then its images. None for an unknown job; False, and nothing
+        deleted, while any of its items is queued or running (cancel it first)."""
+        with self._tx() as conn:
+            if conn.execute(select(jobs.c.id).where(jobs.c.id == job_id)).first() is None:
+                return None
+            if conn.execute(select(items.c.idx).where(items.c.job_id == job_id,
+                                                      items.c.state.in_(("queued", "running"))).limit(1)).first():
+                return False
+            conn.execute(items.delete().where(items.c.job_id == job_id))
+            conn.execute(jobs.delete().where(jobs.c.id == job_id))
+        # after the commit: a crash here leaves files no row points at, never a row without its file
+        shutil.rmtree(self.data_dir / "images" / job_id, ignore_errors=True)
+        return True
+
+    def purge_finished(self, older_than_s: float, limit: int = 100) -> list[str]:
+        """Delete up to ``limit`` jobs whose items all ended more than ``older_than_s`` seconds ago;
+        returns their ids (the retention policy: ``[store] retention_hours``)."""
+        cutoff = time.time() - older_than_s
+        active = func.sum(case((items.c.state.in_(("queued", "running")), 1), else_=0))
+        with self._tx(write=False) as conn:
+            ids = conn.execute(select(items.c.job_id).group_by(items.c.job_id)
+                               .having(and_(active == 0, func.max(items.c.finished_at) < cutoff))
+                               .order_by(func.max(items.c.finished_at)).limit(limit)).scalars().all()
+        return [job_id for job_id in ids if self.delete_job(job_id)]
 
     def image_path(self, job_id: str, index: int) -> Path | None:
         with self._tx(write=False) as conn:

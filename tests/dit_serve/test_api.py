@@ -95,6 +95,12 @@ def test_list_and_cancel(api):
     job = http.delete(f"/v1/jobs/{ids[0]}").json()
     assert job["state"] == "cancelled" and job["counts"] == {"cancelled": 1}
     assert http.delete(f"/v1/jobs/{ids[0]}").json()["state"] == "cancelled"  # idempotent
+    total = _stored_jobs(api)
+    gone = http.delete(f"/v1/jobs/{ids[1]}", params={"purge": True})  # cancels, then deletes
+    assert gone.status_code == 200 and gone.json()["state"] == "cancelled" and gone.json()["id"] == ids[1]
+    _error(http.get(f"/v1/jobs/{ids[1]}"), 404)
+    _error(http.delete(f"/v1/jobs/{ids[1]}", params={"purge": True}), 404)
+    assert _stored_jobs(api) == total - 1
 
 
 @pytest.mark.parametrize("body, param", [

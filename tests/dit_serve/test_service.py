@@ -19,7 +19,7 @@ import ray
 from PIL import Image
 
 from dit_serve.cli import main as cli
-from dit_serve.client import AsyncClient, Client
+from dit_serve.client import ApiError, AsyncClient, Client
 from dit_serve.service import Service
 
 from .conftest import oracle, service_config
@@ -55,7 +55,8 @@ def _wait_for(cond, timeout: float = 60.0, what: str = "condition"):
 
 
 def _pngs(svc: Service, job_id: str) -> list[str]:
-    return sorted(p.name for p in (svc.config.store.data_dir / "images" / job_id).iterdir())
+    folder = svc.config.store.data_dir / "images" / job_id
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
 
 
 def test_submit_progress_images(svc, client):
@@ -141,10 +142,31 @@ def test_cli_submit_status_fetch(svc, tmp_path, capsys):
     assert f"{job_id} done: 4 done" in capsys.readouterr().out
     assert cli(["fetch", "--url", svc.url, job_id, "--out", str(tmp_path / "again")]) == 0
     assert len(list((tmp_path / "again").glob("*_label*.png"))) == 4
+    capsys.readouterr()
+    assert cli(["cancel", "--url", svc.url, job_id, "--delete"]) == 0
+    assert capsys.readouterr().out.strip() == f"{job_id} done: 4 done; 80/80 steps (digits, ddim, 20 steps) (deleted)"
+    assert cli(["status", "--url", svc.url, job_id]) == 2 and not _pngs(svc, job_id)
+    assert capsys.readouterr().err == f"dit-serve: error: no job with id {job_id!r}\n"
     assert cli(["submit", "--url", svc.url, "--labels", "12"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "outside model 'digits'" in err
     assert cli(["status", "--url", svc.url, "nope"]) == 2
+
+
+def test_finished_jobs_are_deleted_after_the_retention(svc, client):
+    done = client.wait(client.submit(labels=[5], steps=5), progress=False, timeout=60)
+    assert _pngs(svc, done.id) == ["00000.png"]
+    running = client.submit(labels=[6] * 4, steps=400)
+    svc.scheduler.retention_s, svc.scheduler._last_purge = 1.0, 0.0
+    try:
+        _wait_for(lambda: not _pngs(svc, done.id), timeout=30, what="the finished job's deletion")
+        with pytest.raises(ApiError) as e:
+            client.get(done)
+        assert e.value.status == 404
+        assert not client.get(running).finished  # an unfinished job is never deleted
+    finally:
+        svc.scheduler.retention_s = 0.0
+        client.cancel(running)
 
 
 @pytest.mark.parametrize("script, args", [

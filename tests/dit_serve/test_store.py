@@ -272,3 +272,49 @@ def test_a_newer_database_is_refused(tmp_path, kind):
         assert conn.execute(text("SELECT count(*) FROM jobs WHERE id = :id"), {"id": job_id}).scalar() == 1
         conn.execute(text("UPDATE dit_serve_schema SET version = :v"), {"v": SCHEMA_VERSION})
     engine.dispose()
+
+
+def _finish(store: Store, job_id: str, n: int, png: bytes = b"png") -> None:
+    leases = [ls for ls in store.lease("w", ["digits"], 100, ttl=30) if ls.job_id == job_id]
+    assert len(leases) == n
+    for ls in leases:
+        assert store.commit_result(ls, png)
+
+
+def test_delete_a_finished_job_and_its_images(store, tmp_path):
+    assert store.delete_job("nope") is None
+    job_id = store.create_job("digits", PARAMS, [1, 2], [5, 6], idempotency_key="del-1")
+    assert store.delete_job(job_id) is False and store.get_job(job_id).counts == {"queued": 2}  # not yet
+    _finish(store, job_id, 2)
+    other = _job(store, n=1)
+    images = tmp_path / "images" / job_id
+    assert sorted(p.name for p in images.iterdir()) == ["00000.png", "00001.png"]
+    assert store.delete_job(job_id) is True
+    assert store.get_job(job_id) is None and not images.exists() and store.image_path(job_id, 0) is None
+    assert store.get_job(other).counts == {"queued": 1}  # other jobs untouched
+    again, created = store.submit("digits", PARAMS, [1, 2], [5, 6], idempotency_key="del-1")
+    assert created and again != job_id  # a deleted job's key is free again
+
+
+def test_purge_deletes_only_jobs_finished_long_enough_ago(store):
+    old = _job(store, n=2)
+    _finish(store, old, 2)
+    recent = _job(store, n=2)
+    _finish(store, recent, 2)
+    active, cancelled = _job(store, n=2), _job(store, n=2)
+    store.cancel_job(cancelled)
+    with store.engine.begin() as conn:  # the old job ended two hours ago, the cancelled one too
+        conn.execute(items.update().where(items.c.job_id.in_((old, cancelled))).values(finished_at=time.time() - 7200))
+        conn.execute(items.update().where(items.c.job_id == active).values(finished_at=time.time() - 7200))
+    assert sorted(store.purge_finished(3600)) == sorted([old, cancelled])
+    assert store.get_job(old) is None and store.get_job(cancelled) is None
+    assert store.get_job(recent).state == "done" and store.get_job(active).state == "queued"
+    assert store.purge_finished(3600) == []
+    assert store.purge_finished(0) == [recent]
+
+
+def test_cancelling_a_finished_job_keeps_its_state(store):
+    job_id = _job(store, n=1)
+    _finish(store, job_id, 1)
+    assert store.cancel_job(job_id) is True and store.get_job(job_id).state == "done"
+    assert store.cancel_job("nope") is False
