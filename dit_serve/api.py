@@ -61,7 +61,7 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
         return job
 
     def create(new: NewJob) -> Job:
-        return store.get_job(store.create_job(new.model, new.params, new.labels, new.seeds))
+        return store.get_job(store.create_job(new.model, new.params, new.labels, new.seeds, priority=new.priority))
 
     @v1.post("/jobs", status_code=202, response_model=Job, tags=["jobs"],
              responses={409: {"model": ErrorResponse, "description": "Idempotency-Key reused for another job"}})
@@ -72,7 +72,7 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
         """Queue a job; 202 once it is committed to the store."""
         new = catalog.resolve_job(req)
         try:
-            job_id, created = store.submit(new.model, new.params, new.labels, new.seeds, idempotency_key)
+            job_id, created = store.submit(new.model, new.params, new.labels, new.seeds, idempotency_key, new.priority)
         except IdempotencyConflict as e:
             raise RequestError(str(e), "Idempotency-Key", status=409) from None
         response.headers["Location"] = f"/v1/jobs/{job_id}"

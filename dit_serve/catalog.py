@@ -88,6 +88,7 @@ class NewJob:
     params: JobParams
     labels: list[int]
     seeds: list[int]
+    priority: int = 0
 
 
 class Catalog:
@@ -114,7 +115,7 @@ class Catalog:
         params = self.params(info, req.sampler, req.steps, req.guidance, req.eta)
         labels = [lb for lb in ids for _ in range(req.num_per_label)]
         seeds = req.seeds if req.seeds is not None else [req.seed + i for i in range(len(labels))]
-        return NewJob(info.name, params, labels, seeds)
+        return NewJob(info.name, params, labels, seeds, req.priority)
 
     def params(self, info: ModelInfo, sampler: str | None, steps: int | None, guidance: float | None,
                eta: float) -> JobParams:
@@ -144,7 +145,7 @@ class Catalog:
             raise RequestError(f"the prompt must name one class of model {info.name!r}: {e.message}", "prompt") from None
         params = self.params(info, None, req.steps, req.guidance, 0.0)
         seed = 0 if req.seed is None else req.seed
-        return NewJob(info.name, params, [label] * req.n, [seed + i for i in range(req.n)])
+        return NewJob(info.name, params, [label] * req.n, [seed + i for i in range(req.n)], req.priority)
 
 
 @lru_cache(maxsize=256)

@@ -82,7 +82,8 @@ def _client(args):
 def submit(args) -> int:
     with _client(args) as client:
         job = client.submit(list(args.labels), model=args.model, num_per_label=args.num_per_label, seed=args.seed,
-                            sampler=args.sampler, steps=args.steps, guidance=args.guidance, eta=args.eta)
+                            sampler=args.sampler, steps=args.steps, guidance=args.guidance, eta=args.eta,
+                            priority=args.priority)
         print(job.id, flush=True)
         if args.wait or args.out:
             job = client.wait(job, progress=sys.stderr.isatty())

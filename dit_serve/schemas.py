@@ -48,6 +48,8 @@ class JobRequest(_Request):
     steps: int | None = Field(None, ge=1)
     guidance: float | None = Field(None, ge=0, description="classifier-free guidance scale")
     eta: float = Field(0.0, ge=0, description="DDIM eta (0 = deterministic)")
+    priority: int = Field(0, ge=-100, le=100, description="higher runs first; first come, first served "
+                                                          "within a priority")
 
     @property
     def num_items(self) -> int:
@@ -92,6 +94,7 @@ class Job(_Response):
     state: State
     model: str
     params: JobParams
+    priority: int = 0
     created_at: float
     finished_at: float | None = None
     num_items: int
@@ -116,8 +119,8 @@ class ImageGenerationRequest(_Request):
     """OpenAI's ``POST /v1/images/generations`` body. For class-conditional models the prompt names
     the class (a digit for ``digits``; a class name from ``id2label`` for DiT-XL/2). ``quality``,
     ``style``, ``user``, ``moderation`` and ``safety_identifier`` are accepted and ignored; only PNG,
-    opaque, non-streamed output exists; ``seed``, ``steps`` and
-    ``guidance`` are extensions (pass them with the OpenAI SDK's ``extra_body``)."""
+    opaque, non-streamed output exists; ``seed``, ``steps``, ``guidance`` and ``priority`` are
+    extensions (pass them with the OpenAI SDK's ``extra_body``)."""
 
     prompt: str = Field(min_length=1)
     model: str | None = None
@@ -135,6 +138,7 @@ class ImageGenerationRequest(_Request):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     steps: int | None = Field(None, ge=1)
     guidance: float | None = Field(None, ge=0)
+    priority: int = Field(0, ge=-100, le=100, description="as for jobs: higher runs first")
 
 
 class ImageData(_Response):

@@ -49,6 +49,7 @@ jobs = Table(
     Column("num_items", Integer, nullable=False),
     Column("created_at", Float, nullable=False, index=True),
     Column("cancelled", Boolean, nullable=False, default=False),
+    Column("priority", Integer, nullable=False, default=0),
     # a client's Idempotency-Key: a retried submission finds its job instead of storing a second one
     Column("idempotency_key", String(200)),
     Column("request_hash", String(64)),  # what was asked under that key: a reuse must ask the same
@@ -60,6 +61,7 @@ items = Table(
     Column("idx", Integer, primary_key=True),
     Column("model", String(200), nullable=False),  # copied from the job: the lease query needs no join
     Column("created_at", Float, nullable=False),   # copied from the job: FIFO order across jobs
+    Column("priority", Integer, nullable=False, default=0),  # copied from the job: higher is leased first
     Column("label", Integer, nullable=False),
     Column("seed", BigInteger, nullable=False),
     Column("state", String(10), nullable=False),
@@ -72,7 +74,7 @@ items = Table(
     Column("path", String(300)),  # relative to the data dir; set once, when the item is done
     Column("error", Text),
     Column("finished_at", Float),
-    Index("items_leasable", "state", "model", "created_at"),
+    Index("items_leasable", "state", "model", "priority", "created_at"),
 )
 
 
@@ -80,14 +82,18 @@ class IdempotencyConflict(ValueError):
     """An Idempotency-Key already used for a different request."""
 
 
-# The schema's version, stored in the database. Version 1 added the idempotency columns to the
-# first layout (which had no version table); MIGRATIONS[v] brings version v to v + 1 in place.
-SCHEMA_VERSION = 2
+# The schema's version, stored in the database. Version 1 is the first layout (it had no version
+# table); 2 added the idempotency columns, 3 job priorities. MIGRATIONS[v] brings v to v + 1 in place.
+SCHEMA_VERSION = 3
 schema = Table("dit_serve_schema", meta, Column("version", Integer, primary_key=True))
 MIGRATIONS = {
     1: ["ALTER TABLE jobs ADD COLUMN idempotency_key VARCHAR(200)",
         "ALTER TABLE jobs ADD COLUMN request_hash VARCHAR(64)",
         "CREATE UNIQUE INDEX jobs_idempotency_key ON jobs (idempotency_key)"],
+    2: ["ALTER TABLE jobs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE items ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
+        "DROP INDEX items_leasable",
+        "CREATE INDEX items_leasable ON items (state, model, priority, created_at)"],
 }
 
 
@@ -167,18 +173,18 @@ class Store:
 
     # -- jobs --------------------------------------------------------------------------------------
     def create_job(self, model: str, params: JobParams, labels: list[int], seeds: list[int],
-                   idempotency_key: str | None = None) -> str:
+                   idempotency_key: str | None = None, priority: int = 0) -> str:
         """Store a job and its items in one transaction; returns the job id. With an
         ``idempotency_key`` that an earlier job was stored under, returns that job's id and stores
         nothing (``IdempotencyConflict`` if the earlier request asked for something else)."""
-        return self.submit(model, params, labels, seeds, idempotency_key)[0]
+        return self.submit(model, params, labels, seeds, idempotency_key, priority)[0]
 
     def submit(self, model: str, params: JobParams, labels: list[int], seeds: list[int],
-               idempotency_key: str | None = None) -> tuple[str, bool]:
+               idempotency_key: str | None = None, priority: int = 0) -> tuple[str, bool]:
         """``create_job`` that also says whether the job is new (False: an earlier submission's)."""
         digest = None
         if idempotency_key is not None:
-            digest = hashlib.sha256(json.dumps([model, params.model_dump(mode="json"), labels, seeds],
+            digest = hashlib.sha256(json.dumps([model, params.model_dump(mode="json"), labels, seeds, priority],
                                                sort_keys=True).encode()).hexdigest()
             if (found := self._by_key(idempotency_key, digest)) is not None:
                 return found, False
@@ -187,10 +193,11 @@ class Store:
             with self._tx() as conn:
                 conn.execute(jobs.insert().values(id=job_id, model=model, params=params.model_dump_json(),
                                                   num_items=len(labels), created_at=now, cancelled=False,
-                                                  idempotency_key=idempotency_key, request_hash=digest))
+                                                  priority=priority, idempotency_key=idempotency_key,
+                                                  request_hash=digest))
                 conn.execute(items.insert(), [
-                    dict(job_id=job_id, idx=i, model=model, created_at=now, label=lb, seed=sd, state="queued",
-                         step=0, total_steps=params.steps, attempts=0)
+                    dict(job_id=job_id, idx=i, model=model, created_at=now, priority=priority, label=lb, seed=sd,
+                         state="queued", step=0, total_steps=params.steps, attempts=0)
                     for i, (lb, sd) in enumerate(zip(labels, seeds))])
         except IntegrityError:  # the same key committed by a concurrent submission: that one stands
             if idempotency_key is None or (found := self._by_key(idempotency_key, digest)) is None:
@@ -277,7 +284,7 @@ class Store:
 
     # -- leases ------------------------------------------------------------------------------------
     def lease(self, owner: str, models: list[str], limit: int, ttl: float) -> list[Lease]:
-        """Lease up to ``limit`` queued or lease-expired items of ``models``, oldest job first."""
+        """Lease up to ``limit`` queued or lease-expired items of ``models``: highest priority first, then oldest job first."""
         now = time.time()
         leasable = and_(items.c.model.in_(models), or_(
             items.c.state == "queued", and_(items.c.state == "running", items.c.lease_expires < now)))
@@ -287,7 +294,7 @@ class Store:
             rows = conn.execute(
                 select(items.c.job_id, items.c.idx, items.c.model, items.c.label, items.c.seed, items.c.attempts,
                        jobs.c.params).join(jobs, jobs.c.id == items.c.job_id).where(leasable)
-                .order_by(items.c.created_at, items.c.job_id, items.c.idx).limit(limit)
+                .order_by(items.c.priority.desc(), items.c.created_at, items.c.job_id, items.c.idx).limit(limit)
                 .with_for_update(skip_locked=True, of=items)).all()
             spent = [r for r in rows if r.attempts >= self.max_attempts]
             if spent:
@@ -413,7 +420,7 @@ def _job(row, stats: dict, item_rows) -> Job:
     counts = stats.get("counts", {})
     state = job_state(row.cancelled, counts)
     return Job(id=row.id, state=state, model=row.model, params=JobParams.model_validate_json(row.params),
-               created_at=row.created_at, num_items=row.num_items, counts=counts,
+               priority=row.priority, created_at=row.created_at, num_items=row.num_items, counts=counts,
                finished_at=stats.get("finished_at") if state in TERMINAL_STATES else None,
                steps_done=stats.get("steps_done", 0), steps_total=stats.get("steps_total", 0),
                items=None if item_rows is None else [

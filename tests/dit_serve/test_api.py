@@ -42,6 +42,7 @@ def _stored_jobs(api) -> int:
     ({"labels": [1.5]}, "labels.0", ""),
     ({"labels": [1], "guidance": -1}, "guidance", "greater than or equal to 0"),
     ({"labels": [1, 2], "seeds": [1]}, None, "seeds has 1 entries but the job has 2 items"),
+    ({"labels": [1], "priority": 101}, "priority", "less than or equal to 100"),
 ])
 def test_bad_jobs_are_4xx_and_store_nothing(api, body, param, words):
     before = _stored_jobs(api)
@@ -83,6 +84,8 @@ def test_submit_resolves_names_defaults_and_seeds(api):
     assert [(it["label"], it["seed"]) for it in job["items"]] == [(7, 40), (7, 41), (2, 42), (2, 43)]
     again = api[1].get(f"/v1/jobs/{job['id']}", params={"items": False}).json()
     assert again["items"] is None and again["steps_total"] == 4 * job["params"]["steps"]
+    assert job["priority"] == 0
+    assert api[1].post("/v1/jobs", json={"labels": [1], "priority": -3}).json()["priority"] == -3
 
 
 def test_list_and_cancel(api):
@@ -110,6 +113,7 @@ def test_list_and_cancel(api):
     ({"prompt": "7", "model": "dall-e-3"}, "model"),
     ({"prompt": "7", "response_format": "jpeg"}, "response_format"),
     ({"prompt": "7", "stream": True}, "stream"),
+    ({"prompt": "7", "priority": 1000}, "priority"),
 ])
 def test_bad_openai_requests(api, body, param):
     before = _stored_jobs(api)

@@ -214,16 +214,21 @@ def test_concurrent_submissions_with_one_key_make_one_job(store):
 
 def _first_layout(engine) -> None:
     """The tables as the first version of the store made them (no idempotency columns, no version)."""
-    from sqlalchemy import Boolean, Column, Float, Integer, MetaData, String, Table, Text
-
-    from dit_serve.store import items
+    from sqlalchemy import BigInteger, Boolean, Column, Float, Index, Integer, MetaData, String, Table, Text
 
     old = MetaData()
     Table("jobs", old, Column("id", String(32), primary_key=True), Column("model", String(200), nullable=False),
           Column("params", Text, nullable=False), Column("num_items", Integer, nullable=False),
           Column("created_at", Float, nullable=False, index=True),
           Column("cancelled", Boolean, nullable=False, default=False))
-    items.to_metadata(old)
+    Table("items", old, Column("job_id", String(32), primary_key=True), Column("idx", Integer, primary_key=True),
+          Column("model", String(200), nullable=False), Column("created_at", Float, nullable=False),
+          Column("label", Integer, nullable=False), Column("seed", BigInteger, nullable=False),
+          Column("state", String(10), nullable=False), Column("step", Integer, nullable=False, default=0),
+          Column("total_steps", Integer, nullable=False), Column("attempts", Integer, nullable=False, default=0),
+          Column("lease_owner", String(200)), Column("lease_token", String(32)), Column("lease_expires", Float),
+          Column("path", String(300)), Column("error", Text), Column("finished_at", Float),
+          Index("items_leasable", "state", "model", "created_at"))
     old.create_all(engine)
 
 
@@ -243,12 +248,16 @@ def test_an_older_database_is_upgraded_in_place(tmp_path, kind):
                           "VALUES (:id, :model, :params, :num_items, :created_at, :cancelled)"),
                      [{k: r[k] for k in ("id", "model", "params", "num_items", "created_at", "cancelled")}
                       for r in rows])
-        conn.execute(items.insert(), [dict(r) for r in item_rows])
+        conn.execute(text("INSERT INTO items (job_id, idx, model, created_at, label, seed, state, step, total_steps, "
+                          "attempts) VALUES (:job_id, :idx, :model, :created_at, :label, :seed, :state, :step, "
+                          ":total_steps, :attempts)"), [dict(r) for r in item_rows])
     engine.dispose()
 
-    store = Store(url, tmp_path)  # upgrades: the job is kept and keys work
+    store = Store(url, tmp_path)  # upgrades: the job is kept, and keys and priorities work
     try:
-        assert store.get_job(job_id).counts == {"queued": 2}
+        assert store.get_job(job_id).counts == {"queued": 2} and store.get_job(job_id).priority == 0
+        urgent = store.create_job("digits", PARAMS, [0], [1], priority=5)
+        assert [ls.job_id for ls in store.lease("w", ["digits"], 1, ttl=30)] == [urgent]
         assert store.submit("digits", PARAMS, [0], [1], idempotency_key="k")[1]
         assert store.submit("digits", PARAMS, [0], [1], idempotency_key="k")[1] is False
         with store.engine.begin() as conn:
@@ -318,3 +327,15 @@ def test_cancelling_a_finished_job_keeps_its_state(store):
     _finish(store, job_id, 1)
     assert store.cancel_job(job_id) is True and store.get_job(job_id).state == "done"
     assert store.cancel_job("nope") is False
+
+
+def test_higher_priority_jobs_are_leased_first(store):
+    batch = _job(store, n=4)                                                  # priority 0, oldest
+    low = store.create_job("digits", PARAMS, [1, 2], [1, 2], priority=-5)
+    urgent = store.create_job("digits", PARAMS, [3, 4], [3, 4], priority=10)
+    later = store.create_job("digits", PARAMS, [5], [5], priority=10)        # same priority: FIFO
+    order = [(ls.job_id, ls.index) for ls in store.lease("w", ["digits"], 5, ttl=30)]
+    assert order == [(urgent, 0), (urgent, 1), (later, 0), (batch, 0), (batch, 1)]
+    order = [(ls.job_id, ls.index) for ls in store.lease("w", ["digits"], 5, ttl=30)]
+    assert order == [(batch, 2), (batch, 3), (low, 0), (low, 1)]
+    assert store.get_job(urgent).priority == 10 and store.get_job(low).priority == -5
