@@ -3,6 +3,7 @@
     dit-serve serve [--config FILE]          the service (local Ray, SQLite, digits on the CPU by default)
     dit-serve submit --labels 3,7 [--out D]  queue a job (and wait for it and write its images)
     dit-serve status JOB                     a job's state and progress
+    dit-serve list [--limit N]               jobs, newest first
     dit-serve fetch JOB --out DIR            write a job's PNGs, grid.png and manifest.json
     dit-serve cancel JOB [--delete]          stop a job (and delete it with its images)
     dit-serve generate ...                   run locally, no service
@@ -77,6 +78,10 @@ def _add_client(sub) -> None:
     p.add_argument("job")
     p.add_argument("--url", default=DEFAULT_URL)
     p.add_argument("--json", action="store_true", help="print the whole job as JSON")
+    p = sub.add_parser("list", help="the service's jobs, newest first")
+    p.add_argument("--url", default=DEFAULT_URL)
+    p.add_argument("--limit", type=int, default=20, help="how many (1..100)")
+    p.add_argument("--offset", type=int, default=0)
     p = sub.add_parser("cancel", help="cancel a job (queued items never run, running ones stop at the next step)")
     p.add_argument("job")
     p.add_argument("--url", default=DEFAULT_URL)
@@ -124,7 +129,7 @@ def _cmd_client(args) -> int:
     from dit_serve import commands
 
     return {"submit": commands.submit, "status": commands.status, "fetch": commands.fetch,
-            "cancel": commands.cancel}[args.command](args)
+            "cancel": commands.cancel, "list": commands.list_jobs}[args.command](args)
 
 
 def _cmd_demo(args) -> int:
@@ -134,7 +139,8 @@ def _cmd_demo(args) -> int:
 
 
 COMMANDS = {"generate": _cmd_generate, "demo": _cmd_demo, "serve": _cmd_serve,
-            "submit": _cmd_client, "status": _cmd_client, "fetch": _cmd_client, "cancel": _cmd_client}
+            "submit": _cmd_client, "status": _cmd_client, "fetch": _cmd_client, "cancel": _cmd_client,
+            "list": _cmd_client}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,6 +100,17 @@ def status(args) -> int:
     return 0
 
 
+def list_jobs(args) -> int:
+    with _client(args) as client:
+        page = client.list(limit=args.limit, offset=args.offset)
+        for job in page.data:
+            print(_summary(job))
+        shown = f"{args.offset + 1}-{args.offset + len(page.data)}" if page.data else "none"
+        more = f"; more with --offset {page.next_offset}" if page.next_offset is not None else ""
+        print(f"{shown} of {page.total} jobs{more}", file=sys.stderr)
+    return 0
+
+
 def cancel(args) -> int:
     with _client(args) as client:
         job = client.delete(args.job) if args.delete else client.cancel(args.job)

@@ -143,6 +143,12 @@ def test_cli_submit_status_fetch(svc, tmp_path, capsys):
     assert cli(["fetch", "--url", svc.url, job_id, "--out", str(tmp_path / "again")]) == 0
     assert len(list((tmp_path / "again").glob("*_label*.png"))) == 4
     capsys.readouterr()
+    assert cli(["list", "--url", svc.url, "--limit", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"{job_id} done: 4 done") and out.count("\n") == 1
+    assert err.startswith("1-1 of ") and "more with --offset 1" in err
+    assert cli(["list", "--url", svc.url, "--limit", "0"]) == 2
+    assert "limit" in capsys.readouterr().err
     assert cli(["cancel", "--url", svc.url, job_id, "--delete"]) == 0
     assert capsys.readouterr().out.strip() == f"{job_id} done: 4 done; 80/80 steps (digits, ddim, 20 steps) (deleted)"
     assert cli(["status", "--url", svc.url, job_id]) == 2 and not _pngs(svc, job_id)
