@@ -146,7 +146,8 @@ def test_cli_submit_status_fetch(svc, tmp_path, capsys):
     assert cli(["list", "--url", svc.url, "--limit", "1"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith(f"{job_id} done: 4 done") and out.count("\n") == 1
-    assert err.startswith("1-1 of ") and "more with --offset 1" in err
+    total = int(err.split(" of ")[1].split()[0])
+    assert err.startswith("1-1 of ") and ("more with --offset 1" in err) == (total > 1)
     assert cli(["list", "--url", svc.url, "--limit", "0"]) == 2
     assert "limit" in capsys.readouterr().err
     assert cli(["cancel", "--url", svc.url, job_id, "--delete"]) == 0
