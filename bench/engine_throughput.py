@@ -15,7 +15,7 @@ For each system: images/s and p50/p99 latency at each offered load; the maximum 
     python bench/engine_throughput.py                       # on a GPU: DiT-XL/2, random weights, bf16
     python bench/engine_throughput.py --workloads 256       # one workload (fits one 10-minute slot)...
     python bench/engine_throughput.py --workloads mixed     # ...then the other: both merge into one report
-    python bench/engine_throughput.py --smoke               # a seconds-long run of the same code on digits/CPU
+    python bench/engine_throughput.py --smoke               # a seconds-long run of every system on a tiny DiT (CPU)
 """
 
 from __future__ import annotations
@@ -289,18 +289,23 @@ def main() -> None:
     from workers.loading import load_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny run on digits (CPU is fine): checks the harness")
+    p.add_argument("--smoke", action="store_true", help="a seconds-long run of every system on a tiny random DiT (CPU is fine)")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--systems", nargs="+", default=list(SYSTEM_LOADS), choices=list(SYSTEM_LOADS))
     p.add_argument("--window", type=float, default=12.0, help="seconds of arrivals per load point")
     args = p.parse_args()
     if args.smoke:
-        m = load_model("digits")
-        m.vae = None
-        s = Setup({8: m}, steps=5, guidance=4.0, max_batch=16, wait_s=0.05, window_s=1.0, drain_s=4.0,
-                  loads={k: [20.0] for k in args.systems if k in ("a", "b")})
-        workloads = {"single": (8,)}
+        import tempfile
+
+        from workers.models.tiny_dit import write_tiny_dit
+
+        tiny = Path(tempfile.mkdtemp()) / "tiny-dit"  # DiT-XL/2's layout, small: every system, VAE included
+        write_tiny_dit(tiny)
+        m = load_model(tiny)
+        s = Setup({m.image_size: m}, steps=5, guidance=4.0, max_batch=16, wait_s=0.05, window_s=1.0,
+                  drain_s=4.0, loads={k: [20.0] for k in args.systems})
+        workloads = {"single": (m.image_size,)}
     else:
         dev, dt = "cuda", torch.bfloat16
         workloads = {w: WORKLOADS[w] for w in args.workloads}

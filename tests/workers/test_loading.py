@@ -5,62 +5,17 @@ import json
 
 import pytest
 import torch
-from diffusers import AutoencoderKL, DiTTransformer2DModel
-from safetensors.torch import save_file
 
 from workers.loading import ModelError, load_model
 
-# a DiT-XL/2-shaped config shrunk to run on a CPU: the keys are the real hub config's
-# (facebook/DiT-XL-2-256 transformer/config.json, class Transformer2DModel)
-HUB_TRANSFORMER = {
-    "_class_name": "Transformer2DModel", "_diffusers_version": "0.12.0.dev0",
-    "activation_fn": "gelu-approximate", "attention_bias": True, "attention_head_dim": 8,
-    "cross_attention_dim": None, "dropout": 0.0, "in_channels": 4, "norm_elementwise_affine": False,
-    "norm_num_groups": 32, "norm_type": "ada_norm_zero", "num_attention_heads": 2,
-    "num_embeds_ada_norm": 1000, "num_layers": 2, "num_vector_embeds": None,
-    "only_cross_attention": False, "out_channels": 8, "patch_size": 2, "sample_size": 8,
-    "upcast_attention": False, "use_linear_projection": False,
-}
-HUB_VAE = {
-    "_class_name": "AutoencoderKL", "act_fn": "silu", "block_out_channels": [32, 32],
-    "down_block_types": ["DownEncoderBlock2D"] * 2, "in_channels": 3, "latent_channels": 4,
-    "layers_per_block": 1, "norm_num_groups": 32, "out_channels": 3, "sample_size": 16,
-    "up_block_types": ["UpDecoderBlock2D"] * 2,
-}
-HUB_SCHEDULER = {"_class_name": "DDIMScheduler", "beta_end": 0.02, "beta_schedule": "linear",
-                 "beta_start": 0.0001, "clip_sample": False, "num_train_timesteps": 1000,
-                 "prediction_type": "epsilon", "set_alpha_to_one": True, "steps_offset": 0,
-                 "trained_betas": None}
-ID2LABEL = {"0": "tench, Tinca tinca", "1": "goldfish, Carassius auratus", "207": "golden retriever",
-            "360": "otter", "999": "toilet tissue, toilet paper, bathroom tissue"}
-
-
-def _save(model, folder, config, name="diffusion_pytorch_model.safetensors"):
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / name))
-
-
-def _fields(cls, cfg):
-    import inspect
-    return {k: v for k, v in cfg.items() if k in inspect.signature(cls.__init__).parameters}
+from workers.models.tiny_dit import HUB_TRANSFORMER, write_tiny_dit
 
 
 @pytest.fixture(scope="module")
 def hub_dir(tmp_path_factory):
     """A pipeline directory laid out as facebook/DiT-XL-2-256 is, with random small weights."""
-    root = tmp_path_factory.mktemp("DiT-XL-2-256")
-    torch.manual_seed(0)
-    transformer = DiTTransformer2DModel(**_fields(DiTTransformer2DModel, HUB_TRANSFORMER))
-    vae = AutoencoderKL(**_fields(AutoencoderKL, HUB_VAE))
-    _save(transformer, root / "transformer", HUB_TRANSFORMER)
-    _save(vae, root / "vae", HUB_VAE)
-    (root / "scheduler").mkdir()
-    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(HUB_SCHEDULER))
-    (root / "model_index.json").write_text(json.dumps({
-        "_class_name": "DiTPipeline", "_diffusers_version": "0.12.0.dev0", "id2label": ID2LABEL,
-        "scheduler": ["diffusers", "DDIMScheduler"], "transformer": ["diffusers", "Transformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKL"]}))
+    root = tmp_path_factory.mktemp("hub") / "DiT-XL-2-256"
+    transformer = write_tiny_dit(root)
     return root, transformer
 
 
