@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from graphs import GraphKey, GraphRunner, TensorSpec
-from samplers import Plan, cfg_combine, gather_rows, make_plan, model_input, sampler_step
+from samplers import Plan, cfg_combine, make_plan, model_input, sampler_step
 from workers.loading import LoadedModel
 from workers.patches import break_attention
 
@@ -68,6 +68,9 @@ class _Active:
     x: torch.Tensor              # (C, H, W) float32, on the device
     hist: torch.Tensor           # (C, H, W) previous denoised estimate
     gen: torch.Generator         # CPU generator: initial and per-step noise
+    rows: torch.Tensor           # (S, 1 + 9) the plan's timestep and coefficients per step, on the device
+    label: torch.Tensor          # () long, on the device
+    guidance: torch.Tensor       # () float32, on the device
     step: int = 0
 
 
@@ -136,8 +139,13 @@ class Engine:
         plan = make_plan(req.sampler, req.steps, group.model.schedule, eta=req.eta)
         gen = torch.Generator("cpu").manual_seed(req.seed)
         x = torch.randn(group.model.latent_shape, generator=gen) * plan.init_sigma  # (C, H, W)
-        x = x.to(group.model.device)
-        group.active.append(_Active(req, plan, x, torch.zeros_like(x), gen))
+        device = group.model.device
+        # everything a step needs from this request goes to the device once, here, without waiting for
+        # the GPU: the step loop then makes no host-to-device copy at all
+        rows = torch.cat([plan.timesteps[:, None], plan.coeffs], dim=1)  # (S, 10)
+        label, guidance = torch.tensor(req.label), torch.tensor(req.guidance, dtype=torch.float32)
+        group.active.append(_Active(req, plan, _upload(x, device), torch.zeros(x.shape, device=device), gen,
+                                    _upload(rows, device), _upload(label, device), _upload(guidance, device)))
 
     def cancel(self, request_id: str) -> bool:
         """Drop a request at this step boundary; True if it was active."""
@@ -166,14 +174,13 @@ class Engine:
         return finished
 
     def _step_group(self, group: _Group, on_progress: ProgressFn | None) -> list[ImageResult]:
-        active, device = group.active, group.model.device
+        active = group.active
         self.real_rows += len(active)
         self.padded_rows += sum(group.runner.plan(len(active))) - len(active)
-        t, coeffs = gather_rows([a.plan for a in active], [a.step for a in active])  # (B,), (B, 9)
+        rows = torch.stack([a.rows[a.step] for a in active])  # (B, 10): timestep, then the 9 coefficients
         out = group.runner.run(
-            x=torch.stack([a.x for a in active]), t=t.to(device), coeffs=coeffs.to(device),
-            labels=torch.tensor([a.req.label for a in active], device=device),
-            guidance=torch.tensor([a.req.guidance for a in active], dtype=torch.float32, device=device),
+            x=torch.stack([a.x for a in active]), t=rows[:, 0], coeffs=rows[:, 1:],
+            labels=torch.stack([a.label for a in active]), guidance=torch.stack([a.guidance for a in active]),
             hist=torch.stack([a.hist for a in active]), noise=self._noise(active, group.model))
         done: list[_Active] = []
         for i, a in enumerate(active):
@@ -192,9 +199,9 @@ class Engine:
         """Fresh per-step noise for ancestral rows (each from its own CPU generator), zeros elsewhere."""
         if not any(a.plan.stochastic for a in active):  # no host noise to ship: zeros made on the device
             return torch.zeros((len(active), *model.latent_shape), device=model.device)
-        rows = [torch.randn(model.latent_shape, generator=a.gen) if a.plan.stochastic
-                else torch.zeros(model.latent_shape) for a in active]
-        return torch.stack(rows).to(model.device)  # (B, C, H, W)
+        rows = torch.stack([torch.randn(model.latent_shape, generator=a.gen) if a.plan.stochastic
+                            else torch.zeros(model.latent_shape) for a in active])  # (B, C, H, W)
+        return _upload(rows, model.device)
 
     def _finish(self, model: LoadedModel, done: list[_Active]) -> list[ImageResult]:
         latents = torch.stack([a.x for a in done])  # (B, C, H, W)
@@ -226,6 +233,15 @@ class Engine:
         return {"steps": self.steps_run, "real_rows": self.real_rows, "padded_rows": self.padded_rows,
                 "groups": {f"{k.model}:{'x'.join(map(str, k.latent_shape))}:{k.dtype}:{k.backend}":
                            g.runner.stats() for k, g in self.groups.items()}}
+
+
+def _upload(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor to ``device`` without waiting: on CUDA, a pinned copy, asynchronous, so the host
+    goes on while the GPU finishes earlier replays (PyTorch's caching host allocator keeps the pinned
+    block until the copy is done). A pageable copy would wait for the stream to drain."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @torch.no_grad()
