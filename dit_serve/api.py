@@ -72,7 +72,8 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
         """Queue a job; 202 once it is committed to the store."""
         new = catalog.resolve_job(req)
         try:
-            job_id, created = store.submit(new.model, new.params, new.labels, new.seeds, idempotency_key, new.priority)
+            job_id, created = store.submit(new.model, new.params, new.labels, new.seeds, idempotency_key, new.priority,
+                                           new.webhook_url)
         except IdempotencyConflict as e:
             raise RequestError(str(e), "Idempotency-Key", status=409) from None
         response.headers["Location"] = f"/v1/jobs/{job_id}"

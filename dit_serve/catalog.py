@@ -89,6 +89,7 @@ class NewJob:
     labels: list[int]
     seeds: list[int]
     priority: int = 0
+    webhook_url: str | None = None
 
 
 class Catalog:
@@ -115,7 +116,7 @@ class Catalog:
         params = self.params(info, req.sampler, req.steps, req.guidance, req.eta)
         labels = [lb for lb in ids for _ in range(req.num_per_label)]
         seeds = req.seeds if req.seeds is not None else [req.seed + i for i in range(len(labels))]
-        return NewJob(info.name, params, labels, seeds, req.priority)
+        return NewJob(info.name, params, labels, seeds, req.priority, req.webhook_url)
 
     def params(self, info: ModelInfo, sampler: str | None, steps: int | None, guidance: float | None,
                eta: float) -> JobParams:

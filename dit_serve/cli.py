@@ -72,6 +72,7 @@ def _add_client(sub) -> None:
     p.add_argument("--guidance", type=float)
     p.add_argument("--eta", type=float)
     p.add_argument("--priority", type=int, help="-100..100 (default 0): higher runs first")
+    p.add_argument("--webhook-url", help="POSTed the finished job as JSON")
     p.add_argument("--wait", action="store_true", help="wait for the job with a progress bar")
     p.add_argument("--out", type=Path, help="wait, then write the images here")
     p = sub.add_parser("status", help="a job's state and progress")

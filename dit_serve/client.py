@@ -73,9 +73,10 @@ def _job_id(job: JobRef) -> str:
     return job.id if isinstance(job, Job) else job
 
 
-def _job_body(labels, model, num_per_label, seed, seeds, sampler, steps, guidance, eta, priority) -> dict[str, Any]:
+def _job_body(labels, model, num_per_label, seed, seeds, sampler, steps, guidance, eta, priority,
+              webhook_url) -> dict[str, Any]:
     body = dict(model=model, labels=list(labels), num_per_label=num_per_label, seed=seed, seeds=seeds,
-                sampler=sampler, steps=steps, guidance=guidance, eta=eta, priority=priority)
+                sampler=sampler, steps=steps, guidance=guidance, eta=eta, priority=priority, webhook_url=webhook_url)
     return {k: v for k, v in body.items() if v is not None}
 
 
@@ -132,11 +133,13 @@ class Client:
     def submit(self, labels: list[int | str], *, model: str = "digits", num_per_label: int = 1, seed: int = 0,
                seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
                guidance: float | None = None, eta: float | None = None, priority: int | None = None,
-               idempotency_key: str | None = None) -> Job:
+               webhook_url: str | None = None, idempotency_key: str | None = None) -> Job:
         """Queue a job: each label ``num_per_label`` times; returns once the service stored it. Jobs of a
-        higher ``priority`` (-100..100, default 0) run first. The same ``idempotency_key`` (default: a
-        fresh one) on a later call returns this job rather than a new one."""
-        body = _job_body(labels, model, num_per_label, seed, seeds, sampler, steps, guidance, eta, priority)
+        higher ``priority`` (-100..100, default 0) run first. ``webhook_url`` is POSTed the finished job.
+        The same ``idempotency_key`` (default: a fresh one) on a later call returns this job rather
+        than a new one."""
+        body = _job_body(labels, model, num_per_label, seed, seeds, sampler, steps, guidance, eta, priority,
+                         webhook_url)
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
         return Job.model_validate(self._call("POST", "/v1/jobs", json=body, headers=headers).json())
 
@@ -233,8 +236,9 @@ class AsyncClient:
     async def submit(self, labels: list[int | str], *, model: str = "digits", num_per_label: int = 1, seed: int = 0,
                      seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
                      guidance: float | None = None, eta: float | None = None, priority: int | None = None,
-                     idempotency_key: str | None = None) -> Job:
-        body = _job_body(labels, model, num_per_label, seed, seeds, sampler, steps, guidance, eta, priority)
+                     webhook_url: str | None = None, idempotency_key: str | None = None) -> Job:
+        body = _job_body(labels, model, num_per_label, seed, seeds, sampler, steps, guidance, eta, priority,
+                         webhook_url)
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
         return Job.model_validate((await self._call("POST", "/v1/jobs", json=body, headers=headers)).json())
 

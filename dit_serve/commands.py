@@ -83,7 +83,7 @@ def submit(args) -> int:
     with _client(args) as client:
         job = client.submit(list(args.labels), model=args.model, num_per_label=args.num_per_label, seed=args.seed,
                             sampler=args.sampler, steps=args.steps, guidance=args.guidance, eta=args.eta,
-                            priority=args.priority)
+                            priority=args.priority, webhook_url=args.webhook_url)
         print(job.id, flush=True)
         if args.wait or args.out:
             job = client.wait(job, progress=sys.stderr.isatty())

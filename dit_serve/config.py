@@ -25,6 +25,10 @@ is needed (``dit-serve serve`` alone: local Ray, SQLite under ./dit-serve-data, 
     [limits]
     max_items_per_job = 10000
 
+    [webhooks]                  # jobs with a webhook_url are POSTed to it when they finish
+    secret = ""                 # set: deliveries are signed (X-Dit-Serve-Signature: sha256=<hmac>)
+    max_attempts = 8            # retried with backoff (2 s, doubling) until a 2xx answer
+
 Components receive their own section (``StoreConfig``, ``WorkerConfig``...), never the whole file.
 """
 
@@ -109,6 +113,14 @@ class LimitsConfig(_Section):
     generation_timeout_s: float = Field(600.0, gt=0, description="how long the images endpoint waits")
 
 
+class WebhookConfig(_Section):
+    secret: SecretStr | None = Field(None, description="when set, each delivery carries X-Dit-Serve-Signature: "
+                                                       "sha256=<HMAC-SHA256 of the body with this secret>")
+    timeout_s: float = Field(10.0, gt=0, description="how long one delivery may take")
+    max_attempts: int = Field(8, ge=1, description="deliveries tried before a webhook is marked failed")
+    backoff_s: float = Field(2.0, gt=0, description="wait before the first retry; doubles each time (max 10 min)")
+
+
 class SchedulerConfig(_Section):
     tick_seconds: float = Field(0.05, gt=0)
     heartbeat_seconds: float = Field(0.5, gt=0, description="progress writes, lease renewals, cancel checks")
@@ -122,6 +134,7 @@ class Config(_Section):
     workers: WorkerConfig = WorkerConfig()
     limits: LimitsConfig = LimitsConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    webhooks: WebhookConfig = WebhookConfig()
 
     def with_overrides(self, **sections: dict) -> "Config":
         """A copy with some fields replaced, e.g. ``with_overrides(server={"port": 0})``; validated."""

@@ -50,6 +50,9 @@ class JobRequest(_Request):
     eta: float = Field(0.0, ge=0, description="DDIM eta (0 = deterministic)")
     priority: int = Field(0, ge=-100, le=100, description="higher runs first; first come, first served "
                                                           "within a priority")
+    webhook_url: str | None = Field(None, max_length=2000, pattern=r"^https?://[^\s]+$",
+                                    description="POSTed the finished job (JSON) once it is done, failed or "
+                                                "cancelled; retried with backoff until it answers 2xx")
 
     @property
     def num_items(self) -> int:
@@ -89,12 +92,20 @@ class ItemStatus(_Response):
     error: str | None = None
 
 
+class WebhookStatus(_Response):
+    url: str
+    state: Literal["pending", "sending", "sent", "failed"]
+    attempts: int = Field(description="deliveries tried so far")
+    error: str | None = Field(None, description="why the last delivery failed")
+
+
 class Job(_Response):
     id: str
     state: State
     model: str
     params: JobParams
     priority: int = 0
+    webhook: WebhookStatus | None = None
     created_at: float
     finished_at: float | None = None
     num_items: int

@@ -60,6 +60,7 @@ class Service:
         self.metrics = Metrics()
         self.store: Store | None = None
         self.scheduler = None
+        self.notifier = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._server = None
@@ -95,6 +96,10 @@ class Service:
         # on first use, and doing that while another thread imports FastAPI raced into a KeyError
         self.scheduler.reconcile()
         self._spawn("scheduler", self.scheduler.run, self._stop)
+        from dit_serve.webhooks import Notifier
+
+        self.notifier = Notifier(self.store, cfg.webhooks)
+        self._spawn("webhooks", self.notifier.run, self._stop)
 
     def _init_ray(self) -> None:
         import ray

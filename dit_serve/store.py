@@ -36,7 +36,7 @@ from sqlalchemy import (BigInteger, Boolean, Column, Float, Index, Integer, Meta
                         and_, bindparam, case, create_engine, event, func, or_, select, update)
 from sqlalchemy.exc import IntegrityError
 
-from dit_serve.schemas import TERMINAL_STATES, ItemStatus, Job, JobParams
+from dit_serve.schemas import TERMINAL_STATES, ItemStatus, Job, JobParams, WebhookStatus
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +50,17 @@ jobs = Table(
     Column("created_at", Float, nullable=False, index=True),
     Column("cancelled", Boolean, nullable=False, default=False),
     Column("priority", Integer, nullable=False, default=0),
+    # a URL told when the job finishes: pending (or sending, claimed until webhook_next) -> sent | failed
+    Column("webhook_url", Text),
+    Column("webhook_state", String(10)),
+    Column("webhook_attempts", Integer, nullable=False, default=0),
+    Column("webhook_next", Float),  # pending: not before this time; sending: the claim expires then
+    Column("webhook_error", Text),
     # a client's Idempotency-Key: a retried submission finds its job instead of storing a second one
     Column("idempotency_key", String(200)),
     Column("request_hash", String(64)),  # what was asked under that key: a reuse must ask the same
     Index("jobs_idempotency_key", "idempotency_key", unique=True),  # NULLs never collide
+    Index("jobs_webhook_due", "webhook_state", "webhook_next"),
 )
 items = Table(
     "items", meta,
@@ -83,8 +90,8 @@ class IdempotencyConflict(ValueError):
 
 
 # The schema's version, stored in the database. Version 1 is the first layout (it had no version
-# table); 2 added the idempotency columns, 3 job priorities. MIGRATIONS[v] brings v to v + 1 in place.
-SCHEMA_VERSION = 3
+# table); 2 added the idempotency columns, 3 job priorities, 4 webhooks. MIGRATIONS[v] brings v to v + 1 in place.
+SCHEMA_VERSION = 4
 schema = Table("dit_serve_schema", meta, Column("version", Integer, primary_key=True))
 MIGRATIONS = {
     1: ["ALTER TABLE jobs ADD COLUMN idempotency_key VARCHAR(200)",
@@ -94,6 +101,12 @@ MIGRATIONS = {
         "ALTER TABLE items ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
         "DROP INDEX items_leasable",
         "CREATE INDEX items_leasable ON items (state, model, priority, created_at)"],
+    3: ["ALTER TABLE jobs ADD COLUMN webhook_url TEXT",
+        "ALTER TABLE jobs ADD COLUMN webhook_state VARCHAR(10)",
+        "ALTER TABLE jobs ADD COLUMN webhook_attempts INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE jobs ADD COLUMN webhook_next FLOAT",
+        "ALTER TABLE jobs ADD COLUMN webhook_error TEXT",
+        "CREATE INDEX jobs_webhook_due ON jobs (webhook_state, webhook_next)"],
 }
 
 
@@ -173,18 +186,19 @@ class Store:
 
     # -- jobs --------------------------------------------------------------------------------------
     def create_job(self, model: str, params: JobParams, labels: list[int], seeds: list[int],
-                   idempotency_key: str | None = None, priority: int = 0) -> str:
+                   idempotency_key: str | None = None, priority: int = 0, webhook_url: str | None = None) -> str:
         """Store a job and its items in one transaction; returns the job id. With an
         ``idempotency_key`` that an earlier job was stored under, returns that job's id and stores
         nothing (``IdempotencyConflict`` if the earlier request asked for something else)."""
-        return self.submit(model, params, labels, seeds, idempotency_key, priority)[0]
+        return self.submit(model, params, labels, seeds, idempotency_key, priority, webhook_url)[0]
 
     def submit(self, model: str, params: JobParams, labels: list[int], seeds: list[int],
-               idempotency_key: str | None = None, priority: int = 0) -> tuple[str, bool]:
+               idempotency_key: str | None = None, priority: int = 0,
+               webhook_url: str | None = None) -> tuple[str, bool]:
         """``create_job`` that also says whether the job is new (False: an earlier submission's)."""
         digest = None
         if idempotency_key is not None:
-            digest = hashlib.sha256(json.dumps([model, params.model_dump(mode="json"), labels, seeds, priority],
+            digest = hashlib.sha256(json.dumps([model, params.model_dump(mode="json"), labels, seeds, priority, webhook_url],
                                                sort_keys=True).encode()).hexdigest()
             if (found := self._by_key(idempotency_key, digest)) is not None:
                 return found, False
@@ -194,7 +208,9 @@ class Store:
                 conn.execute(jobs.insert().values(id=job_id, model=model, params=params.model_dump_json(),
                                                   num_items=len(labels), created_at=now, cancelled=False,
                                                   priority=priority, idempotency_key=idempotency_key,
-                                                  request_hash=digest))
+                                                  request_hash=digest, webhook_url=webhook_url,
+                                                  webhook_state="pending" if webhook_url else None,
+                                                  webhook_attempts=0, webhook_next=0.0 if webhook_url else None))
                 conn.execute(items.insert(), [
                     dict(job_id=job_id, idx=i, model=model, created_at=now, priority=priority, label=lb, seed=sd,
                          state="queued", step=0, total_steps=params.steps, attempts=0)
@@ -270,6 +286,37 @@ class Store:
                                .having(and_(active == 0, func.max(items.c.finished_at) < cutoff))
                                .order_by(func.max(items.c.finished_at)).limit(limit)).scalars().all()
         return [job_id for job_id in ids if self.delete_job(job_id)]
+
+    # -- webhooks ----------------------------------------------------------------------------------
+    def claim_webhooks(self, hold_s: float, limit: int = 20) -> list[tuple[str, str, int]]:
+        """Claim finished jobs whose webhook is due (pending, or a claim that expired): returns
+        (job id, url, attempts so far). A claim holds for ``hold_s``; another process (or this one,
+        after a crash) takes it over when it expires, so every webhook is delivered at least once."""
+        now = time.time()
+        active = select(items.c.idx).where(items.c.job_id == jobs.c.id,
+                                           items.c.state.in_(("queued", "running"))).exists()
+        with self._tx() as conn:
+            rows = conn.execute(select(jobs.c.id, jobs.c.webhook_url, jobs.c.webhook_attempts)
+                                .where(jobs.c.webhook_state.in_(("pending", "sending")), jobs.c.webhook_next <= now,
+                                       ~active).order_by(jobs.c.webhook_next).limit(limit)
+                                .with_for_update(skip_locked=True, of=jobs)).all()
+            if rows:
+                conn.execute(update(jobs).where(jobs.c.id.in_([r.id for r in rows]))
+                             .values(webhook_state="sending", webhook_next=now + hold_s))
+        return [(r.id, r.webhook_url, r.webhook_attempts) for r in rows]
+
+    def webhook_done(self, job_id: str, error: str | None, retry_in: float | None) -> None:
+        """Record a delivery attempt: sent (no error); else pending again in ``retry_in`` seconds,
+        or failed for good when ``retry_in`` is None."""
+        values: dict = {"webhook_attempts": jobs.c.webhook_attempts + 1, "webhook_error": error}
+        if error is None:
+            values.update(webhook_state="sent", webhook_next=None)
+        elif retry_in is None:
+            values.update(webhook_state="failed", webhook_next=None)
+        else:
+            values.update(webhook_state="pending", webhook_next=time.time() + retry_in)
+        with self._tx() as conn:
+            conn.execute(update(jobs).where(jobs.c.id == job_id).values(**values))
 
     def image_path(self, job_id: str, index: int) -> Path | None:
         with self._tx(write=False) as conn:
@@ -419,8 +466,10 @@ def job_state(cancelled: bool, counts: dict[str, int]) -> str:
 def _job(row, stats: dict, item_rows) -> Job:
     counts = stats.get("counts", {})
     state = job_state(row.cancelled, counts)
+    webhook = None if row.webhook_url is None else WebhookStatus(
+        url=row.webhook_url, state=row.webhook_state, attempts=row.webhook_attempts, error=row.webhook_error)
     return Job(id=row.id, state=state, model=row.model, params=JobParams.model_validate_json(row.params),
-               priority=row.priority, created_at=row.created_at, num_items=row.num_items, counts=counts,
+               priority=row.priority, webhook=webhook, created_at=row.created_at, num_items=row.num_items, counts=counts,
                finished_at=stats.get("finished_at") if state in TERMINAL_STATES else None,
                steps_done=stats.get("steps_done", 0), steps_total=stats.get("steps_total", 0),
                items=None if item_rows is None else [

@@ -43,6 +43,7 @@ def _stored_jobs(api) -> int:
     ({"labels": [1], "guidance": -1}, "guidance", "greater than or equal to 0"),
     ({"labels": [1, 2], "seeds": [1]}, None, "seeds has 1 entries but the job has 2 items"),
     ({"labels": [1], "priority": 101}, "priority", "less than or equal to 100"),
+    ({"labels": [1], "webhook_url": "ftp://example.com/x"}, "webhook_url", "should match pattern"),
 ])
 def test_bad_jobs_are_4xx_and_store_nothing(api, body, param, words):
     before = _stored_jobs(api)

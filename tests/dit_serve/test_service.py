@@ -9,6 +9,7 @@ import io
 import json
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -174,6 +175,65 @@ def test_finished_jobs_are_deleted_after_the_retention(svc, client):
     finally:
         svc.scheduler.retention_s = 0.0
         client.cancel(running)
+
+
+class _Receiver:
+    """A webhook receiver on a free local port: records each POST; answers 500 to the first ``fail`` ones."""
+
+    def __init__(self, fail: int = 0):
+        import http.server
+
+        self.posts: list[tuple[dict, bytes]] = []
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.posts.append((dict(self.headers), body))
+                self.send_response(500 if len(receiver.posts) <= fail else 204)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_a_webhook_is_delivered_signed_and_retried(svc, client):
+    from dit_serve.config import WebhookConfig
+    from dit_serve.webhooks import sign
+
+    receiver = _Receiver(fail=1)
+    normal = svc.notifier.cfg
+    svc.notifier.cfg = WebhookConfig(secret="s3cret-for-tests", backoff_s=0.2, max_attempts=3)
+    try:
+        job = client.submit(labels=[2, 3], steps=5, webhook_url=receiver.url)
+        assert job.webhook.state == "pending" and job.webhook.url == receiver.url
+        job = client.wait(job, progress=False, timeout=60)
+        _wait_for(lambda: client.get(job).webhook.state == "sent", timeout=30, what="the webhook's delivery")
+        assert len(receiver.posts) == 2  # a 500, then a retry that got through
+        headers, body = receiver.posts[-1]
+        assert headers["X-Dit-Serve-Event"] == "job.finished"
+        assert headers["X-Dit-Serve-Signature"] == sign("s3cret-for-tests", body)
+        sent = json.loads(body)
+        assert sent["event"] == "job.finished" and sent["job"]["id"] == job.id and sent["job"]["state"] == "done"
+        assert [it["state"] for it in sent["job"]["items"]] == ["done", "done"]
+        assert client.get(job).webhook.attempts == 2
+        assert receiver.posts[0][0]["X-Dit-Serve-Delivery"] != headers["X-Dit-Serve-Delivery"]
+
+        dead = client.submit(labels=[4], steps=5, webhook_url="http://127.0.0.1:9/nobody-listens")
+        client.wait(dead, progress=False, timeout=60)
+        _wait_for(lambda: client.get(dead).webhook.state == "failed", timeout=30, what="the webhook to give up")
+        hook = client.get(dead).webhook
+        assert hook.attempts == 3 and "ConnectError" in hook.error
+    finally:
+        svc.notifier.cfg = normal
+        receiver.close()
 
 
 @pytest.mark.parametrize("script, args", [

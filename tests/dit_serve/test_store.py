@@ -339,3 +339,30 @@ def test_higher_priority_jobs_are_leased_first(store):
     order = [(ls.job_id, ls.index) for ls in store.lease("w", ["digits"], 5, ttl=30)]
     assert order == [(batch, 2), (batch, 3), (low, 0), (low, 1)]
     assert store.get_job(urgent).priority == 10 and store.get_job(low).priority == -5
+
+
+def test_webhooks_are_claimed_once_finished_and_retried(store):
+    hooked = store.create_job("digits", PARAMS, [1, 2], [1, 2], webhook_url="http://hooks.example/a")
+    plain = _job(store, n=1)
+    assert store.get_job(hooked).webhook.state == "pending" and store.get_job(plain).webhook is None
+    assert store.claim_webhooks(hold_s=30) == []  # not finished yet
+    _finish(store, hooked, 2)
+    assert store.claim_webhooks(hold_s=30) == [(hooked, "http://hooks.example/a", 0)]
+    assert store.claim_webhooks(hold_s=30) == []  # claimed: no second delivery meanwhile
+    assert store.get_job(hooked).webhook.state == "sending"
+
+    store.webhook_done(hooked, "HTTP 500", retry_in=0.0)
+    hook = store.get_job(hooked).webhook
+    assert (hook.state, hook.attempts, hook.error) == ("pending", 1, "HTTP 500")
+    assert store.claim_webhooks(hold_s=-1) == [(hooked, "http://hooks.example/a", 1)]  # due again
+    assert store.claim_webhooks(hold_s=30) == [(hooked, "http://hooks.example/a", 1)]  # that claim expired
+    store.webhook_done(hooked, None, retry_in=None)
+    hook = store.get_job(hooked).webhook
+    assert (hook.state, hook.attempts, hook.error) == ("sent", 2, None)
+    assert store.claim_webhooks(hold_s=30) == []
+
+    failing = store.create_job("digits", PARAMS, [3], [3], webhook_url="http://hooks.example/b")
+    store.cancel_job(failing)  # a cancelled job is finished too
+    assert [c[0] for c in store.claim_webhooks(hold_s=30)] == [failing]
+    store.webhook_done(failing, "ConnectError: refused", retry_in=None)
+    assert store.get_job(failing).webhook.state == "failed" and store.claim_webhooks(hold_s=30) == []
