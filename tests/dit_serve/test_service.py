@@ -33,7 +33,8 @@ pytestmark = pytest.mark.slow
 def svc(digits_model, tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        cfg = service_config(tmp_path_factory.mktemp("svc"), digits_model)
+        cfg = service_config(tmp_path_factory.mktemp("svc"), digits_model,
+                             webhooks={"secret": "example-webhook-secret"})  # examples/webhooks.py checks it
         with Service(cfg) as service:
             assert service.wait_ready(120), "the worker did not start"
             yield service
@@ -240,6 +241,7 @@ def test_a_webhook_is_delivered_signed_and_retried(svc, client):
     ("quickstart.py", []),
     ("batch_job.py", ["--count", "30"]),
     ("openai_images.py", []),
+    ("webhooks.py", ["--secret", "example-webhook-secret"]),
 ])
 def test_examples(svc, tmp_path, script, args):
     r = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--url", svc.url, "--out", str(tmp_path),
