@@ -127,6 +127,7 @@ def bench_resolution(res: int, rows: list, capture_s: dict, memory: dict) -> Non
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         _memory_variants(model, name, memory)
+        _capture_variants(model, name, capture_s)
         restore_attention(model.transformer)
         if res == 256:
             _bench_compile(model, name, rows, capture_s)
@@ -145,6 +146,22 @@ def _memory_variants(model, name: str, memory: dict) -> None:
     del runner
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+def _capture_variants(model, name: str, capture_s: dict) -> None:
+    """Capture time with the lean warm-up (1 eager step and 3 timed replays per bucket, against 2 and 5):
+    the warm-up and the timing of the buckets are most of the capture time."""
+    for backend in ("full", "breakable"):
+        runner = build_runner(model, backend, warmup_iters=1, timing_reps=3)
+        t0 = time.perf_counter()
+        runner.warmup()
+        torch.cuda.synchronize()
+        capture_s[f"{name}/{backend}/lean_warmup"] = round(time.perf_counter() - t0, 3)
+        failures = sum(s["capture_failures"] for s in runner.stats()["buckets"].values())
+        capture_s[f"{name}/{backend}/lean_warmup_capture_failures"] = failures
+        del runner
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def _bench_compile(model, name: str, rows: list, capture_s: dict) -> None:
