@@ -141,7 +141,7 @@ class Config(_Section):
         data = self.model_dump()
         for name, fields in sections.items():
             data[name].update({k: v for k, v in fields.items() if v is not None})
-        return _validate(data, "overrides")
+        return _validate(data, "the command line or environment")
 
 
 def load_config(path: Path | None = None) -> Config:
@@ -163,4 +163,4 @@ def _validate(data: dict, source: str) -> Config:
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
-        raise ConfigError(f"{source}: {where}: {err['msg']}") from None
+        raise ConfigError(f"{source}: {where}: {err['msg'].removeprefix('Value error, ')}") from None

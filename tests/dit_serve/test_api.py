@@ -250,7 +250,8 @@ def test_api_keys_guard_v1_but_not_probes(digits_model, tmp_path, monkeypatch):
 def test_api_keys_must_look_like_keys(tmp_path):
     from dit_serve.config import ConfigError, Config
 
-    with pytest.raises(ConfigError, match="at least 8 printable"):
+    with pytest.raises(ConfigError, match="^the command line or environment: server.api_keys: an API key must be at "
+                                          "least 8 printable"):
         Config().with_overrides(server={"api_keys": ["short"]})
     assert "k-123456789" not in repr(Config().with_overrides(server={"api_keys": ["k-123456789"]}))
 
