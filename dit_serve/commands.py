@@ -43,10 +43,11 @@ def user_error(e: Exception) -> CommandError | None:
 
 
 def _config(args):
+    from dit_serve.client import API_KEY_ENV
     from dit_serve.config import load_config
 
     cfg = load_config(getattr(args, "config", None))
-    env_key = os.environ.get("DIT_SERVE_API_KEY", "")  # a key kept out of files and the process list
+    env_key = os.environ.get(API_KEY_ENV, "")  # a key kept out of files and the process list
     return cfg.with_overrides(
         server={"host": getattr(args, "host", None), "port": getattr(args, "port", None),
                 "api_keys": (*cfg.server.api_keys, env_key) if env_key else None},

@@ -86,10 +86,9 @@ def _actor_class():
 
 class Scheduler:
     def __init__(self, store: Store, workers: WorkerConfig, config: SchedulerConfig, lease_seconds: float,
-                 metrics: Metrics | None = None, retention_s: float = 0.0):
+                 metrics: Metrics | None = None):
         self.store, self.cfg, self.sched = store, workers, config
-        self.lease_seconds, self.retention_s = lease_seconds, retention_s
-        self._last_purge = 0.0
+        self.lease_seconds = lease_seconds
         self.metrics = metrics or Metrics()
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.workers: dict[str, _Worker] = {}
@@ -122,10 +121,6 @@ class Scheduler:
             self._last_heartbeat = now
             self._heartbeat()
         self._dispatch()
-        if self.retention_s and now - self._last_purge >= min(60.0, self.retention_s / 10):
-            self._last_purge = now
-            if purged := self.store.purge_finished(self.retention_s):
-                log.info("deleted %d finished job(s) past retention", len(purged))
 
     # -- workers -----------------------------------------------------------------------------------
     def reconcile(self) -> None:

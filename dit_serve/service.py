@@ -54,6 +54,24 @@ def open_store(config: Config) -> Store:
         raise ServiceError(f"cannot open the job store {config.store.database_url()!r}: {e}") from None
 
 
+class Retention:
+    """Deletes finished jobs (rows and images) ``seconds`` after they end; 0 keeps everything. A thread
+    of its own: deleting many images must not hold up the scheduler's dispatch."""
+
+    def __init__(self, store: Store, seconds: float):
+        self.store, self.seconds = store, seconds
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(min(60.0, self.seconds / 10) if self.seconds else 1.0):
+            if not self.seconds:
+                continue
+            try:
+                if purged := self.store.purge_finished(self.seconds):
+                    log.info("deleted %d finished job(s) past retention", len(purged))
+            except Exception:  # a store hiccup must not end the policy
+                log.exception("retention round failed; retrying")
+
+
 class Service:
     def __init__(self, config: Config, roles: tuple[str, ...] = ("api", "scheduler")):
         self.config, self.roles = config, roles
@@ -61,6 +79,7 @@ class Service:
         self.store: Store | None = None
         self.scheduler = None
         self.notifier = None
+        self.retention = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._server = None
@@ -90,8 +109,7 @@ class Service:
 
         self._init_ray()
         cfg = self.config
-        self.scheduler = Scheduler(self.store, cfg.workers, cfg.scheduler, cfg.store.lease_seconds, self.metrics,
-                                   retention_s=cfg.store.retention_hours * 3600)
+        self.scheduler = Scheduler(self.store, cfg.workers, cfg.scheduler, cfg.store.lease_seconds, self.metrics)
         # the first actors are created from this thread: Ray sets up its serializers (importing pydantic.v1)
         # on first use, and doing that while another thread imports FastAPI raced into a KeyError
         self.scheduler.reconcile()
@@ -100,6 +118,8 @@ class Service:
 
         self.notifier = Notifier(self.store, cfg.webhooks)
         self._spawn("webhooks", self.notifier.run, self._stop)
+        self.retention = Retention(self.store, cfg.store.retention_hours * 3600)
+        self._spawn("retention", self.retention.run, self._stop)
 
     def _init_ray(self) -> None:
         import ray

@@ -166,7 +166,7 @@ def test_finished_jobs_are_deleted_after_the_retention(svc, client):
     done = client.wait(client.submit(labels=[5], steps=5), progress=False, timeout=60)
     assert _pngs(svc, done.id) == ["00000.png"]
     running = client.submit(labels=[6] * 4, steps=400)
-    svc.scheduler.retention_s, svc.scheduler._last_purge = 1.0, 0.0
+    svc.retention.seconds = 1.0
     try:
         _wait_for(lambda: not _pngs(svc, done.id), timeout=30, what="the finished job's deletion")
         with pytest.raises(ApiError) as e:
@@ -174,7 +174,7 @@ def test_finished_jobs_are_deleted_after_the_retention(svc, client):
         assert e.value.status == 404
         assert not client.get(running).finished  # an unfinished job is never deleted
     finally:
-        svc.scheduler.retention_s = 0.0
+        svc.retention.seconds = 0.0
         client.cancel(running)
 
 
