@@ -319,7 +319,7 @@ def markdown(result: dict) -> str:
              "completions kept within 20% of arrivals."), "",
              "| system | workload | offered img/s | arrived img/s | done img/s | p50 ms | p99 ms | unfinished | sustained |",
              "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['system']} | {r['workload']} | {r['offered_images_per_s']} | {r.get('arrived_images_per_s', '')} | "
+    lines += [f"| {r['system']} | {r['workload']} | {r['offered_images_per_s']:g} | {r.get('arrived_images_per_s', '')} | "
               f"{r['images_per_s']} | {r['p50_ms']} | {r['p99_ms']} | {r['unfinished']}/{r['requests']} | "
               f"{'yes' if sustained(r) else 'no'} |" for r in result["rows"]]
     lines += ["", "Max sustained images/s (a backlog of 97 images in the workload's mix, run to completion): "
@@ -389,6 +389,8 @@ def main() -> None:
     p.add_argument("--systems", nargs="+", default=list(SYSTEM_LOADS), choices=list(SYSTEM_LOADS))
     p.add_argument("--window", type=float, default=12.0, help="seconds of arrivals per load point")
     p.add_argument("--drain", type=float, default=8.0, help="seconds a load point may run past its window")
+    p.add_argument("--loads", type=float, nargs="+", help="offered loads (images/s) for every system given, "
+                   "instead of the built-in lists")
     p.add_argument("--merge-only", action="store_true", help="rebuild the report from the parts in --out")
     args = p.parse_args()
     name = "engine_throughput_smoke" if args.smoke else "engine_throughput"
@@ -411,7 +413,8 @@ def main() -> None:
         resolutions = sorted({r for res in workloads.values() for r in res})
         models = {r: load_model(f"dit-xl-2-{r}", device=dev, dtype=dt) for r in resolutions}
         s = Setup(models, steps=50, guidance=4.0, max_batch=64, wait_s=0.1, window_s=args.window,
-                  drain_s=args.drain, loads={k: SYSTEM_LOADS[k] for k in args.systems})
+                  drain_s=args.drain, loads={k: ({w: args.loads for w in workloads} if args.loads else SYSTEM_LOADS[k])
+                                             for k in args.systems})
     head = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "diffusers": diffusers.__version__,
             "systems": args.systems, "workloads": list(workloads), "window_s": s.window_s, "drain_s": s.drain_s}
