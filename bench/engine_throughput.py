@@ -16,9 +16,10 @@ padding waste. Systems a and b hold at most 64 images in flight, as a service wo
 (`max_inflight` defaults to the largest bucket): beyond that a step only gets slower, not more
 productive, and everyone's latency grows.
 
-    python bench/engine_throughput.py                       # on a GPU: DiT-XL/2, random weights, bf16
-    python bench/engine_throughput.py --workloads 256       # one workload (fits one 10-minute slot)...
-    python bench/engine_throughput.py --workloads mixed     # ...then the other: both merge into one report
+    python bench/engine_throughput.py                       # on a GPU: DiT-XL/2, random weights, bf16 (~7 min)
+    python bench/engine_throughput.py --workloads 256 --systems a b --loads 16 24
+                                                            # a part of it: parts merge into one report
+    python bench/engine_throughput.py --merge-only          # rebuild the report from the saved parts
     python bench/engine_throughput.py --smoke               # a seconds-long run of every system on a tiny DiT (CPU)
 """
 
@@ -281,8 +282,6 @@ def plot(result: dict, path: Path) -> None:
 def sustained(row: dict) -> bool:
     """A load point is sustained when every request finished and completions kept up with what arrived
     (within 20%: the last arrivals' own latency is counted in the elapsed time, but not a queue that grows)."""
-    if "sustained" in row:
-        return row["sustained"]
     arrived = row.get("arrived_images_per_s", row["offered_images_per_s"])
     return row["unfinished"] == 0 and row["images_per_s"] >= 0.8 * arrived
 
