@@ -2,21 +2,24 @@
 Prometheus metrics. ``create_app`` builds it from a store, a catalog and metrics; it runs no
 models itself, so several API processes can serve one PostgreSQL store.
 
-Every error body is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape). Requests
-are validated completely before anything is stored: a 4xx leaves no trace in the store.
+Every error body is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape), and every
+status a route can answer is in the OpenAPI schema. Requests are validated completely before anything
+is stored: a 4xx leaves no trace in the store. Callers are tenants (``dit_serve.keys``): each sees and
+acts on its own jobs only, and a job that another tenant owns is a 404.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import hmac
+import math
 import time
 import zipfile
 from tempfile import SpooledTemporaryFile
+import logging
 from typing import Callable
 
-from fastapi import APIRouter, FastAPI, Header, Query, Request, Security
+from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query, Request, Security
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -25,92 +28,134 @@ from starlette.exceptions import HTTPException
 
 from dit_serve import __version__
 from dit_serve.catalog import Catalog, NewJob, RequestError
-from dit_serve.config import ServerConfig
+from dit_serve.config import LimitsConfig, ServerConfig
+from dit_serve.keys import AuthError, KeyRing, Principal
 from dit_serve.metrics import Metrics
-from dit_serve.schemas import (ErrorResponse, Health, ImageData, ImageGenerationRequest, ImagesResponse, Job,
-                               JobList, JobRequest, ModelList)
-from dit_serve.store import IdempotencyConflict, Store, dump_manifest
+from dit_serve.netguard import check_webhook_url
+from dit_serve.schemas import (MAX_ITEMS, ErrorResponse, Health, ImageData, ImageGenerationRequest, ImagesResponse,
+                               Job, JobList, JobRequest, ModelCard, ModelList, clip)
+from dit_serve.store import IdempotencyConflict, QueueFull, Store, dump_manifest
 
-ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
+
+def _doc(*statuses: int) -> dict:
+    return {s: {"model": ErrorResponse, "description": DESCRIPTIONS[s]} for s in statuses}
+
+
+DESCRIPTIONS = {400: "Bad request: the message names the field", 401: "Missing or invalid API key",
+                403: "Not allowed for this tenant", 404: "No such job, image or model (or another tenant's)",
+                405: "Method not allowed (see the Allow header)", 408: "The request body did not arrive in time",
+                409: "Conflict", 413: "Request body too large", 429: "Too many queued items: retry after Retry-After "
+                "seconds", 500: "Internal error, or the generation failed", 503: "Not ready",
+                504: "The generation did not finish in time"}
+ERRORS = _doc(400, 401, 405, 408, 413, 500)
+MAX_OFFSET = 10**12
+log = logging.getLogger(__name__)
 _bearer = HTTPBearer(auto_error=False, description="one of the server's API keys, when it has any")
+JobId = Path(min_length=1, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$", description="a job id")
 
 
 def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Metrics,
-               workers_ready: Callable[[], int | None] = lambda: None) -> FastAPI:
+               workers_ready: Callable[[], int | None] = lambda: None, allow_hosts: tuple[str, ...] = ()) -> FastAPI:
+    from dit_serve.http_limits import LimitsMiddleware
+
     app = FastAPI(title="dit-serve", version=__version__, responses=ERRORS,
                   description="Batch image generation with diffusion transformers.")
     _add_error_handlers(app)
-    keys = [k.get_secret_value().encode() for k in server.api_keys]
+    app.add_middleware(LimitsMiddleware, max_body_bytes=server.max_body_bytes, read_timeout_s=server.read_timeout_s)
+    ring = KeyRing(store, [k.get_secret_value() for k in server.api_keys])
+    limits = catalog.limits
+    pace = _Pace(store)
 
-    def authorize(cred: HTTPAuthorizationCredentials | None = Security(_bearer)) -> None:
-        """Every /v1 route, when the server has API keys (health and metrics stay open, for probes)."""
-        if not keys:
-            return
-        if cred is None:
-            raise RequestError("this service needs an API key: send 'Authorization: Bearer <key>'", status=401)
-        given = cred.credentials.encode()
-        if not sum(hmac.compare_digest(given, k) for k in keys):  # every key compared: constant time
-            raise RequestError("invalid API key", status=401)
+    def authorize(cred: HTTPAuthorizationCredentials | None = Security(_bearer)) -> Principal:
+        """Every /v1 route, when the service has API keys (health and metrics stay open, for probes)."""
+        try:
+            return ring.authenticate(None if cred is None else cred.credentials)
+        except AuthError as e:
+            raise RequestError(str(e), status=401) from None
 
     v1 = APIRouter(prefix="/v1", dependencies=[Security(authorize)])
 
-    def job_or_404(job_id: str, with_items: bool = True) -> Job:
-        job = store.get_job(job_id, with_items)
+    def job_or_404(job_id: str, who: Principal, with_items: bool = True) -> Job:
+        job = store.get_job(job_id, with_items, tenant=who.scope)
         if job is None:
-            raise RequestError(f"no job with id {job_id!r}", "job_id", status=404)
+            raise RequestError(f"no job with id {clip(job_id, 64)!r}", "job_id", status=404)
         return job
 
-    def create(new: NewJob) -> Job:
-        return store.get_job(store.create_job(new.model, new.params, new.labels, new.seeds, priority=new.priority))
+    def store_job(new: NewJob, who: Principal, idempotency_key: str | None = None) -> tuple[str, bool]:
+        """Check the caller's limits and store the job; the one place submissions are committed."""
+        if new.webhook_url is not None and (why := check_webhook_url(new.webhook_url, allow_hosts)) is not None:
+            raise RequestError(why, "webhook_url")
+        top = limits.tenant_max_priority if who.max_priority is None else who.max_priority
+        if not who.admin and new.priority > top:
+            raise RequestError(f"priority {new.priority} is above your tenant's highest, {top}", "priority",
+                               status=403)
+        tenant_bound = None if who.admin else (who.max_queued or limits.tenant_max_queued_items)
+        try:
+            return store.submit(new.model, new.params, new.labels, new.seeds, idempotency_key, new.priority,
+                                new.webhook_url, tenant=who.tenant, max_active=limits.max_queued_items,
+                                tenant_max_active=tenant_bound)
+        except IdempotencyConflict as e:
+            raise RequestError(str(e), "Idempotency-Key", status=409) from None
+        except QueueFull as e:
+            if e.never:
+                raise RequestError(str(e), "labels") from None
+            metrics.rejected.inc()
+            raise RequestError(str(e), status=429, retry_after=pace.retry_after(len(new.labels))) from None
 
     @v1.post("/jobs", status_code=202, response_model=Job, tags=["jobs"],
-             responses={409: {"model": ErrorResponse, "description": "Idempotency-Key reused for another job"}})
-    def submit_job(req: JobRequest, response: Response,
+             responses=_doc(403, 409, 429))
+    def submit_job(req: JobRequest, response: Response, who: Principal = Depends(authorize),
                    idempotency_key: str | None = Header(None, min_length=1, max_length=200, pattern=r"^[!-~]+$",
                                                         description="a retried submission with the same key "
                                                                     "gets the first one's job")) -> Job:
-        """Queue a job; 202 once it is committed to the store."""
+        """Queue a job; 202 once it is committed to the store (429 with Retry-After when the queue is full)."""
         new = catalog.resolve_job(req)
-        try:
-            job_id, created = store.submit(new.model, new.params, new.labels, new.seeds, idempotency_key, new.priority,
-                                           new.webhook_url)
-        except IdempotencyConflict as e:
-            raise RequestError(str(e), "Idempotency-Key", status=409) from None
+        job_id, created = store_job(new, who, idempotency_key)
         response.headers["Location"] = f"/v1/jobs/{job_id}"
         if not created:
             response.headers["Idempotent-Replayed"] = "true"
         return store.get_job(job_id)
 
-    @v1.get("/jobs/{job_id}", response_model=Job, tags=["jobs"])
-    def get_job(job_id: str, items: bool = Query(True, description="include per-item progress")) -> Job:
+    @v1.get("/jobs/{job_id}", response_model=Job, tags=["jobs"], responses=_doc(404))
+    def get_job(job_id: str = JobId, items: bool = Query(True, description="include per-item progress"),
+                who: Principal = Depends(authorize)) -> Job:
         """State and per-item progress (each running item's current step)."""
-        return job_or_404(job_id, items)
+        return job_or_404(job_id, who, items)
 
     @v1.get("/jobs", response_model=JobList, tags=["jobs"])
-    def list_jobs(limit: int = Query(20, ge=1, le=100), offset: int = Query(0, ge=0)) -> JobList:
-        """Jobs, newest first, without their items."""
-        jobs, total = store.list_jobs(limit, offset)
+    def list_jobs(limit: int = Query(20, ge=1, le=100), offset: int = Query(0, ge=0, le=MAX_OFFSET),
+                  who: Principal = Depends(authorize)) -> JobList:
+        """Your jobs (every tenant's for an admin key), newest first, without their items."""
+        jobs, total = store.list_jobs(limit, offset, tenant=who.scope)
         return JobList(data=jobs, total=total, next_offset=offset + limit if offset + limit < total else None)
 
-    @v1.delete("/jobs/{job_id}", response_model=Job, tags=["jobs"])
-    def cancel_job(job_id: str, purge: bool = Query(False, description="also delete the job and its images "
-                                                                       "(answers with the job as it was)")) -> Job:
+    @v1.delete("/jobs/{job_id}", response_model=Job, tags=["jobs"], responses=_doc(404, 409))
+    def cancel_job(job_id: str = JobId, who: Principal = Depends(authorize),
+                   purge: bool = Query(False, description="also delete the job and its images "
+                                                          "(answers with the job as it was)")) -> Job:
         """Queued items never run; running ones stop at their next step boundary. Finished items stay,
         unless ``purge``: then the job's record and images are deleted too."""
-        if not store.cancel_job(job_id):
-            job_or_404(job_id)
-        job = job_or_404(job_id)
-        if purge and not store.delete_job(job_id):
-            job_or_404(job_id)  # deleted meanwhile by another request: 404
+        if not store.cancel_job(job_id, tenant=who.scope):
+            job_or_404(job_id, who)
+        job = job_or_404(job_id, who)
+        if purge and not store.delete_job(job_id, tenant=who.scope):
+            job_or_404(job_id, who)  # deleted meanwhile by another request: 404
             raise RequestError(f"job {job_id} still has running items", status=409)
         return job
 
+    @v1.post("/jobs/{job_id}/retry", response_model=Job, tags=["jobs"], responses=_doc(404))
+    def retry_job(job_id: str = JobId, who: Principal = Depends(authorize)) -> Job:
+        """Queue the job's failed items again (their failure counters reset); the others are untouched."""
+        if store.retry_failed(job_id, tenant=who.scope) is None:
+            job_or_404(job_id, who)
+        return job_or_404(job_id, who)
+
     @v1.get("/jobs/{job_id}/images/{index}", response_class=FileResponse, tags=["jobs"],
-             responses={200: {"content": {"image/png": {}}}, 409: {"model": ErrorResponse}})
-    def get_image(job_id: str, index: int):
-        path = store.image_path(job_id, index)
+            responses={200: {"content": {"image/png": {}}}, **_doc(404, 409)})
+    def get_image(job_id: str = JobId, index: int = Path(ge=0, le=MAX_ITEMS), who: Principal = Depends(authorize)):
+        path = store.image_path(job_id, index, tenant=who.scope)
         if path is None:
-            job = job_or_404(job_id)
+            job = job_or_404(job_id, who)
             if not 0 <= index < job.num_items:
                 raise RequestError(f"job {job_id} has {job.num_items} images (0..{job.num_items - 1}), "
                                    f"not {index}", "index", status=404)
@@ -119,19 +164,25 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
                                status=409)
         return FileResponse(path, media_type="image/png")
 
-    @v1.get("/jobs/{job_id}/archive", tags=["jobs"], responses={200: {"content": {"application/zip": {}}}})
-    def get_archive(job_id: str):
+    @v1.get("/jobs/{job_id}/archive", tags=["jobs"],
+            responses={200: {"content": {"application/zip": {}}}, **_doc(404)})
+    def get_archive(job_id: str = JobId, who: Principal = Depends(authorize)):
         """A zip of the finished images and a manifest.json describing every item."""
-        job = job_or_404(job_id)
+        job = job_or_404(job_id, who)
         return StreamingResponse(_zip(store, job), media_type="application/zip",
                                  headers={"Content-Disposition": f'attachment; filename="{job_id}.zip"'})
 
     @v1.post("/images/generations", response_model=ImagesResponse, response_model_exclude_none=True,
-              tags=["openai"])
-    async def generate_images(req: ImageGenerationRequest, request: Request) -> ImagesResponse:
-        """OpenAI-compatible: runs a job of ``n`` images of the class the prompt names and waits for it."""
-        job = await run_in_threadpool(create, catalog.resolve_images(req))
-        job = await _wait(store, job.id, catalog.limits.generation_timeout_s)
+             tags=["openai"], responses=_doc(403, 429, 504))
+    async def generate_images(req: ImageGenerationRequest, request: Request,
+                              who: Principal = Depends(authorize)) -> Response | ImagesResponse:
+        """OpenAI-compatible: runs a job of ``n`` images of the class the prompt names and waits for it.
+        A client that hangs up before it finishes gets its job cancelled (``[server] cancel_on_disconnect``)."""
+        new = catalog.resolve_images(req)
+        job_id, _ = await run_in_threadpool(store_job, new, who)
+        job = await _wait(store, job_id, limits, request, server.cancel_on_disconnect)
+        if job is None:  # the client went away
+            return Response(status_code=499)
         base = (server.public_url or str(request.base_url)).rstrip("/")
         data = [await run_in_threadpool(_image_data, store, job, i, req.response_format, base)
                 for i in range(job.num_items)]
@@ -141,9 +192,16 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
     def list_models() -> ModelList:
         return ModelList(data=[m.card() for m in catalog.models.values()])
 
+    @v1.get("/models/{model_id:path}", response_model=ModelCard, tags=["models"], responses=_doc(404))
+    def get_model(model_id: str = Path(max_length=200)) -> ModelCard:
+        if model_id not in catalog.models:
+            raise RequestError(f"no model {clip(model_id, 80)!r}; this service serves: "
+                               f"{', '.join(catalog.models)}", "model", status=404)
+        return catalog.models[model_id].card()
+
     app.include_router(v1)
 
-    @app.get("/healthz", response_model=Health, tags=["service"])
+    @app.get("/healthz", response_model=Health, tags=["service"], responses=_doc(503))
     def health():
         try:
             depth = store.counts().get("queued", 0)
@@ -158,24 +216,58 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
         metrics.queue_depth.set(store.counts().get("queued", 0))
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    app.state.all_routes = [r for r in (*v1.routes, *app.router.routes) if hasattr(r, "path_regex")]
     return app
 
 
-async def _wait(store: Store, job_id: str, timeout_s: float) -> Job:
-    """Poll the store until the job is finished; cancel it and answer 504 after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        job = await run_in_threadpool(store.get_job, job_id, True)
-        if job.state == "done":
-            return job
-        if job.finished:
-            errors = {it.error for it in job.items if it.error} or {f"job {job.state}"}
-            raise RequestError(f"generation failed: {'; '.join(sorted(errors))}", status=500)
-        if time.monotonic() > deadline:
-            await run_in_threadpool(store.cancel_job, job_id)
-            raise RequestError(f"generation did not finish within {timeout_s:.0f} s (job {job_id} cancelled)",
-                               status=504)
-        await asyncio.sleep(0.05)
+class _Pace:
+    """Retry-After for a full queue: how long the service needs to finish as many items as a rejected
+    job has, at the rate it finished items in the last minute (read at most every 5 s), within 1-300 s."""
+
+    def __init__(self, store: Store):
+        self.store, self._rate, self._read = store, 0.0, -1e9
+
+    def retry_after(self, n: int) -> int:
+        now = time.monotonic()
+        if now - self._read > 5.0:
+            self._rate, self._read = self.store.recent_rate(), now
+        return 30 if self._rate <= 0 else max(1, min(300, math.ceil(n / self._rate)))
+
+
+async def _wait(store: Store, job_id: str, limits: LimitsConfig, request: Request, cancel_on_disconnect: bool
+                ) -> Job | None:
+    """Wait until the job ends: woken by the store's notifications in this process, else a slow poll of
+    one count query; checks for a client that went away every 0.25 s (its job is cancelled, None
+    returned). Cancels the job and answers 504 after ``generation_timeout_s``."""
+    deadline = time.monotonic() + limits.generation_timeout_s
+    event = store.changes.watch(job_id)
+    try:
+        last_poll = 0.0
+        while True:
+            now = time.monotonic()
+            if event.is_set() or now - last_poll >= 1.0:
+                event.clear()
+                last_poll = now
+                if await run_in_threadpool(store.active_items, job_id) == 0:
+                    break
+            if cancel_on_disconnect and await request.is_disconnected():
+                await run_in_threadpool(store.cancel_job, job_id)
+                return None
+            if now > deadline:
+                await run_in_threadpool(store.cancel_job, job_id)
+                raise RequestError(f"generation did not finish within {limits.generation_timeout_s:.0f} s "
+                                   f"(job {job_id} cancelled)", status=504)
+            try:
+                await asyncio.wait_for(event.wait(), 0.25)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        store.changes.unwatch(job_id, event)
+    job = await run_in_threadpool(store.get_job, job_id, True)
+    if job.state != "done":
+        errors = {it.error for it in job.items if it.error} or {f"job {job.state}"}
+        raise RequestError(f"generation failed: {'; '.join(sorted(errors))}", status=500)
+    return job
 
 
 def _image_data(store: Store, job: Job, index: int, fmt: str, base: str) -> ImageData:
@@ -198,10 +290,11 @@ def _zip(store: Store, job: Job, chunk: int = 1 << 20):
             yield data
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str | None = None) -> JSONResponse:
+def _error(status: int, message: str, param: str | None = None, kind: str | None = None,
+           headers: dict | None = None) -> JSONResponse:
     kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                        status_code=status)
+    return JSONResponse({"error": {"message": clip(message, 1000), "type": kind, "param": param and clip(param, 100),
+                                   "code": None}}, status_code=status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -211,8 +304,9 @@ def _add_error_handlers(app: FastAPI) -> None:
             response = _error(401, e.message, kind="authentication_error")
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
-        kind = "not_found" if e.status == 404 else None
-        return _error(e.status, e.message, e.param, kind)
+        kind = {404: "not_found", 429: "rate_limit_error"}.get(e.status)
+        headers = {"Retry-After": str(e.retry_after)} if e.retry_after is not None else None
+        return _error(e.status, e.message, e.param, kind, headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request, e: RequestValidationError):
@@ -223,8 +317,26 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(400, message, param)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_request, e: HTTPException):
-        return _error(e.status_code, str(e.detail), kind="not_found" if e.status_code == 404 else None)
+    async def http_error(request: Request, e: HTTPException):  # routing errors: 404, and 405 with Allow
+        headers = e.headers
+        if e.status_code == 405:  # Starlette names only the first route's methods; RFC 9110 wants all
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed(request))}
+        return _error(e.status_code, str(e.detail), kind="not_found" if e.status_code == 404 else None,
+                      headers=headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request, e: Exception):  # a bug: logged, and still the usual error shape
+        log.exception("unhandled error")
+        return _error(500, f"internal error: {type(e).__name__}")
+
+
+def _allowed(request: Request) -> list[str]:
+    """The methods of every route whose path matches the request's (routes of included routers too)."""
+    methods: set[str] = set()
+    for route in request.app.state.all_routes:
+        if route.path_regex.match(request.url.path):
+            methods |= set(route.methods or ())
+    return sorted(methods)
 
 
 def _describe(err: dict) -> tuple[str, str | None]:

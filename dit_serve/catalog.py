@@ -26,9 +26,9 @@ DIGITS_DIR = Path(__file__).resolve().parent.parent / "workers" / "models" / "di
 class RequestError(ValueError):
     """A request the service cannot run; ``param`` names the offending field, ``status`` the HTTP code."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, retry_after: int | None = None):
         super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+        self.message, self.param, self.status, self.retry_after = message, param, status, retry_after
 
 
 @dataclass(frozen=True)

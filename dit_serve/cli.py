@@ -6,6 +6,7 @@
     dit-serve list [--limit N]               jobs, newest first
     dit-serve fetch JOB --out DIR            write a job's PNGs, grid.png and manifest.json
     dit-serve cancel JOB [--delete]          stop a job (and delete it with its images)
+    dit-serve keys create|list|revoke        tenants' API keys, in the service's store
     dit-serve generate ...                   run locally, no service
     dit-serve demo                           the main job: service + SDK + images, then shut down
 """
@@ -94,6 +95,24 @@ def _add_client(sub) -> None:
     p.add_argument("--wait", action="store_true", help="wait for the job to finish first")
 
 
+def _add_keys(sub) -> None:
+    keys = sub.add_parser("keys", help="tenants' API keys (stored hashed in the service's job store)")
+    actions = keys.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    create = actions.add_parser("create", help="make a key for a tenant and print it (shown only this once)")
+    create.add_argument("--tenant", required=True, help="a-z, 0-9, '_', '.', '-' (created if new)")
+    create.add_argument("--admin", action="store_true", help="the key sees and acts on every tenant's jobs")
+    create.add_argument("--name", help="a note to tell keys apart in `keys list`")
+    create.add_argument("--max-queued", type=int, help="the tenant's bound on queued items (default: [limits])")
+    create.add_argument("--max-priority", type=int, help="the tenant's highest job priority (default: [limits])")
+    actions.add_parser("list", help="every key: id, tenant, role, created, revoked (never the key)")
+    revoke = actions.add_parser("revoke", help="revoke a key by its id (it stops working within seconds)")
+    revoke.add_argument("key_id")
+    for p in actions.choices.values():
+        p.add_argument("--config", type=Path, help="the service's TOML config (names its store)")
+        p.add_argument("--database-url", help="the store, if not the config's")
+        p.add_argument("--data-dir", help="the data dir of the default SQLite store")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dit-serve", description="Batch image generation with diffusion transformers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
@@ -101,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_client(sub)
     _add_generate(sub)
+    _add_keys(sub)
     demo = sub.add_parser("demo", help="the main job: start the service, submit digits through the SDK, "
                                        "write PNGs + grid.png, shut down")
     demo.add_argument("--out", type=Path, default=Path("out/demo"))
@@ -133,6 +153,12 @@ def _cmd_client(args) -> int:
             "cancel": commands.cancel, "list": commands.list_jobs}[args.command](args)
 
 
+def _cmd_keys(args) -> int:
+    from dit_serve.commands import keys
+
+    return keys(args)
+
+
 def _cmd_demo(args) -> int:
     from dit_serve.commands import demo
 
@@ -141,7 +167,7 @@ def _cmd_demo(args) -> int:
 
 COMMANDS = {"generate": _cmd_generate, "demo": _cmd_demo, "serve": _cmd_serve,
             "submit": _cmd_client, "status": _cmd_client, "fetch": _cmd_client, "cancel": _cmd_client,
-            "list": _cmd_client}
+            "list": _cmd_client, "keys": _cmd_keys}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,9 @@ pillow; never torch or ray, so a laptop can submit to a remote cluster. Service 
 
 ``api_key`` (default: the ``DIT_SERVE_API_KEY`` environment variable) is sent as a bearer token.
 Requests that are safe to repeat are retried on connection errors and 502/503/504 answers, with
-backoff; ``submit`` is one of them, because it sends an ``Idempotency-Key`` (a fresh one per call
-unless given), so a retried submission can never queue the same job twice.
+backoff, and on 429 (the service's queue is full) after the ``Retry-After`` it sends (at most
+``max_retry_after`` seconds); ``submit`` is one of them, because it sends an ``Idempotency-Key`` (a fresh
+one per call unless given), so a retried submission can never queue the same job twice.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ RETRY_STATUS = {502, 503, 504}  # a proxy or a restarting service: worth another
 class ApiError(Exception):
     """An error answer from the service: ``status`` (HTTP), ``message`` and the offending ``param``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None,
+                 retry_after: str | None = None):
         super().__init__(f"{message} (HTTP {status})")
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.retry_after = retry_after  # the Retry-After header of a 429 or 503, if any
 
 
 def _check(r: httpx.Response) -> httpx.Response:
@@ -51,7 +54,7 @@ def _check(r: httpx.Response) -> httpx.Response:
         return r
     try:
         err = r.json()["error"]
-        raise ApiError(r.status_code, err["message"], err.get("param"), err.get("type"))
+        raise ApiError(r.status_code, err["message"], err.get("param"), err.get("type"), r.headers.get("Retry-After"))
     except (ValueError, KeyError, TypeError):
         raise ApiError(r.status_code, r.text[:200] or r.reason_phrase) from None
 
@@ -67,6 +70,19 @@ def _repeatable(method: str, headers: dict) -> bool:
 
 def _backoff(attempt: int) -> float:
     return min(0.25 * 2 ** attempt, 4.0)
+
+
+def _retry_in(r: httpx.Response | None, attempt: int, cap: float) -> float | None:
+    """Seconds to wait before another try of a repeatable request, or None: answer it as it is."""
+    if r is None:
+        return _backoff(attempt)
+    if r.status_code == 429:
+        try:
+            wait = float(r.headers["Retry-After"])
+        except (KeyError, ValueError):
+            return None
+        return wait if 0 <= wait <= cap else None
+    return _backoff(attempt) if r.status_code in RETRY_STATUS else None
 
 
 def _job_id(job: JobRef) -> str:
@@ -110,24 +126,25 @@ class Client:
     """A blocking client. ``url`` is the service's base URL."""
 
     def __init__(self, url: str = DEFAULT_URL, timeout: float = 60.0, http: httpx.Client | None = None, *,
-                 api_key: str | None = None, retries: int = 3):
+                 api_key: str | None = None, retries: int = 3, max_retry_after: float = 60.0):
         self.url = url.rstrip("/")
         self._http = http or httpx.Client(base_url=self.url, timeout=timeout)
-        self._auth, self.retries = _auth(api_key), retries
+        self._auth, self.retries, self.max_retry_after = _auth(api_key), retries, max_retry_after
 
     def _call(self, method: str, path: str, headers: dict | None = None, **kwargs) -> httpx.Response:
         headers = {**self._auth, **(headers or {})}
         attempts = self.retries + 1 if _repeatable(method, headers) else 1
         for attempt in range(attempts):
+            r = None
             try:
                 r = self._http.request(method, path, headers=headers, **kwargs)
             except httpx.TransportError:
                 if attempt == attempts - 1:
                     raise
-            else:
-                if r.status_code not in RETRY_STATUS or attempt == attempts - 1:
-                    return _check(r)
-            time.sleep(_backoff(attempt))
+            wait = _retry_in(r, attempt, self.max_retry_after)
+            if r is not None and (wait is None or attempt == attempts - 1):
+                return _check(r)
+            time.sleep(wait)
         raise AssertionError("unreachable")
 
     def submit(self, labels: list[int | str], *, model: str = "digits", num_per_label: int = 1, seed: int = 0,
@@ -213,24 +230,25 @@ class AsyncClient:
     """``Client`` with coroutines (a copy of its methods over ``httpx.AsyncClient``)."""
 
     def __init__(self, url: str = DEFAULT_URL, timeout: float = 60.0, http: httpx.AsyncClient | None = None, *,
-                 api_key: str | None = None, retries: int = 3):
+                 api_key: str | None = None, retries: int = 3, max_retry_after: float = 60.0):
         self.url = url.rstrip("/")
         self._http = http or httpx.AsyncClient(base_url=self.url, timeout=timeout)
-        self._auth, self.retries = _auth(api_key), retries
+        self._auth, self.retries, self.max_retry_after = _auth(api_key), retries, max_retry_after
 
     async def _call(self, method: str, path: str, headers: dict | None = None, **kwargs) -> httpx.Response:
         headers = {**self._auth, **(headers or {})}
         attempts = self.retries + 1 if _repeatable(method, headers) else 1
         for attempt in range(attempts):
+            r = None
             try:
                 r = await self._http.request(method, path, headers=headers, **kwargs)
             except httpx.TransportError:
                 if attempt == attempts - 1:
                     raise
-            else:
-                if r.status_code not in RETRY_STATUS or attempt == attempts - 1:
-                    return _check(r)
-            await asyncio.sleep(_backoff(attempt))
+            wait = _retry_in(r, attempt, self.max_retry_after)
+            if r is not None and (wait is None or attempt == attempts - 1):
+                return _check(r)
+            await asyncio.sleep(wait)
         raise AssertionError("unreachable")
 
     async def submit(self, labels: list[int | str], *, model: str = "digits", num_per_label: int = 1, seed: int = 0,

@@ -57,20 +57,68 @@ def _config(args):
 
 
 def serve(args) -> int:
-    """Run until SIGINT or SIGTERM, then stop cleanly (leases back to the queue, workers stopped)."""
+    """Run until SIGINT or SIGTERM, then drain (no new leases; running items may finish for up to
+    ``[scheduler] drain_seconds``) and stop cleanly (the rest back to the queue, workers stopped).
+    A second signal skips the drain."""
     from dit_serve.service import Service
 
     cfg = _config(args)
     roles = ("api", "scheduler") if args.role == "all" else (args.role,)
-    stop = threading.Event()
+    stop, hurry = threading.Event(), threading.Event()
+
+    def on_signal(*_):
+        (hurry if stop.is_set() else stop).set()
+
     with Service(cfg, roles=roles) as svc:
         for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, on_signal)
         where = svc.url if "api" in roles else "no HTTP (scheduler only)"
         print(f"dit-serve: serving {', '.join(cfg.workers.models)} at {where}; "
               f"store {cfg.store.database_url()}", flush=True)
         stop.wait()
-        print("dit-serve: stopping", file=sys.stderr, flush=True)
+        print(f"dit-serve: stopping (draining for up to {cfg.scheduler.drain_seconds:.0f} s; "
+              "signal again to stop now)", file=sys.stderr, flush=True)
+        drainer = threading.Thread(target=svc.drain, daemon=True)
+        drainer.start()
+        while drainer.is_alive() and not hurry.wait(0.1):
+            pass
+    return 0
+
+
+def keys(args) -> int:
+    """``dit-serve keys create|list|revoke``: works on the store the config names, no service needed."""
+    import time
+
+    from dit_serve import keys as k
+    from dit_serve.service import open_store
+
+    store = open_store(_config(args))
+    try:
+        if args.action == "create":
+            for flag, value, lo, hi in (("--max-queued", args.max_queued, 1, 10**9),
+                                        ("--max-priority", args.max_priority, -100, 100)):
+                if value is not None and not lo <= value <= hi:
+                    raise CommandError(f"{flag} must be between {lo} and {hi}, got {value}")
+            try:
+                key_id, key = k.create_key(store, args.tenant, "admin" if args.admin else "user", args.name)
+            except ValueError as e:
+                raise CommandError(str(e)) from None
+            k.set_limits(store, args.tenant, args.max_queued, args.max_priority)
+            print(key)
+            print(f"key {key_id} for tenant {args.tenant!r} ({'admin' if args.admin else 'user'}): "
+                  "store it now, it is not shown again", file=sys.stderr)
+        elif args.action == "list":
+            for row in k.list_keys(store):
+                when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["created_at"]))
+                state = "revoked" if row["revoked_at"] else "active"
+                limits = f"max_queued={row['max_queued'] or '-'} max_priority={row['max_priority'] if row['max_priority'] is not None else '-'}"
+                print(f"{row['id']}  {row['tenant']:<20} {row['role']:<5} {state:<7} {when}  {limits}  {row['name'] or ''}")
+        elif not k.revoke_key(store, args.key_id):
+            raise CommandError(f"no active key with id {args.key_id!r} (see dit-serve keys list)")
+        else:
+            print(f"revoked key {args.key_id}", file=sys.stderr)
+    finally:
+        store.close()
     return 0
 
 

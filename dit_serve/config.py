@@ -28,6 +28,9 @@ is needed (``dit-serve serve`` alone: local Ray, SQLite under ./dit-serve-data, 
     [webhooks]                  # jobs with a webhook_url are POSTed to it when they finish
     secret = ""                 # set: deliveries are signed (X-Dit-Serve-Signature: sha256=<hmac>)
     max_attempts = 8            # retried with backoff (2 s, doubling) until a 2xx answer
+    allow_hosts = []            # loopback, private, link-local and multicast destinations are refused
+                                # (no redirect is followed); list internal receivers here: names,
+                                # addresses or networks, e.g. ["hooks.internal", "10.0.0.0/8"]
 
 Components receive their own section (``StoreConfig``, ``WorkerConfig``...), never the whole file.
 """
@@ -58,7 +61,13 @@ class ServerConfig(_Section):
     port: int = Field(8000, ge=0, le=65535, description="0 picks a free port")
     public_url: str = Field("", description="base of image URLs in responses; empty: the request's own")
     api_keys: tuple[SecretStr, ...] = Field((), description="when set, every /v1 request needs "
-                                            "'Authorization: Bearer <one of them>' (several: rotate keys)")
+                                            "'Authorization: Bearer <one of them>' (several: rotate keys); "
+                                            "these keys act as the admin of the tenant 'default'")
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="larger request bodies get a 413")
+    read_timeout_s: float = Field(30.0, gt=0, le=3600, description="a request whose body has not arrived "
+                                                                   "within this long gets a 408")
+    cancel_on_disconnect: bool = Field(True, description="the images endpoint cancels the job of a client "
+                                                         "that hung up before it finished")
 
     @field_validator("api_keys")
     @classmethod
@@ -75,7 +84,10 @@ class StoreConfig(_Section):
     data_dir: Path = Path("dit-serve-data")
     lease_seconds: float = Field(30.0, gt=0, description="a leased item returns to the queue this long "
                                                          "after its scheduler stops renewing it")
-    max_attempts: int = Field(3, ge=1, description="leases per item before it is marked failed")
+    max_requeues: int = Field(50, ge=1, description="infrastructure failures (a worker or node died, a lease "
+                                                    "expired) an item survives before it is marked failed")
+    poison_crashes: int = Field(2, ge=1, description="times an item may crash its worker while running alone "
+                                                     "before it is marked failed as the cause")
     retention_hours: float = Field(0.0, ge=0, description="delete finished jobs (rows and images) this long "
                                                          "after their last item ended; 0 keeps them")
 
@@ -111,6 +123,12 @@ class LimitsConfig(_Section):
     max_steps: int = Field(1000, ge=1)
     max_images_per_request: int = Field(10, ge=1, description="`n` of the OpenAI images endpoint")
     generation_timeout_s: float = Field(600.0, gt=0, description="how long the images endpoint waits")
+    max_queued_items: int = Field(100_000, ge=1, description="items queued or running over all tenants; a job "
+                                                             "beyond it gets a 429 with Retry-After")
+    tenant_max_queued_items: int = Field(20_000, ge=1, description="the same per tenant, unless the tenant "
+                                                                   "has its own limit (dit-serve keys create)")
+    tenant_max_priority: int = Field(100, ge=-100, le=100, description="highest job priority a tenant may "
+                                                                       "ask for, unless it has its own limit")
 
 
 class WebhookConfig(_Section):
@@ -119,12 +137,26 @@ class WebhookConfig(_Section):
     timeout_s: float = Field(10.0, gt=0, description="how long one delivery may take")
     max_attempts: int = Field(8, ge=1, description="deliveries tried before a webhook is marked failed")
     backoff_s: float = Field(2.0, gt=0, description="wait before the first retry; doubles each time (max 10 min)")
+    allow_hosts: tuple[str, ...] = Field((), description="destinations allowed although they are loopback, "
+                                         "private, link-local or multicast: host names, addresses or networks "
+                                         "('10.0.0.0/8'); everything else of that kind is refused")
+
+
+    @field_validator("allow_hosts")
+    @classmethod
+    def _allow_hosts(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
+        from dit_serve.netguard import Allowlist
+
+        Allowlist.parse(entries)  # a bad entry is a config error now, not a failed delivery later
+        return entries
 
 
 class SchedulerConfig(_Section):
     tick_seconds: float = Field(0.05, gt=0)
     heartbeat_seconds: float = Field(0.5, gt=0, description="progress writes, lease renewals, cancel checks")
     reconcile_seconds: float = Field(2.0, gt=0, description="how often the cluster's nodes are checked")
+    drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long running items may take to "
+                                                         "finish before they go back to the queue")
 
 
 class Config(_Section):

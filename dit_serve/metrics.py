@@ -36,6 +36,13 @@ class Metrics:
         self.rows = Gauge("dit_serve_engine_rows", "sample-steps a worker's engine ran: real, or padding that "
                           "filled a graph bucket", ["worker", "kind"], registry=r)
         self.workers = Gauge("dit_serve_workers", "worker actors ready", registry=r)
+        self.requeued = Counter("dit_serve_items_requeued", "items sent back to the queue without being charged, "
+                                "by cause (crash: their worker died or its step raised; infra: a node left)",
+                                ["reason"], registry=r)
+        self.worker_crashes = Counter("dit_serve_worker_crashes", "workers that died or stalled holding items",
+                                      registry=r)
+        self.rejected = Counter("dit_serve_submissions_rejected", "submissions refused with a 429 (queue full)",
+                                registry=r)
         self._window_s = window_s
         self._done_times: deque[float] = deque()
         self._busy: dict[str, tuple[float, float]] = {}  # worker -> decayed (busy s, wall s)

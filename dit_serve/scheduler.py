@@ -16,6 +16,15 @@ A worker that dies, or whose poll stalls for a lease period, is dropped: its lea
 queue at once (``Store.release``) and the slot is filled again at the next reconcile if its node is
 still there. The scheduler's own state is only the leases it holds; if it dies they expire and any
 scheduler picks the items up again.
+
+Failure accounting (docs/reliability.md): a worker that dies or stalls, or a step that raises, is a
+*crash*: the items it held go back to the queue uncharged, each with one more crash on record. Items
+that crashed workers twice are *suspects*: they run only on a worker that holds nothing else (one
+worker is reserved: it takes no new work until it is empty), in groups that halve with each crash,
+so the poison item ends up alone and fails with the reason while its batch-mates finish. A node that
+leaves is an infrastructure failure without a crash.
+
+``draining`` (SIGTERM): no new leases; what workers hold finishes, and ``shutdown`` hands back the rest.
 """
 
 from __future__ import annotations
@@ -69,6 +78,7 @@ class _Worker:
     leases: dict[str, Lease] = field(default_factory=dict)
     poll_ref: Any = None
     poll_sent: float = 0.0
+    reserved: bool = False  # for suspects: takes no new work until empty, then runs an isolated group
 
     @property
     def name(self) -> str:
@@ -94,6 +104,13 @@ class Scheduler:
         self.workers: dict[str, _Worker] = {}
         self._backoff: dict[str, tuple[int, float]] = {}  # slot -> (failed starts, when to retry)
         self._last_reconcile = self._last_heartbeat = 0.0
+        self._suspects = False  # items wait to run in isolation (checked at heartbeats)
+        self.draining = False
+
+    @property
+    def held(self) -> int:
+        """Items leased to this scheduler's workers."""
+        return sum(len(w.leases) for w in list(self.workers.values()))
 
     @property
     def num_ready(self) -> int:
@@ -128,7 +145,7 @@ class Scheduler:
 
         wanted = plan_slots(ray.nodes(), self.cfg)
         for key in [k for k in self.workers if k not in wanted]:
-            self._drop(self.workers[key], "its node left the cluster")
+            self._drop(self.workers[key], "its node left the cluster", "infra")
         for key, plan in wanted.items():
             if key not in self.workers and self._backoff.get(key, (0, 0.0))[1] <= time.monotonic():
                 self._start(key, plan)
@@ -150,12 +167,15 @@ class Scheduler:
         self.workers[key] = _Worker(key, plan, handle, handle.info.remote())
         log.info("starting worker %s (%s%s)", key, plan.resource, f" on node {plan.node_id[:12]}" if plan.node_id else "")
 
-    def _drop(self, w: _Worker, reason: str, failed_start: bool = False) -> None:
-        """Forget a worker; its leases go back to the queue now rather than when they expire."""
+    def _drop(self, w: _Worker, reason: str, kind: str = "crash", failed_start: bool = False) -> None:
+        """Forget a worker; its leases go back to the queue now (uncharged: ``kind`` is ``crash`` or
+        ``infra``) rather than when they expire."""
         import ray
 
         log.warning("dropping %s (%d items back to the queue): %s", w.name, len(w.leases), reason)
-        self.store.release(list(w.leases.values()), count_attempt=True)
+        self._requeue(list(w.leases.values()), kind, f"worker {reason}")
+        if kind == "crash" and not failed_start:
+            self.metrics.worker_crashes.inc()
         self.workers.pop(w.key, None)
         self.metrics.forget_worker(w.name)
         if failed_start:
@@ -187,7 +207,7 @@ class Scheduler:
             self._receive(refs[ref], ref)
         for w in [w for w in self.workers.values() if w.ready and w.poll_ref is not None]:
             if time.monotonic() - w.poll_sent > self.lease_seconds:
-                self._drop(w, f"no answer to poll() for {self.lease_seconds:.0f} s")
+                self._drop(w, f"stalled: no answer to poll() for {self.lease_seconds:.0f} s", "crash")
 
     def _receive(self, w: _Worker, ref) -> None:
         import ray
@@ -197,7 +217,7 @@ class Scheduler:
             value = ray.get(ref)
         except ray.exceptions.RayError as e:
             self._drop(w, f"{'failed to start' if starting else 'died'}: {type(e).__name__}: {_first_line(e)}",
-                       failed_start=starting)
+                       "crash", failed_start=starting)
             return
         if starting:
             w.ready_ref, w.models = None, list(value["models"])
@@ -220,10 +240,25 @@ class Scheduler:
             if lease is not None and self.store.fail_item(lease, error):
                 log.warning("item %s failed: %s", key, error)
                 self.metrics.item_finished("failed")
+        crashed = [(w.leases.pop(key, None), error) for key, error in report.get("crashed", ())]
+        for lease, error in crashed:  # the step they were in raised: a crash of their batch, not their failure
+            if lease is not None:
+                self._requeue([lease], "crash", error)
         self.metrics.worker_report(w.name, report)
+
+    def _requeue(self, leases: list[Lease], kind: str, error: str) -> None:
+        if not leases:
+            return
+        failed = self.store.release(leases, kind, error)
+        self.metrics.requeued.labels(kind).inc(len(leases) - len(failed))
+        for lease in failed:
+            log.warning("item %s failed: %s", lease.key, error)
+            self.metrics.item_finished("failed")
 
     # -- leases ------------------------------------------------------------------------------------
     def _heartbeat(self) -> None:
+        self._suspects = bool(self.workers) and self.store.has_suspects(sorted({m for w in self.workers.values()
+                                                                                 for m in w.models}))
         held = [ls for w in self.workers.values() for ls in w.leases.values()]
         self.metrics.items_running.set(len(held))
         lost = {ls.key for ls in self.store.heartbeat(held, self.lease_seconds)}
@@ -235,11 +270,17 @@ class Scheduler:
                     del w.leases[k]
 
     def _dispatch(self) -> None:
-        for w in self.workers.values():
+        if self.draining:
+            return
+        ready = [w for w in self.workers.values() if w.ready]
+        if self._suspects and ready and not any(w.reserved for w in ready):
+            min(ready, key=lambda w: len(w.leases)).reserved = True  # it empties, then runs suspects alone
+        for w in ready:
             room = self.cfg.inflight() - len(w.leases)
-            if not w.ready or room <= 0:
+            if room <= 0 or (w.reserved and w.leases):
                 continue
-            leases = self.store.lease(f"{self.owner}/{w.key}", w.models, room, self.lease_seconds)
+            leases = self.store.lease(f"{self.owner}/{w.key}", w.models, room, self.lease_seconds, isolate=w.reserved)
+            w.reserved = bool(leases) and leases[0].suspect  # stays reserved while its isolated group runs
             if not leases:
                 continue
             w.handle.submit.remote([WorkItem(ls.key, ls.model, ls.label, ls.seed, ls.params.sampler, ls.params.steps,
@@ -252,7 +293,7 @@ class Scheduler:
 
         for w in list(self.workers.values()):
             try:
-                self.store.release(list(w.leases.values()), count_attempt=False)
+                self.store.release(list(w.leases.values()), "stop")
             except Exception:
                 log.exception("could not release the leases of %s; they expire on their own", w.name)
             try:

@@ -4,6 +4,8 @@ Imports pydantic only (no torch, no ray), so the SDK installs and imports on a l
 forbid unknown fields: a typo such as ``num_per_lable`` is a 400, not a silently ignored option.
 Static checks (types, signs, lengths) live here; checks that need the deployment's configuration
 or the model's classes (limits, label names) are made once by the API (``dit_serve.catalog``).
+Every number a request carries is finite and bounded and every string and list has a maximum length,
+so nothing a request contains can be stored in a form that cannot be read back.
 """
 
 from __future__ import annotations
@@ -15,11 +17,24 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 State = Literal["queued", "running", "done", "failed", "cancelled"]
 TERMINAL_STATES = ("done", "failed", "cancelled")
 MAX_SEED = 2**63 - 1  # seeds are stored as signed 64-bit integers
+MAX_ITEMS = 1_000_000  # the most items a request may describe; [limits] max_items_per_job is lower
+MAX_STEPS = 10_000
+MAX_GUIDANCE = 100.0
+MAX_NAME = 200  # model names, class names
+
+
+def clip(text: str, n: int = 100) -> str:
+    """``text`` cut to ``n`` characters, for messages that echo what a user sent."""
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def _label(value):
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"a label is a class number or a class name, not {value!r}")
+        raise ValueError(f"a label is a class number or a class name, not {clip(repr(value), 60)}")
+    if isinstance(value, int) and not 0 <= value < 2**31:
+        raise ValueError(f"a class number is between 0 and the model's number of classes, not {clip(str(value), 40)}")
+    if isinstance(value, str) and not 0 < len(value) <= MAX_NAME:
+        raise ValueError(f"a class name has 1 to {MAX_NAME} characters")
     return value
 
 
@@ -27,7 +42,7 @@ Label = Annotated[int | str, BeforeValidator(_label)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class _Response(BaseModel):
@@ -38,16 +53,17 @@ class JobRequest(_Request):
     """N images of one model with shared sampling parameters: ``labels`` each repeated
     ``num_per_label`` times (label-major); item i uses ``seeds[i]``, else ``seed + i``."""
 
-    model: str = Field("digits", min_length=1, description="a model listed by GET /v1/models")
-    labels: list[Label] = Field(min_length=1, description="class numbers or class names")
-    num_per_label: int = Field(1, ge=1)
+    model: str = Field("digits", min_length=1, max_length=MAX_NAME, description="a model listed by GET /v1/models")
+    labels: list[Label] = Field(min_length=1, max_length=MAX_ITEMS, description="class numbers or class names")
+    num_per_label: int = Field(1, ge=1, le=MAX_ITEMS)
     seed: int = Field(0, ge=0, le=MAX_SEED)
-    seeds: list[int] | None = Field(None, description="one seed per item; overrides `seed`")
-    sampler: str | None = Field(None, description="ddpm, ddim, euler, euler_a, dpmpp_2m, flow_euler; "
-                                                  "the model's default when omitted")
-    steps: int | None = Field(None, ge=1)
-    guidance: float | None = Field(None, ge=0, description="classifier-free guidance scale")
-    eta: float = Field(0.0, ge=0, description="DDIM eta (0 = deterministic)")
+    seeds: list[Annotated[int, Field(ge=0, le=MAX_SEED)]] | None = Field(
+        None, min_length=1, max_length=MAX_ITEMS, description="one seed per item; overrides `seed`")
+    sampler: str | None = Field(None, max_length=50, description="ddpm, ddim, euler, euler_a, dpmpp_2m, "
+                                                                 "flow_euler; the model's default when omitted")
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS)
+    guidance: float | None = Field(None, ge=0, le=MAX_GUIDANCE, description="classifier-free guidance scale")
+    eta: float = Field(0.0, ge=0, le=1, description="DDIM eta (0 = deterministic, 1 = DDPM-like)")
     priority: int = Field(0, ge=-100, le=100, description="higher runs first; first come, first served "
                                                           "within a priority")
     webhook_url: str | None = Field(None, max_length=2000, pattern=r"^https?://[^\s]+$",
@@ -67,13 +83,13 @@ class JobRequest(_Request):
         if len(self.seeds) != self.num_items:
             raise ValueError(f"seeds has {len(self.seeds)} entries but the job has {self.num_items} items "
                              "(len(labels) * num_per_label)")
-        if any(not 0 <= s <= MAX_SEED for s in self.seeds):
-            raise ValueError("every seed must be between 0 and 2**63 - 1")
         return self
 
 
 class JobParams(_Response):
     """The sampling parameters a job runs with, after the model's defaults are filled in."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # stored as JSON: finite, or not at all
 
     sampler: str
     steps: int
@@ -88,7 +104,10 @@ class ItemStatus(_Response):
     state: State
     step: int = Field(description="denoising steps done (equal to total_steps once done)")
     total_steps: int
-    attempts: int = 0
+    attempts: int = Field(0, description="runs started")
+    requeues: int = Field(0, description="times it went back to the queue after an infrastructure failure "
+                                         "(a worker or node died, a lease expired); not charged to it")
+    crashes: int = Field(0, description="times a worker died (or its step raised) while holding it")
     error: str | None = None
 
 
@@ -103,7 +122,9 @@ class Job(_Response):
     id: str
     state: State
     model: str
-    params: JobParams
+    params: JobParams | None = Field(description="null only for a stored job that cannot be read (see error)")
+    error: str | None = Field(None, description="why the job could not be read back from the store")
+    tenant: str = "default"
     priority: int = 0
     webhook: WebhookStatus | None = None
     created_at: float
@@ -133,22 +154,23 @@ class ImageGenerationRequest(_Request):
     opaque, non-streamed output exists; ``seed``, ``steps``, ``guidance`` and ``priority`` are
     extensions (pass them with the OpenAI SDK's ``extra_body``)."""
 
-    prompt: str = Field(min_length=1)
-    model: str | None = None
-    n: int = Field(1, ge=1)
-    size: str | None = Field(None, description="'WxH' equal to the model's image size, or 'auto'")
+    prompt: str = Field(min_length=1, max_length=32000)
+    model: str | None = Field(None, max_length=MAX_NAME)
+    n: int = Field(1, ge=1, le=10_000)
+    size: str | None = Field(None, max_length=20, description="'WxH' equal to the model's image size, or 'auto'")
     response_format: Literal["url", "b64_json"] = "url"
     output_format: Literal["png"] | None = None
+    output_compression: int | None = Field(None, ge=0, le=100, description="accepted; PNG output is lossless")
     background: Literal["auto", "opaque"] | None = None
     stream: Literal[False] | None = None
-    quality: str | None = None
-    style: str | None = None
-    user: str | None = None
-    moderation: str | None = None
-    safety_identifier: str | None = None
+    quality: str | None = Field(None, max_length=100)
+    style: str | None = Field(None, max_length=100)
+    user: str | None = Field(None, max_length=1000)
+    moderation: str | None = Field(None, max_length=100)
+    safety_identifier: str | None = Field(None, max_length=1000)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    steps: int | None = Field(None, ge=1)
-    guidance: float | None = Field(None, ge=0)
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS)
+    guidance: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
     priority: int = Field(0, ge=-100, le=100, description="as for jobs: higher runs first")
 
 

@@ -23,6 +23,7 @@ from dit_serve.api import create_app
 from dit_serve.catalog import Catalog, describe
 from dit_serve.config import Config
 from dit_serve.metrics import Metrics
+from dit_serve.reaper import release_local_ray, watch_local_ray
 from dit_serve.store import Store
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ def build_catalog(config: Config) -> Catalog:
 
 def open_store(config: Config) -> Store:
     try:
-        return Store(config.store.database_url(), config.store.data_dir, config.store.max_attempts)
+        return Store(config.store.database_url(), config.store.data_dir, config.store.max_requeues,
+                     config.store.poison_crashes)
     except ModuleNotFoundError as e:
         raise ServiceError(f"the job store {config.store.database_url()!r} needs {e.name!r}: "
                            "pip install 'dit-serve[postgres]'") from None
@@ -133,6 +135,7 @@ class Service:
                 ray.init(address=rc.address, **kwargs)
             else:
                 ray.init(num_cpus=rc.num_cpus, **kwargs)
+                watch_local_ray(self.config.store.data_dir)  # nothing of our Ray may outlive this process
         except Exception as e:
             raise ServiceError(f"cannot start or join Ray{f' at {rc.address}' if rc.address else ''}: {e}") from None
         self._started_ray = True
@@ -141,7 +144,7 @@ class Service:
         import uvicorn
 
         app = create_app(self.store, catalog, self.config.server, self.metrics,
-                         lambda: self.scheduler.num_ready if self.scheduler else None)
+                         lambda: self.scheduler.num_ready if self.scheduler else None, self.config.webhooks.allow_hosts)
         sock = _bind(self.config.server.host, self.config.server.port)
         self.port = sock.getsockname()[1]
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
@@ -160,6 +163,15 @@ class Service:
         """Block until at least one worker is ready (models loaded and warm)."""
         return _wait_for(lambda: self.scheduler is not None and self.scheduler.num_ready > 0, timeout)
 
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Stop leasing new work and wait up to ``timeout_s`` (``[scheduler] drain_seconds``) for the
+        running items to finish; True if they did. ``stop`` then hands back whatever is left."""
+        if self.scheduler is None:
+            return True
+        self.scheduler.draining = True
+        timeout_s = self.config.scheduler.drain_seconds if timeout_s is None else timeout_s
+        return _wait_for(lambda: self.scheduler.held == 0, timeout_s, interval=0.1)
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
@@ -171,6 +183,7 @@ class Service:
             import ray
 
             ray.shutdown()
+            release_local_ray()
             self._started_ray = False
         if self.store is not None:
             self.store.close()

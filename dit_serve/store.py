@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ from sqlalchemy.exc import IntegrityError
 from dit_serve.schemas import TERMINAL_STATES, ItemStatus, Job, JobParams, WebhookStatus
 
 log = logging.getLogger(__name__)
+DEFAULT_TENANT = "default"  # jobs of a service without tenant keys, and of the [server] api_keys
 
 meta = MetaData()
 jobs = Table(
@@ -59,8 +61,10 @@ jobs = Table(
     # a client's Idempotency-Key: a retried submission finds its job instead of storing a second one
     Column("idempotency_key", String(200)),
     Column("request_hash", String(64)),  # what was asked under that key: a reuse must ask the same
-    Index("jobs_idempotency_key", "idempotency_key", unique=True),  # NULLs never collide
+    Column("tenant", String(64), nullable=False, default=DEFAULT_TENANT),  # who submitted it: who may see it
+    Index("jobs_tenant_idempotency_key", "tenant", "idempotency_key", unique=True),  # NULLs never collide
     Index("jobs_webhook_due", "webhook_state", "webhook_next"),
+    Index("jobs_tenant_created", "tenant", "created_at"),
 )
 items = Table(
     "items", meta,
@@ -69,12 +73,18 @@ items = Table(
     Column("model", String(200), nullable=False),  # copied from the job: the lease query needs no join
     Column("created_at", Float, nullable=False),   # copied from the job: FIFO order across jobs
     Column("priority", Integer, nullable=False, default=0),  # copied from the job: higher is leased first
+    Column("tenant", String(64), nullable=False, default=DEFAULT_TENANT),  # copied from the job: quotas
     Column("label", Integer, nullable=False),
     Column("seed", BigInteger, nullable=False),
     Column("state", String(10), nullable=False),
     Column("step", Integer, nullable=False, default=0),
     Column("total_steps", Integer, nullable=False),
-    Column("attempts", Integer, nullable=False, default=0),
+    Column("attempts", Integer, nullable=False, default=0),  # leases taken (runs started)
+    # failure accounting (docs/reliability.md): infrastructure failures requeue without charging the item
+    Column("requeues", Integer, nullable=False, default=0),      # back to the queue after an infrastructure failure
+    Column("crashes", Integer, nullable=False, default=0),       # its worker died (or its step raised) holding it
+    Column("solo_crashes", Integer, nullable=False, default=0),  # ... while it ran alone, isolated as a suspect
+    Column("not_before", Float, nullable=False, default=0.0),    # backoff: not leased again before this time
     Column("lease_owner", String(200)),
     Column("lease_token", String(32)),
     Column("lease_expires", Float),
@@ -82,6 +92,26 @@ items = Table(
     Column("error", Text),
     Column("finished_at", Float),
     Index("items_leasable", "state", "model", "priority", "created_at"),
+    Index("items_tenant_state", "tenant", "state"),
+)
+# API keys belong to tenants; only a salted hash of each key's secret is stored (dit_serve.keys)
+tenants = Table(
+    "tenants", meta,
+    Column("name", String(64), primary_key=True),
+    Column("max_queued", Integer),    # None: [limits] tenant_max_queued_items
+    Column("max_priority", Integer),  # None: [limits] tenant_max_priority
+    Column("created_at", Float, nullable=False),
+)
+api_keys = Table(
+    "api_keys", meta,
+    Column("id", String(16), primary_key=True),  # public part of the key: dsk_<id>_<secret>
+    Column("tenant", String(64), nullable=False),
+    Column("role", String(10), nullable=False),  # user | admin
+    Column("salt", String(32), nullable=False),
+    Column("hash", String(64), nullable=False),  # HMAC-SHA256(salt, secret)
+    Column("name", String(200)),
+    Column("created_at", Float, nullable=False),
+    Column("revoked_at", Float),
 )
 
 
@@ -90,8 +120,9 @@ class IdempotencyConflict(ValueError):
 
 
 # The schema's version, stored in the database. Version 1 is the first layout (it had no version
-# table); 2 added the idempotency columns, 3 job priorities, 4 webhooks. MIGRATIONS[v] brings v to v + 1 in place.
-SCHEMA_VERSION = 4
+# table); 2 added the idempotency columns, 3 job priorities, 4 webhooks, 5 tenants, API keys and failure
+# accounting. MIGRATIONS[v] brings v to v + 1 in place.
+SCHEMA_VERSION = 5
 schema = Table("dit_serve_schema", meta, Column("version", Integer, primary_key=True))
 MIGRATIONS = {
     1: ["ALTER TABLE jobs ADD COLUMN idempotency_key VARCHAR(200)",
@@ -107,11 +138,31 @@ MIGRATIONS = {
         "ALTER TABLE jobs ADD COLUMN webhook_next FLOAT",
         "ALTER TABLE jobs ADD COLUMN webhook_error TEXT",
         "CREATE INDEX jobs_webhook_due ON jobs (webhook_state, webhook_next)"],
+    4: ["ALTER TABLE jobs ADD COLUMN tenant VARCHAR(64) NOT NULL DEFAULT 'default'",
+        "DROP INDEX jobs_idempotency_key",
+        "CREATE UNIQUE INDEX jobs_tenant_idempotency_key ON jobs (tenant, idempotency_key)",
+        "CREATE INDEX jobs_tenant_created ON jobs (tenant, created_at)",
+        "ALTER TABLE items ADD COLUMN tenant VARCHAR(64) NOT NULL DEFAULT 'default'",
+        "ALTER TABLE items ADD COLUMN requeues INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE items ADD COLUMN crashes INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE items ADD COLUMN solo_crashes INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE items ADD COLUMN not_before FLOAT NOT NULL DEFAULT 0",
+        "CREATE INDEX items_tenant_state ON items (tenant, state)",
+        "tables"],  # create the tables new in this version (tenants, api_keys)
 }
 
 
 class StoreError(RuntimeError):
     """A database this version of dit-serve cannot use (for example, one written by a newer version)."""
+
+
+class QueueFull(RuntimeError):
+    """A submission over the bound of queued items (the service's or its tenant's): nothing was stored.
+    ``never`` when the job alone is larger than the bound, so retrying cannot help."""
+
+    def __init__(self, message: str, never: bool = False):
+        super().__init__(message)
+        self.never = never
 
 
 @dataclass
@@ -127,22 +178,36 @@ class Lease:
     params: JobParams
     token: str
     step: int = 0  # progress, reported by the worker
+    requeues: int = 0  # the item's counters when it was leased (failure accounting)
+    crashes: int = 0
+    suspect: bool = False  # leased in an isolated group of items that crashed workers before
+    solo: bool = False     # ... a group of one
 
     @property
     def key(self) -> str:
         return f"{self.job_id}/{self.index}"
 
 
-class Store:
-    """Jobs, items, leases and results. Thread-safe: each call uses its own pooled connection."""
+def requeue_backoff(requeues: int) -> float:
+    """Seconds an item waits before it is leased again after its ``requeues``-th infrastructure failure:
+    none for the first three (a lone crash costs nothing), then doubling from 1 s up to a minute."""
+    return 0.0 if requeues <= 3 else min(60.0, 0.5 * 2.0 ** (requeues - 3))
 
-    def __init__(self, url: str, data_dir: Path, max_attempts: int = 3):
+
+class Store:
+    """Jobs, items, leases and results. Thread-safe: each call uses its own pooled connection.
+
+    ``max_requeues`` bounds the infrastructure failures an item survives; ``poison_crashes`` the crashes
+    of its worker while it ran alone (docs/reliability.md, failure accounting)."""
+
+    def __init__(self, url: str, data_dir: Path, max_requeues: int = 50, poison_crashes: int = 2):
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.max_attempts = max_attempts
+        self.max_requeues, self.poison_crashes = max_requeues, poison_crashes
         self.engine = create_engine(_driver_url(url), pool_pre_ping=True)
         if self.engine.dialect.name == "sqlite":
             _sqlite_setup(self.engine)
+        self.changes = Changes()
         self._migrate()
 
     def _migrate(self) -> None:
@@ -170,7 +235,10 @@ class Store:
                 return
             for v in range(version, SCHEMA_VERSION):
                 for statement in MIGRATIONS[v]:
-                    conn.execute(text(statement))
+                    if statement == "tables":
+                        meta.create_all(conn, tables=[tenants, api_keys])
+                    else:
+                        conn.execute(text(statement))
                 log.warning("job store upgraded from schema version %d to %d", v, v + 1)
             conn.execute(schema.delete())
             conn.execute(schema.insert().values(version=SCHEMA_VERSION))
@@ -186,86 +254,158 @@ class Store:
 
     # -- jobs --------------------------------------------------------------------------------------
     def create_job(self, model: str, params: JobParams, labels: list[int], seeds: list[int],
-                   idempotency_key: str | None = None, priority: int = 0, webhook_url: str | None = None) -> str:
+                   idempotency_key: str | None = None, priority: int = 0, webhook_url: str | None = None,
+                   **kwargs) -> str:
         """Store a job and its items in one transaction; returns the job id. With an
         ``idempotency_key`` that an earlier job was stored under, returns that job's id and stores
         nothing (``IdempotencyConflict`` if the earlier request asked for something else)."""
-        return self.submit(model, params, labels, seeds, idempotency_key, priority, webhook_url)[0]
+        return self.submit(model, params, labels, seeds, idempotency_key, priority, webhook_url, **kwargs)[0]
 
     def submit(self, model: str, params: JobParams, labels: list[int], seeds: list[int],
-               idempotency_key: str | None = None, priority: int = 0,
-               webhook_url: str | None = None) -> tuple[str, bool]:
-        """``create_job`` that also says whether the job is new (False: an earlier submission's)."""
+               idempotency_key: str | None = None, priority: int = 0, webhook_url: str | None = None, *,
+               tenant: str = DEFAULT_TENANT, max_active: int | None = None,
+               tenant_max_active: int | None = None) -> tuple[str, bool]:
+        """``create_job`` that also says whether the job is new (False: an earlier submission's) and
+        belongs to ``tenant`` (Idempotency-Keys are per tenant). ``QueueFull``, and nothing stored, when
+        the queued and running items would exceed ``max_active`` (all tenants) or ``tenant_max_active``."""
+        stored = params.model_dump_json()
+        if JobParams.model_validate_json(stored) != params:  # a row this store writes is one it can read
+            raise ValueError(f"job parameters do not survive storage: {stored[:200]}")
         digest = None
         if idempotency_key is not None:
-            digest = hashlib.sha256(json.dumps([model, params.model_dump(mode="json"), labels, seeds, priority, webhook_url],
-                                               sort_keys=True).encode()).hexdigest()
-            if (found := self._by_key(idempotency_key, digest)) is not None:
+            digest = hashlib.sha256(json.dumps([model, params.model_dump(mode="json"), labels, seeds, priority,
+                                                webhook_url], sort_keys=True).encode()).hexdigest()
+            if (found := self._by_key(tenant, idempotency_key, digest)) is not None:
                 return found, False
         job_id, now = uuid.uuid4().hex, time.time()
         try:
             with self._tx() as conn:
-                conn.execute(jobs.insert().values(id=job_id, model=model, params=params.model_dump_json(),
-                                                  num_items=len(labels), created_at=now, cancelled=False,
-                                                  priority=priority, idempotency_key=idempotency_key,
-                                                  request_hash=digest, webhook_url=webhook_url,
+                self._check_room(conn, len(labels), tenant, max_active, tenant_max_active)
+                conn.execute(jobs.insert().values(id=job_id, model=model, params=stored, num_items=len(labels),
+                                                  created_at=now, cancelled=False, priority=priority, tenant=tenant,
+                                                  idempotency_key=idempotency_key, request_hash=digest,
+                                                  webhook_url=webhook_url,
                                                   webhook_state="pending" if webhook_url else None,
                                                   webhook_attempts=0, webhook_next=0.0 if webhook_url else None))
                 conn.execute(items.insert(), [
-                    dict(job_id=job_id, idx=i, model=model, created_at=now, priority=priority, label=lb, seed=sd,
-                         state="queued", step=0, total_steps=params.steps, attempts=0)
+                    dict(job_id=job_id, idx=i, model=model, created_at=now, priority=priority, tenant=tenant,
+                         label=lb, seed=sd, state="queued", step=0, total_steps=params.steps, attempts=0)
                     for i, (lb, sd) in enumerate(zip(labels, seeds))])
         except IntegrityError:  # the same key committed by a concurrent submission: that one stands
-            if idempotency_key is None or (found := self._by_key(idempotency_key, digest)) is None:
+            if idempotency_key is None or (found := self._by_key(tenant, idempotency_key, digest)) is None:
                 raise
             return found, False
         return job_id, True
 
-    def _by_key(self, key: str, digest: str) -> str | None:
+    def _check_room(self, conn, n: int, tenant: str, max_active: int | None, tenant_max_active: int | None) -> None:
+        """Raise ``QueueFull`` if ``n`` more items would pass a bound; inside the submitting transaction
+        (PostgreSQL: serialised by a lock, so concurrent submissions cannot pass it together)."""
+        if max_active is None and tenant_max_active is None:
+            return
+        if conn.dialect.name == "postgresql":
+            from sqlalchemy import text
+
+            conn.execute(text("SELECT pg_advisory_xact_lock(7346120985)"))
+        active = items.c.state.in_(("queued", "running"))
+        for bound, where, whose in ((max_active, active, "the service"),
+                                    (tenant_max_active, and_(active, items.c.tenant == tenant), "your tenant")):
+            if bound is None:
+                continue
+            if n > bound:
+                raise QueueFull(f"the job has {n} items but {whose} may hold at most {bound} queued or running "
+                                "items: split it into smaller jobs", never=True)
+            held = conn.execute(select(func.count()).select_from(items).where(where)).scalar_one()
+            if held + n > bound:
+                raise QueueFull(f"{whose} has {held} items queued or running and may hold at most {bound}; "
+                                f"this job of {n} would pass that: retry later")
+
+    def _by_key(self, tenant: str, key: str, digest: str) -> str | None:
         with self._tx(write=False) as conn:
-            row = conn.execute(select(jobs.c.id, jobs.c.request_hash).where(jobs.c.idempotency_key == key)).first()
+            row = conn.execute(select(jobs.c.id, jobs.c.request_hash).where(
+                jobs.c.tenant == tenant, jobs.c.idempotency_key == key)).first()
         if row is not None and row.request_hash != digest:
-            raise IdempotencyConflict(f"Idempotency-Key {key!r} was already used for a different request "
+            raise IdempotencyConflict(f"Idempotency-Key {key[:80]!r} was already used for a different request "
                                       f"(job {row.id}); use a new key for a new job")
         return None if row is None else row.id
 
-    def get_job(self, job_id: str, with_items: bool = True) -> Job | None:
+    def get_job(self, job_id: str, with_items: bool = True, tenant: str | None = None) -> Job | None:
+        """The job, or None if there is none (or it belongs to another tenant than ``tenant``, when given)."""
         with self._tx(write=False) as conn:
-            row = conn.execute(select(jobs).where(jobs.c.id == job_id)).first()
+            row = conn.execute(select(jobs).where(jobs.c.id == job_id, *_of(tenant))).first()
             if row is None:
                 return None
             stats = _item_stats(conn, [job_id])
             rows = conn.execute(select(items).where(items.c.job_id == job_id).order_by(items.c.idx)).all() \
                 if with_items else None
-        return _job(row, stats.get(job_id, {}), rows)
+        job = _job(row, stats.get(job_id, {}), rows)
+        if job.error is not None and job.state != "failed":  # unreadable: it fails alone, once
+            self.quarantine(job_id, job.error)
+            return self.get_job(job_id, with_items, tenant)
+        return job
 
-    def list_jobs(self, limit: int, offset: int) -> tuple[list[Job], int]:
-        """Newest first."""
+    def list_jobs(self, limit: int, offset: int, tenant: str | None = None) -> tuple[list[Job], int]:
+        """Newest first; only ``tenant``'s jobs when given."""
         with self._tx(write=False) as conn:
-            total = conn.execute(select(func.count()).select_from(jobs)).scalar_one()
-            rows = conn.execute(select(jobs).order_by(jobs.c.created_at.desc(), jobs.c.id)
+            total = conn.execute(select(func.count()).select_from(jobs).where(*_of(tenant))).scalar_one()
+            rows = conn.execute(select(jobs).where(*_of(tenant)).order_by(jobs.c.created_at.desc(), jobs.c.id)
                                 .limit(limit).offset(offset)).all()
             stats = _item_stats(conn, [r.id for r in rows])
-        return [_job(r, stats.get(r.id, {}), None) for r in rows], total
+        out = [_job(r, stats.get(r.id, {}), None) for r in rows]
+        for job in out:
+            if job.error is not None and job.state != "failed":
+                self.quarantine(job.id, job.error)
+        return out, total
 
-    def cancel_job(self, job_id: str) -> bool:
+    def quarantine(self, job_id: str, reason: str) -> None:
+        """Fail a job whose stored row cannot be read: its queued and running items fail with ``reason``;
+        every other job is untouched."""
+        log.error("job %s cannot be read back from the store and is failed: %s", job_id, reason)
+        with self._tx() as conn:
+            conn.execute(update(items).where(items.c.job_id == job_id, items.c.state.in_(("queued", "running")))
+                         .values(state="failed", error=reason[:2000], finished_at=time.time(), **_NO_LEASE))
+        self.changes.notify([job_id])
+
+    def active_items(self, job_id: str) -> int:
+        """The job's queued and running items (a cheap check for waiters)."""
+        with self._tx(write=False) as conn:
+            return conn.execute(select(func.count()).select_from(items).where(
+                items.c.job_id == job_id, items.c.state.in_(("queued", "running")))).scalar_one()
+
+    def cancel_job(self, job_id: str, tenant: str | None = None) -> bool:
         """Queued and running items become cancelled (a worker drops a running one at its next step
         boundary, when its scheduler sees the lease is gone). A job that had already finished keeps
-        its state. False for an unknown job."""
+        its state. False for an unknown job (or another tenant's)."""
         with self._tx() as conn:
+            if conn.execute(select(jobs.c.id).where(jobs.c.id == job_id, *_of(tenant))).first() is None:
+                return False
             stopped = conn.execute(update(items).where(items.c.job_id == job_id,
                                                        items.c.state.in_(("queued", "running")))
                                    .values(state="cancelled", finished_at=time.time(), **_NO_LEASE)).rowcount
             if stopped:
                 conn.execute(update(jobs).where(jobs.c.id == job_id).values(cancelled=True))
-                return True
-            return conn.execute(select(jobs.c.id).where(jobs.c.id == job_id)).first() is not None
+        self.changes.notify([job_id])
+        return True
 
-    def delete_job(self, job_id: str) -> bool | None:
+    def retry_failed(self, job_id: str, tenant: str | None = None) -> int | None:
+        """Queue a job's failed items again, with their failure counters reset (and its webhook armed
+        again); returns how many, or None for an unknown job."""
+        with self._tx() as conn:
+            row = conn.execute(select(jobs.c.id, jobs.c.webhook_url).where(jobs.c.id == job_id, *_of(tenant))).first()
+            if row is None:
+                return None
+            n = conn.execute(update(items).where(items.c.job_id == job_id, items.c.state == "failed").values(
+                state="queued", step=0, error=None, finished_at=None, requeues=0, crashes=0, solo_crashes=0,
+                not_before=0.0, **_NO_LEASE)).rowcount
+            if n and row.webhook_url:
+                conn.execute(update(jobs).where(jobs.c.id == job_id).values(
+                    webhook_state="pending", webhook_attempts=0, webhook_next=0.0, webhook_error=None))
+        return n
+
+    def delete_job(self, job_id: str, tenant: str | None = None) -> bool | None:
         """Delete a finished job: its rows, then its images. None for an unknown job; False, and nothing
         deleted, while any of its items is queued or running (cancel it first)."""
         with self._tx() as conn:
-            if conn.execute(select(jobs.c.id).where(jobs.c.id == job_id)).first() is None:
+            if conn.execute(select(jobs.c.id).where(jobs.c.id == job_id, *_of(tenant))).first() is None:
                 return None
             if conn.execute(select(items.c.idx).where(items.c.job_id == job_id,
                                                       items.c.state.in_(("queued", "running"))).limit(1)).first():
@@ -318,9 +458,12 @@ class Store:
         with self._tx() as conn:
             conn.execute(update(jobs).where(jobs.c.id == job_id).values(**values))
 
-    def image_path(self, job_id: str, index: int) -> Path | None:
+    def image_path(self, job_id: str, index: int, tenant: str | None = None) -> Path | None:
+        query = select(items.c.path).where(items.c.job_id == job_id, items.c.idx == index)
+        if tenant is not None:
+            query = query.where(items.c.tenant == tenant)
         with self._tx(write=False) as conn:
-            path = conn.execute(select(items.c.path).where(items.c.job_id == job_id, items.c.idx == index)).scalar()
+            path = conn.execute(query).scalar()
         return self.data_dir / path if path else None
 
     def counts(self) -> dict[str, int]:
@@ -329,35 +472,76 @@ class Store:
             rows = conn.execute(select(items.c.state, func.count()).group_by(items.c.state)).all()
         return {state: n for state, n in rows}
 
+    def recent_rate(self, window_s: float = 60.0) -> float:
+        """Items finished per second over the last ``window_s`` seconds (for Retry-After estimates)."""
+        with self._tx(write=False) as conn:
+            n = conn.execute(select(func.count()).select_from(items).where(
+                items.c.state == "done", items.c.finished_at > time.time() - window_s)).scalar_one()
+        return n / window_s
+
     # -- leases ------------------------------------------------------------------------------------
-    def lease(self, owner: str, models: list[str], limit: int, ttl: float) -> list[Lease]:
-        """Lease up to ``limit`` queued or lease-expired items of ``models``: highest priority first, then oldest job first."""
+    def lease(self, owner: str, models: list[str], limit: int, ttl: float, isolate: bool = False) -> list[Lease]:
+        """Lease up to ``limit`` queued or lease-expired items of ``models``: highest priority first, then
+        oldest job first. Items that crashed workers twice or more (suspects) are leased only with
+        ``isolate`` (the caller's worker holds nothing else), in groups that halve with each further crash
+        (``limit >> (crashes - 1)``, down to one), so the batch that crashes is split until its poison item
+        is alone. A lease is committed only once everything the worker needs from the row was read."""
         now = time.time()
-        leasable = and_(items.c.model.in_(models), or_(
+        leasable = and_(items.c.model.in_(models), items.c.not_before <= now, or_(
             items.c.state == "queued", and_(items.c.state == "running", items.c.lease_expires < now)))
         if limit <= 0 or not self._any(leasable):
             return []
         with self._tx() as conn:
+            level = conn.execute(select(func.max(items.c.crashes)).where(leasable, items.c.crashes >= 2)).scalar() \
+                if isolate else None
+            if level is None:
+                where, size = and_(leasable, items.c.crashes < 2), limit
+            else:
+                where, size = and_(leasable, items.c.crashes == level), max(1, limit >> (level - 1))
             rows = conn.execute(
-                select(items.c.job_id, items.c.idx, items.c.model, items.c.label, items.c.seed, items.c.attempts,
-                       jobs.c.params).join(jobs, jobs.c.id == items.c.job_id).where(leasable)
-                .order_by(items.c.priority.desc(), items.c.created_at, items.c.job_id, items.c.idx).limit(limit)
-                .with_for_update(skip_locked=True, of=items)).all()
-            spent = [r for r in rows if r.attempts >= self.max_attempts]
-            if spent:
-                _set(conn, [(r.job_id, r.idx) for r in spent], state="failed", finished_at=now, **_NO_LEASE,
-                     error=f"gave up after {self.max_attempts} attempts (its worker died or stalled each time)")
-            rows = [r for r in rows if r.attempts < self.max_attempts]
-            token = uuid.uuid4().hex
-            _set(conn, [(r.job_id, r.idx) for r in rows], state="running", step=0, lease_owner=owner,
+                select(items.c.job_id, items.c.idx, items.c.model, items.c.label, items.c.seed, items.c.state,
+                       items.c.requeues, items.c.crashes, jobs.c.params).join(jobs, jobs.c.id == items.c.job_id)
+                .where(where).order_by(items.c.priority.desc(), items.c.created_at, items.c.job_id, items.c.idx)
+                .limit(size).with_for_update(skip_locked=True, of=items)).all()
+            rows = self._take_over_expired(conn, rows, now)
+            leases, token = [], uuid.uuid4().hex
+            for r in rows:
+                try:
+                    params = JobParams.model_validate_json(r.params)
+                except ValueError as e:
+                    _set(conn, [(r.job_id, r.idx)], state="failed", finished_at=now, **_NO_LEASE,
+                         error=f"the stored job cannot be read: {str(e)[:300]}")
+                    continue
+                leases.append(Lease(r.job_id, r.idx, r.model, r.label, r.seed, params, token,
+                                    requeues=r.requeues, crashes=r.crashes, suspect=level is not None))
+            if level is not None and len(leases) == 1:
+                leases[0].solo = True
+            _set(conn, [(ls.job_id, ls.index) for ls in leases], state="running", step=0, lease_owner=owner,
                  lease_token=token, lease_expires=now + ttl, attempts=items.c.attempts + 1)
-        return [Lease(r.job_id, r.idx, r.model, r.label, r.seed, JobParams.model_validate_json(r.params), token)
-                for r in rows]
+        return leases
+
+    def _take_over_expired(self, conn, rows, now: float) -> list:
+        """Rows whose lease expired (their scheduler went away) count an infrastructure failure; those
+        past ``max_requeues`` fail instead of being leased."""
+        expired = [r for r in rows if r.state == "running"]
+        if not expired:
+            return rows
+        _set(conn, [(r.job_id, r.idx) for r in expired], requeues=items.c.requeues + 1)
+        spent = {(r.job_id, r.idx) for r in expired if r.requeues + 1 >= self.max_requeues}
+        if spent:
+            _set(conn, sorted(spent), state="failed", finished_at=now, **_NO_LEASE,
+                 error=f"gave up after {self.max_requeues} infrastructure failures (the last: its lease expired, "
+                       "its scheduler or worker gone)")
+        return [r for r in rows if (r.job_id, r.idx) not in spent]
 
     def _any(self, where) -> bool:
         """A cheap read before taking the write lock: an idle scheduler polls this often."""
         with self._tx(write=False) as conn:
             return conn.execute(select(items.c.idx).where(where).limit(1)).first() is not None
+
+    def has_suspects(self, models: list[str]) -> bool:
+        """Whether items that crashed workers repeatedly wait to be run in isolation."""
+        return self._any(and_(items.c.model.in_(models), items.c.state == "queued", items.c.crashes >= 2))
 
     def heartbeat(self, leases: list[Lease], ttl: float) -> list[Lease]:
         """Renew leases and record progress; returns the leases no longer held (cancelled, or
@@ -374,18 +558,47 @@ class Store:
                 items.c.job_id.in_(sorted({ls.job_id for ls in leases})), items.c.state == "running")).all())
         return [ls for ls in leases if (ls.job_id, ls.index, ls.token) not in held]
 
-    def release(self, leases: list[Lease], count_attempt: bool = True) -> None:
-        """Return leased items to the queue now (worker died, node left, scheduler stopping) instead
-        of waiting for their leases to expire. A graceful stop does not count as an attempt."""
+    def release(self, leases: list[Lease], reason: str = "stop", error: str | None = None) -> list[Lease]:
+        """Return leased items to the queue now instead of waiting for their leases to expire.
+
+        ``stop``: a graceful stop; not counted at all. ``infra``: an infrastructure failure (a node left);
+        counts a requeue. ``crash``: the worker holding them died or its step raised; counts a requeue
+        and a crash, and for an isolated item alone a solo crash. Never charged as the item's failure,
+        except: past ``max_requeues`` requeues the item fails, and past ``poison_crashes`` solo crashes
+        it fails as the cause (``error`` says why). Returns the leases that failed."""
         if not leases:
-            return
+            return []
+        if reason not in ("stop", "infra", "crash"):
+            raise ValueError(f"unknown release reason {reason!r}")
+        now, crash = time.time(), reason == "crash"
+        failed = []
         with self._tx() as conn:
-            conn.execute(update(items).where(
-                items.c.job_id == bindparam("j"), items.c.idx == bindparam("i"), items.c.state == "running",
-                items.c.lease_token == bindparam("t")).values(
-                    state="queued", step=0, **_NO_LEASE,
-                    attempts=items.c.attempts - (0 if count_attempt else 1)),
-                [dict(j=ls.job_id, i=ls.index, t=ls.token) for ls in leases])
+            for ls in leases:
+                values: dict = dict(state="queued", step=0, **_NO_LEASE)
+                if reason == "stop":
+                    values["attempts"] = items.c.attempts - 1
+                else:
+                    values.update(requeues=items.c.requeues + 1, not_before=now + requeue_backoff(ls.requeues + 1),
+                                  crashes=items.c.crashes + int(crash), solo_crashes=items.c.solo_crashes + int(crash and ls.solo))
+                if conn.execute(update(items).where(*_held(ls)).values(**values)).rowcount != 1:
+                    continue
+                why = self._give_up(conn, ls, error)
+                if why is not None:
+                    _set(conn, [(ls.job_id, ls.index)], state="failed", error=why[:2000], finished_at=now)
+                    failed.append(ls)
+        self.changes.notify(sorted({ls.job_id for ls in leases}))
+        return failed
+
+    def _give_up(self, conn, ls: Lease, error: str | None) -> str | None:
+        row = conn.execute(select(items.c.requeues, items.c.solo_crashes).where(
+            items.c.job_id == ls.job_id, items.c.idx == ls.index)).first()
+        cause = f" (the last: {error})" if error else ""
+        if row.solo_crashes >= self.poison_crashes:
+            return (f"this item crashed its worker {row.solo_crashes} times while it ran alone{cause}; "
+                    "the items it was batched with were not charged")
+        if row.requeues >= self.max_requeues:
+            return f"gave up after {row.requeues} infrastructure failures{cause}"
+        return None
 
     # -- results -----------------------------------------------------------------------------------
     def commit_result(self, lease: Lease, png: bytes) -> bool:
@@ -405,15 +618,56 @@ class Store:
                     **_NO_LEASE)).rowcount == 1
                 if won:
                     os.replace(tmp, final)  # before commit: a failed commit leaves an orphan a re-run replaces
+            if won:
+                self.changes.notify([lease.job_id])
             return won
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
     def fail_item(self, lease: Lease, error: str) -> bool:
+        """An error raised for this item: it fails (a user may retry it, POST /v1/jobs/{id}/retry)."""
         with self._tx() as conn:
-            return conn.execute(update(items).where(*_held(lease)).values(
+            won = conn.execute(update(items).where(*_held(lease)).values(
                 state="failed", error=error[:2000], finished_at=time.time(), **_NO_LEASE)).rowcount == 1
+        self.changes.notify([lease.job_id])
+        return won
+
+
+class Changes:
+    """In-process notifications of item state changes, so that waiters in this process (the images
+    endpoint) wake when a job may have finished instead of polling it. A process that runs no scheduler
+    (API only, PostgreSQL) gets no notifications: its waiters fall back to a slow poll."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._waiters: dict[str, list] = {}  # job id -> [(loop, asyncio.Event)]
+
+    def watch(self, job_id: str):
+        """An asyncio.Event set on the next change of ``job_id``; call ``unwatch`` when done."""
+        import asyncio
+
+        event = asyncio.Event()
+        with self._lock:
+            self._waiters.setdefault(job_id, []).append((asyncio.get_running_loop(), event))
+        return event
+
+    def unwatch(self, job_id: str, event) -> None:
+        with self._lock:
+            waiters = [w for w in self._waiters.get(job_id, []) if w[1] is not event]
+            if waiters:
+                self._waiters[job_id] = waiters
+            else:
+                self._waiters.pop(job_id, None)
+
+    def notify(self, job_ids: list[str]) -> None:
+        with self._lock:
+            hits = [w for j in job_ids for w in self._waiters.get(j, ())]
+        for loop, event in hits:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # its loop has closed
+                pass
 
 
 _NO_LEASE = dict(lease_owner=None, lease_token=None, lease_expires=None)
@@ -422,6 +676,11 @@ _NO_LEASE = dict(lease_owner=None, lease_token=None, lease_expires=None)
 def _held(lease: Lease):
     return (items.c.job_id == lease.job_id, items.c.idx == lease.index, items.c.state == "running",
             items.c.lease_token == lease.token)
+
+
+def _of(tenant: str | None) -> tuple:
+    """The condition restricting a jobs query to one tenant (none: every tenant, for admins)."""
+    return () if tenant is None else (jobs.c.tenant == tenant,)
 
 
 def _set(conn, keys: list[tuple[str, int]], **values) -> None:
@@ -464,17 +723,25 @@ def job_state(cancelled: bool, counts: dict[str, int]) -> str:
 
 
 def _job(row, stats: dict, item_rows) -> Job:
+    """A job from its rows. A row that cannot be parsed gives a job with ``error`` set and no params
+    (the caller fails it alone), never an exception that would break a listing."""
     counts = stats.get("counts", {})
     state = job_state(row.cancelled, counts)
+    params, error = None, None
+    try:
+        params = JobParams.model_validate_json(row.params)
+    except ValueError as e:
+        error = f"the stored job cannot be read: {str(e)[:300]}"
     webhook = None if row.webhook_url is None else WebhookStatus(
         url=row.webhook_url, state=row.webhook_state, attempts=row.webhook_attempts, error=row.webhook_error)
-    return Job(id=row.id, state=state, model=row.model, params=JobParams.model_validate_json(row.params),
+    return Job(id=row.id, state=state, model=row.model, params=params, error=error, tenant=row.tenant,
                priority=row.priority, webhook=webhook, created_at=row.created_at, num_items=row.num_items, counts=counts,
                finished_at=stats.get("finished_at") if state in TERMINAL_STATES else None,
                steps_done=stats.get("steps_done", 0), steps_total=stats.get("steps_total", 0),
                items=None if item_rows is None else [
                    ItemStatus(index=r.idx, label=r.label, seed=r.seed, state=r.state, step=r.step,
-                              total_steps=r.total_steps, attempts=r.attempts, error=r.error) for r in item_rows])
+                              total_steps=r.total_steps, attempts=r.attempts, requeues=r.requeues, crashes=r.crashes,
+                              error=r.error) for r in item_rows])
 
 
 def _driver_url(url: str) -> str:

@@ -8,6 +8,14 @@ A small HTTP receiver starts here; the job is submitted with ``webhook_url`` poi
 ``priority``, so it runs ahead of batch work). When the job is done the service POSTs it here; with a
 secret, the receiver recomputes ``X-Dit-Serve-Signature`` (HMAC-SHA256 of the raw body) and rejects a
 delivery that does not match, which the service then retries.
+
+A service refuses webhooks to loopback and private addresses unless its ``[webhooks] allow_hosts``
+lists them, so a receiver on this machine or a private network needs, on the service side:
+
+    [webhooks]
+    allow_hosts = ["MY_HOST"]       # a name, an address, or a network such as "192.168.0.0/16"
+
+The local service this script starts without ``--url`` allows its own receiver (``--public-host``).
 """
 
 from __future__ import annotations
@@ -19,9 +27,11 @@ import http.server
 import json
 import queue
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from dit_serve.client import Client, service_url
+from dit_serve.client import Client
 
 
 def receiver(listen: str, secret: str | None) -> tuple[http.server.ThreadingHTTPServer, queue.Queue]:
@@ -48,6 +58,21 @@ def receiver(listen: str, secret: str | None) -> tuple[http.server.ThreadingHTTP
     server = http.server.ThreadingHTTPServer((host, int(port)), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, deliveries
+
+
+@contextmanager
+def service(url: str | None, receiver_host: str, secret: str | None) -> Iterator[str]:
+    """``url``; or, without one, a local service for this run (this needs the server side: Ray, torch)
+    that signs with ``secret`` and may deliver to ``receiver_host``."""
+    if url:
+        yield url
+        return
+    from dit_serve.config import Config
+    from dit_serve.service import local_service
+
+    config = Config().with_overrides(webhooks={"allow_hosts": (receiver_host,), "secret": secret})
+    with local_service(config) as svc:
+        yield svc.url
 
 
 def run(url: str, out: Path, listen: str, public_host: str, secret: str | None, timeout: float = 300) -> Path:
@@ -81,7 +106,7 @@ def main() -> None:
     p.add_argument("--public-host", default="127.0.0.1", help="the receiver's host as the service reaches it")
     p.add_argument("--secret", help="the service's [webhooks] secret: check each delivery's signature")
     args = p.parse_args()
-    with service_url(args.url) as url:
+    with service(args.url, args.public_host, args.secret) as url:
         run(url, args.out, args.listen, args.public_host, args.secret)
 
 

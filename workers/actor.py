@@ -7,8 +7,10 @@ never touch the engine, so the engine stays single-threaded:
 - ``submit(items)`` / ``cancel(ids)`` queue work; the loop admits or drops it at the next step
   boundary (a cancelled item stops before its next step). Each returns a list as long as its input.
 - ``poll()`` hands over what happened since the last poll: per-item progress, finished items as
-  PNG bytes, failed items with their error, step durations, seconds spent stepping out of the
-  seconds since the last poll, and the engine's counters.
+  PNG bytes, failed items with their error (an error raised for that item), crashed items (a step
+  they were in raised: the batch's fault until shown otherwise, so the scheduler requeues them),
+  step durations, seconds spent stepping out of the seconds since the last poll, and the engine's
+  counters.
 
 The worker keeps no durable state: the scheduler holds the leases, the store holds the truth. If
 the actor dies, its items return to the queue. Heavy imports (torch, the engine) happen inside
@@ -75,6 +77,7 @@ class Worker:
         self._progress: dict[str, tuple[int, int]] = {}
         self._finished: list[tuple[str, bytes]] = []
         self._failed: list[tuple[str, str]] = []
+        self._crashed: list[tuple[str, str]] = []
         self._step_seconds: list[float] = []
         self._busy_s, self._since = 0.0, time.perf_counter()
         self._stop = threading.Event()
@@ -100,9 +103,9 @@ class Worker:
         now = time.perf_counter()
         with self._lock:
             report = {"progress": dict(self._progress), "finished": self._finished, "failed": self._failed,
-                      "step_seconds": self._step_seconds, "busy_s": self._busy_s, "window_s": now - self._since,
-                      "stats": self.engine.stats()}
-            self._finished, self._failed, self._step_seconds = [], [], []
+                      "crashed": self._crashed, "step_seconds": self._step_seconds, "busy_s": self._busy_s,
+                      "window_s": now - self._since, "stats": self.engine.stats()}
+            self._finished, self._failed, self._crashed, self._step_seconds = [], [], [], []
             self._busy_s, self._since = 0.0, now
         return report
 
@@ -153,9 +156,9 @@ class Worker:
         t0 = time.perf_counter()
         try:
             results = self.engine.step(self._on_progress)
-        except Exception as e:  # a step that raises fails the items in it, not the worker
+        except Exception as e:  # a step that raises drops its items (requeued by the scheduler), not the worker
             log.exception("engine step failed")
-            self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+            self._drop_all(f"engine step failed: {type(e).__name__}: {str(e)[:500]}")
             return
         dt = time.perf_counter() - t0
         pngs = [(r.request.id, _png(r.image)) for r in results]
@@ -170,12 +173,12 @@ class Worker:
         with self._lock:
             self._progress[item_id] = (done, total)
 
-    def _fail_all(self, error: str) -> None:
+    def _drop_all(self, error: str) -> None:
         ids = list(self.engine.progress())
         for item_id in ids:
             self.engine.cancel(item_id)
         with self._lock:
-            self._failed += [(i, error) for i in ids]
+            self._crashed += [(i, error) for i in ids]
             for i in ids:
                 self._progress.pop(i, None)
 

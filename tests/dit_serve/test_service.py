@@ -34,7 +34,8 @@ def svc(digits_model, tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         cfg = service_config(tmp_path_factory.mktemp("svc"), digits_model,
-                             webhooks={"secret": "example-webhook-secret"})  # examples/webhooks.py checks it
+                             webhooks={"secret": "example-webhook-secret",  # examples/webhooks.py checks it
+                                       "allow_hosts": ("127.0.0.1",)})  # its receivers listen here
         with Service(cfg) as service:
             assert service.wait_ready(120), "the worker did not start"
             yield service

@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from dit_serve.schemas import JobParams
-from dit_serve.store import (SCHEMA_VERSION, IdempotencyConflict, Store, StoreError, _driver_url, items, job_state,
-                             jobs, meta)
+from dit_serve.store import (SCHEMA_VERSION, IdempotencyConflict, QueueFull, Store, StoreError, _driver_url, items,
+                             job_state, jobs, meta, requeue_backoff)
 
 PARAMS = JobParams(sampler="ddim", steps=10, guidance=2.0)
 PG_URL = os.environ.get("DIT_SERVE_TEST_POSTGRES_URL", "")
@@ -88,28 +88,149 @@ def test_expired_lease_is_taken_over_and_the_old_holder_loses(store):
     assert not store.commit_result(old, b"late")
     assert store.commit_result(new, b"new")
     job = store.get_job(job_id)
-    assert job.state == "done" and job.items[0].attempts == 2
+    assert job.state == "done" and job.items[0].attempts == 2 and job.items[0].requeues == 1
     assert store.image_path(job_id, 0).read_bytes() == b"new"
 
 
-def test_attempts_are_limited(tmp_path, kind):
-    store = _open(kind, tmp_path)
-    store.max_attempts = 2
+def test_infrastructure_failures_requeue_uncharged_up_to_a_bound(store):
+    store.max_requeues = 3
     job_id = _job(store, 1)
-    for _ in range(2):
+    for n in range(1, 4):
         (ls,) = store.lease("w", ["digits"], 1, ttl=30)
-        store.release([ls])  # its worker died
-    assert store.lease("w", ["digits"], 1, ttl=30) == []
+        assert ls.requeues == n - 1
+        failed = store.release([ls], "infra", "node left")  # requeue_backoff(1..3) == 0: leasable at once
+    assert failed == [ls] and store.lease("w", ["digits"], 1, ttl=30) == []
     item = store.get_job(job_id).items[0]
-    assert item.state == "failed" and "gave up after 2 attempts" in item.error
+    assert (item.state, item.requeues, item.attempts) == ("failed", 3, 3)
+    assert item.error == "gave up after 3 infrastructure failures (the last: node left)"
+
+
+def test_a_crash_loop_backs_off():
+    assert [requeue_backoff(n) for n in (1, 3, 4, 5, 6, 20)] == [0.0, 0.0, 1.0, 2.0, 4.0, 60.0]
+
+
+def test_requeues_past_three_wait_their_backoff(store):
+    job_id = _job(store, 1)
+    for _ in range(4):
+        (ls,) = store.lease("w", ["digits"], 1, ttl=30)
+        store.release([ls], "infra", "node left")
+    assert store.lease("w", ["digits"], 1, ttl=30) == []  # the 4th requeue waits 1 s
+    time.sleep(1.05)
+    (ls,) = store.lease("w", ["digits"], 1, ttl=30)
+    item = store.get_job(job_id).items[0]
+    assert (ls.requeues, ls.crashes, item.state, item.requeues) == (4, 0, "running", 4)
 
 
 def test_graceful_release_does_not_count(store):
     job_id = _job(store, 1)
     (ls,) = store.lease("w", ["digits"], 1, ttl=30)
-    store.release([ls], count_attempt=False)
+    store.release([ls], "stop")
     item = store.get_job(job_id).items[0]
-    assert (item.state, item.attempts, item.step) == ("queued", 0, 0)
+    assert (item.state, item.attempts, item.requeues, item.step) == ("queued", 0, 0, 0)
+
+
+def _run_with_poison(store: Store, poison: set[int], batch: int) -> int:
+    """A worker of ``batch`` rows that dies whenever it holds a poison item; returns the crashes."""
+    crashes = 0
+    while leases := store.lease("w", ["digits"], batch, ttl=30, isolate=True):
+        if any(ls.index in poison for ls in leases):
+            crashes += 1
+            store.release(leases, "crash", "worker died: SIGSEGV")
+        else:
+            for ls in leases:
+                assert store.commit_result(ls, b"png")
+    return crashes
+
+
+def test_a_poison_item_is_isolated_and_failed_alone(store, monkeypatch):
+    # 16 items in batches of 8; item 5 kills its worker every time. Its batch [0..7] crashes twice
+    # (crashes=2: suspects), then runs as halves: [0..3] finish, [4..7] crash (crashes=3); as quarters:
+    # [4, 5] crash (crashes=4), [6, 7] finish; alone: [4] finishes, [5] crashes twice alone: failed.
+    monkeypatch.setattr("dit_serve.store.requeue_backoff", lambda n: 0.0)
+    job_id = _job(store, 16)
+    assert _run_with_poison(store, {5}, batch=8) == 2 + 1 + 1 + 2
+    job = store.get_job(job_id)
+    assert job.counts == {"done": 15, "failed": 1}
+    bad = job.items[5]
+    assert bad.error.startswith("this item crashed its worker 2 times while it ran alone (the last: worker died")
+    assert all(it.state == "done" for it in job.items if it.index != 5)
+    assert max(it.crashes for it in job.items if it.index >= 8) == 0  # the other batch never crashed
+
+
+def test_suspects_run_only_in_isolation(store):
+    job_id = _job(store, 4)
+    leases = store.lease("w", ["digits"], 4, ttl=30)
+    for _ in range(2):
+        store.release(leases, "crash", "boom")
+        leases = store.lease("w", ["digits"], 4, ttl=30, isolate=True) or leases
+    store.release(leases, "crash", "boom")  # 3 crashes each: suspects
+    other = _job(store, 2)
+    assert {ls.job_id for ls in store.lease("w2", ["digits"], 8, ttl=30)} == {other}  # normal work only
+    assert store.has_suspects(["digits"])
+    group = store.lease("w3", ["digits"], 4, ttl=30, isolate=True)
+    assert [ls.job_id for ls in group] == [job_id] and len(group) == 1 and group[0].solo  # 4 >> (3 - 1)
+
+
+def test_an_unreadable_row_fails_its_job_alone(store):
+    bad, good = _job(store, 2), _job(store, 2)
+    with store.engine.begin() as conn:  # as an older version could have written: guidance Infinity -> null
+        conn.execute(jobs.update().where(jobs.c.id == bad).values(
+            params='{"sampler": "ddim", "steps": 10, "guidance": null, "eta": 0.0}'))
+    leases = store.lease("w", ["digits"], 10, ttl=30)
+    assert {ls.job_id for ls in leases} == {good}  # built before commit: the bad rows failed, not leased
+    listed, total = store.list_jobs(10, 0)
+    assert total == 2 and {j.id: j.state for j in listed} == {bad: "failed", good: "running"}
+    job = store.get_job(bad)
+    assert job.params is None and "cannot be read" in job.error
+    assert all(it.state == "failed" and "cannot be read" in it.error for it in job.items)
+
+
+def test_parameters_that_cannot_be_stored_are_refused():
+    with pytest.raises(ValueError):
+        JobParams(sampler="ddim", steps=10, guidance=float("inf"))
+    with pytest.raises(ValueError):
+        JobParams(sampler="ddim", steps=10, guidance=float("nan"))
+
+
+def test_queue_bounds_refuse_and_store_nothing(store):
+    store.submit("digits", PARAMS, [1] * 3, [1, 2, 3], tenant="a", max_active=5)
+    with pytest.raises(QueueFull, match="the service has 3 items queued or running and may hold at most 5"):
+        store.submit("digits", PARAMS, [1] * 3, [1, 2, 3], tenant="b", max_active=5)
+    with pytest.raises(QueueFull, match="your tenant has 3 items") as e:
+        store.submit("digits", PARAMS, [1] * 2, [1, 2], tenant="a", max_active=100, tenant_max_active=4)
+    assert not e.value.never
+    with pytest.raises(QueueFull, match="split it") as e:
+        store.submit("digits", PARAMS, [1] * 9, list(range(9)), tenant="c", max_active=8)
+    assert e.value.never
+    assert store.list_jobs(10, 0)[1] == 1 and store.counts() == {"queued": 3}
+    store.submit("digits", PARAMS, [1] * 2, [1, 2], tenant="b", max_active=5, tenant_max_active=4)  # fits
+
+
+def test_tenants_see_their_own_jobs_only(store):
+    a = store.submit("digits", PARAMS, [1], [1], idempotency_key="k", tenant="a")[0]
+    b, created = store.submit("digits", PARAMS, [2], [2], idempotency_key="k", tenant="b")
+    assert created and a != b  # Idempotency-Keys are per tenant
+    assert store.get_job(a, tenant="b") is None and store.get_job(a, tenant="a").tenant == "a"
+    assert [j.id for j in store.list_jobs(10, 0, tenant="b")[0]] == [b]
+    assert store.list_jobs(10, 0)[1] == 2  # an admin sees both
+    assert not store.cancel_job(a, tenant="b") and store.get_job(a).state == "queued"
+    assert store.delete_job(a, tenant="b") is None and store.retry_failed(a, tenant="b") is None
+    (ls,) = [ls for ls in store.lease("w", ["digits"], 2, ttl=30) if ls.job_id == a]
+    assert store.commit_result(ls, b"png")
+    assert store.image_path(a, 0, tenant="b") is None and store.image_path(a, 0, tenant="a") is not None
+
+
+def test_retry_requeues_failed_items(store):
+    job_id = store.create_job("digits", PARAMS, [1, 2], [1, 2], webhook_url="http://example.com/hook")
+    leases = store.lease("w", ["digits"], 2, ttl=30)
+    assert store.fail_item(leases[0], "ValueError: bad")
+    assert store.commit_result(leases[1], b"png")
+    assert store.get_job(job_id).state == "failed"
+    store.claim_webhooks(hold_s=30)
+    store.webhook_done(job_id, None, None)
+    assert store.retry_failed(job_id) == 1 and store.retry_failed("nope") is None
+    job = store.get_job(job_id)
+    assert job.counts == {"queued": 1, "done": 1} and job.items[0].error is None and job.webhook.state == "pending"
 
 
 def test_cancel(store):

@@ -1,0 +1,113 @@
+"""Tenants over HTTP: keys stored hashed and made by the CLI, each tenant confined to its own jobs
+(404 for another's), Idempotency-Keys per tenant, per-tenant limits, admins, revocation."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from sqlalchemy import select
+
+from dit_serve.keys import create_key, list_keys, revoke_key, set_limits
+from dit_serve.service import Service
+from dit_serve.store import api_keys
+
+from .conftest import service_config
+
+
+@pytest.fixture(scope="module")
+def svc(digits_model, tmp_path_factory):
+    cfg = service_config(tmp_path_factory.mktemp("tenants"), digits_model, server={"api_keys": ["config-admin-key"]},
+                         limits={"tenant_max_priority": 10})
+    with Service(cfg, roles=("api",)) as service:
+        yield service
+
+
+def _http(svc, key: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=svc.url, headers=headers, timeout=10)
+
+
+def test_tenants_are_confined_to_their_own_jobs(svc):
+    _, alice_key = create_key(svc.store, "alice")
+    _, bob_key = create_key(svc.store, "bob")
+    _, root_key = create_key(svc.store, "ops", role="admin")
+    with _http(svc, alice_key) as alice, _http(svc, bob_key) as bob, _http(svc, root_key) as root:
+        a = alice.post("/v1/jobs", json={"labels": [1]}, headers={"Idempotency-Key": "same-key"})
+        b = bob.post("/v1/jobs", json={"labels": [2, 3]}, headers={"Idempotency-Key": "same-key"})
+        assert a.status_code == b.status_code == 202 and a.json()["id"] != b.json()["id"]  # keys are per tenant
+        a_id = a.json()["id"]
+        assert a.json()["tenant"] == "alice"
+        for method, path in (("GET", f"/v1/jobs/{a_id}"), ("GET", f"/v1/jobs/{a_id}/images/0"),
+                             ("GET", f"/v1/jobs/{a_id}/archive"), ("DELETE", f"/v1/jobs/{a_id}"),
+                             ("DELETE", f"/v1/jobs/{a_id}?purge=true"), ("POST", f"/v1/jobs/{a_id}/retry")):
+            r = bob.request(method, path)
+            assert r.status_code == 404 and a_id in r.json()["error"]["message"], (method, path, r.text)
+        assert alice.get(f"/v1/jobs/{a_id}").json()["state"] == "queued"  # bob's cancel did nothing
+        assert [j["id"] for j in bob.get("/v1/jobs").json()["data"]] == [b.json()["id"]]
+        assert {j["tenant"] for j in root.get("/v1/jobs").json()["data"]} >= {"alice", "bob"}
+        assert root.get(f"/v1/jobs/{a_id}").status_code == 200
+        with _http(svc, "config-admin-key") as cfg_admin:  # a configured key: admin of 'default'
+            assert cfg_admin.get(f"/v1/jobs/{a_id}").status_code == 200
+
+
+def test_tenant_limits_priority_and_queue(svc):
+    _, key = create_key(svc.store, "carol")
+    assert set_limits(svc.store, "carol", max_queued=3, max_priority=None)
+    with _http(svc, key) as carol:
+        r = carol.post("/v1/jobs", json={"labels": [1], "priority": 11})
+        assert r.status_code == 403 and "above your tenant's highest, 10" in r.json()["error"]["message"]
+        assert carol.post("/v1/jobs", json={"labels": [1], "priority": 10}).status_code == 202
+        assert carol.post("/v1/jobs", json={"labels": [1, 2]}).status_code == 202
+        r = carol.post("/v1/jobs", json={"labels": [1]})
+        assert r.status_code == 429 and "your tenant has 3 items" in r.json()["error"]["message"]
+        assert r.headers["Retry-After"]
+        assert carol.get("/v1/jobs").json()["total"] == 2
+    with _http(svc, "config-admin-key") as admin:  # admins are bounded by the service only
+        assert admin.post("/v1/jobs", json={"labels": [1], "priority": 100}).status_code == 202
+
+
+def test_keys_are_stored_hashed_and_can_be_revoked(svc):
+    key_id, key = create_key(svc.store, "dave", name="laptop")
+    with svc.store.engine.connect() as conn:
+        row = conn.execute(select(api_keys).where(api_keys.c.id == key_id)).one()
+    assert key.split("_")[2] not in (row.hash, row.salt) and len(row.hash) == 64
+    assert [k["name"] for k in list_keys(svc.store) if k["id"] == key_id] == ["laptop"]
+    with _http(svc, key) as dave, _http(svc, None) as anonymous, _http(svc, key[:-1] + "x") as forged:
+        assert dave.get("/v1/jobs").status_code == 200
+        assert anonymous.get("/v1/jobs").status_code == 401 and forged.get("/v1/jobs").status_code == 401
+        assert revoke_key(svc.store, key_id) and not revoke_key(svc.store, key_id)
+        time.sleep(2.1)  # the key ring caches answers for 2 s
+        r = dave.get("/v1/jobs")
+        assert r.status_code == 401 and r.json()["error"]["message"] == "invalid API key"
+
+
+def test_stored_keys_alone_make_a_service_need_keys(digits_model, tmp_path, monkeypatch):
+    monkeypatch.delenv("DIT_SERVE_API_KEY", raising=False)
+    with Service(service_config(tmp_path, digits_model), roles=("api",)) as open_svc:
+        with _http(open_svc, None) as anonymous:
+            assert anonymous.get("/v1/jobs").status_code == 200  # no key anywhere: open
+            _, key = create_key(open_svc.store, "erin")
+            time.sleep(2.1)
+            assert anonymous.get("/v1/jobs").status_code == 401
+        with _http(open_svc, key) as erin:
+            assert erin.get("/v1/jobs").status_code == 200
+
+
+def test_the_keys_command(tmp_path, capsys):
+    from dit_serve.cli import main
+
+    data = ["--data-dir", str(tmp_path)]
+    assert main(["keys", "create", "--tenant", "frank", "--max-priority", "5", *data]) == 0
+    key = capsys.readouterr().out.strip()
+    assert key.startswith("dsk_") and len(key) > 40
+    assert main(["keys", "list", *data]) == 0
+    listing = capsys.readouterr().out
+    key_id = key.split("_")[1]
+    assert key_id in listing and "frank" in listing and "max_priority=5" in listing and key not in listing
+    assert main(["keys", "revoke", key_id, *data]) == 0
+    assert main(["keys", "list", *data]) == 0 and "revoked" in capsys.readouterr().out
+    assert main(["keys", "revoke", key_id, *data]) == 2
+    assert main(["keys", "create", "--tenant", "Bad Name", *data]) == 2
+    assert "a tenant name is" in capsys.readouterr().err
