@@ -21,11 +21,13 @@ from PIL import Image
 
 from dit_serve.cli import main as cli
 from dit_serve.client import ApiError, AsyncClient, Client
+from dit_serve.schemas import JobParams
 from dit_serve.service import Service
 
 from .conftest import oracle, service_config
 
 ROOT = Path(__file__).resolve().parents[2]
+JOB_PARAMS = JobParams(sampler="ddim", steps=10, guidance=1.5)
 pytestmark = pytest.mark.slow
 
 
@@ -272,7 +274,64 @@ def test_a_killed_worker_loses_nothing(svc, client):
     ray.kill(victim.handle, no_restart=True)
     job = client.wait(job, progress=False, timeout=180)
     assert job.state == "done"
-    assert max(it.attempts for it in job.items) == 2  # the killed lease counted as one attempt
+    assert max(it.attempts for it in job.items) == 2  # two runs of the items the worker held ...
+    assert {(it.attempts - 1, it.requeues, it.crashes) for it in job.items} <= {(0, 0, 0), (1, 1, 1)}  # ... uncharged
     assert _pngs(svc, job.id) == [f"{i:05d}.png" for i in range(20)]
     assert oracle(client.images(job), [it.label for it in job.items]) >= 0.8
     assert svc.scheduler.num_ready == 1 and victim.key in svc.scheduler.workers
+
+
+def test_a_client_that_hangs_up_cancels_its_generation(svc):
+    before = {j.id for j in svc.store.list_jobs(100, 0)[0]}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and closes its connection
+        httpx.post(f"{svc.url}/v1/images/generations", json={"prompt": "3", "n": 4, "steps": 1000}, timeout=1.0)
+    (job,) = [j for j in svc.store.list_jobs(100, 0)[0] if j.id not in before]
+    _wait_for(lambda: svc.store.get_job(job.id).state == "cancelled", timeout=5, what="the abandoned job's cancel")
+
+
+def test_a_poison_item_fails_alone_and_its_batch_mates_finish(svc, digits_model, tmp_path, monkeypatch):
+    """A worker that dies (os._exit) whenever it runs the item with seed 666: the scheduler splits the
+    batches that crash until that item runs alone, fails it with the reason, and finishes the rest."""
+
+    class PoisonedWorker:  # defined here, so Ray ships it by value; stands in for workers.actor.Worker
+        def __init__(self, spec):
+            self.items = {}
+
+        def info(self):
+            return {"models": ["digits"], "device": "cpu", "backend": "fake"}
+
+        def submit(self, items):
+            self.items.update({it.id: (it, time.monotonic()) for it in items})
+            return [True] * len(items)
+
+        def cancel(self, ids):
+            for i in ids:
+                self.items.pop(i, None)
+            return [True] * len(ids)
+
+        def poll(self):
+            import os
+
+            now = time.monotonic()
+            if any(it.seed == 666 and now - t0 > 0.2 for it, t0 in self.items.values()):
+                os._exit(1)
+            done = [i for i, (_, t0) in self.items.items() if now - t0 > 0.3]
+            for i in done:
+                del self.items[i]
+            return {"progress": {}, "finished": [(i, b"png") for i in done], "failed": [], "crashed": [],
+                    "step_seconds": [], "busy_s": 0.0, "window_s": 0.0, "stats": {}}
+
+    monkeypatch.setattr("dit_serve.scheduler._actor_class", lambda: ray.remote(max_restarts=0)(PoisonedWorker))
+    monkeypatch.setattr("dit_serve.store.requeue_backoff", lambda n: 0.0)
+    cfg = service_config(tmp_path, digits_model, workers={"max_batch": 4})
+    with Service(cfg, roles=("scheduler",)) as sched:
+        seeds = [1, 666, 2, 3, 4, 5, 6, 7]
+        job_id = sched.store.create_job("digits", JOB_PARAMS, [0] * 8, seeds)
+        _wait_for(lambda: sched.store.get_job(job_id).finished, timeout=90, what="the poisoned job to end")
+        job = sched.store.get_job(job_id)
+        assert job.counts == {"done": 7, "failed": 1}, job.items
+        bad = job.items[1]
+        assert bad.error.startswith("this item crashed its worker 2 times while it ran alone (the last: worker died")
+        # [0..3] crash twice (suspects), then [0, 1] crashes, [2, 3] finish, [0] finishes, [1] crashes twice alone
+        assert bad.crashes == 5 and job.items[0].crashes == 3 and job.items[2].crashes == 2
+        assert all(it.crashes == 0 for it in job.items[4:])
