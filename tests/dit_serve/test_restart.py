@@ -1,6 +1,6 @@
 """Kill `dit-serve serve` (API, scheduler, its local Ray and worker) with SIGKILL mid-job, start it
-again on the same store: the job completes, every item with exactly one PNG. Then SIGTERM stops
-it cleanly."""
+again on the same store: the job completes, every item with exactly one PNG. Then SIGTERM drains:
+no new work is leased, the running items finish, and it exits cleanly."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def test_restart_mid_job_loses_nothing(digits_model, tmp_path):
     port, data, log = _free_port(), tmp_path / "data", tmp_path / "serve.log"
     config = tmp_path / "dit-serve.toml"
     config.write_text(f'[server]\nport = {port}\n[store]\ndata_dir = "{data}"\nlease_seconds = 4\n'
-                      f'[ray]\nnum_cpus = 2\n[workers]\nmodels = ["{digits_model}"]\nmax_batch = 16\n')
+                      f'[ray]\nnum_cpus = 2\n[workers]\nmodels = ["{digits_model}"]\nmax_batch = 16\n'
+                      '[scheduler]\ndrain_seconds = 60\n')
     url = f"http://127.0.0.1:{port}"
     proc = _serve(config, log)
     try:
@@ -72,9 +73,19 @@ def test_restart_mid_job_loses_nothing(digits_model, tmp_path):
         assert sorted(p.name for p in (data / "images" / job.id).iterdir()) == [f"{i:05d}.png" for i in range(20)]
         assert max(it.attempts for it in job.items) == 2
         assert oracle(client.images(job), [it.label for it in job.items]) >= 0.8
+        running = client.submit(labels=[1, 2], steps=200, seed=3)
+        while client.get(running, items=False).steps_done == 0:
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-        assert "stopping" in log.read_text()
+        assert "stopping (draining" in log.read_text()
+        from dit_serve.store import Store
+
+        store = Store(f"sqlite:///{data / 'jobs.db'}", data)
+        try:
+            assert store.get_job(running.id).counts == {"done": 2}  # the drain let them finish
+        finally:
+            store.close()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
