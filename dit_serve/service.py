@@ -134,7 +134,7 @@ class Service:
             if rc.address:
                 ray.init(address=rc.address, **kwargs)
             else:
-                ray.init(num_cpus=rc.num_cpus, **kwargs)
+                ray.init(address="local", num_cpus=rc.num_cpus, **kwargs)  # never join a stray local cluster
                 watch_local_ray(self.config.store.data_dir)  # nothing of our Ray may outlive this process
         except Exception as e:
             raise ServiceError(f"cannot start or join Ray{f' at {rc.address}' if rc.address else ''}: {e}") from None
