@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from samplers.rules import RULES, check_settings
 from samplers.schedules import (
     NoiseSchedule,
     alphas_cumprod,
@@ -238,26 +239,12 @@ SAMPLERS = {
     "dpmpp_2m": dpmpp_2m,
     "flow_euler": flow_euler,
 }
-_TAKES_ETA = ("ddim",)
-_PREDICTIONS = {name: ("flow",) if name == "flow_euler" else ("epsilon", "v_prediction") for name in SAMPLERS}
+assert set(SAMPLERS) == set(RULES), "every sampler has its rule (samplers/rules.py)"
 
 
 def make_plan(name: str, num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
     """Check a request's sampler settings and build its plan. Raises ValueError with a message to act on."""
-    if name not in SAMPLERS:
-        raise ValueError(f"unknown sampler {name!r}; valid samplers: {', '.join(SAMPLERS)}")
-    n = schedule.num_train_timesteps
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 1 <= num_steps <= n:
-        raise ValueError(f"num_steps must be an integer from 1 to {n} (num_train_timesteps), got {num_steps!r}")
-    if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not eta >= 0:  # not >=: also NaN
-        raise ValueError(f"eta must be >= 0, got {eta!r}")
-    if eta and name not in _TAKES_ETA:
-        raise ValueError(f"eta applies only to {', '.join(_TAKES_ETA)}; {name!r} got eta={eta!r}")
-    if schedule.prediction_type not in _PREDICTIONS[name]:
-        raise ValueError(
-            f"sampler {name!r} supports prediction_type {' or '.join(_PREDICTIONS[name])}, "
-            f"the model's schedule says {schedule.prediction_type!r}"
-        )
+    check_settings(name, num_steps, eta, schedule.prediction_type, schedule.num_train_timesteps)
     plan = SAMPLERS[name](num_steps, schedule, eta)
     rest = [k for k in range(len(COEFFS)) if k != CLIP]
     if not torch.isfinite(plan.coeffs[:, rest]).all():  # e.g. dpmpp_2m at S = N on a leading grid: h = 0

@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from samplers.rules import SCHEDULER_CLASS_DEFAULTS
+
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "flow")
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
@@ -34,19 +36,6 @@ _ONLY_DEFAULT = {
     "timestep_type": "discrete",
     "lambda_min_clipped": -math.inf,
 }
-
-# Defaults of the diffusers class a config names (`_class_name`) that differ from NoiseSchedule's, for keys
-# the file leaves out: diffusers fills those from that class's __init__.
-_CLASS_DEFAULTS = {
-    "DDPMScheduler": {"clip_sample": True},
-    "DDIMScheduler": {"clip_sample": True},
-    "EulerDiscreteScheduler": {"timestep_spacing": "linspace"},
-    "EulerAncestralDiscreteScheduler": {"timestep_spacing": "linspace"},
-    "DPMSolverMultistepScheduler": {"timestep_spacing": "linspace"},
-    # its config has no prediction_type: the model predicts the rectified-flow velocity
-    "FlowMatchEulerDiscreteScheduler": {"prediction_type": "flow"},
-}
-
 
 @dataclass(frozen=True)
 class NoiseSchedule:
@@ -80,7 +69,7 @@ class NoiseSchedule:
         if unsupported:
             raise ValueError(f"scheduler config sets options dit-serve's samplers do not implement: {unsupported}")
         known = {f.name for f in fields(cls)}
-        kwargs = {**_CLASS_DEFAULTS.get(cfg.get("_class_name"), {}), **cfg}
+        kwargs = {**SCHEDULER_CLASS_DEFAULTS.get(cfg.get("_class_name"), {}), **cfg}
         return cls(**{k: v for k, v in kwargs.items() if k in known})
 
 
