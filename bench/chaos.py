@@ -307,6 +307,7 @@ def run_worker_kill(args, tmp: Path) -> dict:
         rng, kills = random.Random(args.seed), []
         while len(kills) < args.kills and (k := kill_worker(s, job_id, workers, rng, args.max_delay)) is not None:
             kills.append({"t_s": round(time.monotonic() - t0, 2), **k})
+            print(f"chaos: kill {len(kills)}/{args.kills} at {kills[-1]['t_s']} s", file=sys.stderr, flush=True)
         job = wait_job(lambda: s.url, job_id, args.timeout)
         elapsed = time.monotonic() - t0
         commits = metrics(s.url)
@@ -332,6 +333,7 @@ def run_serve_kill(args, tmp: Path) -> dict:
         while len(kills) < args.kills and wait_progress(lambda: s.url, job_id) is not None:
             time.sleep(rng.uniform(0.0, args.max_delay))
             kills.append({"t_s": round(time.monotonic() - t0, 2), **kill_serve(s, job_id)})
+            print(f"chaos: kill {len(kills)}/{args.kills} at {kills[-1]['t_s']} s", file=sys.stderr, flush=True)
             t1 = time.monotonic()
             s = restart(data, log, config, models, port=int(s.url.rsplit(":", 1)[1]))
             wait_ready(s)
@@ -638,10 +640,12 @@ def _client_loop(url: str, args, rate: float, i: int, stop: threading.Event, loc
 def _sample_loop(s: Served, every: float, t0: float, stop: threading.Event, samples: list[dict]) -> None:
     while True:
         h = health(s.url) or {}
-        try:
-            running = metrics(s.url, counters=False).get("dit_serve_items_running")
-        except httpx.HTTPError:
-            running = None
+        running = h.get("running")  # read by the store in the same query as the queue depth
+        if running is None:  # a service without it: the scheduler's gauge (updated every heartbeat)
+            try:
+                running = metrics(s.url, counters=False).get("dit_serve_items_running")
+            except httpx.HTTPError:
+                running = None
         samples.append({"t_s": round(time.monotonic() - t0, 1), "queue_depth": h.get("queue_depth"),
                         "running": running, "workers": h.get("workers"),
                         "rss_mb": round(tree_rss(s.proc.pid) / 2**20, 1)})
@@ -650,7 +654,7 @@ def _sample_loop(s: Served, every: float, t0: float, stop: threading.Event, samp
 
 
 def overload_result(args, capacity, offered, load, samples, rss_start, rss_end, bounded, stopped) -> dict:
-    """The bound holds queued + running items (the running count is the scheduler's, from /metrics)."""
+    """The bound holds queued + running items (both from /healthz, one store query)."""
     depths = [x["queue_depth"] for x in samples if x["queue_depth"] is not None]
     held = [x["queue_depth"] + (x.get("running") or 0) for x in samples if x["queue_depth"] is not None]
     codes = load["status"]

@@ -204,10 +204,11 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
     @app.get("/healthz", response_model=Health, tags=["service"], responses=_doc(503))
     def health():
         try:
-            depth = store.counts().get("queued", 0)
+            counts = store.counts()
         except Exception as e:
             return JSONResponse({"status": "degraded", "queue_depth": -1, "detail": str(e)[:200]}, status_code=503)
-        return Health(status="ok", queue_depth=depth, workers=workers_ready())
+        return Health(status="ok", queue_depth=counts.get("queued", 0), running=counts.get("running", 0),
+                      workers=workers_ready())
 
     @app.get("/metrics", tags=["service"], response_class=Response)
     def prometheus() -> Response:

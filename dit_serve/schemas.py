@@ -217,4 +217,5 @@ class ErrorResponse(_Response):
 class Health(_Response):
     status: Literal["ok", "degraded"]
     queue_depth: int
+    running: int = Field(0, description="items leased to workers (read with queue_depth, in one query)")
     workers: int | None = Field(None, description="ready workers (None when this process runs no scheduler)")
