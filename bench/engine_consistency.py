@@ -20,10 +20,10 @@ import torch
 
 
 def requests(n: int, num_classes: int):
-    from workers.engine import ImageRequest
+    from workers.spec import ItemSpec
 
     mix = [("ddim", 50, 2.0), ("dpmpp_2m", 20, 2.0), ("euler_a", 30, 1.5), ("ddim", 30, 3.0)]
-    return [ImageRequest(id=str(i), label=i % num_classes, seed=7000 + i, sampler=mix[i % 4][0],
+    return [ItemSpec(id=str(i), label=i % num_classes, seed=7000 + i, sampler=mix[i % 4][0],
                          steps=mix[i % 4][1], guidance=mix[i % 4][2]) for i in range(n)]
 
 

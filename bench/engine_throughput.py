@@ -89,7 +89,7 @@ def run_engine(engine, jobs: list[Job], s: Setup, step_level: bool, stop_s: floa
     """Step level (a): queued images join at any step boundary, first come first served, while fewer
     than ``max_batch`` are in flight. Request level (b): when the engine is idle, queued requests start
     together (whole requests, up to ``max_batch`` images; a larger one starts alone)."""
-    from workers.engine import ImageRequest
+    from workers.spec import ItemSpec
 
     pending, start, by_id = list(jobs), time.perf_counter(), {j.id: j for j in jobs}
     queue: list[tuple[Job, int]] = []  # arrived images not yet in the engine
@@ -114,8 +114,8 @@ def run_engine(engine, jobs: list[Job], s: Setup, step_level: bool, stop_s: floa
         else:
             admit = 0
         for j, k in queue[:admit]:
-            engine.add(ImageRequest(id=f"{j.id}:{k}", label=j.label, seed=j.id * 1000 + k,
-                                    steps=s.steps, guidance=s.guidance, model=s.models[j.res].name))
+            engine.add(ItemSpec(id=f"{j.id}:{k}", label=j.label, seed=j.id * 1000 + k, sampler="ddim",
+                                steps=s.steps, guidance=s.guidance, model=s.models[j.res].name))
         del queue[:admit]
         if engine.num_active == 0:
             time.sleep(max(0.0, min(0.005, pending[0].arrival - now)) if pending else 0.0)

@@ -27,7 +27,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 
 from dit_serve import __version__
-from dit_serve.catalog import Catalog, NewJob, RequestError
+from dit_serve.catalog import Catalog, NewJob, RequestError, model_entry
 from dit_serve.config import LimitsConfig, ServerConfig
 from dit_serve.keys import AuthError, KeyRing, Principal
 from dit_serve.metrics import Metrics
@@ -190,14 +190,14 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
 
     @v1.get("/models", response_model=ModelList, tags=["models"])
     def list_models() -> ModelList:
-        return ModelList(data=[m.card() for m in catalog.models.values()])
+        return ModelList(data=[model_entry(m) for m in catalog.models.values()])
 
     @v1.get("/models/{model_id:path}", response_model=ModelCard, tags=["models"], responses=_doc(404))
     def get_model(model_id: str = Path(max_length=200)) -> ModelCard:
         if model_id not in catalog.models:
             raise RequestError(f"no model {clip(model_id, 80)!r}; this service serves: "
                                f"{', '.join(catalog.models)}", "model", status=404)
-        return catalog.models[model_id].card()
+        return model_entry(catalog.models[model_id])
 
     app.include_router(v1)
 

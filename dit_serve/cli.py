@@ -35,7 +35,8 @@ def _labels(text: str) -> tuple[str, ...]:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate images locally and write PNGs + manifest.json")
-    p.add_argument("--model", default="digits", help="'digits', a built-in architecture, or a model directory")
+    p.add_argument("--model", default=None, help="'digits' (the default), 'digits-flow', a built-in architecture, "
+                                                 "or a model directory")
     p.add_argument("--labels", type=_labels, required=True, help="comma-separated class numbers or names")
     p.add_argument("--num-per-label", type=int, default=1)
     p.add_argument("--sampler", default=None, help="ddpm, ddim, euler, euler_a, dpmpp_2m, flow_euler")
@@ -64,7 +65,7 @@ def _add_serve(sub) -> None:
 def _add_client(sub) -> None:
     p = sub.add_parser("submit", help="queue a job on a running service")
     p.add_argument("--url", default=DEFAULT_URL)
-    p.add_argument("--model", default="digits")
+    p.add_argument("--model", help="a model the service serves (default: its first)")
     p.add_argument("--labels", type=_labels, required=True, help="comma-separated class numbers or names")
     p.add_argument("--num-per-label", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)

@@ -147,7 +147,7 @@ class Client:
             time.sleep(wait)
         raise AssertionError("unreachable")
 
-    def submit(self, labels: list[int | str], *, model: str = "digits", num_per_label: int = 1, seed: int = 0,
+    def submit(self, labels: list[int | str], *, model: str | None = None, num_per_label: int = 1, seed: int = 0,
                seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
                guidance: float | None = None, eta: float | None = None, priority: int | None = None,
                webhook_url: str | None = None, idempotency_key: str | None = None) -> Job:
@@ -251,7 +251,7 @@ class AsyncClient:
             await asyncio.sleep(wait)
         raise AssertionError("unreachable")
 
-    async def submit(self, labels: list[int | str], *, model: str = "digits", num_per_label: int = 1, seed: int = 0,
+    async def submit(self, labels: list[int | str], *, model: str | None = None, num_per_label: int = 1, seed: int = 0,
                      seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
                      guidance: float | None = None, eta: float | None = None, priority: int | None = None,
                      webhook_url: str | None = None, idempotency_key: str | None = None) -> Job:

@@ -29,7 +29,7 @@ class UsageError(ValueError):
 
 @dataclass(frozen=True)
 class GenerateArgs:
-    model: str
+    model: str | None
     labels: tuple[str, ...]
     num_per_label: int = 1
     sampler: str | None = None
@@ -114,23 +114,25 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     import torch
     from tqdm import tqdm
 
-    from workers.engine import Engine, EngineConfig, ImageRequest
-    from workers.loading import ModelError, load_model
+    from workers.engine import Engine, EngineConfig
+    from workers.spec import ItemSpec
+    from workers.cards import DEFAULT_MODEL, CardError, read_card
+    from workers.loading import load_model, run_dtype
 
     check_args(a)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
-    dtype = torch.bfloat16 if device.startswith("cuda") and a.model != "digits" else torch.float32
     try:
-        model = load_model(a.model, device=device, dtype=dtype)
+        card = read_card(a.model or DEFAULT_MODEL)
+        model = load_model(a.model or DEFAULT_MODEL, device=device, dtype=run_dtype(card, device))
         label_ids = [model.label_id(lb) for lb in a.labels]
-    except ModelError as e:
+    except (CardError, ValueError) as e:
         raise UsageError(str(e)) from None
     sampler = a.sampler or model.defaults["sampler"]
     steps = a.steps or model.defaults["steps"]
     guidance = model.defaults["guidance"] if a.guidance is None else a.guidance
     staging = prepare_out(a.out)
     n = len(label_ids) * a.num_per_label
-    reqs = [ImageRequest(id=str(i), label=label_ids[i // a.num_per_label], seed=a.seed + i, sampler=sampler,
+    reqs = [ItemSpec(id=str(i), label=label_ids[i // a.num_per_label], seed=a.seed + i, sampler=sampler,
                          steps=steps, guidance=guidance, eta=a.eta) for i in range(n)]
     backend = ("breakable" if device.startswith("cuda") else "eager") if a.backend == "auto" else a.backend
     max_batch = min(64, 1 << (n - 1).bit_length())

@@ -42,7 +42,7 @@ from typing import Any
 from dit_serve.config import SchedulerConfig, WorkerConfig
 from dit_serve.metrics import Metrics
 from dit_serve.store import Lease, Store
-from workers.actor import WorkerSpec, WorkItem, remote_worker_class
+from workers.actor import WorkerSpec, remote_worker_class
 
 log = logging.getLogger(__name__)
 
@@ -283,8 +283,7 @@ class Scheduler:
             w.reserved = bool(leases) and leases[0].suspect  # stays reserved while its isolated group runs
             if not leases:
                 continue
-            w.handle.submit.remote([WorkItem(ls.key, ls.model, ls.label, ls.seed, ls.params.sampler, ls.params.steps,
-                                             ls.params.guidance, ls.params.eta) for ls in leases])
+            w.handle.submit.remote([ls.spec for ls in leases])
             w.leases.update({ls.key: ls for ls in leases})
 
     def shutdown(self) -> None:

@@ -53,7 +53,8 @@ class JobRequest(_Request):
     """N images of one model with shared sampling parameters: ``labels`` each repeated
     ``num_per_label`` times (label-major); item i uses ``seeds[i]``, else ``seed + i``."""
 
-    model: str = Field("digits", min_length=1, max_length=MAX_NAME, description="a model listed by GET /v1/models")
+    model: str | None = Field(None, min_length=1, max_length=MAX_NAME,
+                              description="a model listed by GET /v1/models; the service's first when omitted")
     labels: list[Label] = Field(min_length=1, max_length=MAX_ITEMS, description="class numbers or class names")
     num_per_label: int = Field(1, ge=1, le=MAX_ITEMS)
     seed: int = Field(0, ge=0, le=MAX_SEED)

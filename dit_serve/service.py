@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dit_serve.api import create_app
-from dit_serve.catalog import Catalog, describe
+from dit_serve.catalog import Catalog
 from dit_serve.config import Config
 from dit_serve.metrics import Metrics
 from dit_serve.reaper import release_local_ray, watch_local_ray
@@ -34,14 +34,13 @@ class ServiceError(RuntimeError):
 
 
 def build_catalog(config: Config) -> Catalog:
-    """The configured models' metadata; each model's default sampler settings are checked now
-    (which also pays the samplers' import before the first request)."""
+    """The configured models' cards; each model's default sampler settings are checked now."""
     try:
-        catalog = Catalog([describe(m) for m in config.workers.models], config.limits)
+        catalog = Catalog.of(list(config.workers.models), config.limits)
         for info in catalog.models.values():
             catalog.params(info, None, None, None, 0.0)
     except (ValueError, KeyError) as e:
-        raise ServiceError(f"cannot serve the configured models: {e}") from None
+        raise ServiceError(f"cannot serve the configured models: {getattr(e, 'message', e)}") from None
     return catalog
 
 

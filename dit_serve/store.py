@@ -38,6 +38,7 @@ from sqlalchemy import (BigInteger, Boolean, Column, Float, Index, Integer, Meta
 from sqlalchemy.exc import IntegrityError
 
 from dit_serve.schemas import TERMINAL_STATES, ItemStatus, Job, JobParams, WebhookStatus
+from workers.spec import ItemSpec
 
 log = logging.getLogger(__name__)
 DEFAULT_TENANT = "default"  # jobs of a service without tenant keys, and of the [server] api_keys
@@ -186,6 +187,13 @@ class Lease:
     @property
     def key(self) -> str:
         return f"{self.job_id}/{self.index}"
+
+    @property
+    def spec(self) -> ItemSpec:
+        """What the worker runs: built here once, then passed on unchanged."""
+        p = self.params
+        return ItemSpec(id=self.key, seed=self.seed, sampler=p.sampler, steps=p.steps, guidance=p.guidance,
+                        eta=p.eta, label=self.label, model=self.model)
 
 
 def requeue_backoff(requeues: int) -> float:

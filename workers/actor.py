@@ -26,6 +26,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from workers.spec import ItemSpec
+
 log = logging.getLogger(__name__)
 
 
@@ -33,24 +35,10 @@ log = logging.getLogger(__name__)
 class WorkerSpec:
     models: tuple[str, ...] = ("digits",)
     device: str = "auto"   # auto: CUDA when present (Ray sets CUDA_VISIBLE_DEVICES per actor)
-    dtype: str = "auto"    # auto: bfloat16 on CUDA except for digits, else float32
+    dtype: str = "auto"    # auto: the model card's on CUDA (bfloat16 unless it says float32), else float32
     backend: str = "auto"  # auto: breakable on CUDA, eager on the CPU
     max_batch: int = 64
     torch_threads: int | None = None
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    """One image to make; ``id`` is the store's item key."""
-
-    id: str
-    model: str
-    label: int
-    seed: int
-    sampler: str
-    steps: int
-    guidance: float
-    eta: float = 0.0
 
 
 class Worker:
@@ -65,7 +53,7 @@ class Worker:
         cuda = torch.cuda.is_available()
         self.device = ("cuda" if cuda else "cpu") if spec.device == "auto" else spec.device
         on_cuda = self.device.startswith("cuda")
-        models = [load_model(m, device=self.device, dtype=_dtype(spec.dtype, m, on_cuda)) for m in spec.models]
+        models = [load_model(m, device=self.device, dtype=self._dtype(spec.dtype, m)) for m in spec.models]
         self.backend = ("breakable" if on_cuda else "eager") if spec.backend == "auto" else spec.backend
         self.engine = Engine(models, EngineConfig(backend=self.backend, max_batch=spec.max_batch))
         t0 = time.perf_counter()
@@ -84,12 +72,21 @@ class Worker:
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
+    def _dtype(self, name: str, model: str):
+        """``auto``: the model card's dtype on CUDA, float32 on a CPU."""
+        import torch
+
+        from workers.cards import read_card
+        from workers.loading import run_dtype
+
+        return run_dtype(read_card(model), self.device) if name == "auto" else getattr(torch, name)
+
     # -- the actor's methods (called by the scheduler) ---------------------------------------------
     def info(self) -> dict:
         """Returns once the worker is ready (Ray runs methods after ``__init__``)."""
         return {"models": sorted(self.engine.models), "device": self.device, "backend": self.backend}
 
-    def submit(self, items: list[WorkItem]) -> list[bool]:
+    def submit(self, items: list[ItemSpec]) -> list[bool]:
         for item in items:
             self._inbox.put(("add", item))
         return [True] * len(items)
@@ -134,17 +131,14 @@ class Worker:
                 return
 
     def _apply(self, kind: str, payload) -> None:
-        from workers.engine import ImageRequest
-
         if kind == "cancel":
             self.engine.cancel(payload)
             with self._lock:
                 self._progress.pop(payload, None)
             return
-        it: WorkItem = payload
+        it: ItemSpec = payload
         try:
-            self.engine.add(ImageRequest(id=it.id, label=it.label, seed=it.seed, sampler=it.sampler, steps=it.steps,
-                                         guidance=it.guidance, eta=it.eta, model=it.model))
+            self.engine.add(it)
         except (KeyError, ValueError) as e:
             with self._lock:
                 self._failed.append((it.id, f"{type(e).__name__}: {e}"))
@@ -183,12 +177,6 @@ class Worker:
                 self._progress.pop(i, None)
 
 
-def _dtype(name: str, model: str, on_cuda: bool):
-    import torch
-
-    if name == "auto":
-        return torch.bfloat16 if on_cuda and model != "digits" else torch.float32
-    return getattr(torch, name)
 
 
 def _png(image) -> bytes:

@@ -50,10 +50,10 @@ def oracle_accuracy(images: np.ndarray, labels: np.ndarray) -> float:
 def sample_digits(engine, per_class: int, sampler: str, steps: int, guidance: float,
                   seed: int = 0, model: str = "") -> tuple[np.ndarray, np.ndarray]:
     """Generate ``per_class`` images of each digit through ``engine``; (images (N, 8, 8) in [-1, 1], labels)."""
-    from workers.engine import ImageRequest
+    from workers.spec import ItemSpec
 
     labels = np.repeat(np.arange(10), per_class)
-    reqs = [ImageRequest(id=str(i), label=int(lb), seed=seed + i, sampler=sampler, steps=steps,
+    reqs = [ItemSpec(id=str(i), label=int(lb), seed=seed + i, sampler=sampler, steps=steps,
                          guidance=guidance, model=model) for i, lb in enumerate(labels)]
     results = engine.generate(reqs)
     images = np.stack([r.image.astype(np.float32) / 127.5 - 1.0 for r in results])  # uint8 -> [-1, 1]

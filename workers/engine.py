@@ -27,29 +27,16 @@ from graphs import GraphKey, GraphRunner, TensorSpec
 from samplers import Plan, cfg_combine, make_plan, model_input, sampler_step
 from workers.loading import LoadedModel
 from workers.patches import break_attention
+from workers.spec import ItemSpec
 
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int], None]  # (request id, steps done, total steps)
 
 
-@dataclass(frozen=True)
-class ImageRequest:
-    """One image: a class label, a seed and the sampling parameters."""
-
-    id: str
-    label: int
-    seed: int
-    sampler: str = "ddim"
-    steps: int = 50
-    guidance: float = 1.0
-    eta: float = 0.0
-    model: str = ""  # the engine's only model when empty
-
-
 @dataclass
 class ImageResult:
-    request: ImageRequest
+    request: ItemSpec
     image: np.ndarray  # (H, W, 3) or (H, W) uint8
     latents: torch.Tensor  # final x on the CPU, float32 (C, H, W): for equality checks
 
@@ -63,7 +50,7 @@ class EngineConfig:
 
 @dataclass
 class _Active:
-    req: ImageRequest
+    req: ItemSpec
     plan: Plan
     x: torch.Tensor              # (C, H, W) float32, on the device
     hist: torch.Tensor           # (C, H, W) previous denoised estimate
@@ -133,7 +120,7 @@ class Engine:
             group.runner.warmup()
 
     # -- admission and cancellation -------------------------------------------------------------
-    def add(self, req: ImageRequest) -> None:
+    def add(self, req: ItemSpec) -> None:
         """Admit a request; it joins its group's batch at the next step."""
         group = self.groups[self._key(req)]
         plan = make_plan(req.sampler, req.steps, group.model.schedule, eta=req.eta)
@@ -209,14 +196,14 @@ class Engine:
         cpu = latents.float().cpu()
         return [ImageResult(a.req, images[i], cpu[i]) for i, a in enumerate(done)]
 
-    def _key(self, req: ImageRequest) -> GraphKey:
+    def _key(self, req: ItemSpec) -> GraphKey:
         name = req.model or next(iter(self.models))
         if name not in self._keys:
             raise KeyError(f"model {name!r} is not loaded here (loaded: {', '.join(self._keys)})")
         return self._keys[name]
 
     # -- convenience -----------------------------------------------------------------------------
-    def generate(self, requests: list[ImageRequest], on_progress: ProgressFn | None = None,
+    def generate(self, requests: list[ItemSpec], on_progress: ProgressFn | None = None,
                  max_active: int | None = None) -> list[ImageResult]:
         """Run requests to completion (admitting at most ``max_active`` at a time, new ones joining
         as others finish); results come back in request order."""

@@ -17,17 +17,18 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from samplers import NoiseSchedule
+from workers.cards import BUILTINS, DIT_SCHEDULER, FALLBACK_DEFAULTS, CardError, ModelCard, builtin_names, read_card
 from workers.labels import resolve_label
 
 log = logging.getLogger(__name__)
 
-SHIPPED = {name: Path(__file__).parent / "models" / name for name in ("digits", "digits-flow")}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DIT_XL_2 = dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8,
                 num_layers=28, patch_size=2, num_embeds_ada_norm=1000, norm_type="ada_norm_zero")
@@ -35,13 +36,9 @@ SD_VAE_FT_EMA = dict(
     in_channels=3, out_channels=3, latent_channels=4, block_out_channels=[128, 256, 512, 512],
     down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
     layers_per_block=2, norm_num_groups=32, act_fn="silu", scaling_factor=0.18215)
-DIT_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 0.02,
-                 "beta_schedule": "linear", "prediction_type": "epsilon", "clip_sample": False}
-BUILTIN_RESOLUTIONS = {"dit-xl-2-256": 256, "dit-xl-2-512": 512}
-FALLBACK_DEFAULTS = {"guidance": 4.0, "sampler": "ddim", "steps": 50}
 
 
-class ModelError(ValueError):
+class ModelError(CardError):
     """A model name or directory that cannot be served; the message says what to fix."""
 
 
@@ -60,6 +57,10 @@ class LoadedModel:
     vae_scale: float = 1.0
     id2label: dict[int, str] = field(default_factory=dict)
     defaults: dict = field(default_factory=lambda: dict(FALLBACK_DEFAULTS))
+    card: ModelCard | None = None  # what it was loaded from (workers.cards)
+    text_encoder: torch.nn.Module | None = None  # text models: the prompt encoder and its tokenizer
+    tokenizer: object = None
+    cache: OrderedDict = field(default_factory=OrderedDict)  # the family's encodings, by text (LRU)
 
     @property
     def null_class(self) -> int:
@@ -82,64 +83,62 @@ class LoadedModel:
             raise ModelError(str(e)) from None
 
 
-def builtin_names() -> list[str]:
-    return [*SHIPPED, *BUILTIN_RESOLUTIONS]
+def run_dtype(card: ModelCard, device: str | torch.device) -> torch.dtype:
+    """The dtype a model runs in: its card's on CUDA (bfloat16 unless it asks for float32), float32 elsewhere."""
+    return getattr(torch, card.dtype) if torch.device(device).type == "cuda" else torch.float32
 
 
 def load_model(spec: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load ``digits``, a built-in architecture name, or a local model directory."""
-    spec_str = str(spec)
-    if spec_str in BUILTIN_RESOLUTIONS:
-        return _builtin_dit_xl(spec_str, device, dtype)
-    path = SHIPPED.get(spec_str) or Path(spec_str).expanduser()
-    if not path.exists():
-        raise ModelError(f"unknown model {spec_str!r}: not a built-in name ({', '.join(builtin_names())}) "
-                         "and no such directory")
-    if not path.is_dir():
-        raise ModelError(f"model path {spec_str!r} is not a directory (expected a diffusers-format model directory)")
-    name = spec_str if spec_str in SHIPPED else path.name
-    if (path / "model_index.json").exists():
-        return _load_pipeline_dir(path, name, device, dtype)
-    if (path / "config.json").exists():
-        return _assemble(name, _load_transformer(path, device, dtype), None, {}, {}, {})
-    raise ModelError(f"{path} holds neither model_index.json (a pipeline) nor config.json (a transformer)")
+    """Load ``digits``, a built-in architecture name, or a local model directory: the model its card
+    (``workers.cards.read_card``, the same reader the API uses) describes."""
+    try:
+        card = read_card(spec)
+    except CardError as e:
+        raise ModelError(str(e)) from None
+    if card.builtin:
+        return _builtin_dit_xl(card, device, dtype)
+    path = Path(card.path)
+    if not (path / "model_index.json").exists():
+        return _assemble(card, _load_transformer(path, device, dtype), None)
+    vae = _load_vae(path / "vae", device, dtype) if (path / "vae" / "config.json").is_file() else None
+    if card.family == "pixart":
+        return _load_pixart(card, path, vae, device, dtype)
+    return _assemble(card, _load_transformer(path / "transformer", device, dtype), vae)
 
 
-def _load_pipeline_dir(path: Path, name: str, device, dtype) -> LoadedModel:
-    index = _read_json(path / "model_index.json")
-    if not (path / "transformer").is_dir():
-        raise ModelError(f"{path}/model_index.json has no transformer/ directory beside it")
-    transformer = _load_transformer(path / "transformer", device, dtype)
-    vae = _load_vae(path / "vae", device, dtype) if (path / "vae").is_dir() else None
-    sched_file = path / "scheduler" / "scheduler_config.json"
-    sched = _read_json(sched_file) if sched_file.exists() else {}
-    id2label = {int(k): v for k, v in (index.get("id2label") or {}).items()}
-    return _assemble(name, transformer, vae, sched, id2label, index.get("dit_serve", {}).get("defaults", {}))
+def _load_pixart(card: ModelCard, path: Path, vae, device, dtype) -> LoadedModel:
+    """PixArtTransformer2DModel, the T5 encoder (transformers) and its tokenizer, from local files only."""
+    from diffusers import PixArtTransformer2DModel
+    from transformers import AutoTokenizer, T5EncoderModel
+
+    transformer = _instantiate(PixArtTransformer2DModel, _read_json(path / "transformer" / "config.json"))
+    _load_weights(transformer, path / "transformer")
+    if not any((path / "text_encoder").glob("*.safetensors")):
+        _load_weights(transformer, path / "text_encoder")  # the same refusal of pickles, with its message
+    # transformers' loader: sharded checkpoints and tied embeddings; use_safetensors refuses pickles
+    encoder = T5EncoderModel.from_pretrained(str(path / "text_encoder"), local_files_only=True, use_safetensors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
+    model = _assemble(card, _cast(transformer, device, dtype), vae)
+    model.text_encoder, model.tokenizer = _cast(encoder, device, dtype), tokenizer
+    return model
 
 
-def _assemble(name, transformer, vae, sched: dict, id2label: dict, defaults: dict) -> LoadedModel:
-    cfg = transformer.config
-    c, size, patch_px = cfg.in_channels, cfg.sample_size, 1
-    if vae is not None:
-        patch_px = 2 ** (len(vae.config.block_out_channels) - 1)  # the VAE's downsampling factor
+def _assemble(card: ModelCard, transformer, vae) -> LoadedModel:
+    c, size = card.latent_channels, card.latent_size
     return LoadedModel(
-        name=name, transformer=transformer, vae=vae,
-        schedule=NoiseSchedule.from_config(sched or DIT_SCHEDULER),
-        num_classes=cfg.num_embeds_ada_norm, latent_shape=(c, size, size), image_size=size * patch_px,
-        learned_sigma=cfg.out_channels == 2 * c,
+        name=card.name, transformer=transformer, vae=vae,
+        schedule=NoiseSchedule.from_config(card.scheduler or DIT_SCHEDULER),
+        num_classes=card.num_classes, latent_shape=(c, size, size), image_size=card.image_size,
+        learned_sigma=transformer.config.out_channels == 2 * c,
         vae_scale=float(getattr(vae.config, "scaling_factor", 0.18215)) if vae is not None else 1.0,
-        id2label=id2label, defaults={**FALLBACK_DEFAULTS, **defaults})
+        id2label=card.id2label, defaults=card.defaults, card=card)
 
 
 def _load_transformer(path: Path, device, dtype) -> torch.nn.Module:
     from diffusers import DiTTransformer2DModel
 
-    cfg = _read_json(path / "config.json")
-    if cfg.get("norm_type") != "ada_norm_zero" or not cfg.get("num_embeds_ada_norm"):
-        raise ModelError(f"{path} is not a class-conditional DiT (needs norm_type 'ada_norm_zero' and "
-                         "num_embeds_ada_norm): other transformers are not supported yet")
-    model = _instantiate(DiTTransformer2DModel, cfg)
+    model = _instantiate(DiTTransformer2DModel, _read_json(path / "config.json"))  # the card checked it is a DiT
     _load_weights(model, path)
     return _cast(model, device, dtype)
 
@@ -184,15 +183,15 @@ def _load_weights(model: torch.nn.Module, path: Path) -> None:
                          f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})")
 
 
-def _builtin_dit_xl(name: str, device, dtype) -> LoadedModel:
+def _builtin_dit_xl(card: ModelCard, device, dtype) -> LoadedModel:
     """DiT-XL/2 with random weights (a seeded init), built directly on the device."""
     from diffusers import AutoencoderKL, DiTTransformer2DModel
 
     torch.manual_seed(0)
     with torch.device(device):
-        transformer = DiTTransformer2DModel(**DIT_XL_2, sample_size=BUILTIN_RESOLUTIONS[name] // 8)
-        vae = AutoencoderKL(**SD_VAE_FT_EMA, sample_size=BUILTIN_RESOLUTIONS[name])
-    return _assemble(name, _cast(transformer, device, dtype), _cast(vae, device, dtype), DIT_SCHEDULER, {}, {})
+        transformer = DiTTransformer2DModel(**DIT_XL_2, sample_size=card.latent_size)
+        vae = AutoencoderKL(**SD_VAE_FT_EMA, sample_size=card.image_size)
+    return _assemble(card, _cast(transformer, device, dtype), _cast(vae, device, dtype))
 
 
 def _read_json(path: Path) -> dict:

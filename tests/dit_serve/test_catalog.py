@@ -1,30 +1,45 @@
-"""The API's view of the models (read from JSON, no torch) agrees with the loader's; requests are
-resolved against models and limits."""
+"""The API's view of the models (their cards, read from JSON without torch) is the loader's; requests
+are resolved against models and limits."""
 
 from __future__ import annotations
 
 import pytest
 
-from dit_serve.catalog import Catalog, RequestError, describe
+from dit_serve.catalog import Catalog, RequestError
+from workers.cards import read_card
 from dit_serve.config import LimitsConfig
 from dit_serve.schemas import ImageGenerationRequest, JobRequest
 
 
 @pytest.fixture(scope="module")
 def catalog(digits_model):
-    return Catalog([describe(digits_model)], LimitsConfig(max_items_per_job=30))
+    return Catalog.of([digits_model], LimitsConfig(max_items_per_job=30))
 
 
-def test_describe_matches_the_loader(digits_model):
+@pytest.mark.parametrize("name", ["digits", "digits-flow", "dit-xl-2-256"])
+def test_the_loader_builds_what_the_card_describes(name):
     from workers.loading import load_model
 
-    info, model = describe(digits_model), load_model(digits_model)
+    info = read_card(name)
+    model = load_model(name, device="meta") if info.builtin else load_model(name)
+    assert model.card == info
     assert (info.name, info.num_classes, info.image_size) == (model.name, model.num_classes, model.image_size)
+    assert (info.latent_channels, info.latent_size, info.latent_size) == model.latent_shape
     assert info.id2label == model.id2label and info.defaults == model.defaults
-    for label in (0, "7", "seven", " Nine "):
+    assert info.prediction_type == model.schedule.prediction_type
+    assert info.num_train_timesteps == model.schedule.num_train_timesteps
+    assert (info.pixel_space, info.dtype) == ((model.vae is None), "float32" if info.path else "bfloat16")
+    for label in (0, "7", "9") + (("seven", " Nine ") if info.id2label else ()):
         assert info.label_id(label) == model.label_id(label)
-    big = describe("dit-xl-2-256")
-    assert (big.num_classes, big.image_size) == (1000, 256)
+
+
+def test_serve_and_generate_accept_the_same_models():
+    from dit_serve.config import Config
+    from dit_serve.service import build_catalog
+
+    catalog = build_catalog(Config().with_overrides(workers={"models": ("digits", "digits-flow")}))
+    assert list(catalog.models) == ["digits", "digits-flow"]
+    assert catalog.resolve_job(JobRequest(model="digits-flow", labels=[1])).params.sampler == "flow_euler"
 
 
 def test_resolve_job_fills_defaults_and_seeds(catalog):

@@ -35,3 +35,48 @@ def test_client_imports_without_torch_or_ray():
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "ok"
     assert "cannot reach dit-serve" in r.stderr
+
+
+API_SCRIPT = r"""
+import sys, threading
+
+class Forbid:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"torch", "ray"}:
+            raise ImportError(f"forbidden import: {name}")
+
+sys.meta_path.insert(0, Forbid())
+from dit_serve.cli import main
+
+sys.argv = ["dit-serve", "serve", "--role", "api", "--port", "0", "--data-dir", sys.argv[1],
+            "--model", "digits", "--model", "digits-flow"]
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_api_serves_without_torch_or_ray(tmp_path):
+    """``serve --role api`` validates and stores jobs with the models' cards and the sampler rules only."""
+    import re
+    import signal
+
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-c", API_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        url = re.search(r"at (http://\S+);", line)
+        assert url, line + proc.stderr.read()[-2000:]
+        with httpx.Client(base_url=url.group(1), timeout=10) as http:
+            r = http.post("/v1/jobs", json={"model": "digits-flow", "labels": ["seven"], "num_per_label": 2})
+            assert r.status_code == 202, r.text
+            job = http.get(f"/v1/jobs/{r.json()['id']}").json()
+            assert (job["params"]["sampler"], job["num_items"], job["items"][0]["label"]) == ("flow_euler", 2, 7)
+            bad = http.post("/v1/jobs", json={"labels": [1], "sampler": "flow_euler"})  # digits predicts noise
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampler"
+            assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["digits", "digits-flow"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from workers.actor import Worker, WorkerSpec, WorkItem
+from workers.actor import Worker, WorkerSpec
+from workers.spec import ItemSpec
 
 DIGITS_DIR = Path(__file__).resolve().parents[2] / "workers" / "models" / "digits"
 
@@ -24,8 +25,8 @@ def worker():
     w.stop()
 
 
-def _item(i: int, label: int = 3, seed: int = 0, steps: int = 10, **kw) -> WorkItem:
-    return WorkItem(id=f"job/{i}", model="digits", label=label, seed=seed, sampler="ddim", steps=steps,
+def _item(i: int, label: int = 3, seed: int = 0, steps: int = 10, **kw) -> ItemSpec:
+    return ItemSpec(id=f"job/{i}", model="digits", label=label, seed=seed, sampler="ddim", steps=steps,
                     guidance=2.0, **kw)
 
 
@@ -75,8 +76,8 @@ def test_cancel_stops_an_item_at_a_step_boundary(worker):
 
 def test_a_bad_item_fails_alone(worker):
     bad_model, bad_eta, good = _item(20), _item(21), _item(22)
-    bad_model = WorkItem(**{**bad_model.__dict__, "model": "nope"})
-    bad_eta = WorkItem(**{**bad_eta.__dict__, "sampler": "euler", "eta": 0.5})
+    bad_model = ItemSpec(**{**bad_model.__dict__, "model": "nope"})
+    bad_eta = ItemSpec(**{**bad_eta.__dict__, "sampler": "euler", "eta": 0.5})
     worker.submit([bad_model, bad_eta, good])
     finished, failed, _ = _drain(worker, {bad_model.id, bad_eta.id, good.id})
     assert set(failed) == {bad_model.id, bad_eta.id} and set(finished) == {good.id}

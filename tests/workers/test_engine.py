@@ -6,7 +6,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from workers.engine import Engine, EngineConfig, ImageRequest
+from workers.engine import Engine, EngineConfig
+from workers.spec import ItemSpec
 from workers.loading import load_model
 
 TOL = 1e-5
@@ -23,7 +24,7 @@ def engine(model, max_batch=8):
 
 def req(i, **kw):
     base = dict(id=f"r{i}", label=i % 10, seed=100 + i, sampler="ddim", steps=6, guidance=2.0)
-    return ImageRequest(**{**base, **kw})
+    return ItemSpec(**{**base, **kw})
 
 
 def alone(model, r):

@@ -67,12 +67,12 @@ def test_mixed_staggered_batch_keeps_labels_apart(digits):
     every image must still be the digit its own request asked for."""
     import numpy as np
 
-    from workers.engine import ImageRequest
+    from workers.spec import ItemSpec
 
     model, engine = digits
     mix = [("ddim", 25, 2.0), ("dpmpp_2m", 12, 2.5), ("euler", 20, 2.0), ("ddim", 15, 3.0)]
     labels = np.random.default_rng(0).integers(0, 10, 500)
-    reqs = [ImageRequest(id=str(i), label=int(lb), seed=5000 + i, sampler=mix[i % 4][0], steps=mix[i % 4][1],
+    reqs = [ItemSpec(id=str(i), label=int(lb), seed=5000 + i, sampler=mix[i % 4][0], steps=mix[i % 4][1],
                          guidance=mix[i % 4][2]) for i, lb in enumerate(labels)]
     results = engine.generate(reqs, max_active=128)  # staggered: new requests join at step boundaries
     images = np.stack([r.image.astype(np.float32) / 127.5 - 1.0 for r in results])

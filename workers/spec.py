@@ -1,0 +1,28 @@
+"""The one description of an image to make, from the store to the engine.
+
+An ``ItemSpec`` is built once, when the store leases an item, from the job's resolved parameters (the
+model's defaults already filled in by the API), and travels unchanged: scheduler -> worker actor ->
+engine. Plain data, no torch: the API and the store import it; the engine turns it into tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    """One image: ``id`` is the store's item key (``job/index``); ``model`` empty means the engine's only
+    model. Class-conditional models read ``label``; text models ``prompt`` and ``negative_prompt`` (""
+    is the unconditional prompt, as in the reference pipelines)."""
+
+    id: str
+    seed: int
+    sampler: str
+    steps: int
+    guidance: float
+    eta: float = 0.0
+    label: int = 0
+    model: str = ""
+    prompt: str = ""
+    negative_prompt: str = ""
