@@ -89,10 +89,11 @@ def mem_mb() -> float:
 
 def build_runner(model, backend: str, **kw):
     from graphs import GraphRunner
-    from workers.engine import make_step_fn, step_specs
+    from workers.engine import step_specs
+    from workers.families import family_of
 
     inputs, outputs = step_specs(model)
-    return GraphRunner(make_step_fn(model), inputs, outputs, max_batch=max(BATCHES), backend=backend,
+    return GraphRunner(family_of(model).make_step(model), inputs, outputs, max_batch=max(BATCHES), backend=backend,
                        device=model.device, **kw)
 
 
@@ -165,9 +166,9 @@ def _capture_variants(model, name: str, capture_s: dict) -> None:
 
 
 def _bench_compile(model, name: str, rows: list, capture_s: dict) -> None:
-    from workers.engine import make_step_fn
+    from workers.families import family_of
 
-    step = torch.compile(make_step_fn(model), mode="reduce-overhead")
+    step = torch.compile(family_of(model).make_step(model), mode="reduce-overhead")
     for b in COMPILE_BATCHES:
         inp = live_inputs(model, b)
         t0 = time.perf_counter()

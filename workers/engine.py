@@ -1,8 +1,10 @@
 """The batch engine: image requests in, denoising steps as graph replays, images out.
 
 Each request owns its state: latents ``x`` from its own seeded generator, the sampler's history
-``hist``, its step index and its sampler plan (per-step model timesteps and coefficients). Requests
-are grouped by graph key (model, latent shape, dtype, backend); once per ``step()`` every group's
+``hist``, its step index, its sampler plan (per-step model timesteps and coefficients) and its
+conditioning tensors, which its model's family (``workers.families``: class labels, prompt encodings)
+makes once at admission. The engine knows no family: it stacks whatever conditioning tensors the
+family declares. Requests are grouped by graph key (model, latent shape, dtype, backend); once per ``step()`` every group's
 active requests advance exactly one denoising step through that group's ``GraphRunner``, which
 splits them into power-of-two replays. Because every per-sample quantity is a tensor row, a
 batch mixes samplers, step counts, steps and guidance scales, and requests join or leave at any
@@ -24,7 +26,8 @@ import numpy as np
 import torch
 
 from graphs import GraphKey, GraphRunner, TensorSpec
-from samplers import Plan, cfg_combine, make_plan, model_input, sampler_step
+from samplers import Plan, make_plan
+from workers.families import family_of
 from workers.loading import LoadedModel
 from workers.patches import break_attention
 from workers.spec import ItemSpec
@@ -56,8 +59,8 @@ class _Active:
     hist: torch.Tensor           # (C, H, W) previous denoised estimate
     gen: torch.Generator         # CPU generator: initial and per-step noise
     rows: torch.Tensor           # (S, 1 + 9) the plan's timestep and coefficients per step, on the device
-    label: torch.Tensor          # () long, on the device
     guidance: torch.Tensor       # () float32, on the device
+    cond: dict[str, torch.Tensor]  # the family's conditioning (labels; prompt encodings), on the device
     step: int = 0
 
 
@@ -68,27 +71,15 @@ class _Group:
     active: list[_Active] = field(default_factory=list)
 
 
-def make_step_fn(model: LoadedModel) -> Callable[..., dict[str, torch.Tensor]]:
-    """One whole denoising step, the captured unit: CFG-doubled forward, guidance, sampler update."""
-    transformer, c, null, dtype = model.transformer, model.latent_shape[0], model.null_class, model.dtype
-
-    def step(x, t, labels, guidance, coeffs, hist, noise):
-        xin = model_input(x, coeffs).to(dtype)                                  # (B, C, H, W)
-        both = torch.cat([labels, torch.full_like(labels, null)])              # (2B,) cond, uncond
-        out = transformer(torch.cat([xin, xin]), torch.cat([t, t]), both).sample  # (2B, C_out, H, W)
-        cond, uncond = out[:, :c].float().chunk(2)                             # learned sigma dropped
-        x_next, denoised = sampler_step(x, cfg_combine(cond, uncond, guidance), hist, noise, coeffs)
-        return {"x_next": x_next, "hist_next": denoised}
-
-    return step
+BASE_INPUTS = ("x", "t", "guidance", "coeffs", "hist", "noise")
 
 
 def step_specs(model: LoadedModel) -> tuple[dict[str, TensorSpec], dict[str, TensorSpec]]:
-    """The step's static inputs and outputs, per sample."""
+    """The step's static inputs (the sampler's, then the family's conditioning) and outputs, per sample."""
     lat, f32 = tuple(model.latent_shape), torch.float32
-    inputs = {"x": TensorSpec(lat, f32), "t": TensorSpec((), f32), "labels": TensorSpec((), torch.long),
-              "guidance": TensorSpec((), f32), "coeffs": TensorSpec((9,), f32),
-              "hist": TensorSpec(lat, f32), "noise": TensorSpec(lat, f32)}
+    inputs = {"x": TensorSpec(lat, f32), "t": TensorSpec((), f32), "guidance": TensorSpec((), f32),
+              "coeffs": TensorSpec((9,), f32), "hist": TensorSpec(lat, f32), "noise": TensorSpec(lat, f32),
+              **family_of(model).cond_specs(model)}
     return inputs, {"x_next": TensorSpec(lat, f32), "hist_next": TensorSpec(lat, f32)}
 
 
@@ -102,10 +93,11 @@ class Engine:
         self.groups: dict[GraphKey, _Group] = {}
         self._keys: dict[str, GraphKey] = {}
         for m in models:
-            if config.backend == "breakable" and config.attention_break:
+            family = family_of(m)
+            if config.backend == "breakable" and config.attention_break and family.BREAK_ATTENTION:
                 break_attention(m.transformer)
             inputs, outputs = step_specs(m)
-            runner = GraphRunner(make_step_fn(m), inputs, outputs, max_batch=config.max_batch,
+            runner = GraphRunner(family.make_step(m), inputs, outputs, max_batch=config.max_batch,
                                  backend=config.backend, device=m.device)
             key = GraphKey(m.name, tuple(m.latent_shape), str(m.dtype).removeprefix("torch."), runner.backend)
             self.groups[key] = _Group(m, runner)
@@ -122,17 +114,35 @@ class Engine:
     # -- admission and cancellation -------------------------------------------------------------
     def add(self, req: ItemSpec) -> None:
         """Admit a request; it joins its group's batch at the next step."""
-        group = self.groups[self._key(req)]
-        plan = make_plan(req.sampler, req.steps, group.model.schedule, eta=req.eta)
+        self.add_many([req])
+
+    def add_many(self, reqs: list[ItemSpec]) -> None:
+        """Admit requests (their conditioning encoded together, per model); they join at the next step.
+        Nothing is admitted if any of them is invalid (KeyError, ValueError)."""
+        by_group: dict[GraphKey, list[ItemSpec]] = {}
+        for req in reqs:
+            by_group.setdefault(self._key(req), []).append(req)
+        admitted = []
+        for key, group_reqs in by_group.items():
+            group = self.groups[key]
+            plans = [make_plan(r.sampler, r.steps, group.model.schedule, eta=r.eta) for r in group_reqs]
+            conds = family_of(group.model).encode(group.model, group_reqs)
+            admitted += [(group, r, p, c) for r, p, c in zip(group_reqs, plans, conds)]
+        for group, req, plan, cond in admitted:
+            group.active.append(self._admit(group.model, req, plan, cond))
+
+    @staticmethod
+    def _admit(model: LoadedModel, req: ItemSpec, plan: Plan, cond: dict[str, torch.Tensor]) -> _Active:
         gen = torch.Generator("cpu").manual_seed(req.seed)
-        x = torch.randn(group.model.latent_shape, generator=gen) * plan.init_sigma  # (C, H, W)
-        device = group.model.device
+        x = torch.randn(model.latent_shape, generator=gen) * plan.init_sigma  # (C, H, W)
+        device = model.device
         # everything a step needs from this request goes to the device once, here, without waiting for
         # the GPU: the step loop then makes no host-to-device copy at all
         rows = torch.cat([plan.timesteps[:, None], plan.coeffs], dim=1)  # (S, 10)
-        label, guidance = torch.tensor(req.label), torch.tensor(req.guidance, dtype=torch.float32)
-        group.active.append(_Active(req, plan, _upload(x, device), torch.zeros(x.shape, device=device), gen,
-                                    _upload(rows, device), _upload(label, device), _upload(guidance, device)))
+        guidance = torch.tensor(req.guidance, dtype=torch.float32)
+        return _Active(req, plan, _upload(x, device), torch.zeros(x.shape, device=device), gen,
+                       _upload(rows, device), _upload(guidance, device),
+                       {k: _upload(v, device) for k, v in cond.items()})
 
     def cancel(self, request_id: str) -> bool:
         """Drop a request at this step boundary; True if it was active."""
@@ -165,10 +175,11 @@ class Engine:
         self.real_rows += len(active)
         self.padded_rows += sum(group.runner.plan(len(active))) - len(active)
         rows = torch.stack([a.rows[a.step] for a in active])  # (B, 10): timestep, then the 9 coefficients
+        cond = {k: torch.stack([a.cond[k] for a in active]) for k in active[0].cond}
         out = group.runner.run(
             x=torch.stack([a.x for a in active]), t=rows[:, 0], coeffs=rows[:, 1:],
-            labels=torch.stack([a.label for a in active]), guidance=torch.stack([a.guidance for a in active]),
-            hist=torch.stack([a.hist for a in active]), noise=self._noise(active, group.model))
+            guidance=torch.stack([a.guidance for a in active]), hist=torch.stack([a.hist for a in active]),
+            noise=self._noise(active, group.model), **cond)
         done: list[_Active] = []
         for i, a in enumerate(active):
             a.x, a.hist, a.step = out["x_next"][i], out["hist_next"][i], a.step + 1
@@ -226,7 +237,7 @@ def _upload(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor to ``device`` without waiting: on CUDA, a pinned copy, asynchronous, so the host
     goes on while the GPU finishes earlier replays (PyTorch's caching host allocator keeps the pinned
     block until the copy is done). A pageable copy would wait for the stream to drain."""
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or t.is_cuda:  # on the CPU, or made on the GPU already
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

@@ -14,10 +14,11 @@ pytestmark = pytest.mark.gpu
 
 def _runner(model, backend, max_batch=64):
     from graphs import GraphRunner
-    from workers.engine import make_step_fn, step_specs
+    from workers.engine import step_specs
+    from workers.families import family_of
 
     inputs, outputs = step_specs(model)
-    return GraphRunner(make_step_fn(model), inputs, outputs, max_batch=max_batch, backend=backend,
+    return GraphRunner(family_of(model).make_step(model), inputs, outputs, max_batch=max_batch, backend=backend,
                        device=model.device)
 
 

@@ -1,0 +1,30 @@
+"""Model families: what differs between kinds of DiT, behind one small interface, so the engine, the
+splitter and ``graphs/`` never know which family they run.
+
+A family is a module with:
+
+    cond_specs(model) -> {name: TensorSpec}      the per-sample conditioning inputs of the captured step
+    encode(model, specs) -> [{name: Tensor}]     each request's conditioning, on the host, outside capture
+                                                 (class labels -> ids; prompts -> text encoder, batched)
+    make_step(model) -> step(x, t, guidance, coeffs, hist, noise, **cond) -> {"x_next", "hist_next"}
+                                                 one whole denoising step: CFG, transformer, sampler update
+    BREAK_ATTENTION                              whether the breakable backend may make attention a break
+
+The model card (``workers.cards``) names the family; ``workers.loading`` builds the model. To add a
+family: write its card reader branch and its loader, then a module here with the three functions,
+and register it in ``FAMILIES`` (docs/design.md walks through it).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from workers.families import dit, pixart
+
+FAMILIES: dict[str, ModuleType] = {"dit": dit, "pixart": pixart}
+
+
+def family_of(model) -> ModuleType:
+    """The family module that runs a loaded model."""
+    name = model.card.family if model.card is not None else "dit"
+    return FAMILIES[name]

@@ -1,0 +1,75 @@
+"""PixArt-α and PixArt-Σ (Chen et al. 2023, 2024; diffusers' ``PixArtTransformer2DModel``): the condition
+is a prompt, encoded by T5 into ``max_tokens`` embeddings with an attention mask; classifier-free
+guidance pairs each row with the negative prompt's encoding ("" by default: the unconditional one).
+
+Encoding follows ``PixArtSigmaPipeline.encode_prompt`` with ``clean_caption=False``: the text is
+lower-cased and stripped, tokenised to exactly ``max_tokens`` (padded, truncated), and encoded with
+its mask. Every prompt is padded to ``max_tokens``, so the cross-attention's shapes do not depend on
+the prompt and the step stays graph-stable (the mask keeps padding out of the result). Encodings are
+cached per model in an LRU keyed by the processed text (10,000 images of one prompt encode once).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from graphs import TensorSpec
+from samplers import cfg_combine, model_input, sampler_step
+
+CACHE_SIZE = 4096
+BREAK_ATTENTION = False  # the attention break patch is written for DiT's self-attention only (for now)
+
+
+def cond_specs(model) -> dict[str, TensorSpec]:
+    length, width = model.card.max_tokens, model.text_encoder.config.d_model
+    embeds, mask = TensorSpec((length, width), model.dtype), TensorSpec((length,), model.dtype)
+    return {"prompt_embeds": embeds, "prompt_mask": mask, "neg_embeds": embeds, "neg_mask": mask}
+
+
+def encode(model, specs) -> list[dict[str, torch.Tensor]]:
+    """Each request's prompt and negative prompt, encoded in one text-encoder batch (cache misses only)."""
+    texts = [(s.prompt.lower().strip(), s.negative_prompt.lower().strip()) for s in specs]
+    found = _encode_texts(model, sorted({t for pair in texts for t in pair}))
+    return [{"prompt_embeds": found[p][0], "prompt_mask": found[p][1],
+             "neg_embeds": found[n][0], "neg_mask": found[n][1]} for p, n in texts]
+
+
+@torch.no_grad()
+def _encode_texts(model, texts: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    cache: OrderedDict = model.cache
+    missing = [t for t in texts if t not in cache]
+    if missing:
+        tok = model.tokenizer(missing, padding="max_length", max_length=model.card.max_tokens, truncation=True,
+                              add_special_tokens=True, return_tensors="pt")
+        device = model.text_encoder.device
+        mask = tok.attention_mask.to(device)                                           # (n, L)
+        embeds = model.text_encoder(tok.input_ids.to(device), attention_mask=mask)[0]  # (n, L, D)
+        for i, text in enumerate(missing):
+            cache[text] = (embeds[i].to(model.dtype), mask[i].to(model.dtype))
+    out = {}
+    for text in texts:
+        cache.move_to_end(text)
+        out[text] = cache[text]
+    while len(cache) > CACHE_SIZE:
+        cache.popitem(last=False)
+    return out
+
+
+def make_step(model):
+    """One whole denoising step: both CFG halves in one forward (prompt rows, then negative rows),
+    guidance, sampler update. A learned-sigma output keeps its first half, as the pipeline does."""
+    transformer, c, dtype = model.transformer, model.latent_shape[0], model.dtype
+    extra = {"resolution": None, "aspect_ratio": None}
+
+    def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, prompt_mask, neg_embeds, neg_mask):
+        xin = model_input(x, coeffs).to(dtype)                                  # (B, C, H, W)
+        out = transformer(torch.cat([xin, xin]), encoder_hidden_states=torch.cat([prompt_embeds, neg_embeds]),
+                          encoder_attention_mask=torch.cat([prompt_mask, neg_mask]),  # (2B, L)
+                          timestep=torch.cat([t, t]), added_cond_kwargs=extra).sample  # (2B, C_out, H, W)
+        cond, uncond = out[:, :c].float().chunk(2)
+        x_next, denoised = sampler_step(x, cfg_combine(cond, uncond, guidance), hist, noise, coeffs)
+        return {"x_next": x_next, "hist_next": denoised}
+
+    return step
