@@ -118,33 +118,51 @@ class Worker:
                 self._step()
 
     def _admit(self, block: bool) -> None:
-        """Apply queued submits and cancels; wait briefly for work when idle."""
+        """Apply queued submits and cancels (in order; the submits between two cancels are admitted
+        together, so a family encodes their conditioning in one batch); wait briefly when idle."""
         try:
             msg = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
-        while True:
-            self._apply(*msg)
+        adds: list[ItemSpec] = []
+        while msg is not None:
+            kind, payload = msg
+            if kind == "add":
+                adds.append(payload)
+            else:
+                self._add(adds)
+                adds = []
+                self._cancel(payload)
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                msg = None
+        self._add(adds)
 
-    def _apply(self, kind: str, payload) -> None:
-        if kind == "cancel":
-            self.engine.cancel(payload)
-            with self._lock:
-                self._progress.pop(payload, None)
+    def _cancel(self, item_id: str) -> None:
+        self.engine.cancel(item_id)
+        with self._lock:
+            self._progress.pop(item_id, None)
+
+    def _add(self, items: list[ItemSpec]) -> None:
+        """Admit items together; if that fails, one by one, so a bad item fails alone."""
+        if not items:
             return
-        it: ItemSpec = payload
         try:
-            self.engine.add(it)
-        except (KeyError, ValueError) as e:
-            with self._lock:
-                self._failed.append((it.id, f"{type(e).__name__}: {e}"))
+            self.engine.add_many(items)
+        except (KeyError, ValueError):
+            for it in items:
+                try:
+                    self.engine.add(it)
+                except (KeyError, ValueError) as e:
+                    with self._lock:
+                        self._failed.append((it.id, f"{type(e).__name__}: {e}"))
+                    continue
+                with self._lock:
+                    self._progress[it.id] = (0, it.steps)
             return
         with self._lock:
-            self._progress[it.id] = (0, it.steps)
+            self._progress.update({it.id: (0, it.steps) for it in items})
 
     def _step(self) -> None:
         t0 = time.perf_counter()
