@@ -93,7 +93,7 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
         try:
             return store.submit(new.model, new.params, new.labels, new.seeds, idempotency_key, new.priority,
                                 new.webhook_url, tenant=who.tenant, max_active=limits.max_queued_items,
-                                tenant_max_active=tenant_bound)
+                                tenant_max_active=tenant_bound, prompts=new.prompts)
         except IdempotencyConflict as e:
             raise RequestError(str(e), "Idempotency-Key", status=409) from None
         except QueueFull as e:

@@ -28,18 +28,21 @@ class RequestError(ValueError):
 
 def model_entry(card: cards.ModelCard) -> ModelCard:
     """A card as GET /v1/models shows it."""
-    return ModelCard(id=card.name, num_classes=card.num_classes, image_size=card.image_size,
-                     class_names=card.class_names(), defaults=card.defaults)
+    return ModelCard(id=card.name, conditioning=card.conditioning, family=card.family, num_classes=card.num_classes,
+                     max_tokens=card.max_tokens, image_size=card.image_size,
+                     sizes=[f"{card.image_size}x{card.image_size}"], class_names=card.class_names(),
+                     defaults=card.defaults)
 
 
 @dataclass(frozen=True)
 class NewJob:
     model: str
     params: JobParams
-    labels: list[int]
+    labels: list[int]  # per item (0 for text models)
     seeds: list[int]
     priority: int = 0
     webhook_url: str | None = None
+    prompts: list[str] | None = None  # per item, text models
 
 
 class Catalog:
@@ -64,17 +67,29 @@ class Catalog:
     def resolve_job(self, req: JobRequest) -> NewJob:
         """Check a job against the model and the limits; fill in the model's defaults."""
         info = self.model(req.model)
+        text = info.conditioning == "text"
+        if text and req.prompts is None:
+            raise RequestError(f"model {info.name!r} draws from text: send prompts, not labels", "labels")
+        if not text and req.prompts is not None:
+            raise RequestError(f"model {info.name!r} is class-conditional: send labels (class numbers or names), "
+                               "not prompts", "prompts")
         if req.num_items > self.limits.max_items_per_job:
-            raise RequestError(f"the job has {req.num_items} items (len(labels) * num_per_label); the limit "
-                               f"is {self.limits.max_items_per_job}", "labels")
-        ids = [_label(info, lb) for lb in req.labels]
-        params = self.params(info, req.sampler, req.steps, req.guidance, req.eta)
-        labels = [lb for lb in ids for _ in range(req.num_per_label)]
+            per = "len(prompts) * num_per_prompt" if text else "len(labels) * num_per_label"
+            raise RequestError(f"the job has {req.num_items} items ({per}); the limit is "
+                               f"{self.limits.max_items_per_job}", "prompts" if text else "labels")
+        _check_size(info, req.width, req.height)
+        params = self.params(info, req.sampler, req.steps, req.guidance, req.eta, req.negative_prompt)
+        if text:
+            prompts = [p for p in req.prompts for _ in range(req.num_per_prompt)]
+            labels = [0] * len(prompts)
+        else:
+            prompts = None
+            labels = [lb for lb in (_label(info, lb) for lb in req.labels) for _ in range(req.num_per_label)]
         seeds = req.seeds if req.seeds is not None else [req.seed + i for i in range(len(labels))]
-        return NewJob(info.name, params, labels, seeds, req.priority, req.webhook_url)
+        return NewJob(info.name, params, labels, seeds, req.priority, req.webhook_url, prompts)
 
     def params(self, info: cards.ModelCard, sampler: str | None, steps: int | None, guidance: float | None,
-               eta: float) -> JobParams:
+               eta: float, negative_prompt: str = "") -> JobParams:
         sampler = sampler or info.defaults["sampler"]
         steps = steps or info.defaults["steps"]
         if steps > self.limits.max_steps:
@@ -85,7 +100,10 @@ class Catalog:
             msg = str(e)
             raise RequestError(msg, "steps" if "num_steps" in msg else "eta" if "eta" in msg else "sampler") from None
         guidance = info.defaults["guidance"] if guidance is None else guidance
-        return JobParams(sampler=sampler, steps=steps, guidance=guidance, eta=eta)
+        if negative_prompt and info.conditioning != "text":
+            raise RequestError(f"model {info.name!r} is class-conditional: negative_prompt applies to text models",
+                               "negative_prompt")
+        return JobParams(sampler=sampler, steps=steps, guidance=guidance, eta=eta, negative_prompt=negative_prompt)
 
     def resolve_images(self, req: ImageGenerationRequest) -> NewJob:
         """An OpenAI images request as a job: the prompt names one class, ``n`` images of it."""
@@ -95,13 +113,23 @@ class Catalog:
         if req.size not in (None, "auto", f"{info.image_size}x{info.image_size}"):
             raise RequestError(f"size {req.size!r} is not supported by model {info.name!r}: it makes "
                                f"{info.image_size}x{info.image_size} images (or pass 'auto')", "size")
+        params = self.params(info, None, req.steps, req.guidance, 0.0)
+        seeds = [(req.seed or 0) + i for i in range(req.n)]
+        if info.conditioning == "text":
+            return NewJob(info.name, params, [0] * req.n, seeds, req.priority, prompts=[req.prompt] * req.n)
         try:
             label = info.label_id(req.prompt)
         except ValueError as e:
             raise RequestError(f"the prompt must name one class of model {info.name!r}: {e}", "prompt") from None
-        params = self.params(info, None, req.steps, req.guidance, 0.0)
-        seed = 0 if req.seed is None else req.seed
-        return NewJob(info.name, params, [label] * req.n, [seed + i for i in range(req.n)], req.priority)
+        return NewJob(info.name, params, [label] * req.n, seeds, req.priority)
+
+
+def _check_size(info: cards.ModelCard, width: int | None, height: int | None) -> None:
+    size = info.image_size
+    for name, value in (("width", width), ("height", height)):
+        if value is not None and value != size:
+            raise RequestError(f"model {info.name!r} makes {size}x{size} images; {name} {value} is not one of its "
+                               "sizes (leave width and height out for its size)", name)
 
 
 def _label(info: cards.ModelCard, label: int | str) -> int:

@@ -1,7 +1,8 @@
 """The `dit-serve` command line. Bad input prints one line to stderr and exits 2.
 
     dit-serve serve [--config FILE]          the service (local Ray, SQLite, digits on the CPU by default)
-    dit-serve submit --labels 3,7 [--out D]  queue a job (and wait for it and write its images)
+    dit-serve submit --labels 3,7 [--out D]  queue a job (and wait for it and write its images);
+                                             text models: --prompt "a handwritten seven" (repeatable)
     dit-serve status JOB                     a job's state and progress
     dit-serve list [--limit N]               jobs, newest first
     dit-serve fetch JOB --out DIR            write a job's PNGs, grid.png and manifest.json
@@ -33,12 +34,34 @@ def _labels(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
+def _add_conditioning(p) -> None:
+    """Labels (class models) or prompts (text models); the model decides which it takes."""
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--labels", type=_labels, help="class models: comma-separated class numbers or names")
+    what.add_argument("--prompt", action="append", dest="prompts", help="text models: a prompt (repeatable)")
+    what.add_argument("--prompts-file", type=Path, help="text models: one prompt per line")
+    p.add_argument("--negative-prompt", default=None, help="text models: what to steer away from")
+    p.add_argument("--num-per-label", type=int, default=None, help="images per label (default 1)")
+    p.add_argument("--num-per-prompt", type=int, default=None, help="images per prompt (default 1)")
+
+
+def prompts_of(args) -> list[str] | None:
+    """--prompt values, or the lines of --prompts-file (blank lines skipped); None for a labels job."""
+    if args.prompts_file is not None:
+        try:
+            return [line.strip() for line in args.prompts_file.read_text().splitlines() if line.strip()]
+        except OSError as e:
+            from dit_serve.generate import UsageError
+
+            raise UsageError(f"cannot read --prompts-file {str(args.prompts_file)!r}: {e.strerror or e}") from None
+    return args.prompts
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate images locally and write PNGs + manifest.json")
     p.add_argument("--model", default=None, help="'digits' (the default), 'digits-flow', a built-in architecture, "
                                                  "or a model directory")
-    p.add_argument("--labels", type=_labels, required=True, help="comma-separated class numbers or names")
-    p.add_argument("--num-per-label", type=int, default=1)
+    _add_conditioning(p)
     p.add_argument("--sampler", default=None, help="ddpm, ddim, euler, euler_a, dpmpp_2m, flow_euler")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale (>= 0)")
@@ -66,8 +89,7 @@ def _add_client(sub) -> None:
     p = sub.add_parser("submit", help="queue a job on a running service")
     p.add_argument("--url", default=DEFAULT_URL)
     p.add_argument("--model", help="a model the service serves (default: its first)")
-    p.add_argument("--labels", type=_labels, required=True, help="comma-separated class numbers or names")
-    p.add_argument("--num-per-label", type=int, default=1)
+    _add_conditioning(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sampler")
     p.add_argument("--steps", type=int)
@@ -133,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_generate(args) -> int:
     from dit_serve.generate import GenerateArgs, run_generate
 
-    a = GenerateArgs(model=args.model, labels=args.labels, num_per_label=args.num_per_label,
+    a = GenerateArgs(model=args.model, labels=args.labels or (), num_per_label=args.num_per_label or 1,
+                     prompts=tuple(prompts_of(args) or ()), negative_prompt=args.negative_prompt or "",
+                     num_per_prompt=args.num_per_prompt or 1,
                      sampler=args.sampler, steps=args.steps, guidance=args.guidance, seed=args.seed,
                      eta=args.eta, out=args.out, device=args.device, backend=args.backend)
     manifest = run_generate(a, progress=sys.stderr.isatty())

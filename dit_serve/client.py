@@ -89,10 +89,10 @@ def _job_id(job: JobRef) -> str:
     return job.id if isinstance(job, Job) else job
 
 
-def _job_body(labels, model, num_per_label, seed, seeds, sampler, steps, guidance, eta, priority,
-              webhook_url) -> dict[str, Any]:
-    body = dict(model=model, labels=list(labels), num_per_label=num_per_label, seed=seed, seeds=seeds,
-                sampler=sampler, steps=steps, guidance=guidance, eta=eta, priority=priority, webhook_url=webhook_url)
+def _job_body(labels, **fields) -> dict[str, Any]:
+    body = dict(labels=None if labels is None else list(labels), **fields)
+    if body.get("prompts") is not None:
+        body["prompts"] = list(body["prompts"])
     return {k: v for k, v in body.items() if v is not None}
 
 
@@ -147,16 +147,20 @@ class Client:
             time.sleep(wait)
         raise AssertionError("unreachable")
 
-    def submit(self, labels: list[int | str], *, model: str | None = None, num_per_label: int = 1, seed: int = 0,
+    def submit(self, labels: list[int | str] | None = None, *, prompts: list[str] | None = None,
+               negative_prompt: str | None = None, num_per_prompt: int | None = None, model: str | None = None,
+               num_per_label: int | None = None, seed: int = 0,
                seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
                guidance: float | None = None, eta: float | None = None, priority: int | None = None,
                webhook_url: str | None = None, idempotency_key: str | None = None) -> Job:
-        """Queue a job: each label ``num_per_label`` times; returns once the service stored it. Jobs of a
+        """Queue a job: each label ``num_per_label`` times (class models), or each prompt ``num_per_prompt``
+        times (text models, with an optional ``negative_prompt``); returns once the service stored it. Jobs of a
         higher ``priority`` (-100..100, default 0) run first. ``webhook_url`` is POSTed the finished job.
         The same ``idempotency_key`` (default: a fresh one) on a later call returns this job rather
         than a new one."""
-        body = _job_body(labels, model, num_per_label, seed, seeds, sampler, steps, guidance, eta, priority,
-                         webhook_url)
+        body = _job_body(labels, prompts=prompts, negative_prompt=negative_prompt, num_per_prompt=num_per_prompt,
+                         model=model, num_per_label=num_per_label, seed=seed, seeds=seeds, sampler=sampler,
+                         steps=steps, guidance=guidance, eta=eta, priority=priority, webhook_url=webhook_url)
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
         return Job.model_validate(self._call("POST", "/v1/jobs", json=body, headers=headers).json())
 
@@ -251,12 +255,15 @@ class AsyncClient:
             await asyncio.sleep(wait)
         raise AssertionError("unreachable")
 
-    async def submit(self, labels: list[int | str], *, model: str | None = None, num_per_label: int = 1, seed: int = 0,
+    async def submit(self, labels: list[int | str] | None = None, *, prompts: list[str] | None = None,
+               negative_prompt: str | None = None, num_per_prompt: int | None = None, model: str | None = None,
+               num_per_label: int | None = None, seed: int = 0,
                      seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
                      guidance: float | None = None, eta: float | None = None, priority: int | None = None,
                      webhook_url: str | None = None, idempotency_key: str | None = None) -> Job:
-        body = _job_body(labels, model, num_per_label, seed, seeds, sampler, steps, guidance, eta, priority,
-                         webhook_url)
+        body = _job_body(labels, prompts=prompts, negative_prompt=negative_prompt, num_per_prompt=num_per_prompt,
+                         model=model, num_per_label=num_per_label, seed=seed, seeds=seeds, sampler=sampler,
+                         steps=steps, guidance=guidance, eta=eta, priority=priority, webhook_url=webhook_url)
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
         return Job.model_validate((await self._call("POST", "/v1/jobs", json=body, headers=headers)).json())
 

@@ -130,7 +130,11 @@ def _client(args):
 
 def submit(args) -> int:
     with _client(args) as client:
-        job = client.submit(list(args.labels), model=args.model, num_per_label=args.num_per_label, seed=args.seed,
+        from dit_serve.cli import prompts_of
+
+        job = client.submit(list(args.labels) if args.labels else None, prompts=prompts_of(args),
+                            negative_prompt=args.negative_prompt, num_per_prompt=args.num_per_prompt,
+                            model=args.model, num_per_label=args.num_per_label, seed=args.seed,
                             sampler=args.sampler, steps=args.steps, guidance=args.guidance, eta=args.eta,
                             priority=args.priority, webhook_url=args.webhook_url)
         print(job.id, flush=True)

@@ -21,6 +21,7 @@ from PIL import Image
 log = logging.getLogger(__name__)
 
 MAX_STEPS = 1000
+MAX_PROMPT = 2000  # as the API (dit_serve.schemas)
 
 
 class UsageError(ValueError):
@@ -30,8 +31,11 @@ class UsageError(ValueError):
 @dataclass(frozen=True)
 class GenerateArgs:
     model: str | None
-    labels: tuple[str, ...]
+    labels: tuple[str, ...] = ()
     num_per_label: int = 1
+    prompts: tuple[str, ...] = ()
+    negative_prompt: str = ""
+    num_per_prompt: int = 1
     sampler: str | None = None
     steps: int | None = None
     guidance: float | None = None
@@ -46,10 +50,12 @@ def check_args(a: GenerateArgs) -> None:
     """Checks that need no model."""
     from samplers import SAMPLERS
 
-    if not a.labels:
-        raise UsageError("no labels given: pass --labels, e.g. --labels 0,1,2")
-    if a.num_per_label < 1:
-        raise UsageError(f"--num-per-label must be >= 1, got {a.num_per_label}")
+    if not a.labels and not a.prompts:
+        raise UsageError("nothing to draw: pass --labels (class models, e.g. --labels 0,1,2) or --prompt (text models)")
+    if a.num_per_label < 1 or a.num_per_prompt < 1:
+        raise UsageError(f"--num-per-label and --num-per-prompt must be >= 1, got {a.num_per_label}, {a.num_per_prompt}")
+    if any(not p.strip() or len(p) > MAX_PROMPT for p in a.prompts):
+        raise UsageError(f"a prompt has 1 to {MAX_PROMPT} characters (not only spaces)")
     if a.steps is not None and not 1 <= a.steps <= MAX_STEPS:
         raise UsageError(f"--steps must be between 1 and {MAX_STEPS}, got {a.steps}")
     if a.sampler is not None and a.sampler not in SAMPLERS:
@@ -123,17 +129,19 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     try:
         card = read_card(a.model or DEFAULT_MODEL)
+        text = _check_conditioning(card, a)
         model = load_model(a.model or DEFAULT_MODEL, device=device, dtype=run_dtype(card, device))
-        label_ids = [model.label_id(lb) for lb in a.labels]
+        conds = [{"prompt": p, "negative_prompt": a.negative_prompt} for p in a.prompts for _ in range(a.num_per_prompt)] \
+            if text else [{"label": model.label_id(lb)} for lb in a.labels for _ in range(a.num_per_label)]
     except (CardError, ValueError) as e:
         raise UsageError(str(e)) from None
     sampler = a.sampler or model.defaults["sampler"]
     steps = a.steps or model.defaults["steps"]
     guidance = model.defaults["guidance"] if a.guidance is None else a.guidance
     staging = prepare_out(a.out)
-    n = len(label_ids) * a.num_per_label
-    reqs = [ItemSpec(id=str(i), label=label_ids[i // a.num_per_label], seed=a.seed + i, sampler=sampler,
-                         steps=steps, guidance=guidance, eta=a.eta) for i in range(n)]
+    n = len(conds)
+    reqs = [ItemSpec(id=str(i), seed=a.seed + i, sampler=sampler, steps=steps, guidance=guidance, eta=a.eta, **c)
+            for i, c in enumerate(conds)]
     backend = ("breakable" if device.startswith("cuda") else "eager") if a.backend == "auto" else a.backend
     max_batch = min(64, 1 << (n - 1).bit_length())
     engine = Engine(model, EngineConfig(backend=backend, max_batch=max_batch))
@@ -145,7 +153,20 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    entries = [{"file": f"{i:05d}_label{r.request.label}.png", "label": r.request.label,
+    entries = [{"file": f"{i:05d}.png" if text else f"{i:05d}_label{r.request.label}.png",
+                **({"prompt": r.request.prompt, "negative_prompt": a.negative_prompt} if text else
+                   {"label": r.request.label}),
                 "seed": r.request.seed, "sampler": sampler, "steps": steps, "guidance": guidance}
                for i, r in enumerate(results)]
-    return write_outputs(a.out, staging, model.name, entries, [r.image for r in results], a.num_per_label)
+    cols = a.num_per_prompt if text else a.num_per_label
+    return write_outputs(a.out, staging, model.name, entries, [r.image for r in results], cols)
+
+
+def _check_conditioning(card, a: GenerateArgs) -> bool:
+    """True for a text model; UsageError when the arguments give the other kind of conditioning."""
+    text = card.conditioning == "text"
+    if text and not a.prompts:
+        raise UsageError(f"model {card.name!r} draws from text: pass --prompt (or --prompts-file), not --labels")
+    if not text and a.prompts:
+        raise UsageError(f"model {card.name!r} is class-conditional: pass --labels, not --prompt")
+    return text

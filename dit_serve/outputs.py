@@ -22,8 +22,8 @@ from dit_serve.generate import grid, publish
 from dit_serve.schemas import Job
 
 
-def grid_columns(labels: list[int]) -> int:
-    """One row per label when the job is label-major (each label repeated k times), else ~square."""
+def grid_columns(labels: list) -> int:
+    """One row per label (or prompt) when the job is label-major (each repeated k times), else ~square."""
     run = next((i for i, lb in enumerate(labels) if lb != labels[0]), len(labels))
     if len(labels) % run == 0 and run > 1 and all(labels[i] == labels[i - i % run] for i in range(len(labels))):
         return run
@@ -40,12 +40,14 @@ def write_job(client: Client, job: Job, out: Path) -> Path:
     try:
         entries, images = [], []
         for it in done:
-            name = f"{it.index:05d}_label{it.label}.png"
+            name = f"{it.index:05d}_label{it.label}.png" if it.prompt is None else f"{it.index:05d}.png"
             png = client.image_bytes(job, it.index)
             (staging / name).write_bytes(png)
             images.append(np.asarray(Image.open(io.BytesIO(png))))
-            entries.append({"file": name, "index": it.index, "label": it.label, "seed": it.seed})
-        grid(images, grid_columns([e["label"] for e in entries])).save(staging / "grid.png")
+            entry = {"file": name, "index": it.index, "label": it.label, "seed": it.seed}
+            entries.append(entry if it.prompt is None else {**entry, "label": None, "prompt": it.prompt})
+        grid(images, grid_columns([e["prompt"] if "prompt" in e else e["label"] for e in entries])).save(
+            staging / "grid.png")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -21,6 +21,7 @@ MAX_ITEMS = 1_000_000  # the most items a request may describe; [limits] max_ite
 MAX_STEPS = 10_000
 MAX_GUIDANCE = 100.0
 MAX_NAME = 200  # model names, class names
+MAX_PROMPT = 2000  # characters; the model's tokenizer then truncates to its token limit, as the reference does
 
 
 def clip(text: str, n: int = 100) -> str:
@@ -41,6 +42,15 @@ def _label(value):
 Label = Annotated[int | str, BeforeValidator(_label)]
 
 
+def _prompt(value):
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("a prompt is a non-empty string")
+    return value
+
+
+Prompt = Annotated[str, BeforeValidator(_prompt), Field(max_length=MAX_PROMPT)]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -50,13 +60,23 @@ class _Response(BaseModel):
 
 
 class JobRequest(_Request):
-    """N images of one model with shared sampling parameters: ``labels`` each repeated
-    ``num_per_label`` times (label-major); item i uses ``seeds[i]``, else ``seed + i``."""
+    """N images of one model with shared sampling parameters: ``labels`` (class models) each repeated
+    ``num_per_label`` times, or ``prompts`` (text models) each repeated ``num_per_prompt`` times, in
+    order; item i uses ``seeds[i]``, else ``seed + i``."""
 
     model: str | None = Field(None, min_length=1, max_length=MAX_NAME,
                               description="a model listed by GET /v1/models; the service's first when omitted")
-    labels: list[Label] = Field(min_length=1, max_length=MAX_ITEMS, description="class numbers or class names")
+    labels: list[Label] | None = Field(None, min_length=1, max_length=MAX_ITEMS,
+                                       description="class models: class numbers or class names")
     num_per_label: int = Field(1, ge=1, le=MAX_ITEMS)
+    prompts: list[Prompt] | None = Field(None, min_length=1, max_length=MAX_ITEMS,
+                                         description="text models: what to draw (over the model's token limit, "
+                                                     "truncated as the reference pipelines do)")
+    num_per_prompt: int = Field(1, ge=1, le=MAX_ITEMS)
+    negative_prompt: str = Field("", max_length=MAX_PROMPT, description="text models: what to steer away "
+                                                                        "from; empty is the unconditional prompt")
+    width: int | None = Field(None, ge=8, le=4096, description="pixels; the model's size when omitted")
+    height: int | None = Field(None, ge=8, le=4096, description="pixels; the model's size when omitted")
     seed: int = Field(0, ge=0, le=MAX_SEED)
     seeds: list[Annotated[int, Field(ge=0, le=MAX_SEED)]] | None = Field(
         None, min_length=1, max_length=MAX_ITEMS, description="one seed per item; overrides `seed`")
@@ -73,17 +93,22 @@ class JobRequest(_Request):
 
     @property
     def num_items(self) -> int:
-        return len(self.labels) * self.num_per_label
+        if self.prompts is not None:
+            return len(self.prompts) * self.num_per_prompt
+        return len(self.labels or ()) * self.num_per_label
 
     @model_validator(mode="after")
     def _check_seeds(self) -> "JobRequest":
+        if (self.labels is None) == (self.prompts is None):
+            raise ValueError("send labels (class-conditional models) or prompts (text-to-image models): "
+                             f"{'both were' if self.labels else 'neither was'} given")
         if self.seeds is None:
             if self.seed + self.num_items - 1 > MAX_SEED:
                 raise ValueError(f"seed + number of items must stay below 2**63, got seed {self.seed}")
             return self
         if len(self.seeds) != self.num_items:
             raise ValueError(f"seeds has {len(self.seeds)} entries but the job has {self.num_items} items "
-                             "(len(labels) * num_per_label)")
+                             "(len(labels) * num_per_label, or len(prompts) * num_per_prompt)")
         return self
 
 
@@ -96,11 +121,13 @@ class JobParams(_Response):
     steps: int
     guidance: float
     eta: float = 0.0
+    negative_prompt: str = ""
 
 
 class ItemStatus(_Response):
     index: int
-    label: int
+    label: int | None = Field(None, description="class models: the class")
+    prompt: str | None = Field(None, description="text models: the prompt")
     seed: int
     state: State
     step: int = Field(description="denoising steps done (equal to total_steps once done)")
@@ -191,8 +218,12 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "dit-serve"
-    num_classes: int
+    conditioning: Literal["class", "text"] = Field("class", description="labels or prompts")
+    family: str = "dit"
+    num_classes: int = 0
+    max_tokens: int = Field(0, description="text models: prompts are truncated to this many tokens")
     image_size: int
+    sizes: list[str] = Field(default_factory=list, description="'WxH' sizes the model makes")
     class_names: list[str] = Field(default_factory=list, description="index i names class i; empty if unnamed")
     defaults: dict = Field(default_factory=dict)
 

@@ -76,6 +76,7 @@ items = Table(
     Column("priority", Integer, nullable=False, default=0),  # copied from the job: higher is leased first
     Column("tenant", String(64), nullable=False, default=DEFAULT_TENANT),  # copied from the job: quotas
     Column("label", Integer, nullable=False),
+    Column("prompt", Text),  # text models: the item's prompt (its label is then 0)
     Column("seed", BigInteger, nullable=False),
     Column("state", String(10), nullable=False),
     Column("step", Integer, nullable=False, default=0),
@@ -122,8 +123,8 @@ class IdempotencyConflict(ValueError):
 
 # The schema's version, stored in the database. Version 1 is the first layout (it had no version
 # table); 2 added the idempotency columns, 3 job priorities, 4 webhooks, 5 tenants, API keys and failure
-# accounting. MIGRATIONS[v] brings v to v + 1 in place.
-SCHEMA_VERSION = 5
+# accounting, 6 prompts. MIGRATIONS[v] brings v to v + 1 in place.
+SCHEMA_VERSION = 6
 schema = Table("dit_serve_schema", meta, Column("version", Integer, primary_key=True))
 MIGRATIONS = {
     1: ["ALTER TABLE jobs ADD COLUMN idempotency_key VARCHAR(200)",
@@ -150,6 +151,7 @@ MIGRATIONS = {
         "ALTER TABLE items ADD COLUMN not_before FLOAT NOT NULL DEFAULT 0",
         "CREATE INDEX items_tenant_state ON items (tenant, state)",
         "tables"],  # create the tables new in this version (tenants, api_keys)
+    5: ["ALTER TABLE items ADD COLUMN prompt TEXT"],
 }
 
 
@@ -179,6 +181,7 @@ class Lease:
     params: JobParams
     token: str
     step: int = 0  # progress, reported by the worker
+    prompt: str | None = None
     requeues: int = 0  # the item's counters when it was leased (failure accounting)
     crashes: int = 0
     suspect: bool = False  # leased in an isolated group of items that crashed workers before
@@ -193,7 +196,8 @@ class Lease:
         """What the worker runs: built here once, then passed on unchanged."""
         p = self.params
         return ItemSpec(id=self.key, seed=self.seed, sampler=p.sampler, steps=p.steps, guidance=p.guidance,
-                        eta=p.eta, label=self.label, model=self.model)
+                        eta=p.eta, label=self.label, model=self.model, prompt=self.prompt or "",
+                        negative_prompt=p.negative_prompt)
 
 
 def requeue_backoff(requeues: int) -> float:
@@ -272,7 +276,7 @@ class Store:
     def submit(self, model: str, params: JobParams, labels: list[int], seeds: list[int],
                idempotency_key: str | None = None, priority: int = 0, webhook_url: str | None = None, *,
                tenant: str = DEFAULT_TENANT, max_active: int | None = None,
-               tenant_max_active: int | None = None) -> tuple[str, bool]:
+               tenant_max_active: int | None = None, prompts: list[str] | None = None) -> tuple[str, bool]:
         """``create_job`` that also says whether the job is new (False: an earlier submission's) and
         belongs to ``tenant`` (Idempotency-Keys are per tenant). ``QueueFull``, and nothing stored, when
         the queued and running items would exceed ``max_active`` (all tenants) or ``tenant_max_active``."""
@@ -282,7 +286,7 @@ class Store:
         digest = None
         if idempotency_key is not None:
             digest = hashlib.sha256(json.dumps([model, params.model_dump(mode="json"), labels, seeds, priority,
-                                                webhook_url], sort_keys=True).encode()).hexdigest()
+                                                webhook_url, prompts], sort_keys=True).encode()).hexdigest()
             if (found := self._by_key(tenant, idempotency_key, digest)) is not None:
                 return found, False
         job_id, now = uuid.uuid4().hex, time.time()
@@ -297,7 +301,8 @@ class Store:
                                                   webhook_attempts=0, webhook_next=0.0 if webhook_url else None))
                 conn.execute(items.insert(), [
                     dict(job_id=job_id, idx=i, model=model, created_at=now, priority=priority, tenant=tenant,
-                         label=lb, seed=sd, state="queued", step=0, total_steps=params.steps, attempts=0)
+                         label=lb, prompt=prompts[i] if prompts else None, seed=sd, state="queued", step=0,
+                         total_steps=params.steps, attempts=0)
                     for i, (lb, sd) in enumerate(zip(labels, seeds))])
         except IntegrityError:  # the same key committed by a concurrent submission: that one stands
             if idempotency_key is None or (found := self._by_key(tenant, idempotency_key, digest)) is None:
@@ -507,8 +512,8 @@ class Store:
             else:
                 where, size = and_(leasable, items.c.crashes == level), max(1, limit >> (level - 1))
             rows = conn.execute(
-                select(items.c.job_id, items.c.idx, items.c.model, items.c.label, items.c.seed, items.c.state,
-                       items.c.requeues, items.c.crashes, jobs.c.params).join(jobs, jobs.c.id == items.c.job_id)
+                select(items.c.job_id, items.c.idx, items.c.model, items.c.label, items.c.prompt, items.c.seed,
+                       items.c.state, items.c.requeues, items.c.crashes, jobs.c.params).join(jobs, jobs.c.id == items.c.job_id)
                 .where(where).order_by(items.c.priority.desc(), items.c.created_at, items.c.job_id, items.c.idx)
                 .limit(size).with_for_update(skip_locked=True, of=items)).all()
             rows = self._take_over_expired(conn, rows, now)
@@ -520,7 +525,7 @@ class Store:
                     _set(conn, [(r.job_id, r.idx)], state="failed", finished_at=now, **_NO_LEASE,
                          error=f"the stored job cannot be read: {str(e)[:300]}")
                     continue
-                leases.append(Lease(r.job_id, r.idx, r.model, r.label, r.seed, params, token,
+                leases.append(Lease(r.job_id, r.idx, r.model, r.label, r.seed, params, token, prompt=r.prompt,
                                     requeues=r.requeues, crashes=r.crashes, suspect=level is not None))
             if level is not None and len(leases) == 1:
                 leases[0].solo = True
@@ -747,7 +752,8 @@ def _job(row, stats: dict, item_rows) -> Job:
                finished_at=stats.get("finished_at") if state in TERMINAL_STATES else None,
                steps_done=stats.get("steps_done", 0), steps_total=stats.get("steps_total", 0),
                items=None if item_rows is None else [
-                   ItemStatus(index=r.idx, label=r.label, seed=r.seed, state=r.state, step=r.step,
+                   ItemStatus(index=r.idx, label=None if r.prompt is not None else r.label, prompt=r.prompt,
+                              seed=r.seed, state=r.state, step=r.step,
                               total_steps=r.total_steps, attempts=r.attempts, requeues=r.requeues, crashes=r.crashes,
                               error=r.error) for r in item_rows])
 
@@ -778,6 +784,6 @@ def _sqlite_setup(engine) -> None:
 
 def dump_manifest(job: Job) -> str:
     """The archive's manifest.json: the job and, per image, its file name, label and seed."""
-    images = [{"file": f"{it.index:05d}.png", "index": it.index, "label": it.label, "seed": it.seed,
-               "state": it.state} for it in job.items or []]
+    images = [{"file": f"{it.index:05d}.png", "index": it.index, "label": it.label, "prompt": it.prompt,
+               "seed": it.seed, "state": it.state} for it in job.items or []]
     return json.dumps({"job": job.model_dump(exclude={"items"}), "images": images}, indent=2) + "\n"

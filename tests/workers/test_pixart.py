@@ -4,55 +4,19 @@ offline; the same initial latents; float32 on the CPU."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from workers.cards import read_card
 from workers.engine import Engine, EngineConfig
 from workers.loading import load_model
+from workers.models.tiny_pixart import MAX_TOKENS, make_tiny_pixart
 from workers.spec import ItemSpec
-
-MAX_TOKENS = 16
-WORDS = "<pad> </s> <unk> a an the red blue green cat dog tree house small big drawn photo of".split()
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])  # as T5
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
 @pytest.fixture(scope="module")
 def pixart_dir(tmp_path_factory):
-    """A PixArt-Σ pipeline directory with tiny random components (latents 4x8x8, images 16x16)."""
-    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtTransformer2DModel
-    from transformers import T5Config, T5EncoderModel
-
-    path = tmp_path_factory.mktemp("pixart-tiny")
-    torch.manual_seed(0)
-    T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
-                   ).save_pretrained(path / "text_encoder", safe_serialization=True)
-    _tokenizer().save_pretrained(path / "tokenizer")
-    PixArtTransformer2DModel(sample_size=8, in_channels=4, out_channels=8, patch_size=2, num_layers=2,
-                             num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16, caption_channels=32,
-                             norm_type="ada_norm_single", use_additional_conditions=False
-                             ).save_pretrained(path / "transformer", safe_serialization=True)
-    AutoencoderKL(block_out_channels=[8, 16], down_block_types=["DownEncoderBlock2D"] * 2,
-                  up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=8, sample_size=16
-                  ).save_pretrained(path / "vae", safe_serialization=True)
-    DPMSolverMultistepScheduler(beta_schedule="linear", beta_start=0.0001, beta_end=0.02).save_pretrained(path / "scheduler")
-    (path / "model_index.json").write_text(json.dumps({
-        "_class_name": "PixArtSigmaPipeline", "transformer": ["diffusers", "PixArtTransformer2DModel"],
-        "text_encoder": ["transformers", "T5EncoderModel"], "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        "vae": ["diffusers", "AutoencoderKL"], "scheduler": ["diffusers", "DPMSolverMultistepScheduler"],
-        "dit_serve": {"max_sequence_length": MAX_TOKENS}}))
-    return path
+    return make_tiny_pixart(tmp_path_factory.mktemp("pixart-tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +68,24 @@ def test_encodings_are_cached_and_shared(model):
     first = model.cache["a cat"][0]
     e.add(ItemSpec(id="x", seed=9, sampler="ddim", steps=2, guidance=2.0, prompt="a cat "))
     assert model.cache["a cat"][0] is first
+
+
+def test_generate_draws_prompts_from_the_command_line(pixart_dir, tmp_path, capsys):
+    import json
+
+    from dit_serve.cli import main
+
+    out = tmp_path / "out"
+    assert main(["generate", "--model", str(pixart_dir), "--prompt", "a red cat", "--prompt", "a blue dog",
+                 "--num-per-prompt", "2", "--steps", "3", "--negative-prompt", "small", "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [e["prompt"] for e in manifest["images"]] == ["a red cat"] * 2 + ["a blue dog"] * 2
+    assert {e["negative_prompt"] for e in manifest["images"]} == {"small"}
+    from PIL import Image
+
+    assert Image.open(out / manifest["images"][0]["file"]).size == (16, 16)
+    assert main(["generate", "--model", str(pixart_dir), "--labels", "1", "--out", str(tmp_path / "x")]) == 2
+    assert "draws from text: pass --prompt" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # argparse: one of the two
+        main(["generate", "--labels", "1", "--prompt", "x", "--out", str(tmp_path / "y")])
+    assert e.value.code == 2

@@ -1,0 +1,70 @@
+"""Text-to-image jobs at the API (no workers): prompts for text models, labels for class models, the
+wrong kind a 400 naming the field, nothing stored; prompts travel to the worker's spec."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from dit_serve.service import Service
+from workers.models.tiny_pixart import make_tiny_pixart
+
+from .conftest import service_config
+
+
+@pytest.fixture(scope="module")
+def api(digits_model, tmp_path_factory):
+    text_model = make_tiny_pixart(tmp_path_factory.mktemp("models") / "pixart-tiny")
+    cfg = service_config(tmp_path_factory.mktemp("text-api"), digits_model,
+                         workers={"models": (digits_model, str(text_model))})
+    with Service(cfg, roles=("api",)) as svc:
+        with httpx.Client(base_url=svc.url, timeout=10) as http:
+            yield svc, http
+
+
+def test_a_text_job_stores_its_prompts(api):
+    svc, http = api
+    r = http.post("/v1/jobs", json={"model": "pixart-tiny", "prompts": ["a red cat", "a dog"], "num_per_prompt": 2,
+                                    "negative_prompt": "small", "seed": 3})
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert [it["prompt"] for it in job["items"]] == ["a red cat", "a red cat", "a dog", "a dog"]
+    assert all(it["label"] is None for it in job["items"]) and job["params"]["negative_prompt"] == "small"
+    assert job["params"]["sampler"] == "dpmpp_2m" and job["params"]["steps"] == 20  # the card's defaults
+    leases = [ls for ls in svc.store.lease("w", ["pixart-tiny"], 10, ttl=30) if ls.job_id == job["id"]]
+    spec = leases[2].spec
+    assert (spec.prompt, spec.negative_prompt, spec.seed, spec.model) == ("a dog", "small", 5, "pixart-tiny")
+    svc.store.release(leases, "stop")
+    models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    assert models["pixart-tiny"]["conditioning"] == "text" and models["pixart-tiny"]["max_tokens"] == 16
+    assert models["digits"]["conditioning"] == "class" and models["pixart-tiny"]["sizes"] == ["16x16"]
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"model": "pixart-tiny", "labels": [1]}, "labels", "draws from text: send prompts"),
+    ({"labels": [1], "prompts": ["a cat"]}, None, "both were given"),
+    ({"model": "digits", "prompts": ["seven"]}, "prompts", "class-conditional: send labels"),
+    ({"model": "digits", "labels": [7], "negative_prompt": "blurry"}, "negative_prompt", "applies to text models"),
+    ({"model": "pixart-tiny", "prompts": ["   "]}, "prompts.0", "non-empty"),
+    ({"model": "pixart-tiny", "prompts": ["x" * 2001]}, "prompts.0", "at most 2000"),
+    ({"model": "pixart-tiny", "prompts": ["a cat"], "width": 32}, "width", "makes 16x16 images"),
+    ({"model": "pixart-tiny"}, None, "neither was given"),
+])
+def test_the_wrong_conditioning_is_a_400_and_stores_nothing(api, body, param, words):
+    _, http = api
+    before = http.get("/v1/jobs").json()["total"]
+    r = http.post("/v1/jobs", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["param"] == param, err
+    assert http.get("/v1/jobs").json()["total"] == before
+
+
+def test_the_images_endpoint_takes_the_prompt_of_a_text_model(api):
+    from dit_serve.schemas import ImageGenerationRequest
+
+    svc, _ = api
+    from dit_serve.service import build_catalog
+
+    new = build_catalog(svc.config).resolve_images(ImageGenerationRequest(model="pixart-tiny", prompt="a tree", n=2))
+    assert new.prompts == ["a tree", "a tree"] and new.model == "pixart-tiny"
