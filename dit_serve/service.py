@@ -16,6 +16,7 @@ import logging
 import socket
 import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -56,18 +57,22 @@ def open_store(config: Config) -> Store:
 
 
 class Retention:
-    """Deletes finished jobs (rows and images) ``seconds`` after they end; 0 keeps everything. A thread
-    of its own: deleting many images must not hold up the scheduler's dispatch."""
+    """Deletes finished jobs (rows and images) ``seconds`` after they end (0 keeps them), and the temp
+    files of results a killed process never finished writing. A thread of its own: deleting many images
+    must not hold up the scheduler's dispatch."""
 
-    def __init__(self, store: Store, seconds: float):
-        self.store, self.seconds = store, seconds
+    def __init__(self, store: Store, seconds: float, sweep_every_s: float = 60.0):
+        self.store, self.seconds, self.sweep_every_s = store, seconds, sweep_every_s
 
     def run(self, stop: threading.Event) -> None:
+        last_sweep = 0.0
         while not stop.wait(min(60.0, self.seconds / 10) if self.seconds else 1.0):
-            if not self.seconds:
-                continue
             try:
-                if purged := self.store.purge_finished(self.seconds):
+                if time.monotonic() - last_sweep >= self.sweep_every_s:
+                    last_sweep = time.monotonic()
+                    if swept := self.store.sweep_temp_files():
+                        log.info("removed %d result temp file(s) left by a process that was killed", swept)
+                if self.seconds and (purged := self.store.purge_finished(self.seconds)):
                     log.info("deleted %d finished job(s) past retention", len(purged))
             except Exception:  # a store hiccup must not end the policy
                 log.exception("retention round failed; retrying")

@@ -638,6 +638,19 @@ class Store:
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
+    def sweep_temp_files(self, older_than_s: float = 600.0) -> int:
+        """Delete result temp files a killed process left behind (written, never renamed nor removed);
+        only old ones, since another scheduler may be writing a fresh one. Returns how many."""
+        cutoff, n = time.time() - older_than_s, 0
+        for tmp in (self.data_dir / "images").glob("*/.*.tmp"):
+            try:
+                if tmp.stat().st_mtime < cutoff:
+                    tmp.unlink()
+                    n += 1
+            except FileNotFoundError:  # removed meanwhile
+                pass
+        return n
+
     def fail_item(self, lease: Lease, error: str) -> bool:
         """An error raised for this item: it fails (a user may retry it, POST /v1/jobs/{id}/retry)."""
         with self._tx() as conn:

@@ -487,3 +487,18 @@ def test_webhooks_are_claimed_once_finished_and_retried(store):
     assert [c[0] for c in store.claim_webhooks(hold_s=30)] == [failing]
     store.webhook_done(failing, "ConnectError: refused", retry_in=None)
     assert store.get_job(failing).webhook.state == "failed" and store.claim_webhooks(hold_s=30) == []
+
+
+def test_temp_files_of_killed_writers_are_swept(store):
+    import os
+
+    job_id = _job(store, 1)
+    folder = store.data_dir / "images" / job_id
+    folder.mkdir(parents=True)
+    old, fresh, png = folder / ".00000-abc.tmp", folder / ".00001-def.tmp", folder / "00000.png"
+    for f in (old, fresh, png):
+        f.write_bytes(b"x")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    os.utime(png, (time.time() - 3600, time.time() - 3600))
+    assert store.sweep_temp_files(older_than_s=600) == 1
+    assert not old.exists() and fresh.exists() and png.exists()
