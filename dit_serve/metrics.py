@@ -52,6 +52,7 @@ class Metrics:
         if state == "done":
             now = time.monotonic()
             self._done_times.extend([now] * n)
+            self._forget_before(now - self._window_s)  # bounded even when nobody scrapes
 
     def worker_report(self, worker: str, report: dict) -> None:
         """One actor poll's numbers: step durations, busy fraction and the engine's graph counters."""
@@ -79,10 +80,12 @@ class Metrics:
                 except KeyError:
                     pass
 
-    def render(self) -> bytes:
-        cutoff = time.monotonic() - self._window_s
+    def _forget_before(self, cutoff: float) -> None:
         while self._done_times and self._done_times[0] < cutoff:
             self._done_times.popleft()
+
+    def render(self) -> bytes:
+        self._forget_before(time.monotonic() - self._window_s)
         self.items_per_second.set(len(self._done_times) / self._window_s)
         return generate_latest(self.registry)
 
