@@ -89,3 +89,31 @@ def test_generate_draws_prompts_from_the_command_line(pixart_dir, tmp_path, caps
     with pytest.raises(SystemExit) as e:  # argparse: one of the two
         main(["generate", "--labels", "1", "--prompt", "x", "--out", str(tmp_path / "y")])
     assert e.value.code == 2
+
+
+def test_the_alpha_layout_equals_the_alpha_pipeline(tmp_path):
+    from diffusers import DPMSolverMultistepScheduler, PixArtAlphaPipeline
+
+    model = load_model(make_tiny_pixart(tmp_path / "alpha", seed=1, alpha=True))
+    assert read_card(tmp_path / "alpha").max_tokens == MAX_TOKENS  # the directory's own limit wins (α: 120)
+    spec = ItemSpec(id="a", seed=4, sampler="dpmpp_2m", steps=5, guidance=4.0, prompt="a green tree")
+    (ours,) = Engine(model, EngineConfig(backend="eager", max_batch=2)).generate([spec])
+    pipe = PixArtAlphaPipeline(tokenizer=model.tokenizer, text_encoder=model.text_encoder, vae=model.vae,
+                               transformer=model.transformer,
+                               scheduler=DPMSolverMultistepScheduler.from_config(model.card.scheduler))
+    latents = torch.randn(model.latent_shape, generator=torch.Generator("cpu").manual_seed(4))[None]
+    ref = pipe("a green tree", num_inference_steps=5, guidance_scale=4.0, latents=latents, height=16, width=16,
+               max_sequence_length=MAX_TOKENS, clean_caption=False, use_resolution_binning=False,
+               output_type="latent").images[0]
+    assert (ours.latents - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_alpha_1024_conditions_on_resolution_and_aspect_ratio(tmp_path):
+    model = load_model(make_tiny_pixart(tmp_path / "alpha-cond", alpha=True, additional_conditions=True))
+    seen = []
+    model.transformer.register_forward_pre_hook(lambda _m, args, kwargs: seen.append(kwargs["added_cond_kwargs"]),
+                                                with_kwargs=True)
+    specs = [ItemSpec(id=str(i), seed=i, sampler="ddim", steps=2, guidance=2.0, prompt="a cat") for i in range(3)]
+    Engine(model, EngineConfig(backend="eager", max_batch=4)).generate(specs)
+    cond = seen[0]
+    assert cond["resolution"].tolist() == [[16.0, 16.0]] * 6 and cond["aspect_ratio"].tolist() == [[1.0]] * 6  # CFG: 2 x 3

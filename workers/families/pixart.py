@@ -59,12 +59,21 @@ def _encode_texts(model, texts: list[str]) -> dict[str, tuple[torch.Tensor, torc
 
 def make_step(model):
     """One whole denoising step: both CFG halves in one forward (prompt rows, then negative rows),
-    guidance, sampler update. A learned-sigma output keeps its first half, as the pipeline does."""
+    guidance, sampler update. A learned-sigma output keeps its first half, as the pipeline does.
+    PixArt-α at 1024 px also conditions on the image's resolution and aspect ratio: fixed per shape, so
+    they are device tensors made here, outside capture, and broadcast over the batch."""
     transformer, c, dtype = model.transformer, model.latent_shape[0], model.dtype
-    extra = {"resolution": None, "aspect_ratio": None}
+    size = float(model.card.image_size)
+    sizes = None
+    if getattr(transformer, "use_additional_conditions", False):  # as PixArtAlphaPipeline at sample_size 128
+        sizes = (torch.tensor([[size, size]], dtype=dtype, device=model.device),   # (1, 2) height, width
+                 torch.tensor([[1.0]], dtype=dtype, device=model.device))          # (1, 1) height / width
 
     def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, prompt_mask, neg_embeds, neg_mask):
         xin = model_input(x, coeffs).to(dtype)                                  # (B, C, H, W)
+        rows = 2 * x.shape[0]
+        extra = {"resolution": None, "aspect_ratio": None} if sizes is None else {
+            "resolution": sizes[0].expand(rows, 2), "aspect_ratio": sizes[1].expand(rows, 1)}
         out = transformer(torch.cat([xin, xin]), encoder_hidden_states=torch.cat([prompt_embeds, neg_embeds]),
                           encoder_attention_mask=torch.cat([prompt_mask, neg_mask]),  # (2B, L)
                           timestep=torch.cat([t, t]), added_cond_kwargs=extra).sample  # (2B, C_out, H, W)

@@ -27,7 +27,9 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
-def make_tiny_pixart(path: Path, seed: int = 0) -> Path:
+def make_tiny_pixart(path: Path, seed: int = 0, alpha: bool = False, additional_conditions: bool = False) -> Path:
+    """Σ's layout, or α's (``alpha``: PixArtAlphaPipeline); ``additional_conditions`` makes the transformer
+    take resolution and aspect ratio, as PixArt-α 1024 does."""
     import torch
     from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtTransformer2DModel
     from transformers import T5Config, T5EncoderModel
@@ -37,9 +39,11 @@ def make_tiny_pixart(path: Path, seed: int = 0) -> Path:
     T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
                    ).save_pretrained(path / "text_encoder", safe_serialization=True)
     tokenizer().save_pretrained(path / "tokenizer")
+    head_dim = 12 if additional_conditions else 8  # the size embeddings split the width in three
     PixArtTransformer2DModel(sample_size=8, in_channels=4, out_channels=8, patch_size=2, num_layers=2,
-                             num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16, caption_channels=32,
-                             norm_type="ada_norm_single", use_additional_conditions=False
+                             num_attention_heads=2, attention_head_dim=head_dim, cross_attention_dim=2 * head_dim,
+                             caption_channels=32,
+                             norm_type="ada_norm_single", use_additional_conditions=additional_conditions
                              ).save_pretrained(path / "transformer", safe_serialization=True)
     AutoencoderKL(block_out_channels=[8, 16], down_block_types=["DownEncoderBlock2D"] * 2,
                   up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=8, sample_size=16
@@ -47,7 +51,7 @@ def make_tiny_pixart(path: Path, seed: int = 0) -> Path:
     DPMSolverMultistepScheduler(beta_schedule="linear", beta_start=0.0001, beta_end=0.02).save_pretrained(
         path / "scheduler")
     (path / "model_index.json").write_text(json.dumps({
-        "_class_name": "PixArtSigmaPipeline", "transformer": ["diffusers", "PixArtTransformer2DModel"],
+        "_class_name": "PixArtAlphaPipeline" if alpha else "PixArtSigmaPipeline", "transformer": ["diffusers", "PixArtTransformer2DModel"],
         "text_encoder": ["transformers", "T5EncoderModel"], "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
         "vae": ["diffusers", "AutoencoderKL"], "scheduler": ["diffusers", "DPMSolverMultistepScheduler"],
         "dit_serve": {"max_sequence_length": MAX_TOKENS, "dtype": "float32"}}, indent=2))
