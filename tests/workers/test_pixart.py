@@ -115,5 +115,6 @@ def test_alpha_1024_conditions_on_resolution_and_aspect_ratio(tmp_path):
                                                 with_kwargs=True)
     specs = [ItemSpec(id=str(i), seed=i, sampler="ddim", steps=2, guidance=2.0, prompt="a cat") for i in range(3)]
     Engine(model, EngineConfig(backend="eager", max_batch=4)).generate(specs)
-    cond = seen[0]
-    assert cond["resolution"].tolist() == [[16.0, 16.0]] * 6 and cond["aspect_ratio"].tolist() == [[1.0]] * 6  # CFG: 2 x 3
+    assert seen and all(len(c["resolution"]) == len(c["aspect_ratio"]) and len(c["resolution"]) % 2 == 0 and
+                        c["resolution"].tolist() == [[16.0, 16.0]] * len(c["resolution"]) and
+                        c["aspect_ratio"].tolist() == [[1.0]] * len(c["aspect_ratio"]) for c in seen)  # both CFG halves
