@@ -335,3 +335,23 @@ def test_a_poison_item_fails_alone_and_its_batch_mates_finish(svc, digits_model,
         # [0..3] crash twice (suspects), then [0, 1] crashes, [2, 3] finish, [0] finishes, [1] crashes twice alone
         assert bad.crashes == 5 and job.items[0].crashes == 3 and job.items[2].crashes == 2
         assert all(it.crashes == 0 for it in job.items[4:])
+
+
+def test_a_text_model_end_to_end(svc, tmp_path):
+    """Prompts through the whole service: jobs API, the worker's text encoder, the images endpoint."""
+    from workers.models.tiny_pixart import make_tiny_pixart
+
+    model_dir = make_tiny_pixart(tmp_path / "models" / "pixart-tiny")
+    cfg = service_config(tmp_path / "data", str(model_dir), workers={"max_batch": 4})
+    with Service(cfg) as text_svc, Client(text_svc.url) as c:
+        assert text_svc.wait_ready(120)
+        job = c.wait(c.submit(prompts=["a red cat", "a blue house"], num_per_prompt=2, steps=4, seed=1,
+                              negative_prompt="small"), progress=False, timeout=120)
+        assert job.state == "done" and [it.prompt for it in job.items] == ["a red cat"] * 2 + ["a blue house"] * 2
+        images = c.images(job)
+        assert [im.size for im in images] == [(16, 16)] * 4 and images[0].mode == "RGB"
+        assert images[0].tobytes() != images[1].tobytes()  # seeds 1 and 2
+        r = httpx.post(f"{text_svc.url}/v1/images/generations", timeout=60,
+                       json={"prompt": "a dog", "n": 2, "steps": 3, "response_format": "b64_json"})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"]) == 2 and Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).size == (16, 16)
