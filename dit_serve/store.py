@@ -33,126 +33,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import (BigInteger, Boolean, Column, Float, Index, Integer, MetaData, String, Table, Text,
-                        and_, bindparam, case, create_engine, event, func, or_, select, update)
+from sqlalchemy import and_, bindparam, case, create_engine, event, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from dit_serve.schemas import TERMINAL_STATES, ItemStatus, Job, JobParams, WebhookStatus
+from dit_serve.tables import (DEFAULT_TENANT, MIGRATIONS, SCHEMA_VERSION, api_keys, items, jobs, meta, schema,
+                               tenants)
 from workers.spec import ItemSpec
 
 log = logging.getLogger(__name__)
-DEFAULT_TENANT = "default"  # jobs of a service without tenant keys, and of the [server] api_keys
-
-meta = MetaData()
-jobs = Table(
-    "jobs", meta,
-    Column("id", String(32), primary_key=True),
-    Column("model", String(200), nullable=False),
-    Column("params", Text, nullable=False),  # JSON of JobParams
-    Column("num_items", Integer, nullable=False),
-    Column("created_at", Float, nullable=False, index=True),
-    Column("cancelled", Boolean, nullable=False, default=False),
-    Column("priority", Integer, nullable=False, default=0),
-    # a URL told when the job finishes: pending (or sending, claimed until webhook_next) -> sent | failed
-    Column("webhook_url", Text),
-    Column("webhook_state", String(10)),
-    Column("webhook_attempts", Integer, nullable=False, default=0),
-    Column("webhook_next", Float),  # pending: not before this time; sending: the claim expires then
-    Column("webhook_error", Text),
-    # a client's Idempotency-Key: a retried submission finds its job instead of storing a second one
-    Column("idempotency_key", String(200)),
-    Column("request_hash", String(64)),  # what was asked under that key: a reuse must ask the same
-    Column("tenant", String(64), nullable=False, default=DEFAULT_TENANT),  # who submitted it: who may see it
-    Index("jobs_tenant_idempotency_key", "tenant", "idempotency_key", unique=True),  # NULLs never collide
-    Index("jobs_webhook_due", "webhook_state", "webhook_next"),
-    Index("jobs_tenant_created", "tenant", "created_at"),
-)
-items = Table(
-    "items", meta,
-    Column("job_id", String(32), primary_key=True),
-    Column("idx", Integer, primary_key=True),
-    Column("model", String(200), nullable=False),  # copied from the job: the lease query needs no join
-    Column("created_at", Float, nullable=False),   # copied from the job: FIFO order across jobs
-    Column("priority", Integer, nullable=False, default=0),  # copied from the job: higher is leased first
-    Column("tenant", String(64), nullable=False, default=DEFAULT_TENANT),  # copied from the job: quotas
-    Column("label", Integer, nullable=False),
-    Column("prompt", Text),  # text models: the item's prompt (its label is then 0)
-    Column("seed", BigInteger, nullable=False),
-    Column("state", String(10), nullable=False),
-    Column("step", Integer, nullable=False, default=0),
-    Column("total_steps", Integer, nullable=False),
-    Column("attempts", Integer, nullable=False, default=0),  # leases taken (runs started)
-    # failure accounting (docs/reliability.md): infrastructure failures requeue without charging the item
-    Column("requeues", Integer, nullable=False, default=0),      # back to the queue after an infrastructure failure
-    Column("crashes", Integer, nullable=False, default=0),       # its worker died (or its step raised) holding it
-    Column("solo_crashes", Integer, nullable=False, default=0),  # ... while it ran alone, isolated as a suspect
-    Column("not_before", Float, nullable=False, default=0.0),    # backoff: not leased again before this time
-    Column("lease_owner", String(200)),
-    Column("lease_token", String(32)),
-    Column("lease_expires", Float),
-    Column("path", String(300)),  # relative to the data dir; set once, when the item is done
-    Column("error", Text),
-    Column("finished_at", Float),
-    Index("items_leasable", "state", "model", "priority", "created_at"),
-    Index("items_tenant_state", "tenant", "state"),
-)
-# API keys belong to tenants; only a salted hash of each key's secret is stored (dit_serve.keys)
-tenants = Table(
-    "tenants", meta,
-    Column("name", String(64), primary_key=True),
-    Column("max_queued", Integer),    # None: [limits] tenant_max_queued_items
-    Column("max_priority", Integer),  # None: [limits] tenant_max_priority
-    Column("created_at", Float, nullable=False),
-)
-api_keys = Table(
-    "api_keys", meta,
-    Column("id", String(16), primary_key=True),  # public part of the key: dsk_<id>_<secret>
-    Column("tenant", String(64), nullable=False),
-    Column("role", String(10), nullable=False),  # user | admin
-    Column("salt", String(32), nullable=False),
-    Column("hash", String(64), nullable=False),  # HMAC-SHA256(salt, secret)
-    Column("name", String(200)),
-    Column("created_at", Float, nullable=False),
-    Column("revoked_at", Float),
-)
-
-
 class IdempotencyConflict(ValueError):
     """An Idempotency-Key already used for a different request."""
-
-
-# The schema's version, stored in the database. Version 1 is the first layout (it had no version
-# table); 2 added the idempotency columns, 3 job priorities, 4 webhooks, 5 tenants, API keys and failure
-# accounting, 6 prompts. MIGRATIONS[v] brings v to v + 1 in place.
-SCHEMA_VERSION = 6
-schema = Table("dit_serve_schema", meta, Column("version", Integer, primary_key=True))
-MIGRATIONS = {
-    1: ["ALTER TABLE jobs ADD COLUMN idempotency_key VARCHAR(200)",
-        "ALTER TABLE jobs ADD COLUMN request_hash VARCHAR(64)",
-        "CREATE UNIQUE INDEX jobs_idempotency_key ON jobs (idempotency_key)"],
-    2: ["ALTER TABLE jobs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
-        "ALTER TABLE items ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
-        "DROP INDEX items_leasable",
-        "CREATE INDEX items_leasable ON items (state, model, priority, created_at)"],
-    3: ["ALTER TABLE jobs ADD COLUMN webhook_url TEXT",
-        "ALTER TABLE jobs ADD COLUMN webhook_state VARCHAR(10)",
-        "ALTER TABLE jobs ADD COLUMN webhook_attempts INTEGER NOT NULL DEFAULT 0",
-        "ALTER TABLE jobs ADD COLUMN webhook_next FLOAT",
-        "ALTER TABLE jobs ADD COLUMN webhook_error TEXT",
-        "CREATE INDEX jobs_webhook_due ON jobs (webhook_state, webhook_next)"],
-    4: ["ALTER TABLE jobs ADD COLUMN tenant VARCHAR(64) NOT NULL DEFAULT 'default'",
-        "DROP INDEX jobs_idempotency_key",
-        "CREATE UNIQUE INDEX jobs_tenant_idempotency_key ON jobs (tenant, idempotency_key)",
-        "CREATE INDEX jobs_tenant_created ON jobs (tenant, created_at)",
-        "ALTER TABLE items ADD COLUMN tenant VARCHAR(64) NOT NULL DEFAULT 'default'",
-        "ALTER TABLE items ADD COLUMN requeues INTEGER NOT NULL DEFAULT 0",
-        "ALTER TABLE items ADD COLUMN crashes INTEGER NOT NULL DEFAULT 0",
-        "ALTER TABLE items ADD COLUMN solo_crashes INTEGER NOT NULL DEFAULT 0",
-        "ALTER TABLE items ADD COLUMN not_before FLOAT NOT NULL DEFAULT 0",
-        "CREATE INDEX items_tenant_state ON items (tenant, state)",
-        "tables"],  # create the tables new in this version (tenants, api_keys)
-    5: ["ALTER TABLE items ADD COLUMN prompt TEXT"],
-}
 
 
 class StoreError(RuntimeError):
@@ -689,9 +580,9 @@ class Changes:
     def notify(self, job_ids: list[str]) -> None:
         with self._lock:
             hits = [w for j in job_ids for w in self._waiters.get(j, ())]
-        for loop, event in hits:
+        for loop, waiter in hits:
             try:
-                loop.call_soon_threadsafe(event.set)
+                loop.call_soon_threadsafe(waiter.set)
             except RuntimeError:  # its loop has closed
                 pass
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from samplers import NoiseSchedule
-from workers.cards import BUILTINS, DIT_SCHEDULER, FALLBACK_DEFAULTS, CardError, ModelCard, builtin_names, read_card
+from workers.cards import DIT_SCHEDULER, FALLBACK_DEFAULTS, CardError, ModelCard, read_card
 from workers.labels import resolve_label
 
 log = logging.getLogger(__name__)
