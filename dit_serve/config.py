@@ -17,7 +17,7 @@ is needed (``dit-serve serve`` alone: local Ray, SQLite under ./dit-serve-data, 
     address = ""                # empty: start a local Ray; "auto" or "ray://..." joins a cluster
 
     [workers]
-    models = ["digits"]
+    models = ["digits", "digits-text"]
     resource = "auto"           # auto (one worker per GPU, else one CPU worker), GPU, CPU, or a custom
     max_batch = 64              # resource name: one worker per unit of it on each node
                                 # graph buckets are the powers of two up to max_batch
@@ -103,7 +103,7 @@ class RayConfig(_Section):
 
 
 class WorkerConfig(_Section):
-    models: tuple[str, ...] = ("digits",)
+    models: tuple[str, ...] = ("digits", "digits-text")
     resource: str = Field("auto", min_length=1, description="auto | GPU | CPU | a custom resource name")
     cpu_workers: int = Field(1, ge=1, description="workers when running on CPUs")
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved by each worker actor")

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    models: tuple[str, ...] = ("digits",)
+    models: tuple[str, ...] = ("digits", "digits-text")
     device: str = "auto"   # auto: CUDA when present (Ray sets CUDA_VISIBLE_DEVICES per actor)
     dtype: str = "auto"    # auto: the model card's on CUDA (bfloat16 unless it says float32), else float32
     backend: str = "auto"  # auto: breakable on CUDA, eager on the CPU

@@ -21,7 +21,7 @@ from samplers.rules import prediction_type
 from workers.labels import resolve_label
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
-SHIPPED = ("digits", "digits-flow")  # pipeline directories under workers/models
+SHIPPED = ("digits", "digits-flow", "digits-text")  # pipeline directories under workers/models
 DEFAULT_MODEL = "digits"  # what the CLI's local commands use when no model is named
 DIT_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 0.02,
                  "beta_schedule": "linear", "prediction_type": "epsilon", "clip_sample": False}

@@ -16,7 +16,7 @@ def catalog(digits_model):
     return Catalog.of([digits_model], LimitsConfig(max_items_per_job=30))
 
 
-@pytest.mark.parametrize("name", ["digits", "digits-flow", "dit-xl-2-256"])
+@pytest.mark.parametrize("name", ["digits", "digits-flow", "digits-text", "dit-xl-2-256"])
 def test_the_loader_builds_what_the_card_describes(name):
     from workers.loading import load_model
 
@@ -29,8 +29,9 @@ def test_the_loader_builds_what_the_card_describes(name):
     assert info.prediction_type == model.schedule.prediction_type
     assert info.num_train_timesteps == model.schedule.num_train_timesteps
     assert (info.pixel_space, info.dtype) == ((model.vae is None), "float32" if info.path else "bfloat16")
-    for label in (0, "7", "9") + (("seven", " Nine ") if info.id2label else ()):
+    for label in ((0, "7", "9") if info.num_classes else ()) + (("seven", " Nine ") if info.id2label else ()):
         assert info.label_id(label) == model.label_id(label)
+    assert (model.text_encoder is not None) == (info.conditioning == "text")
 
 
 def test_serve_and_generate_accept_the_same_models():

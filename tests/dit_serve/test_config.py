@@ -13,7 +13,7 @@ def test_defaults_need_no_file():
     cfg = load_config(None)
     assert cfg == Config()
     assert cfg.store.database_url() == f"sqlite:///{Path('dit-serve-data') / 'jobs.db'}"
-    assert cfg.workers.models == ("digits",) and cfg.workers.resource == "auto" and cfg.ray.address == ""
+    assert cfg.workers.models == ("digits", "digits-text") and cfg.workers.resource == "auto" and cfg.ray.address == ""
 
 
 def test_a_file_sets_sections(tmp_path):

@@ -79,3 +79,24 @@ def test_mixed_staggered_batch_keeps_labels_apart(digits):
     assert [r.request.id for r in results] == [r.id for r in reqs]
     acc = oracle_accuracy(images, labels)
     assert acc >= 0.90, f"oracle accuracy {acc:.3f}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("held_out, target", [(False, 0.90), (True, 0.80)])
+def test_digits_text_through_our_engine_draws_the_asked_digit(held_out, target):
+    """The shipped text model through our engine (its card, loader, text path; not diffusers' pipeline):
+    100 images from training-style prompts, or from phrasings held out of training."""
+    import numpy as np
+
+    from workers.models.train_digits_text import oracle_prompts
+    from workers.spec import ItemSpec
+
+    model = load_model("digits-text")
+    prompts, labels = oracle_prompts(10, held_out, seed=7)
+    d = model.defaults
+    specs = [ItemSpec(id=str(i), seed=9000 + i, sampler=d["sampler"], steps=d["steps"], guidance=d["guidance"],
+                      prompt=p) for i, p in enumerate(prompts)]
+    results = Engine(model, EngineConfig(backend="eager", max_batch=64)).generate(specs, max_active=64)
+    images = np.stack([r.latents[0].numpy() for r in results])  # pixel space: (8, 8) in [-1, 1]
+    acc = oracle_accuracy(images, labels)
+    assert acc >= target, f"oracle accuracy {acc:.3f} ({'held-out' if held_out else 'training-style'} prompts)"
