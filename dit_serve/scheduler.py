@@ -188,19 +188,21 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------------------------------
     def _collect(self) -> None:
+        """Wait up to a tick for the workers' answers. A worker is polled at most once a tick: an
+        answered poll is not sent again at once, which kept a core busy polling idle workers."""
         import ray
 
-        refs = {}
+        now, refs = time.monotonic(), {}
         for w in self.workers.values():
             if not w.ready:
                 refs[w.ready_ref] = w
-            elif w.poll_ref is None:
-                w.poll_ref, w.poll_sent = w.handle.poll.remote(), time.monotonic()
+            elif w.poll_ref is not None:
                 refs[w.poll_ref] = w
-            else:
+            elif now - w.poll_sent >= self.sched.tick_seconds:
+                w.poll_ref, w.poll_sent = w.handle.poll.remote(), now
                 refs[w.poll_ref] = w
         if not refs:
-            time.sleep(self.sched.tick_seconds)
+            time.sleep(self.sched.tick_seconds / 2)
             return
         done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.sched.tick_seconds)
         for ref in done:

@@ -209,4 +209,6 @@ def remote_worker_class():
     """``Worker`` as a Ray actor class (ray imported only when a scheduler asks for it)."""
     import ray
 
-    return ray.remote(max_restarts=0)(Worker)
+    # no task events: the scheduler polls each worker many times a second, and the GCS would keep a record
+    # of every call (up to 100,000 by default, ~3 KiB each): hundreds of MB before it levels off
+    return ray.remote(max_restarts=0, enable_task_events=False)(Worker)
