@@ -37,7 +37,8 @@ def test_workers_follow_nodes(digits_model, tmp_path):
     cfg = service_config(tmp_path, digits_model, workers={"resource": RESOURCE, "max_inflight": 8})
     try:
         with Service(cfg) as svc, Client(svc.url) as client:
-            job = client.submit(labels=list(range(10)), num_per_label=4, steps=150, seed=70)  # 40 items
+            # 80 items of 200 steps: more than one worker finishes before the second node's worker is up
+            job = client.submit(labels=list(range(10)), num_per_label=8, steps=200, seed=70)
             time.sleep(1.0)
             assert svc.scheduler.workers == {} and client.get(job, items=False).state == "queued"
 
@@ -53,7 +54,7 @@ def test_workers_follow_nodes(digits_model, tmp_path):
             assert job.state == "done"
             assert max(it.attempts for it in job.items) == 2  # some items ran again on the second node
             pngs = sorted(p.name for p in (tmp_path / "images" / job.id).iterdir())
-            assert pngs == [f"{i:05d}.png" for i in range(40)]
+            assert pngs == [f"{i:05d}.png" for i in range(80)]
             assert oracle(client.images(job), [it.label for it in job.items]) >= 0.8
     finally:
         ray.shutdown()
