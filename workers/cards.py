@@ -92,18 +92,18 @@ def read_card(spec: str | Path) -> ModelCard:
     if (path / "model_index.json").is_file():
         return _pipeline_card(path, name)
     if (path / "config.json").is_file():
-        return _dit_card(name, path, _read_json(path / "config.json"), vae=None, index={}, scheduler={})
+        return _dit_card(name, path, read_json(path / "config.json"), vae=None, index={}, scheduler={})
     raise CardError(f"{path} holds neither model_index.json (a pipeline) nor config.json (a transformer)")
 
 
 def _pipeline_card(path: Path, name: str) -> ModelCard:
-    index = _read_json(path / "model_index.json")
+    index = read_json(path / "model_index.json")
     if not (path / "transformer" / "config.json").is_file():
         raise CardError(f"{path}/model_index.json has no transformer/config.json beside it")
-    transformer = _read_json(path / "transformer" / "config.json")
-    vae = _read_json(path / "vae" / "config.json") if (path / "vae" / "config.json").is_file() else None
+    transformer = read_json(path / "transformer" / "config.json")
+    vae = read_json(path / "vae" / "config.json") if (path / "vae" / "config.json").is_file() else None
     sched_file = path / "scheduler" / "scheduler_config.json"
-    scheduler = _read_json(sched_file) if sched_file.is_file() else {}
+    scheduler = read_json(sched_file) if sched_file.is_file() else {}
     if transformer.get("_class_name") == "PixArtTransformer2DModel":
         return _pixart_card(name, path, transformer, vae, index, scheduler)
     return _dit_card(name, path, transformer, vae, index, scheduler)
@@ -141,7 +141,7 @@ def _dit_card(name: str, path: Path, cfg: dict, vae: dict | None, index: dict, s
         defaults={**FALLBACK_DEFAULTS, **extra.get("defaults", {})})
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:

@@ -15,7 +15,6 @@ Pickle-based weights (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are refused: unpic
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from samplers import NoiseSchedule
-from workers.cards import DIT_SCHEDULER, FALLBACK_DEFAULTS, CardError, ModelCard, read_card
+from workers.cards import DIT_SCHEDULER, FALLBACK_DEFAULTS, CardError, ModelCard, read_card, read_json
 from workers.labels import resolve_label
 
 log = logging.getLogger(__name__)
@@ -195,9 +194,8 @@ def _builtin_dit_xl(card: ModelCard, device, dtype) -> LoadedModel:
 
 
 def _read_json(path: Path) -> dict:
+    """The card reader's JSON reading (same messages), as this module's ModelError."""
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelError(f"missing {path}") from None
-    except json.JSONDecodeError as e:
-        raise ModelError(f"{path} is not valid JSON: {e}") from None
+        return read_json(path)
+    except CardError as e:
+        raise ModelError(str(e)) from None
