@@ -16,6 +16,7 @@ from dit_serve.config import LimitsConfig
 from dit_serve.schemas import ImageGenerationRequest, JobParams, JobRequest, ModelCard
 from samplers.rules import check_settings
 from workers import cards
+from workers.sizes import parse_size
 
 
 class RequestError(ValueError):
@@ -30,7 +31,7 @@ def model_entry(card: cards.ModelCard) -> ModelCard:
     """A card as GET /v1/models shows it."""
     return ModelCard(id=card.name, conditioning=card.conditioning, family=card.family, num_classes=card.num_classes,
                      max_tokens=card.max_tokens, image_size=card.image_size,
-                     sizes=[f"{card.image_size}x{card.image_size}"], class_names=card.class_names(),
+                     sizes=[f"{w}x{h}" for w, h in card.made_sizes()], class_names=card.class_names(),
                      defaults=card.defaults)
 
 
@@ -77,8 +78,8 @@ class Catalog:
             per = "len(prompts) * num_per_prompt" if text else "len(labels) * num_per_label"
             raise RequestError(f"the job has {req.num_items} items ({per}); the limit is "
                                f"{self.limits.max_items_per_job}", "prompts" if text else "labels")
-        _check_size(info, req.width, req.height)
-        params = self.params(info, req.sampler, req.steps, req.guidance, req.eta, req.negative_prompt)
+        params = self.params(info, req.sampler, req.steps, req.guidance, req.eta, req.negative_prompt,
+                             size=_size(info, req.width, req.height, req.exact_size))
         if text:
             prompts = [p for p in req.prompts for _ in range(req.num_per_prompt)]
             labels = [0] * len(prompts)
@@ -89,7 +90,7 @@ class Catalog:
         return NewJob(info.name, params, labels, seeds, req.priority, req.webhook_url, prompts)
 
     def params(self, info: cards.ModelCard, sampler: str | None, steps: int | None, guidance: float | None,
-               eta: float, negative_prompt: str = "") -> JobParams:
+               eta: float, negative_prompt: str = "", size: dict | None = None) -> JobParams:
         sampler = sampler or info.defaults["sampler"]
         steps = steps or info.defaults["steps"]
         if steps > self.limits.max_steps:
@@ -103,17 +104,25 @@ class Catalog:
         if negative_prompt and info.conditioning != "text":
             raise RequestError(f"model {info.name!r} is class-conditional: negative_prompt applies to text models",
                                "negative_prompt")
-        return JobParams(sampler=sampler, steps=steps, guidance=guidance, eta=eta, negative_prompt=negative_prompt)
+        return JobParams(sampler=sampler, steps=steps, guidance=guidance, eta=eta, negative_prompt=negative_prompt,
+                         **(size or _size(info, None, None, False)))
 
     def resolve_images(self, req: ImageGenerationRequest) -> NewJob:
         """An OpenAI images request as a job: the prompt names one class, ``n`` images of it."""
         info = self.model(req.model)
         if req.n > self.limits.max_images_per_request:
             raise RequestError(f"n must be at most {self.limits.max_images_per_request}, got {req.n}", "n")
-        if req.size not in (None, "auto", f"{info.image_size}x{info.image_size}"):
-            raise RequestError(f"size {req.size!r} is not supported by model {info.name!r}: it makes "
-                               f"{info.image_size}x{info.image_size} images (or pass 'auto')", "size")
-        params = self.params(info, None, req.steps, req.guidance, 0.0)
+        width = height = None
+        if req.size not in (None, "auto"):
+            try:
+                width, height = parse_size(req.size)
+            except ValueError as e:
+                raise RequestError(str(e), "size") from None
+        try:  # OpenAI's size is the image's size: snapped to a bin when needed, then resized to it
+            size = _size(info, width, height, exact=True)
+        except RequestError as e:
+            raise RequestError(f"{e.message} (sizes: {', '.join(model_entry(info).sizes)}, or 'auto')", "size") from None
+        params = self.params(info, None, req.steps, req.guidance, 0.0, size=size)
         seeds = [(req.seed or 0) + i for i in range(req.n)]
         if info.conditioning == "text":
             return NewJob(info.name, params, [0] * req.n, seeds, req.priority, prompts=[req.prompt] * req.n)
@@ -124,12 +133,15 @@ class Catalog:
         return NewJob(info.name, params, [label] * req.n, seeds, req.priority)
 
 
-def _check_size(info: cards.ModelCard, width: int | None, height: int | None) -> None:
-    size = info.image_size
-    for name, value in (("width", width), ("height", height)):
-        if value is not None and value != size:
-            raise RequestError(f"model {info.name!r} makes {size}x{size} images; {name} {value} is not one of its "
-                               "sizes (leave width and height out for its size)", name)
+def _size(info: cards.ModelCard, width: int | None, height: int | None, exact: bool) -> dict:
+    """JobParams' size fields: what the model generates at, and the exact size to resize to (if any)."""
+    try:
+        w, h = info.size_for(width, height)
+    except ValueError as e:
+        raise RequestError(str(e), "width" if width not in (None, info.image_size) else "height") from None
+    asked = (width or info.image_size, height or info.image_size)
+    out = asked if exact and asked != (w, h) else (0, 0)
+    return {"width": w, "height": h, "output_width": out[0], "output_height": out[1]}
 
 
 def _label(info: cards.ModelCard, label: int | str) -> int:

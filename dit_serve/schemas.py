@@ -77,6 +77,9 @@ class JobRequest(_Request):
                                                                         "from; empty is the unconditional prompt")
     width: int | None = Field(None, ge=8, le=4096, description="pixels; the model's size when omitted")
     height: int | None = Field(None, ge=8, le=4096, description="pixels; the model's size when omitted")
+    exact_size: bool = Field(False, description="models with aspect-ratio bins generate at the bin nearest "
+                                                "width x height; true resizes (and centre-crops) the result to "
+                                                "exactly width x height")
     seed: int = Field(0, ge=0, le=MAX_SEED)
     seeds: list[Annotated[int, Field(ge=0, le=MAX_SEED)]] | None = Field(
         None, min_length=1, max_length=MAX_ITEMS, description="one seed per item; overrides `seed`")
@@ -122,6 +125,11 @@ class JobParams(_Response):
     guidance: float
     eta: float = 0.0
     negative_prompt: str = ""
+    width: int = Field(0, description="pixels the model generates at (0: its native size)")
+    height: int = 0
+    output_width: int = Field(0, description="pixels of the stored image when resized to an exact size "
+                                             "(0: as generated)")
+    output_height: int = 0
 
 
 class ItemStatus(_Response):
@@ -185,7 +193,9 @@ class ImageGenerationRequest(_Request):
     prompt: str = Field(min_length=1, max_length=32000)
     model: str | None = Field(None, max_length=MAX_NAME)
     n: int = Field(1, ge=1, le=10_000)
-    size: str | None = Field(None, max_length=20, description="'WxH' equal to the model's image size, or 'auto'")
+    size: str | None = Field(None, max_length=20, description="'WxH': one of the model's sizes (GET /v1/models), or any size for "
+                                                                 "models with aspect-ratio bins (generated at the "
+                                                                 "nearest bin, resized to WxH); 'auto': its native size")
     response_format: Literal["url", "b64_json"] = "url"
     output_format: Literal["png"] | None = None
     output_compression: int | None = Field(None, ge=0, le=100, description="accepted; PNG output is lossless")

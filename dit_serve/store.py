@@ -88,7 +88,8 @@ class Lease:
         p = self.params
         return ItemSpec(id=self.key, seed=self.seed, sampler=p.sampler, steps=p.steps, guidance=p.guidance,
                         eta=p.eta, label=self.label, model=self.model, prompt=self.prompt or "",
-                        negative_prompt=p.negative_prompt)
+                        negative_prompt=p.negative_prompt, width=p.width, height=p.height,
+                        out_width=p.output_width, out_height=p.output_height)
 
 
 def requeue_backoff(requeues: int) -> float:

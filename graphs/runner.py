@@ -11,7 +11,10 @@ Contract
   the step runs eagerly a few times at exactly that shape on the runner's side stream (cuBLAS
   workspaces, lazy inits), then is captured on that stream in ``thread_local`` mode. All buckets
   share ONE graph memory pool (``separate_pools=True`` gives one per bucket, to measure the
-  difference). Each bucket's replay is then timed (median of a few, CUDA events) into ``replay_ms``.
+  difference). Several runners whose replays never overlap (one thread steps them in turn: an engine's
+  runners for several latent shapes) may share one pool and one stream (``pool=``, ``stream=``): on one
+  stream a later capture reuses the blocks earlier captures freed, so the pool holds the largest
+  shape's working memory once. Each bucket's replay is then timed (median of a few, CUDA events) into ``replay_ms``.
 * What happens on a miss: a bucket whose capture raises (``.item()``, a host copy, an unsupported
   op) is logged with the reason, counted in ``capture_failures`` and served eagerly through the
   same static buffers; the buckets after it are captured into a fresh pool when the failure left
@@ -100,6 +103,8 @@ class GraphRunner:
         warmup_iters: int = 2,
         timing_reps: int = 5,
         separate_pools: bool = False,
+        pool: object | None = None,
+        stream: "torch.cuda.Stream | None" = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -124,7 +129,8 @@ class GraphRunner:
         self._plans: dict[int, tuple[int, ...]] = {}
         self._pool_bytes = (0, 0)
         self._lock = threading.Lock()
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._shared_pool = pool
+        self._stream = stream or (torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
         self._warmed = False
         self._warned_cold = False
 
@@ -198,8 +204,13 @@ class GraphRunner:
             rows = torch.arange(self.max_batch, device=t.device) % m
             self.arena.tensor(_IN + name).copy_(t[rows])
 
+    @property
+    def warmed(self) -> bool:
+        return self._warmed
+
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        pool = self._shared_pool if self._shared_pool is not None and not self.separate_pools \
+            else torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(self.device)  # the arena's zeroing and example copies are done
         for b in sorted(self.buckets, reverse=True):
             with torch.cuda.stream(self._stream):

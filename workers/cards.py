@@ -19,6 +19,7 @@ from pathlib import Path
 
 from samplers.rules import prediction_type
 from workers.labels import resolve_label
+from workers.sizes import nearest_bin, parse_size, pixart_bins
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 SHIPPED = ("digits", "digits-flow", "digits-text")  # pipeline directories under workers/models
@@ -53,6 +54,8 @@ class ModelCard:
     scheduler: dict = field(default_factory=dict)  # scheduler_config.json (DiT's schedule when empty)
     defaults: dict = field(default_factory=lambda: dict(FALLBACK_DEFAULTS))
     max_tokens: int = 0              # text models: prompts are encoded to exactly this many tokens
+    sizes: tuple[tuple[int, int], ...] = ()  # (width, height) it makes; the native square when empty
+    size_multiple: int = 1           # pixels per transformer patch (VAE factor x patch size)
 
     @property
     def prediction_type(self) -> str:
@@ -61,6 +64,32 @@ class ModelCard:
     @property
     def num_train_timesteps(self) -> int:
         return int((self.scheduler or DIT_SCHEDULER).get("num_train_timesteps", 1000))
+
+    @property
+    def native_size(self) -> tuple[int, int]:
+        return self.image_size, self.image_size
+
+    def made_sizes(self) -> list[tuple[int, int]]:
+        """The (width, height) sizes it generates at, the native size first."""
+        return [self.native_size, *(s for s in self.sizes if s != self.native_size)]
+
+    def size_for(self, width: int | None, height: int | None) -> tuple[int, int]:
+        """The (width, height) it generates for a request: the native size when neither is given (a missing
+        one is the native side), the size itself when it makes it, else the aspect-ratio bin nearest the
+        asked ratio (models with bins, as the reference pipelines snap). ValueError when it has one size."""
+        w, h = width or self.image_size, height or self.image_size
+        sizes = self.made_sizes()
+        if (w, h) in sizes:
+            return w, h
+        if len(sizes) == 1:
+            raise ValueError(f"model {self.name!r} makes {self.image_size}x{self.image_size} images only; "
+                             f"{w}x{h} is not one of its sizes (leave width and height out)")
+        return nearest_bin(w, h, sizes)
+
+    def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
+        """(C, H, W) of the latents for an image it makes at width x height."""
+        factor = self.image_size // self.latent_size
+        return self.latent_channels, height // factor, width // factor
 
     def label_id(self, label: int | str) -> int:
         """A class index from a number or a name in id2label; ValueError with a message otherwise."""
@@ -119,11 +148,30 @@ def _pixart_card(name: str, path: Path, cfg: dict, vae: dict | None, index: dict
     factor = 2 ** (len(vae["block_out_channels"]) - 1) if vae is not None else 1
     size = int(cfg.get("sample_size", 128))
     defaults = {"sampler": "dpmpp_2m", "steps": 20, "guidance": 4.5}  # the reference pipelines' defaults
+    multiple = factor * int(cfg.get("patch_size", 2))
+    sizes = _listed_sizes(path, extra, multiple) or pixart_bins(size)
     return ModelCard(
         name, "pixart", "text", path=str(path), image_size=size * factor, latent_channels=int(cfg.get("in_channels", 4)),
         latent_size=size, pixel_space=vae is None, dtype=extra.get("dtype", "bfloat16"), scheduler=scheduler,
         defaults={**defaults, **extra.get("defaults", {})},
-        max_tokens=int(extra.get("max_sequence_length", 300 if sigma else 120)))
+        max_tokens=int(extra.get("max_sequence_length", 300 if sigma else 120)), sizes=tuple(sizes),
+        size_multiple=multiple)
+
+
+def _listed_sizes(path: Path, extra: dict, multiple: int) -> list[tuple[int, int]]:
+    """Sizes a model directory lists in model_index.json (``dit_serve.sizes``: ["WxH", ...]): for models
+    without reference bins. Each side a multiple of the patch in pixels."""
+    out = []
+    for text in extra.get("sizes", []):
+        try:
+            w, h = parse_size(str(text))
+        except ValueError as e:
+            raise CardError(f"{path}/model_index.json: dit_serve.sizes: {e}") from None
+        if w % multiple or h % multiple:
+            raise CardError(f"{path}/model_index.json: dit_serve.sizes: {text!r} is not a multiple of "
+                            f"{multiple} pixels (the VAE factor times the patch size)")
+        out.append((w, h))
+    return out
 
 
 def _dit_card(name: str, path: Path, cfg: dict, vae: dict | None, index: dict, scheduler: dict) -> ModelCard:

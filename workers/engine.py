@@ -68,15 +68,18 @@ class _Active:
 class _Group:
     model: LoadedModel
     runner: GraphRunner
+    shape: tuple[int, int, int]  # the latents' (C, H, W)
     active: list[_Active] = field(default_factory=list)
 
 
 BASE_INPUTS = ("x", "t", "guidance", "coeffs", "hist", "noise")
 
 
-def step_specs(model: LoadedModel) -> tuple[dict[str, TensorSpec], dict[str, TensorSpec]]:
-    """The step's static inputs (the sampler's, then the family's conditioning) and outputs, per sample."""
-    lat, f32 = tuple(model.latent_shape), torch.float32
+def step_specs(model: LoadedModel, shape: tuple[int, int, int] | None = None
+               ) -> tuple[dict[str, TensorSpec], dict[str, TensorSpec]]:
+    """The step's static inputs (the sampler's, then the family's conditioning) and outputs, per sample,
+    for latents of ``shape`` (C, H, W; the model's native shape by default)."""
+    lat, f32 = tuple(shape or model.latent_shape), torch.float32
     inputs = {"x": TensorSpec(lat, f32), "t": TensorSpec((), f32), "guidance": TensorSpec((), f32),
               "coeffs": TensorSpec((9,), f32), "hist": TensorSpec(lat, f32), "noise": TensorSpec(lat, f32),
               **family_of(model).cond_specs(model)}
@@ -91,25 +94,50 @@ class Engine:
         self.config = config
         self.models = {m.name: m for m in models}
         self.groups: dict[GraphKey, _Group] = {}
-        self._keys: dict[str, GraphKey] = {}
+        self._keys: dict[tuple[str, tuple[int, int, int]], GraphKey] = {}
+        self._pools: dict[torch.device, tuple] = {}  # one graph pool and stream per device, for every shape
+        self._warm = False
         for m in models:
-            family = family_of(m)
-            if config.backend == "breakable" and config.attention_break and family.BREAK_ATTENTION:
+            if config.backend == "breakable" and config.attention_break and family_of(m).BREAK_ATTENTION:
                 break_attention(m.transformer)
-            inputs, outputs = step_specs(m)
-            runner = GraphRunner(family.make_step(m), inputs, outputs, max_batch=config.max_batch,
-                                 backend=config.backend, device=m.device)
-            key = GraphKey(m.name, tuple(m.latent_shape), str(m.dtype).removeprefix("torch."), runner.backend)
-            self.groups[key] = _Group(m, runner)
-            self._keys[m.name] = key
+            self._group(m, tuple(m.latent_shape))
         self.steps_run = 0
         self.real_rows = 0    # sample-steps served
         self.padded_rows = 0  # bucket rows replayed without a sample in them (padding waste)
 
-    def warmup(self) -> None:
-        """Capture every bucket of every group (start-up only; serving never captures)."""
+    def _group(self, model: LoadedModel, shape: tuple[int, int, int]) -> GraphKey:
+        """The group of ``model`` at latent ``shape``, made on first use. Groups of every shape capture into
+        their device's one graph pool: their replays never overlap (one engine thread), so the pool holds
+        the largest shape's working memory once, not one copy per shape."""
+        if (model.name, shape) in self._keys:
+            return self._keys[model.name, shape]
+        device = model.device
+        if device.type == "cuda" and device not in self._pools:
+            self._pools[device] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+        pool, stream = self._pools.get(device, (None, None))
+        inputs, outputs = step_specs(model, shape)
+        runner = GraphRunner(family_of(model).make_step(model, shape), inputs, outputs,
+                             max_batch=self.config.max_batch, backend=self.config.backend, device=device,
+                             pool=pool, stream=stream)
+        key = GraphKey(model.name, shape, str(model.dtype).removeprefix("torch."), runner.backend)
+        self.groups[key] = _Group(model, runner, shape)
+        self._keys[model.name, shape] = key
+        if self._warm:  # a size first asked for while serving: captured now, once (logged)
+            log.info("capturing %s at latent shape %s on first use", model.name, "x".join(map(str, shape)))
+            runner.warmup()
+        return key
+
+    def warmup(self, sizes: Iterable[tuple[int, int]] = ()) -> None:
+        """Capture every bucket of every group, and of each model's groups at ``sizes`` (width, height) it
+        makes (start-up; a size first asked for later is captured when it first arrives)."""
+        for m in self.models.values():
+            for w, h in sizes:
+                if m.card is not None and (w, h) in m.card.made_sizes():
+                    self._group(m, m.card.latent_shape(w, h))
         for group in self.groups.values():
-            group.runner.warmup()
+            if not group.runner.warmed:
+                group.runner.warmup()
+        self._warm = True
 
     # -- admission and cancellation -------------------------------------------------------------
     def add(self, req: ItemSpec) -> None:
@@ -129,12 +157,13 @@ class Engine:
             conds = family_of(group.model).encode(group.model, group_reqs)
             admitted += [(group, r, p, c) for r, p, c in zip(group_reqs, plans, conds)]
         for group, req, plan, cond in admitted:
-            group.active.append(self._admit(group.model, req, plan, cond))
+            group.active.append(self._admit(group, req, plan, cond))
 
     @staticmethod
-    def _admit(model: LoadedModel, req: ItemSpec, plan: Plan, cond: dict[str, torch.Tensor]) -> _Active:
+    def _admit(group: _Group, req: ItemSpec, plan: Plan, cond: dict[str, torch.Tensor]) -> _Active:
+        model = group.model
         gen = torch.Generator("cpu").manual_seed(req.seed)
-        x = torch.randn(model.latent_shape, generator=gen) * plan.init_sigma  # (C, H, W)
+        x = torch.randn(group.shape, generator=gen) * plan.init_sigma  # (C, H, W)
         device = model.device
         # everything a step needs from this request goes to the device once, here, without waiting for
         # the GPU: the step loop then makes no host-to-device copy at all
@@ -179,7 +208,7 @@ class Engine:
         out = group.runner.run(
             x=torch.stack([a.x for a in active]), t=rows[:, 0], coeffs=rows[:, 1:],
             guidance=torch.stack([a.guidance for a in active]), hist=torch.stack([a.hist for a in active]),
-            noise=self._noise(active, group.model), **cond)
+            noise=self._noise(active, group), **cond)
         done: list[_Active] = []
         for i, a in enumerate(active):
             a.x, a.hist, a.step = out["x_next"][i], out["hist_next"][i], a.step + 1
@@ -193,25 +222,34 @@ class Engine:
         return self._finish(group.model, done)
 
     @staticmethod
-    def _noise(active: list[_Active], model: LoadedModel) -> torch.Tensor:
+    def _noise(active: list[_Active], group: _Group) -> torch.Tensor:
         """Fresh per-step noise for ancestral rows (each from its own CPU generator), zeros elsewhere."""
+        shape, device = group.shape, group.model.device
         if not any(a.plan.stochastic for a in active):  # no host noise to ship: zeros made on the device
-            return torch.zeros((len(active), *model.latent_shape), device=model.device)
-        rows = torch.stack([torch.randn(model.latent_shape, generator=a.gen) if a.plan.stochastic
-                            else torch.zeros(model.latent_shape) for a in active])  # (B, C, H, W)
-        return _upload(rows, model.device)
+            return torch.zeros((len(active), *shape), device=device)
+        rows = torch.stack([torch.randn(shape, generator=a.gen) if a.plan.stochastic
+                            else torch.zeros(shape) for a in active])  # (B, C, H, W)
+        return _upload(rows, device)
 
     def _finish(self, model: LoadedModel, done: list[_Active]) -> list[ImageResult]:
         latents = torch.stack([a.x for a in done])  # (B, C, H, W)
-        images = decode(model, latents)
+        images = decode(model, latents, [(a.req.out_width, a.req.out_height) for a in done])
         cpu = latents.float().cpu()
         return [ImageResult(a.req, images[i], cpu[i]) for i, a in enumerate(done)]
 
     def _key(self, req: ItemSpec) -> GraphKey:
         name = req.model or next(iter(self.models))
-        if name not in self._keys:
-            raise KeyError(f"model {name!r} is not loaded here (loaded: {', '.join(self._keys)})")
-        return self._keys[name]
+        if name not in self.models:
+            raise KeyError(f"model {name!r} is not loaded here (loaded: {', '.join(self.models)})")
+        model = self.models[name]
+        if not (req.width or req.height):
+            return self._keys[name, tuple(model.latent_shape)]
+        card = model.card
+        size = (req.width or card.image_size, req.height or card.image_size)
+        if size not in card.made_sizes():
+            raise ValueError(f"model {name!r} does not make {size[0]}x{size[1]} images "
+                             f"(sizes: {', '.join(f'{w}x{h}' for w, h in card.made_sizes())})")
+        return self._group(model, card.latent_shape(*size))
 
     # -- convenience -----------------------------------------------------------------------------
     def generate(self, requests: list[ItemSpec], on_progress: ProgressFn | None = None,
@@ -243,12 +281,30 @@ def _upload(t: torch.Tensor, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def decode(model: LoadedModel, latents: torch.Tensor) -> list[np.ndarray]:
-    """Latents (B, C, h, w) -> uint8 images; pixel-space models are their own image."""
+def decode(model: LoadedModel, latents: torch.Tensor,
+           out_sizes: list[tuple[int, int]] | None = None) -> list[np.ndarray]:
+    """Latents (B, C, h, w) -> uint8 images; pixel-space models are their own image. ``out_sizes`` (width,
+    height per image; (0, 0) keeps the size) resizes and centre-crops, as the reference pipelines do."""
     if model.vae is None:
         pixels = latents.float()
     else:
         pixels = model.vae.decode(latents.to(model.vae.dtype) / model.vae_scale).sample.float()
-    u8 = ((pixels.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()  # (B, c, H, W)
-    u8 = u8.permute(0, 2, 3, 1).numpy()                                     # (B, H, W, c)
-    return [img[..., 0] if img.shape[-1] == 1 else img for img in u8]
+    images = []
+    for i, (w, h) in enumerate(out_sizes or [(0, 0)] * len(pixels)):
+        img = pixels[i:i + 1] if not w else resize_and_crop(pixels[i:i + 1], w, h)  # (1, c, H, W)
+        img = ((img[0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu().permute(1, 2, 0).numpy()
+        images.append(img[..., 0] if img.shape[-1] == 1 else img)
+    return images
+
+
+def resize_and_crop(pixels: torch.Tensor, width: int, height: int) -> torch.Tensor:
+    """(B, c, H, W) -> (B, c, height, width): scaled (bilinear) until it covers the target, then cropped
+    about the centre, as diffusers' ``resize_and_crop_tensor`` (PixArt's resolution binning)."""
+    h0, w0 = pixels.shape[-2:]
+    if (h0, w0) == (height, width):
+        return pixels
+    ratio = max(height / h0, width / w0)
+    rh, rw = int(h0 * ratio), int(w0 * ratio)
+    pixels = torch.nn.functional.interpolate(pixels, size=(rh, rw), mode="bilinear", align_corners=False)
+    top, left = (rh - height) // 2, (rw - width) // 2
+    return pixels[..., top:top + height, left:left + width]

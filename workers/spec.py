@@ -14,7 +14,9 @@ from dataclasses import dataclass
 class ItemSpec:
     """One image: ``id`` is the store's item key (``job/index``); ``model`` empty means the engine's only
     model. Class-conditional models read ``label``; text models ``prompt`` and ``negative_prompt`` (""
-    is the unconditional prompt, as in the reference pipelines)."""
+    is the unconditional prompt, as in the reference pipelines). ``width`` x ``height`` is the size the
+    model generates at (0: its native size); ``out_width`` x ``out_height``, when set, the size the image
+    is resized (and centre-cropped) to afterwards."""
 
     id: str
     seed: int
@@ -26,3 +28,7 @@ class ItemSpec:
     model: str = ""
     prompt: str = ""
     negative_prompt: str = ""
+    width: int = 0
+    height: int = 0
+    out_width: int = 0
+    out_height: int = 0

@@ -35,3 +35,29 @@ def test_pixart_buckets_replay_what_eager_computes(pixart_cuda, backend):
     stats = next(iter(graphs.stats()["groups"].values()))
     assert sum(s["eager_fallbacks"] for s in stats["buckets"].values()) == 0
     assert {b for b, s in stats["buckets"].items() if s["replays"]} >= {1, 4, 8}
+
+
+def test_mixed_sizes_share_one_pool_and_replay_what_eager_computes(pixart_cuda):
+    """Three latent shapes in one engine: every shape's replays equal eager, all graphs capture into one
+    pool on one stream, and later shapes reuse the pool memory the first one reserved."""
+    from workers.engine import Engine, EngineConfig
+    from workers.spec import ItemSpec
+
+    sizes = [(16, 16), (32, 16), (16, 32)]
+    specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=6, guidance=2.0 + i % 3,
+                      prompt=("a red cat", "the big blue house", "a dog drawn")[i % 3],
+                      width=sizes[i % 3][0], height=sizes[i % 3][1]) for i in range(15)]
+    graphs = Engine(pixart_cuda, EngineConfig(backend="breakable", max_batch=8))
+    graphs.warmup(sizes=sizes)
+    runners = [g.runner for g in graphs.groups.values()]
+    assert len(runners) == 3 and len({id(r._shared_pool) for r in runners}) == 1
+    assert len({id(r._stream) for r in runners}) == 1
+    got = graphs.generate(specs)
+    want = Engine(pixart_cuda, EngineConfig(backend="eager", max_batch=8)).generate(specs)
+    for g, w in zip(got, want):
+        assert g.image.shape[:2] == (g.request.height, g.request.width)
+        err = ((g.latents - w.latents).abs().max() / w.latents.abs().max()).item()
+        assert err <= 1e-5, (g.request.id, err)
+    for group in graphs.stats()["groups"].values():
+        assert sum(s["eager_fallbacks"] for s in group["buckets"].values()) == 0
+        assert sum(s["replays"] for s in group["buckets"].values()) > 0

@@ -20,8 +20,9 @@ def encode(model, specs) -> list[dict[str, torch.Tensor]]:
     return [{"labels": torch.tensor(s.label)} for s in specs]
 
 
-def make_step(model):
-    """One whole denoising step, the captured unit: CFG-doubled forward, guidance, sampler update."""
+def make_step(model, shape=None):
+    """One whole denoising step, the captured unit: CFG-doubled forward, guidance, sampler update. DiT
+    makes its native size only, so ``shape`` (the latents' (C, H, W)) changes nothing."""
     transformer, c, null, dtype = model.transformer, model.latent_shape[0], model.null_class, model.dtype
 
     def step(x, t, guidance, coeffs, hist, noise, labels):

@@ -57,17 +57,20 @@ def _encode_texts(model, texts: list[str]) -> dict[str, tuple[torch.Tensor, torc
     return out
 
 
-def make_step(model):
-    """One whole denoising step: both CFG halves in one forward (prompt rows, then negative rows),
-    guidance, sampler update. A learned-sigma output keeps its first half, as the pipeline does.
-    PixArt-α at 1024 px also conditions on the image's resolution and aspect ratio: fixed per shape, so
-    they are device tensors made here, outside capture, and broadcast over the batch."""
+def make_step(model, shape=None):
+    """One whole denoising step for latents of ``shape`` (C, H, W; the native one by default): both CFG
+    halves in one forward (prompt rows, then negative rows), guidance, sampler update. A learned-sigma
+    output keeps its first half, as the pipeline does. The transformer's positional embedding follows
+    the latents' size. PixArt-α at 1024 px also conditions on the image's resolution and aspect ratio:
+    fixed per shape, so they are device tensors made here, outside capture, and broadcast over the batch."""
     transformer, c, dtype = model.transformer, model.latent_shape[0], model.dtype
-    size = float(model.card.image_size)
+    _, lh, lw = shape or model.latent_shape
+    factor = model.card.image_size // model.card.latent_size
+    height, width = float(lh * factor), float(lw * factor)
     sizes = None
     if getattr(transformer, "use_additional_conditions", False):  # as PixArtAlphaPipeline at sample_size 128
-        sizes = (torch.tensor([[size, size]], dtype=dtype, device=model.device),   # (1, 2) height, width
-                 torch.tensor([[1.0]], dtype=dtype, device=model.device))          # (1, 1) height / width
+        sizes = (torch.tensor([[height, width]], dtype=dtype, device=model.device),  # (1, 2)
+                 torch.tensor([[height / width]], dtype=dtype, device=model.device))  # (1, 1) aspect ratio
 
     def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, prompt_mask, neg_embeds, neg_mask):
         xin = model_input(x, coeffs).to(dtype)                                  # (B, C, H, W)

@@ -1,7 +1,7 @@
 """A PixArt-Σ pipeline directory in the layout of ``PixArt-alpha/PixArt-Sigma-XL-2-1024-MS`` (transformer,
 T5 text encoder, tokenizer, VAE, scheduler; safetensors), shrunk to run on a CPU in seconds, with random
 weights and a word-level tokenizer built here. The text-path tests use it, since nothing may be
-downloaded. Latents 4x8x8, images 16x16, prompts of at most ``MAX_TOKENS`` tokens.
+downloaded. Latents 4x8x8, images 16x16 (also 32x16, 16x32, 32x32), prompts of at most ``MAX_TOKENS`` tokens.
 
     python -m workers.models.tiny_pixart OUT_DIR
 """
@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 MAX_TOKENS = 16
+SIZES = ("16x16", "32x16", "16x32", "32x32")  # width x height: it makes these (no reference bins at this size)
 WORDS = "<pad> </s> <unk> a an the red blue green cat dog tree house small big drawn photo of".split()
 
 
@@ -54,7 +55,7 @@ def make_tiny_pixart(path: Path, seed: int = 0, alpha: bool = False, additional_
         "_class_name": "PixArtAlphaPipeline" if alpha else "PixArtSigmaPipeline", "transformer": ["diffusers", "PixArtTransformer2DModel"],
         "text_encoder": ["transformers", "T5EncoderModel"], "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
         "vae": ["diffusers", "AutoencoderKL"], "scheduler": ["diffusers", "DPMSolverMultistepScheduler"],
-        "dit_serve": {"max_sequence_length": MAX_TOKENS, "dtype": "float32"}}, indent=2))
+        "dit_serve": {"max_sequence_length": MAX_TOKENS, "dtype": "float32", "sizes": list(SIZES)}}, indent=2))
     return path
 
 

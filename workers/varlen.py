@@ -1,0 +1,160 @@
+"""Variable-length cross-attention for PixArt, applied from outside (diffusers' ``PixArtTransformer2DModel``).
+
+Every prompt is padded to ``max_tokens`` (300 for PixArt-Σ) so the step stays graph-stable; the padded
+cross-attention then scores all 300 keys and masks most of them away. ``varlen_cross_attention(transformer)``
+swaps each block's ``attn2`` processor for one whose q/k/v and output projections stay in the captured
+segment while the attention kernel is an ``eager_on_graph`` call that scores each row only against its
+real keys. The keys keep their padded (B, L) layout, so nothing data-dependent is ever allocated.
+
+Which rows use which keys. diffusers turns the (B, L) 0/1 prompt mask into an additive bias (B, 1, L)
+(0 keep, -10000 drop) before the blocks; ``key_lengths`` counts the kept keys of whatever ``attn2``
+receives. The mask is a prefix mask (T5 pads at the end), so row i attends to keys [0, n_i). A row with no
+key kept attends to all L keys, as the padded softmax over L equal biases does. Both give the padded
+result exactly: exp(-10000) is 0 in every float type.
+
+Kernels (``varlen_attention_into``), chosen per call:
+
+* CUDA, fp16/bf16, head dim a multiple of 8 up to 256 (PixArt: 72), sm80+, and a torch whose
+  ``aten::_flash_attention_forward`` takes ``seqused_k``: flash attention's varlen path with
+  ``cum_seq_q``/``cum_seq_k`` over the padded layout and ``seqused_k`` = the key counts, on the device.
+  No host synchronisation; its output has the query's shape. Detected at run time from the op's schema.
+* otherwise, eagerly: rows grouped by key count (a host read of the counts) and one
+  ``scaled_dot_product_attention`` per group on ``k[:, :n]``; exact and padding-free.
+* otherwise, inside a ``full`` capture (the break is captured inline, so no host read is allowed): SDPA
+  over all L keys with a boolean mask built on the device. Exact, not padding-free.
+
+Boundary buffers. q (B*T rows), k and v (B*L rows) and the output (B*T rows) live in ONE
+``workers.patches.AttentionScratch``, shared by all layers and buckets as the self-attention break's is
+(pass that one as ``scratch`` to share it too: attn1 finishes before attn2 starts). Each slot has
+B * max(T, L) rows: at 256 px PixArt-Σ has T = 256 image tokens but L = 300 keys. The kernel writes into
+the output slot in place. At capture the break runs on counts the preceding segment has only recorded
+(garbage), so counts are clamped to [1, L] inside the break: the placeholder run reads no memory
+outside k and v.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from graphs import eager_on_graph
+from workers.patches import AttentionScratch, _linear_into
+
+
+def key_lengths(mask: torch.Tensor | None, rows: int, keys: int, device: torch.device) -> torch.Tensor:
+    """(B,) int32 keys each row attends to, from the mask diffusers hands attn2: None (all keys), a (B, L)
+    keep-mask (bool, or 0/1 floats), or the additive bias (B, 1, L) made from one (0 keep, -10000 drop)."""
+    if mask is None:  # made on the device: a host-to-device copy inside capture is illegal
+        return torch.full((rows,), keys, dtype=torch.int32, device=device)
+    flat = mask.reshape(rows, keys)                                             # (B, L)
+    keep = flat if flat.dtype == torch.bool else (flat > 0.5 if mask.ndim == 2 else flat > -1.0)
+    n = keep.sum(-1, dtype=torch.int32)                                         # (B,)
+    return n.masked_fill(n == 0, keys)  # no key kept: the padded softmax is uniform over all L
+
+
+def cu_seqlens(rows: int, t: int, keys: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B+1,) int32 offsets of each row's queries in (B*T, h, d) and of its key slot in (B*L, h, d)."""
+    step = lambda n: torch.arange(0, (rows + 1) * n, n, dtype=torch.int32, device=device)
+    return step(t), step(keys)
+
+
+@eager_on_graph
+def varlen_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor,
+                          out: torch.Tensor) -> None:
+    """q (B, T, h, d), k and v (B, L, h, d), used (B,) keys per row -> out (B, T, h, d), row i attending
+    to k[i, :used[i]]; runs eagerly between segments."""
+    used = used.clamp(1, k.shape[1])  # garbage at capture: keep reads inside k, v
+    if _flash_usable(q):
+        b, t, h, d = q.shape
+        cu_q, cu_k = cu_seqlens(b, t, k.shape[1], q.device)
+        flat = lambda x: x.reshape(-1, h, d)                                    # (B*T or B*L, h, d)
+        out.view(b * t, h, d).copy_(_flash_varlen(flat(q), flat(k), flat(v), cu_q, cu_k, t, k.shape[1], used))
+    elif q.is_cuda and torch.cuda.is_current_stream_capturing():
+        _masked_into(q, k, v, used, out)
+    else:
+        _grouped_into(q, k, v, used, out)
+
+
+def _flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, used) -> torch.Tensor:
+    """Flash attention's varlen forward: (B*T, h, d) queries against the first used[i] keys of row i's slot."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, False, False,
+                                                   seqused_k=used)[0]
+
+
+def _grouped_into(q, k, v, used, out) -> None:
+    q, k, v, out = (x.transpose(1, 2) for x in (q, k, v, out))                 # (B, h, T or L, d)
+    lengths = used.tolist()  # a host read (a sync on CUDA): allowed because this runs eagerly
+    for n in sorted(set(lengths)):
+        rows = torch.tensor([i for i, m in enumerate(lengths) if m == n], device=q.device)
+        out[rows] = F.scaled_dot_product_attention(q[rows], k[rows, :, :n], v[rows, :, :n])
+
+
+def _masked_into(q, k, v, used, out) -> None:
+    keep = torch.arange(k.shape[1], device=k.device) < used[:, None]           # (B, L)
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))                           # (B, h, T or L, d)
+    out.transpose(1, 2).copy_(F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None]))
+
+
+def _flash_usable(q: torch.Tensor) -> bool:
+    d = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
+            and _flash_takes_seqused() and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
+@functools.cache
+def _flash_takes_seqused() -> bool:
+    """Whether this torch's flash attention is built and its aten op takes ``seqused_k`` (2.13 does)."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if op is None or not torch.backends.cuda.is_flash_attention_available():
+        return False
+    return any(a.name == "seqused_k" for a in op.default._schema.arguments)
+
+
+class VarlenCrossAttention:
+    """Cross-attention for PixArt blocks, as diffusers' AttnProcessor2_0 with a prefix mask, over each
+    row's real keys only; q, k, v and the output live in the shared scratch."""
+
+    def __init__(self, scratch: AttentionScratch, original) -> None:
+        self.scratch, self.original = scratch, original  # original: the processor restore puts back
+
+    def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states=None,
+                 attention_mask=None, temb=None, **kwargs) -> torch.Tensor:
+        ctx = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        b, t, _ = hidden_states.shape                                           # (B, T, D)
+        l, inner, heads = ctx.shape[1], attn.to_q.out_features, attn.heads      # ctx (B, L, C)
+        slots = self.scratch.views(b * max(t, l), inner, hidden_states)         # (B*max(T, L), inner) x4
+        q, k, v, o = slots[0][:b * t], slots[1][:b * l], slots[2][:b * l], slots[3][:b * t]
+        _linear_into(hidden_states.reshape(b * t, -1), attn.to_q, q)
+        for proj, dst in ((attn.to_k, k), (attn.to_v, v)):
+            _linear_into(ctx.reshape(b * l, -1), proj, dst)
+        used = key_lengths(attention_mask, b, l, hidden_states.device)         # (B,) int32, in the segment
+        split = lambda y, n: y.view(b, n, heads, inner // heads)               # (B, n, h, d)
+        varlen_attention_into(split(q, t), split(k, l), split(v, l), used, split(o, t))
+        out = attn.to_out[1](attn.to_out[0](o.view(b, t, inner)))              # proj + dropout
+        return out / attn.rescale_output_factor
+
+
+def varlen_cross_attention(transformer: torch.nn.Module, scratch: AttentionScratch | None = None) -> None:
+    """Route every block's cross-attention through the varlen break; patched blocks are left as they are."""
+    attns = [blk.attn2 for blk in transformer.transformer_blocks if getattr(blk, "attn2", None) is not None]
+    for attn in attns:
+        if any(getattr(attn, f, None) for f in ("norm_q", "norm_k", "spatial_norm", "group_norm", "norm_cross",
+                                                "residual_connection")):
+            raise ValueError("varlen cross-attention supports plain attention only (PixArt's attn2): "
+                             f"{type(attn).__name__} has q/k norms, spatial or group norm, or a residual")
+    done = [a.processor.scratch for a in attns if isinstance(a.processor, VarlenCrossAttention)]
+    if scratch is None:
+        scratch = done[0] if done else AttentionScratch()
+    for attn in attns:
+        if not isinstance(attn.processor, VarlenCrossAttention):
+            attn.set_processor(VarlenCrossAttention(scratch, attn.processor))
+
+
+def restore_cross_attention(transformer: torch.nn.Module) -> None:
+    """Undo ``varlen_cross_attention``: each attn2 gets back the processor it had before."""
+    for blk in transformer.transformer_blocks:
+        attn = getattr(blk, "attn2", None)
+        if attn is not None and isinstance(attn.processor, VarlenCrossAttention):
+            attn.set_processor(attn.processor.original)
