@@ -39,6 +39,8 @@ class WorkerSpec:
     backend: str = "auto"  # auto: breakable on CUDA, eager on the CPU
     max_batch: int = 64
     torch_threads: int | None = None
+    cross_attention: str = "padded"  # text models: "padded" | "varlen" (EngineConfig)
+    warm_sizes: tuple[str, ...] = ()  # "WxH" captured at start-up besides the native sizes
 
 
 class Worker:
@@ -55,9 +57,12 @@ class Worker:
         on_cuda = self.device.startswith("cuda")
         models = [load_model(m, device=self.device, dtype=self._dtype(spec.dtype, m)) for m in spec.models]
         self.backend = ("breakable" if on_cuda else "eager") if spec.backend == "auto" else spec.backend
-        self.engine = Engine(models, EngineConfig(backend=self.backend, max_batch=spec.max_batch))
+        from workers.sizes import parse_size
+
+        self.engine = Engine(models, EngineConfig(backend=self.backend, max_batch=spec.max_batch,
+                                                  cross_attention=spec.cross_attention))
         t0 = time.perf_counter()
-        self.engine.warmup()
+        self.engine.warmup(sizes=[parse_size(s) for s in spec.warm_sizes])
         log.info("worker ready: %s on %s (%s), warm-up %.1f s", ", ".join(self.engine.models), self.device,
                  self.backend, time.perf_counter() - t0)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

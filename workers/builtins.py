@@ -50,18 +50,25 @@ def build_pixart_sigma(image_size: int, device: str | torch.device, dtype: torch
     ``device`` in ``dtype``: ``(transformer, text_encoder, tokenizer, vae)``, in eval mode, frozen. The
     dicts override keys of PIXART_SIGMA_XL_2, T5_XXL and SDXL_VAE (tests shrink them). One generator
     seeded with ``seed`` initialises the three modules in that order, so a seed gives the same weights."""
+    gen = torch.Generator(device).manual_seed(seed)
+    modules = pixart_sigma_on_meta(image_size, transformer=transformer, text_encoder=text_encoder, vae=vae)
+    made = [materialise(m, device, dtype, gen) for m in modules]
+    return made[0], made[1], t5_tokenizer(), made[2]
+
+
+def pixart_sigma_on_meta(image_size: int, *, transformer: dict | None = None, text_encoder: dict | None = None,
+                         vae: dict | None = None) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """The transformer, T5 encoder and VAE of build_pixart_sigma on the meta device: shapes, no storage
+    (parameter counts and memory estimates cost nothing)."""
     from diffusers import AutoencoderKL, PixArtTransformer2DModel
     from transformers import T5Config, T5EncoderModel
 
     # the reference pipelines' positional-embedding interpolation, {256: 0.5, 512: 1, 1024: 2, 2048: 4}
     sizes = dict(sample_size=image_size // 8, interpolation_scale=image_size / 512)
     with torch.device("meta"):
-        modules = (PixArtTransformer2DModel(**{**PIXART_SIGMA_XL_2, **sizes, **(transformer or {})}),
-                   T5EncoderModel(T5Config(**{**T5_XXL, **(text_encoder or {})})),
-                   AutoencoderKL(**{**SDXL_VAE, "sample_size": image_size, **(vae or {})}))
-    gen = torch.Generator(device).manual_seed(seed)
-    made = [materialise(m, device, dtype, gen) for m in modules]
-    return made[0], made[1], t5_tokenizer(), made[2]
+        return (PixArtTransformer2DModel(**{**PIXART_SIGMA_XL_2, **sizes, **(transformer or {})}),
+                T5EncoderModel(T5Config(**{**T5_XXL, **(text_encoder or {})})),
+                AutoencoderKL(**{**SDXL_VAE, "sample_size": image_size, **(vae or {})}))
 
 
 @torch.no_grad()
@@ -77,8 +84,9 @@ def materialise(model: nn.Module, device, dtype: torch.dtype, gen: torch.Generat
                     continue
                 if id(t) not in made:
                     new = torch.empty_like(t, device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-                    is_param = group is owner._parameters
-                    made[id(t)] = t, nn.Parameter(_init(owner, name, new, gen), requires_grad=False) if is_param else new
+                    if group is owner._parameters:
+                        new = nn.Parameter(_init(owner, name, new, gen), requires_grad=False)
+                    made[id(t)] = t, new  # buffers are filled by _restore_buffers
                 group[name] = made[id(t)][1]
     _restore_buffers(model)
     return model.eval()
@@ -111,10 +119,10 @@ def _restore_buffers(model: nn.Module) -> None:
 
 
 def t5_tokenizer():
-    """A T5-like fast tokenizer over a generated vocabulary of 32128 lower-case pieces: SentencePiece's
-    ``▁`` word marker, accents stripped, a Unigram model (a segmentation into the fewest pieces), ``</s>`` appended;
-    <pad> 0, </s> 1, <unk> 2. Pieces are characters, letter bigrams and trigrams, and word-initial
-    trigrams of common letters, so an ordinary prompt is ~1.5-2.5 tokens a word, rarely <unk>."""
+    """A T5-like fast tokenizer over a generated vocabulary of 32128 lower-case pieces: accents stripped,
+    SentencePiece's ``▁`` word marker, a Unigram model (a segmentation into the fewest pieces), ``</s>``
+    appended; <pad> 0, </s> 1, <unk> 2. Pieces are characters, letter bigrams and trigrams, and
+    word-initial trigrams of common letters, so an ordinary prompt is ~1.5-2.5 tokens a word, rarely <unk>."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -130,8 +138,8 @@ def t5_tokenizer():
 
 def _pieces(n: int) -> list[str]:
     """``n`` distinct pieces, deterministic: every symbol alone and word-initial, letter bigrams (both),
-    letter trigrams, then word-initial trigrams by descending letter frequency (those with q, x, z, j
-    are the ones left out)."""
+    letter trigrams, then word-initial trigrams by descending letter frequency (the rarest, mostly
+    with j, q, x or z, are left out)."""
     bigrams = ["".join(p) for p in product(LETTERS, repeat=2)]
     trigrams = ["".join(p) for p in product(LETTERS, repeat=3)]
     freq = dict(zip(LETTERS, LETTER_FREQ))

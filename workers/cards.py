@@ -28,7 +28,11 @@ DIT_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 
                  "beta_schedule": "linear", "prediction_type": "epsilon", "clip_sample": False}
 FALLBACK_DEFAULTS = {"guidance": 4.0, "sampler": "ddim", "steps": 50}
 DIT_CONFIG_DEFAULTS = {"sample_size": 32, "in_channels": 4}  # DiTTransformer2DModel's, for keys a config omits
-BUILTINS = {"dit-xl-2-256": 256, "dit-xl-2-512": 512}  # DiT-XL/2 + sd-vae-ft-ema, random weights
+BUILTINS = {"dit-xl-2-256": 256, "dit-xl-2-512": 512,  # DiT-XL/2 + sd-vae-ft-ema, random weights
+            "pixart-sigma-512": 512, "pixart-sigma-1024": 1024}  # PixArt-Σ-XL/2 + T5-XXL + SDXL VAE (workers.builtins)
+PIXART_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 0.02, "beta_schedule": "linear",
+                    "prediction_type": "epsilon", "algorithm_type": "dpmsolver++", "solver_order": 2,
+                    "timestep_spacing": "linspace"}  # PixArt-Σ's scheduler_config.json
 
 
 class CardError(ValueError):
@@ -107,6 +111,11 @@ def read_card(spec: str | Path) -> ModelCard:
     """The card of a shipped model (``digits``), a built-in architecture (``dit-xl-2-256``) or a local
     diffusers-format directory (a pipeline with model_index.json, or a bare transformer)."""
     spec = str(spec)
+    if spec in BUILTINS and spec.startswith("pixart-"):
+        size = BUILTINS[spec]
+        return ModelCard(spec, "pixart", "text", builtin=spec, image_size=size, latent_channels=4, latent_size=size // 8,
+                         scheduler=dict(PIXART_SCHEDULER), max_tokens=300, sizes=tuple(pixart_bins(size // 8)),
+                         size_multiple=16, defaults={"sampler": "dpmpp_2m", "steps": 20, "guidance": 4.5})
     if spec in BUILTINS:
         size = BUILTINS[spec]
         return ModelCard(spec, "dit", "class", builtin=spec, num_classes=1000, image_size=size, latent_channels=4,

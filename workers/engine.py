@@ -49,6 +49,7 @@ class EngineConfig:
     backend: str = "eager"        # eager | full | breakable
     max_batch: int = 64           # largest graph bucket (a power of two)
     attention_break: bool = True  # under `breakable`, each layer's attention is an eager break
+    cross_attention: str = "padded"  # text families: "padded" (to max_tokens, masked) | "varlen" (real lengths)
 
 
 @dataclass
@@ -98,8 +99,11 @@ class Engine:
         self._pools: dict[torch.device, tuple] = {}  # one graph pool and stream per device, for every shape
         self._warm = False
         for m in models:
-            if config.backend == "breakable" and config.attention_break and family_of(m).BREAK_ATTENTION:
+            family = family_of(m)
+            if config.backend == "breakable" and config.attention_break and family.BREAK_ATTENTION:
                 break_attention(m.transformer)
+            if hasattr(family, "set_cross_attention"):
+                family.set_cross_attention(m, config.cross_attention)
             self._group(m, tuple(m.latent_shape))
         self.steps_run = 0
         self.real_rows = 0    # sample-steps served

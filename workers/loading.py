@@ -6,9 +6,10 @@ Accepted layouts, never fetched from a hub:
   whose ``id2label`` lets users name classes), or
 - a bare transformer directory: ``config.json`` plus ``*.safetensors``.
 
-Built-in names: ``digits`` and ``digits-flow`` (the shipped pixel-space models, epsilon and
-rectified-flow) and ``dit-xl-2-256`` / ``dit-xl-2-512``
-(the DiT-XL/2 architecture with the sd-vae-ft-ema VAE, randomly initialised, for benchmarks).
+Built-in names: ``digits``, ``digits-flow`` and ``digits-text`` (the shipped models), ``dit-xl-2-256`` /
+``dit-xl-2-512`` (the DiT-XL/2 architecture with the sd-vae-ft-ema VAE) and ``pixart-sigma-512`` /
+``pixart-sigma-1024`` (PixArt-Σ-XL/2, a T5-XXL-sized encoder, the SDXL VAE), randomly initialised on
+the device, for benchmarks.
 Pickle-based weights (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are refused: unpickling runs code.
 """
 
@@ -96,7 +97,7 @@ def load_model(spec: str | Path, device: str | torch.device = "cpu",
     except CardError as e:
         raise ModelError(str(e)) from None
     if card.builtin:
-        return _builtin_dit_xl(card, device, dtype)
+        return (_builtin_pixart if card.family == "pixart" else _builtin_dit_xl)(card, device, dtype)
     path = Path(card.path)
     if not (path / "model_index.json").exists():
         return _assemble(card, _load_transformer(path, device, dtype), None)
@@ -191,6 +192,17 @@ def _builtin_dit_xl(card: ModelCard, device, dtype) -> LoadedModel:
         transformer = DiTTransformer2DModel(**DIT_XL_2, sample_size=card.latent_size)
         vae = AutoencoderKL(**SD_VAE_FT_EMA, sample_size=card.image_size)
     return _assemble(card, _cast(transformer, device, dtype), _cast(vae, device, dtype))
+
+
+def _builtin_pixart(card: ModelCard, device, dtype) -> LoadedModel:
+    """PixArt-Σ-XL/2 with a T5-XXL-sized encoder and the SDXL VAE, random weights made on the device
+    (workers.builtins: never materialised on the host)."""
+    from workers.builtins import build_pixart_sigma
+
+    transformer, encoder, tokenizer, vae = build_pixart_sigma(card.image_size, device, dtype)
+    model = _assemble(card, transformer, vae)
+    model.text_encoder, model.tokenizer = encoder, tokenizer
+    return model
 
 
 def _read_json(path: Path) -> dict:

@@ -4,13 +4,15 @@ Every prompt is padded to ``max_tokens`` (300 for PixArt-Σ) so the step stays g
 cross-attention then scores all 300 keys and masks most of them away. ``varlen_cross_attention(transformer)``
 swaps each block's ``attn2`` processor for one whose q/k/v and output projections stay in the captured
 segment while the attention kernel is an ``eager_on_graph`` call that scores each row only against its
-real keys. The keys keep their padded (B, L) layout, so nothing data-dependent is ever allocated.
+real keys. The keys keep their padded (B, L) layout and the result has the query's shape, written in
+place: nothing that crosses the break depends on the prompts.
 
 Which rows use which keys. diffusers turns the (B, L) 0/1 prompt mask into an additive bias (B, 1, L)
 (0 keep, -10000 drop) before the blocks; ``key_lengths`` counts the kept keys of whatever ``attn2``
-receives. The mask is a prefix mask (T5 pads at the end), so row i attends to keys [0, n_i). A row with no
-key kept attends to all L keys, as the padded softmax over L equal biases does. Both give the padded
-result exactly: exp(-10000) is 0 in every float type.
+receives. The mask must be a prefix mask (T5 pads at the end; not checked, that would need a host read),
+so row i attends to keys [0, n_i). This is the padded result: exp(-10000) is 0 in every float type. A row
+with no key kept (unreachable with T5, which keeps </s>) attends to all L keys, as the padded softmax over L
+equal biases does up to the rounding of score - 10000 (2e-5 in float32, near-uniform in fp16/bf16).
 
 Kernels (``varlen_attention_into``), chosen per call:
 
@@ -19,7 +21,8 @@ Kernels (``varlen_attention_into``), chosen per call:
   ``cum_seq_q``/``cum_seq_k`` over the padded layout and ``seqused_k`` = the key counts, on the device.
   No host synchronisation; its output has the query's shape. Detected at run time from the op's schema.
 * otherwise, eagerly: rows grouped by key count (a host read of the counts) and one
-  ``scaled_dot_product_attention`` per group on ``k[:, :n]``; exact and padding-free.
+  ``scaled_dot_product_attention`` per group on ``k[:, :n]``; exact and padding-free, but on CUDA (fp32,
+  or a torch without the kernel) the host read syncs the stream once per layer.
 * otherwise, inside a ``full`` capture (the break is captured inline, so no host read is allowed): SDPA
   over all L keys with a boolean mask built on the device. Exact, not padding-free.
 
@@ -51,7 +54,7 @@ def key_lengths(mask: torch.Tensor | None, rows: int, keys: int, device: torch.d
     flat = mask.reshape(rows, keys)                                             # (B, L)
     keep = flat if flat.dtype == torch.bool else (flat > 0.5 if mask.ndim == 2 else flat > -1.0)
     n = keep.sum(-1, dtype=torch.int32)                                         # (B,)
-    return n.masked_fill(n == 0, keys)  # no key kept: the padded softmax is uniform over all L
+    return n.masked_fill(n == 0, keys)  # no key kept: the padded softmax, biases all equal, takes all L
 
 
 def cu_seqlens(rows: int, t: int, keys: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,8 +143,8 @@ def varlen_cross_attention(transformer: torch.nn.Module, scratch: AttentionScrat
     """Route every block's cross-attention through the varlen break; patched blocks are left as they are."""
     attns = [blk.attn2 for blk in transformer.transformer_blocks if getattr(blk, "attn2", None) is not None]
     for attn in attns:
-        if any(getattr(attn, f, None) for f in ("norm_q", "norm_k", "spatial_norm", "group_norm", "norm_cross",
-                                                "residual_connection")):
+        extras = ("norm_q", "norm_k", "spatial_norm", "group_norm", "norm_cross", "residual_connection")
+        if any(getattr(attn, f, None) not in (None, False) for f in extras):
             raise ValueError("varlen cross-attention supports plain attention only (PixArt's attn2): "
                              f"{type(attn).__name__} has q/k norms, spatial or group norm, or a residual")
     done = [a.processor.scratch for a in attns if isinstance(a.processor, VarlenCrossAttention)]

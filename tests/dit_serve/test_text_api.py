@@ -37,7 +37,8 @@ def test_a_text_job_stores_its_prompts(api):
     svc.store.release(leases, "stop")
     models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
     assert models["pixart-tiny"]["conditioning"] == "text" and models["pixart-tiny"]["max_tokens"] == 16
-    assert models["digits"]["conditioning"] == "class" and models["pixart-tiny"]["sizes"] == ["16x16"]
+    assert models["digits"]["conditioning"] == "class" and models["pixart-tiny"]["sizes"] == [
+        "16x16", "32x16", "16x32", "32x32"] and models["digits"]["sizes"] == ["8x8"]
 
 
 @pytest.mark.parametrize("body, param, words", [
@@ -47,7 +48,8 @@ def test_a_text_job_stores_its_prompts(api):
     ({"model": "digits", "labels": [7], "negative_prompt": "blurry"}, "negative_prompt", "applies to text models"),
     ({"model": "pixart-tiny", "prompts": ["   "]}, "prompts.0", "non-empty"),
     ({"model": "pixart-tiny", "prompts": ["x" * 2001]}, "prompts.0", "at most 2000"),
-    ({"model": "pixart-tiny", "prompts": ["a cat"], "width": 32}, "width", "makes 16x16 images"),
+    ({"model": "digits", "labels": [1], "width": 32}, "width", "makes 8x8 images only"),
+    ({"model": "digits", "labels": [1], "height": 16, "exact_size": True}, "height", "makes 8x8 images only"),
     ({"model": "pixart-tiny"}, None, "neither was given"),
 ])
 def test_the_wrong_conditioning_is_a_400_and_stores_nothing(api, body, param, words):
@@ -68,3 +70,40 @@ def test_the_images_endpoint_takes_the_prompt_of_a_text_model(api):
 
     new = build_catalog(svc.config).resolve_images(ImageGenerationRequest(model="pixart-tiny", prompt="a tree", n=2))
     assert new.prompts == ["a tree", "a tree"] and new.model == "pixart-tiny"
+
+
+@pytest.mark.parametrize("body, made, output", [
+    ({}, (16, 16), (0, 0)),                                         # the native size
+    ({"width": 32, "height": 16}, (32, 16), (0, 0)),                # a size it makes
+    ({"width": 300, "height": 140}, (32, 16), (0, 0)),              # snapped to the nearest aspect ratio
+    ({"width": 300, "height": 140, "exact_size": True}, (32, 16), (300, 140)),  # then resized to it
+    ({"width": 32, "height": 16, "exact_size": True}, (32, 16), (0, 0)),        # nothing to resize
+])
+def test_sizes_snap_to_what_the_model_makes_and_reach_the_worker(api, body, made, output):
+    svc, http = api
+    r = http.post("/v1/jobs", json={"model": "pixart-tiny", "prompts": ["a cat"], **body})
+    assert r.status_code == 202, r.text
+    p = r.json()["params"]
+    assert (p["width"], p["height"], p["output_width"], p["output_height"]) == (*made, *output)
+    leases = [ls for ls in svc.store.lease("w", ["pixart-tiny"], 50, ttl=30) if ls.job_id == r.json()["id"]]
+    spec = leases[0].spec
+    assert (spec.width, spec.height, spec.out_width, spec.out_height) == (*made, *output)
+    svc.store.release(svc.store.lease("w", ["pixart-tiny"], 50, ttl=30) + leases, "stop")
+    http.post(f"/v1/jobs/{r.json()['id']}/cancel")
+
+
+def test_the_images_endpoint_size_is_the_image_size(api):
+    from dit_serve.schemas import ImageGenerationRequest
+    from dit_serve.service import build_catalog
+
+    svc, http = api
+    catalog = build_catalog(svc.config)
+    p = catalog.resolve_images(ImageGenerationRequest(model="pixart-tiny", prompt="a tree", size="64x30")).params
+    assert (p.width, p.height, p.output_width, p.output_height) == (32, 16, 64, 30)
+    p = catalog.resolve_images(ImageGenerationRequest(model="pixart-tiny", prompt="a tree", size="16x32")).params
+    assert (p.width, p.height, p.output_width, p.output_height) == (16, 32, 0, 0)
+    for size, words in (("big", "WIDTHxHEIGHT"), ("16x16", "makes 8x8 images only")):
+        r = http.post("/v1/images/generations", json={"model": "digits" if size == "16x16" else "pixart-tiny",
+                                                      "prompt": "7", "size": size})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "size"

@@ -118,3 +118,21 @@ def test_alpha_1024_conditions_on_resolution_and_aspect_ratio(tmp_path):
     assert seen and all(len(c["resolution"]) == len(c["aspect_ratio"]) and len(c["resolution"]) % 2 == 0 and
                         c["resolution"].tolist() == [[16.0, 16.0]] * len(c["resolution"]) and
                         c["aspect_ratio"].tolist() == [[1.0]] * len(c["aspect_ratio"]) for c in seen)  # both CFG halves
+
+
+def test_varlen_cross_attention_equals_the_pipeline_too(model):
+    """The engine with cross-attention over each prompt's real tokens (workers.varlen) computes what
+    the padded, masked reference computes; switching back restores diffusers' processors."""
+    specs = [ItemSpec(id="a", seed=4, sampler="dpmpp_2m", steps=5, guidance=3.0, prompt="a red cat"),
+             ItemSpec(id="b", seed=5, sampler="dpmpp_2m", steps=5, guidance=4.0, prompt="the big blue house drawn",
+                      negative_prompt="small")]
+    try:
+        results = Engine(model, EngineConfig(backend="eager", max_batch=4, cross_attention="varlen")).generate(specs)
+        assert type(model.transformer.transformer_blocks[0].attn2.processor).__name__ == "VarlenCrossAttention"
+    finally:
+        Engine(model, EngineConfig(backend="eager", max_batch=4))  # padded again (the default)
+    assert type(model.transformer.transformer_blocks[0].attn2.processor).__name__ == "AttnProcessor2_0"
+    for spec, r in zip(specs, results):
+        ref = _reference(model, spec.prompt, spec.negative_prompt, spec.seed, spec.steps, spec.guidance)
+        err = (r.latents - ref).abs().max().item()
+        assert err <= 1e-4 * max(1.0, ref.abs().max().item()), (spec.id, err)

@@ -34,7 +34,8 @@ def test_pixart_buckets_replay_what_eager_computes(pixart_cuda, backend):
         assert err <= 1e-5, (g.request.id, err)
     stats = next(iter(graphs.stats()["groups"].values()))
     assert sum(s["eager_fallbacks"] for s in stats["buckets"].values()) == 0
-    assert {b for b, s in stats["buckets"].items() if s["replays"]} >= {1, 4, 8}
+    replayed = {b for b, s in stats["buckets"].items() if s["replays"]}
+    assert replayed >= {4, 8} and replayed & {1, 2}  # 13 = 8 + 4 + 1 (or + 2, padded, when it times faster)
 
 
 def test_mixed_sizes_share_one_pool_and_replay_what_eager_computes(pixart_cuda):

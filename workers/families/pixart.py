@@ -57,6 +57,16 @@ def _encode_texts(model, texts: list[str]) -> dict[str, tuple[torch.Tensor, torc
     return out
 
 
+def set_cross_attention(model, mode: str) -> None:
+    """``padded``: diffusers' cross-attention over all ``max_tokens`` keys with the mask (graph-stable);
+    ``varlen``: each row attends to its real tokens only, in an eager break (workers.varlen)."""
+    from workers.varlen import restore_cross_attention, varlen_cross_attention
+
+    if mode not in ("padded", "varlen"):
+        raise ValueError(f"cross_attention must be 'padded' or 'varlen', got {mode!r}")
+    (varlen_cross_attention if mode == "varlen" else restore_cross_attention)(model.transformer)
+
+
 def make_step(model, shape=None):
     """One whole denoising step for latents of ``shape`` (C, H, W; the native one by default): both CFG
     halves in one forward (prompt rows, then negative rows), guidance, sampler update. A learned-sigma
