@@ -134,6 +134,32 @@ def tree_rss(root: int) -> int:
     return rss_bytes([root] + [p.pid for p in descendants(root)])
 
 
+def proc_label(pid: int) -> str:
+    """A short name for a process of the service's tree: the serve process, Ray's daemons (gcs_server,
+    raylet, ...), and Ray workers by what they run (``ray::Worker`` for the worker actor)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return "?"
+    first = argv[0]
+    if first.startswith("ray::"):
+        return first.split(".")[0].split(" ")[0]
+    name = Path(first.split(" ")[0]).name
+    if name.startswith("python"):
+        script = next((a for a in argv[1:] if a and not a.startswith("-")), "")
+        return f"python {Path(script).name}" if script else name
+    return name
+
+
+def rss_by_process(root: int) -> dict[str, float]:
+    """RSS in MiB per process label (processes with the same label summed)."""
+    out: dict[str, float] = {}
+    for pid in [root] + [p.pid for p in descendants(root)]:
+        label = "serve" if pid == root else proc_label(pid)
+        out[label] = round(out.get(label, 0.0) + rss_bytes([pid]) / 2**20, 1)
+    return out
+
+
 # -- the service as a subprocess ---------------------------------------------------------------------
 @dataclass
 class Served:
@@ -649,9 +675,23 @@ def _sample_loop(s: Served, every: float, t0: float, stop: threading.Event, samp
                 running = None
         samples.append({"t_s": round(time.monotonic() - t0, 1), "queue_depth": h.get("queue_depth"),
                         "running": running, "workers": h.get("workers"),
-                        "rss_mb": round(tree_rss(s.proc.pid) / 2**20, 1)})
+                        "rss_mb": round(tree_rss(s.proc.pid) / 2**20, 1),
+                        "rss_mb_by_process": rss_by_process(s.proc.pid)})
         if stop.wait(every):
             return
+
+
+def memory_growth(samples: list[dict]) -> dict:
+    """RSS growth (MiB) over the second half of the run, in total and per process: the first half holds
+    the warm-up (caches, allocator arenas, Ray's bounded tables filling), a leak keeps growing after."""
+    mid = [x for x in samples if x["t_s"] >= samples[-1]["t_s"] / 2] if samples else []
+    if len(mid) < 2:
+        return {"total": None, "by_process": {}}
+    a, b = mid[0], mid[-1]
+    labels = set(a.get("rss_mb_by_process", {})) | set(b.get("rss_mb_by_process", {}))
+    by = {k: round(b.get("rss_mb_by_process", {}).get(k, 0.0) - a.get("rss_mb_by_process", {}).get(k, 0.0), 1)
+          for k in sorted(labels)}
+    return {"total": round(b["rss_mb"] - a["rss_mb"], 1), "by_process": by}
 
 
 def overload_result(args, capacity, offered, load, samples, rss_start, rss_end, bounded, stopped) -> dict:
@@ -661,6 +701,7 @@ def overload_result(args, capacity, offered, load, samples, rss_start, rss_end, 
     codes = load["status"]
     five = sum(v for k, v in codes.items() if k.isdigit() and int(k) >= 500)
     limit = args.max_queued if bounded else None
+    growth = memory_growth(samples)
     return {"summary": {"capacity images/s": round(capacity, 2), "offered images/s": round(offered, 2),
                         "sent images/s": round(load["images_offered"] / load["seconds"], 2),
                         "accepted images/s": round(load["images_accepted"] / load["seconds"], 2),
@@ -669,6 +710,8 @@ def overload_result(args, capacity, offered, load, samples, rss_start, rss_end, 
                         "queue depth last": depths[-1] if depths else None,
                         "queued + running max": max(held, default=None), "bound": limit,
                         "rss MiB start -> end": f"{rss_start / 2**20:.0f} -> {rss_end / 2**20:.0f}",
+                        "rss MiB growth, second half": growth["total"],
+                        "rss MiB growth by process, second half": growth["by_process"],
                         "seconds": round(load["seconds"], 1)},
             "checks": {"0 5xx": five == 0, "every 429 has Retry-After": load["retry_after"][False] == 0,
                        "queued + running within the bound": limit is not None and max(held, default=0) <= limit,

@@ -10,6 +10,7 @@ defaults are filled in here, once.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from dit_serve.config import LimitsConfig
@@ -81,6 +82,7 @@ class Catalog:
         params = self.params(info, req.sampler, req.steps, req.guidance, req.eta, req.negative_prompt,
                              size=_size(info, req.width, req.height, req.exact_size))
         if text:
+            params.warnings.extend(_truncation_warnings(info, req.prompts))
             prompts = [p for p in req.prompts for _ in range(req.num_per_prompt)]
             labels = [0] * len(prompts)
         else:
@@ -125,12 +127,38 @@ class Catalog:
         params = self.params(info, None, req.steps, req.guidance, 0.0, size=size)
         seeds = [(req.seed or 0) + i for i in range(req.n)]
         if info.conditioning == "text":
+            params.warnings.extend(_truncation_warnings(info, [req.prompt]))
             return NewJob(info.name, params, [0] * req.n, seeds, req.priority, prompts=[req.prompt] * req.n)
         try:
             label = info.label_id(req.prompt)
         except ValueError as e:
             raise RequestError(f"the prompt must name one class of model {info.name!r}: {e}", "prompt") from None
         return NewJob(info.name, params, [label] * req.n, seeds, req.priority)
+
+
+@functools.lru_cache(maxsize=16)
+def _tokenizer(path: str):
+    from tokenizers import Tokenizer  # the Rust tokenizer alone: no torch, no transformers
+
+    return Tokenizer.from_file(path)
+
+
+def _truncation_warnings(info: cards.ModelCard, prompts: list[str], limit: int = 10) -> list[str]:
+    """Prompts longer than the model's token limit are cut there, as the reference pipelines do; the job
+    says which (counted with the model's own tokenizer.json; a directory without one is not counted)."""
+    if not info.tokenizer_file or not info.max_tokens:
+        return []
+    try:
+        tok = _tokenizer(info.tokenizer_file)
+    except Exception:  # an unreadable tokenizer fails the worker's load with its message, not the API
+        return []
+    out = []
+    for i, p in enumerate(prompts):
+        n = len(tok.encode(p.lower().strip()).ids)
+        if n > info.max_tokens and len(out) < limit:
+            out.append(f"prompts[{i}] has {n} tokens; model {info.name!r} reads the first {info.max_tokens} "
+                       "(the rest is cut, as the reference pipelines do)")
+    return out
 
 
 def _size(info: cards.ModelCard, width: int | None, height: int | None, exact: bool) -> dict:

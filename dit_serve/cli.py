@@ -43,6 +43,11 @@ def _add_conditioning(p) -> None:
     p.add_argument("--negative-prompt", default=None, help="text models: what to steer away from")
     p.add_argument("--num-per-label", type=int, default=None, help="images per label (default 1)")
     p.add_argument("--num-per-prompt", type=int, default=None, help="images per prompt (default 1)")
+    p.add_argument("--width", type=int, default=None, help="pixels (default: the model's size); models with "
+                                                           "aspect-ratio bins make the nearest bin")
+    p.add_argument("--height", type=int, default=None, help="pixels (default: the model's size)")
+    p.add_argument("--exact-size", action="store_true", help="resize (and centre-crop) to exactly "
+                                                              "--width x --height")
 
 
 def prompts_of(args) -> list[str] | None:
@@ -157,7 +162,8 @@ def _cmd_generate(args) -> int:
 
     a = GenerateArgs(model=args.model, labels=args.labels or (), num_per_label=args.num_per_label or 1,
                      prompts=tuple(prompts_of(args) or ()), negative_prompt=args.negative_prompt or "",
-                     num_per_prompt=args.num_per_prompt or 1,
+                     num_per_prompt=args.num_per_prompt or 1, width=args.width, height=args.height,
+                     exact_size=args.exact_size,
                      sampler=args.sampler, steps=args.steps, guidance=args.guidance, seed=args.seed,
                      eta=args.eta, out=args.out, device=args.device, backend=args.backend)
     manifest = run_generate(a, progress=sys.stderr.isatty())

@@ -152,15 +152,19 @@ class Client:
                num_per_label: int | None = None, seed: int = 0,
                seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
                guidance: float | None = None, eta: float | None = None, priority: int | None = None,
-               webhook_url: str | None = None, idempotency_key: str | None = None) -> Job:
+               webhook_url: str | None = None, idempotency_key: str | None = None, width: int | None = None,
+               height: int | None = None, exact_size: bool | None = None) -> Job:
         """Queue a job: each label ``num_per_label`` times (class models), or each prompt ``num_per_prompt``
         times (text models, with an optional ``negative_prompt``); returns once the service stored it. Jobs of a
         higher ``priority`` (-100..100, default 0) run first. ``webhook_url`` is POSTed the finished job.
+        ``width`` x ``height``: a size the model makes, or (models with aspect-ratio bins) any size, made at
+        the nearest bin and, with ``exact_size``, resized to it.
         The same ``idempotency_key`` (default: a fresh one) on a later call returns this job rather
         than a new one."""
         body = _job_body(labels, prompts=prompts, negative_prompt=negative_prompt, num_per_prompt=num_per_prompt,
                          model=model, num_per_label=num_per_label, seed=seed, seeds=seeds, sampler=sampler,
-                         steps=steps, guidance=guidance, eta=eta, priority=priority, webhook_url=webhook_url)
+                         steps=steps, guidance=guidance, eta=eta, priority=priority, webhook_url=webhook_url,
+                         width=width, height=height, exact_size=exact_size)
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
         return Job.model_validate(self._call("POST", "/v1/jobs", json=body, headers=headers).json())
 
@@ -260,10 +264,12 @@ class AsyncClient:
                num_per_label: int | None = None, seed: int = 0,
                      seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
                      guidance: float | None = None, eta: float | None = None, priority: int | None = None,
-                     webhook_url: str | None = None, idempotency_key: str | None = None) -> Job:
+                     webhook_url: str | None = None, idempotency_key: str | None = None, width: int | None = None,
+               height: int | None = None, exact_size: bool | None = None) -> Job:
         body = _job_body(labels, prompts=prompts, negative_prompt=negative_prompt, num_per_prompt=num_per_prompt,
                          model=model, num_per_label=num_per_label, seed=seed, seeds=seeds, sampler=sampler,
-                         steps=steps, guidance=guidance, eta=eta, priority=priority, webhook_url=webhook_url)
+                         steps=steps, guidance=guidance, eta=eta, priority=priority, webhook_url=webhook_url,
+                         width=width, height=height, exact_size=exact_size)
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
         return Job.model_validate((await self._call("POST", "/v1/jobs", json=body, headers=headers)).json())
 

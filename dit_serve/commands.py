@@ -136,7 +136,8 @@ def submit(args) -> int:
                             negative_prompt=args.negative_prompt, num_per_prompt=args.num_per_prompt,
                             model=args.model, num_per_label=args.num_per_label, seed=args.seed,
                             sampler=args.sampler, steps=args.steps, guidance=args.guidance, eta=args.eta,
-                            priority=args.priority, webhook_url=args.webhook_url)
+                            priority=args.priority, webhook_url=args.webhook_url, width=args.width,
+                            height=args.height, exact_size=args.exact_size or None)
         print(job.id, flush=True)
         if args.wait or args.out:
             job = client.wait(job, progress=sys.stderr.isatty())

@@ -36,6 +36,9 @@ class GenerateArgs:
     prompts: tuple[str, ...] = ()
     negative_prompt: str = ""
     num_per_prompt: int = 1
+    width: int | None = None
+    height: int | None = None
+    exact_size: bool = False
     sampler: str | None = None
     steps: int | None = None
     guidance: float | None = None
@@ -133,6 +136,7 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
         model = load_model(a.model or DEFAULT_MODEL, device=device, dtype=run_dtype(card, device))
         conds = [{"prompt": p, "negative_prompt": a.negative_prompt} for p in a.prompts for _ in range(a.num_per_prompt)] \
             if text else [{"label": model.label_id(lb)} for lb in a.labels for _ in range(a.num_per_label)]
+        size = _size(card, a)
     except (CardError, ValueError) as e:
         raise UsageError(str(e)) from None
     sampler = a.sampler or model.defaults["sampler"]
@@ -140,8 +144,8 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     guidance = model.defaults["guidance"] if a.guidance is None else a.guidance
     staging = prepare_out(a.out)
     n = len(conds)
-    reqs = [ItemSpec(id=str(i), seed=a.seed + i, sampler=sampler, steps=steps, guidance=guidance, eta=a.eta, **c)
-            for i, c in enumerate(conds)]
+    reqs = [ItemSpec(id=str(i), seed=a.seed + i, sampler=sampler, steps=steps, guidance=guidance, eta=a.eta,
+                     **size, **c) for i, c in enumerate(conds)]
     backend = ("breakable" if device.startswith("cuda") else "eager") if a.backend == "auto" else a.backend
     max_batch = min(64, 1 << (n - 1).bit_length())
     engine = Engine(model, EngineConfig(backend=backend, max_batch=max_batch))
@@ -160,6 +164,17 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
                for i, r in enumerate(results)]
     cols = a.num_per_prompt if text else a.num_per_label
     return write_outputs(a.out, staging, model.name, entries, [r.image for r in results], cols)
+
+
+def _size(card, a: GenerateArgs) -> dict:
+    """ItemSpec's size fields, resolved as the service resolves them (``ModelCard.size_for``)."""
+    for name, value in (("--width", a.width), ("--height", a.height)):
+        if value is not None and not 8 <= value <= 4096:
+            raise UsageError(f"{name} must be between 8 and 4096 pixels, got {value}")
+    w, h = card.size_for(a.width, a.height)
+    asked = (a.width or card.image_size, a.height or card.image_size)
+    out = asked if a.exact_size and asked != (w, h) else (0, 0)
+    return {"width": w, "height": h, "out_width": out[0], "out_height": out[1]}
 
 
 def _check_conditioning(card, a: GenerateArgs) -> bool:

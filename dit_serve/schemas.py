@@ -70,8 +70,9 @@ class JobRequest(_Request):
                                        description="class models: class numbers or class names")
     num_per_label: int = Field(1, ge=1, le=MAX_ITEMS)
     prompts: list[Prompt] | None = Field(None, min_length=1, max_length=MAX_ITEMS,
-                                         description="text models: what to draw (over the model's token limit, "
-                                                     "truncated as the reference pipelines do)")
+                                         description="text models: what to draw (over the model's token limit: cut "
+                                                     "there, as the reference pipelines do, with a warning in "
+                                                     "the job's params)")
     num_per_prompt: int = Field(1, ge=1, le=MAX_ITEMS)
     negative_prompt: str = Field("", max_length=MAX_PROMPT, description="text models: what to steer away "
                                                                         "from; empty is the unconditional prompt")
@@ -130,6 +131,8 @@ class JobParams(_Response):
     output_width: int = Field(0, description="pixels of the stored image when resized to an exact size "
                                              "(0: as generated)")
     output_height: int = 0
+    warnings: list[str] = Field(default_factory=list, description="what the service changed in the request, e.g. "
+                                                                   "prompts cut at the model's token limit")
 
 
 class ItemStatus(_Response):

@@ -60,6 +60,7 @@ class ModelCard:
     max_tokens: int = 0              # text models: prompts are encoded to exactly this many tokens
     sizes: tuple[tuple[int, int], ...] = ()  # (width, height) it makes; the native square when empty
     size_multiple: int = 1           # pixels per transformer patch (VAE factor x patch size)
+    tokenizer_file: str = ""         # text models: tokenizer.json, when the directory has one (token counts)
 
     @property
     def prediction_type(self) -> str:
@@ -164,7 +165,8 @@ def _pixart_card(name: str, path: Path, cfg: dict, vae: dict | None, index: dict
         latent_size=size, pixel_space=vae is None, dtype=extra.get("dtype", "bfloat16"), scheduler=scheduler,
         defaults={**defaults, **extra.get("defaults", {})},
         max_tokens=int(extra.get("max_sequence_length", 300 if sigma else 120)), sizes=tuple(sizes),
-        size_multiple=multiple)
+        size_multiple=multiple, tokenizer_file=str(path / "tokenizer" / "tokenizer.json")
+        if (path / "tokenizer" / "tokenizer.json").is_file() else "")
 
 
 def _listed_sizes(path: Path, extra: dict, multiple: int) -> list[tuple[int, int]]:

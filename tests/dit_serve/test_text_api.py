@@ -107,3 +107,14 @@ def test_the_images_endpoint_size_is_the_image_size(api):
                                                       "prompt": "7", "size": size})
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
         assert r.json()["error"]["param"] == "size"
+
+
+def test_a_prompt_over_the_token_limit_is_cut_with_a_warning_in_the_job(api):
+    _, http = api
+    long = " ".join(["a red cat"] * 10)  # 31 tokens with </s>; the tiny model reads 16
+    r = http.post("/v1/jobs", json={"model": "pixart-tiny", "prompts": ["a dog", long]})
+    assert r.status_code == 202, r.text
+    (warning,) = r.json()["params"]["warnings"]
+    assert warning.startswith("prompts[1] has 31 tokens") and "reads the first 16" in warning
+    assert http.get(f"/v1/jobs/{r.json()['id']}").json()["params"]["warnings"] == [warning]  # stored with the job
+    http.post(f"/v1/jobs/{r.json()['id']}/cancel")

@@ -117,3 +117,18 @@ def test_a_size_the_model_does_not_make_is_refused_at_admission(model):
     with pytest.raises(ValueError, match="does not make 48x16"):
         engine.add(ItemSpec(id="a", seed=0, sampler="ddim", steps=2, guidance=1.0, prompt="a", width=48, height=16))
     assert engine.num_active == 0
+
+
+def test_generate_makes_the_size_asked_from_the_command_line(pixart_dir, tmp_path):
+    from PIL import Image
+
+    from dit_serve.cli import main
+
+    out = tmp_path / "out"
+    assert main(["generate", "--model", str(pixart_dir), "--prompt", "a red cat", "--steps", "2",
+                 "--width", "40", "--height", "19", "--out", str(out)]) == 0
+    assert Image.open(out / "00000.png").size == (32, 16)  # the nearest size it makes
+    assert main(["generate", "--model", str(pixart_dir), "--prompt", "a red cat", "--steps", "2",
+                 "--width", "40", "--height", "19", "--exact-size", "--out", str(out)]) == 0
+    assert Image.open(out / "00000.png").size == (40, 19)
+    assert main(["generate", "--model", "digits", "--labels", "3", "--width", "16", "--out", str(tmp_path / "d")]) == 2
