@@ -11,7 +11,8 @@ negative prompt is "" (the unconditional one). Sections (``--sections``):
                        split, DPMSolverMultistepScheduler.step; eager
            eager       our GraphRunner over the family's step (workers.families.pixart.make_step), no capture
            full        one CUDA graph per power-of-two bucket
-           breakable   graph segments around eager breaks
+           breakable   graph segments around eager breaks (varlen's attention kernels; with padded
+                       cross-attention there are none: PixArt's self-attention is not broken)
          each of ours with cross-attention ``padded`` (all 300 keys, masked) and ``varlen`` (each prompt's
          real tokens, an eager break); plus capture time and graph pool size per backend.
   e2e    one image, prompt to pixels: 20 steps DPM++ 2M, CFG 4.5, text encoding and VAE decode included:
@@ -36,6 +37,9 @@ Targets: e2e ours <= 0.3x diffusers at 512 and <= 0.9x at 1024; mixed max sustai
                                                                 # a part: merged into the report in --out
     python bench/pixart.py --smoke --out /tmp/pixart            # seconds, on a CPU: every section, tiny PixArt
 
+Mixed options: --loads (offered images/s, default 2 4 6), --window (seconds of arrivals per load, 10),
+--cross-attention (system a's, padded). --fresh starts a new report instead of merging.
+
 Writes pixart.json and pixart.md (pixart_smoke.* with --smoke) under --out after every section, so a run
 cut short keeps what it measured; a report there from the same GPU and versions keeps the sections this
 run does not redo.
@@ -56,7 +60,8 @@ from pathlib import Path
 
 import torch
 
-_spec = importlib.util.spec_from_file_location("engine_throughput", Path(__file__).resolve().parent / "engine_throughput.py")
+# engine_throughput's summaries (images/s, censored latency percentiles, "sustained"), shared
+_spec = importlib.util.spec_from_file_location("engine_throughput", Path(__file__).parent / "engine_throughput.py")
 et = sys.modules.setdefault("engine_throughput", importlib.util.module_from_spec(_spec))
 if not hasattr(et, "summarise"):
     _spec.loader.exec_module(et)
@@ -333,14 +338,14 @@ def _time_runner(model, backend: str, mode: str, inputs: dict, block: dict, s: S
     key = f"{backend}/{mode}"
     runner = build_runner(model, backend, max(inputs))
     t0 = time.perf_counter()
-    runner.warmup()
+    runner.warmup(example=inputs[max(inputs)])  # real prompts' masks in the static inputs, not zeros
     sync()
     block["capture_s"][key] = round(time.perf_counter() - t0, 3)
     block["pool_mb"][key] = round(runner.stats()["pool_reserved_bytes"] / 2**20, 1)
     for b, inp in inputs.items():
         ms = timed_ms(lambda: runner.run(**inp), iters_for(s, b, res))
         block["rows"].append(dict(batch=b, backend=backend, cross_attention=mode, ms=round(ms, 3)))
-    block["totals"][key] = {"backend": runner.backend, **runner.stats()["totals"]}  # eager_fallbacks: a miss
+    block["totals"][key] = {"backend": runner.backend, **runner.stats()["totals"]}  # graphs: no eager_fallbacks
 
 
 def _token_counts(model, prompts: list[str]) -> dict:
@@ -352,26 +357,15 @@ def _token_counts(model, prompts: list[str]) -> dict:
 def bench_e2e(model, s: Setup, prompts: list[str]) -> dict:
     """Section 2: a prompt never seen before in every run (and the encoding cache cleared), so both
     systems encode the prompt and "" each time; ours warmed (graphs captured) before the first run."""
-    from workers.engine import Engine, EngineConfig
     from workers.families import pixart
-    from workers.spec import ItemSpec
 
     fresh = iter(prompts)
     block = {"model": model.name, "size": list(model.card.native_size), "steps": s.steps, "guidance": s.guidance,
              "runs_ms": {}}
-
-    def ours(engine, i):
-        model.cache.clear()
-        engine.generate([ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=s.steps, guidance=s.guidance,
-                                  prompt=next(fresh))])
-
     for mode in CROSS_ATTENTION:
-        engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.e2e_max_batch, cross_attention=mode))
         try:
-            engine.warmup()
-            block["runs_ms"][f"ours/{mode}"] = repeat_ms(lambda i: ours(engine, i), s.e2e_reps)
+            block["runs_ms"][f"ours/{mode}"] = _ours_e2e(model, mode, s, fresh)
         finally:
-            del engine
             pixart.set_cross_attention(model, "padded")  # before any diffusers call
             free()
     pipe = pipeline(model)
@@ -381,6 +375,21 @@ def bench_e2e(model, s: Setup, prompts: list[str]) -> dict:
     block["ms"] = {k: round(statistics.median(v), 1) for k, v in block["runs_ms"].items()}
     block["ratio"] = {m: round(block["ms"][f"ours/{m}"] / block["ms"]["diffusers"], 3) for m in CROSS_ATTENTION}
     return block
+
+
+def _ours_e2e(model, mode: str, s: Setup, fresh) -> list[float]:
+    from workers.engine import Engine, EngineConfig
+    from workers.spec import ItemSpec
+
+    engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.e2e_max_batch, cross_attention=mode))
+    engine.warmup()
+
+    def one(i):
+        model.cache.clear()
+        engine.generate([ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=s.steps, guidance=s.guidance,
+                                  prompt=next(fresh))])
+
+    return repeat_ms(one, s.e2e_reps)
 
 
 # -- section 3: mixed-size workload ------------------------------------------------------------------
@@ -470,7 +479,8 @@ def bench_mixed(model, s: Setup, prompts: list[str], save) -> dict:
         engine.warmup(sizes=made)
         sync()
         block["warmup_s"] = round(time.perf_counter() - t0, 2)
-        block["pool_mb"] = round(sum(g.runner.stats()["pool_reserved_bytes"] for g in engine.groups.values()) / 2**20, 1)
+        pool = sum(g.runner.stats()["pool_reserved_bytes"] for g in engine.groups.values())  # one pool, shared
+        block["pool_mb"] = round(pool / 2**20, 1)
         block["groups"] = len(engine.groups)
         for load, jobs, stop in _runs(s, len(prompts)):
             model.cache.clear()
@@ -497,7 +507,7 @@ def _runs(s: Setup, prompts: int):
 
 def _record(block: dict, system: str, load: float, jobs: list[Job], stop: float, s: Setup, save) -> None:
     if load == float("inf"):
-        row = et.summarise(system, "mixed", load, jobs, stop)
+        row = {**et.summarise(system, "mixed", load, jobs, stop), "offered_images_per_s": None}  # JSON has no inf
         block["max_images_per_s"][system] = row["images_per_s"]
         block[f"backlog_{system}"] = row
     else:
@@ -512,7 +522,7 @@ def _record(block: dict, system: str, load: float, jobs: list[Job], stop: float,
 
 # -- the report --------------------------------------------------------------------------------------
 def targets(result: dict) -> list[dict]:
-    """The spec's targets, on whatever sections the result holds."""
+    """The targets, checked on whatever sections the result holds."""
     out = []
     for res, block in sorted(result.get("e2e", {}).items(), key=lambda kv: int(kv[0])):
         limit = E2E_TARGETS.get(int(res))

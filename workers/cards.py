@@ -145,6 +145,10 @@ def _pipeline_card(path: Path, name: str) -> ModelCard:
     scheduler = read_json(sched_file) if sched_file.is_file() else {}
     if transformer.get("_class_name") == "PixArtTransformer2DModel":
         return _pixart_card(name, path, transformer, vae, index, scheduler)
+    from workers.layouts import LAYOUTS
+
+    if transformer.get("_class_name") in LAYOUTS:
+        return LAYOUTS[transformer["_class_name"]](name, path, transformer, vae, index, scheduler)
     return _dit_card(name, path, transformer, vae, index, scheduler)
 
 

@@ -157,7 +157,9 @@ class Engine:
         admitted = []
         for key, group_reqs in by_group.items():
             group = self.groups[key]
-            plans = [make_plan(r.sampler, r.steps, group.model.schedule, eta=r.eta) for r in group_reqs]
+            family = family_of(group.model)
+            extra = family.plan_kwargs(group.model, group.shape) if hasattr(family, "plan_kwargs") else {}
+            plans = [make_plan(r.sampler, r.steps, group.model.schedule, eta=r.eta, **extra) for r in group_reqs]
             conds = family_of(group.model).encode(group.model, group_reqs)
             admitted += [(group, r, p, c) for r, p, c in zip(group_reqs, plans, conds)]
         for group, req, plan, cond in admitted:

@@ -96,6 +96,10 @@ def load_model(spec: str | Path, device: str | torch.device = "cpu",
         card = read_card(spec)
     except CardError as e:
         raise ModelError(str(e)) from None
+    if card.family not in ("dit", "pixart"):  # families that load themselves (workers.families.<name>.load)
+        from workers.families import FAMILIES
+
+        return FAMILIES[card.family].load(card, device, dtype)
     if card.builtin:
         return (_builtin_pixart if card.family == "pixart" else _builtin_dit_xl)(card, device, dtype)
     path = Path(card.path)

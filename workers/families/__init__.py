@@ -9,6 +9,9 @@ A family is a module with:
     make_step(model) -> step(x, t, guidance, coeffs, hist, noise, **cond) -> {"x_next", "hist_next"}
                                                  one whole denoising step: CFG, transformer, sampler update
     BREAK_ATTENTION                              whether the breakable backend may make attention a break
+    plan_kwargs(model, shape) -> dict            optional: extra arguments of make_plan for latents of
+                                                 this shape (FLUX's resolution-dependent shift ``mu``)
+    load(card, device, dtype) -> LoadedModel     optional: families that load themselves (not dit/pixart)
 
 The model card (``workers.cards``) names the family; ``workers.loading`` builds the model. To add a
 family: write its card reader branch and its loader, then a module here with the three functions,
@@ -19,9 +22,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from workers.families import dit, pixart
+from workers.families import dit, flux, pixart, sd3
 
-FAMILIES: dict[str, ModuleType] = {"dit": dit, "pixart": pixart}
+FAMILIES: dict[str, ModuleType] = {"dit": dit, "pixart": pixart, "sd3": sd3, "flux": flux}
 
 
 def family_of(model) -> ModuleType:

@@ -1,0 +1,11 @@
+"""The model card of a sd3 pipeline directory (torch-free)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict):
+    from workers.cards import CardError
+
+    raise CardError(f"{path}: sd3 pipelines are not supported yet")
