@@ -294,7 +294,7 @@ def decode(model: LoadedModel, latents: torch.Tensor,
     if model.vae is None:
         pixels = latents.float()
     else:
-        pixels = model.vae.decode(latents.to(model.vae.dtype) / model.vae_scale).sample.float()
+        pixels = model.vae.decode(latents.to(model.vae.dtype) / model.vae_scale + model.vae_shift).sample.float()
     images = []
     for i, (w, h) in enumerate(out_sizes or [(0, 0)] * len(pixels)):
         img = pixels[i:i + 1] if not w else resize_and_crop(pixels[i:i + 1], w, h)  # (1, c, H, W)

@@ -55,6 +55,7 @@ class LoadedModel:
     image_size: int                     # pixels per side of the decoded image
     learned_sigma: bool                 # out_channels == 2 * in_channels: keep the first half
     vae_scale: float = 1.0
+    vae_shift: float = 0.0              # SD3/FLUX VAEs: latents are decoded as latents / scale + shift
     id2label: dict[int, str] = field(default_factory=dict)
     defaults: dict = field(default_factory=lambda: dict(FALLBACK_DEFAULTS))
     card: ModelCard | None = None  # what it was loaded from (workers.cards)
@@ -136,6 +137,7 @@ def _assemble(card: ModelCard, transformer, vae) -> LoadedModel:
         num_classes=card.num_classes, latent_shape=(c, size, size), image_size=card.image_size,
         learned_sigma=transformer.config.out_channels == 2 * c,
         vae_scale=float(getattr(vae.config, "scaling_factor", 0.18215)) if vae is not None else 1.0,
+        vae_shift=float(getattr(vae.config, "shift_factor", None) or 0.0) if vae is not None else 0.0,
         id2label=card.id2label, defaults=card.defaults, card=card)
 
 
