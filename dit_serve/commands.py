@@ -60,8 +60,10 @@ def serve(args) -> int:
     """Run until SIGINT or SIGTERM, then drain (no new leases; running items may finish for up to
     ``[scheduler] drain_seconds``) and stop cleanly (the rest back to the queue, workers stopped).
     A second signal skips the drain."""
+    from dit_serve import heap
     from dit_serve.service import Service
 
+    heap.limit_arenas()  # before the service's threads exist (dit_serve.heap says why)
     cfg = _config(args)
     roles = ("api", "scheduler") if args.role == "all" else (args.role,)
     stop, hurry = threading.Event(), threading.Event()

@@ -113,9 +113,10 @@ class WorkerConfig(_Section):
     max_batch: int = Field(64, ge=1, description="largest graph bucket, a power of two")
     max_inflight: int = Field(0, ge=0, description="items leased to one worker at once; 0: max_batch")
     torch_threads: int | None = Field(None, ge=1)
-    cross_attention: Literal["padded", "varlen"] = Field(
-        "padded", description="text models: cross-attention over prompts padded to the token limit (masked), "
-                              "or over each prompt's real tokens in an eager break")
+    cross_attention: Literal["auto", "padded", "varlen"] = Field(
+        "auto", description="text models: cross-attention over prompts padded to the token limit (masked), "
+                            "or over each prompt's real tokens in an eager break; auto: the family's measured "
+                            "default (varlen for PixArt)")
     warm_sizes: tuple[str, ...] = Field((), description="'WxH' sizes captured at start-up besides each model's "
                                                         "native size (others are captured when first asked for)")
 

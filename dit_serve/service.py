@@ -98,8 +98,11 @@ class Service:
         return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
 
     def start(self) -> "Service":
+        from dit_serve import heap
+
         catalog = build_catalog(self.config)
         self.store = open_store(self.config)
+        self._spawn("heap-trim", heap.trim_every, 60.0, self._stop)
         try:
             if "scheduler" in self.roles:
                 self._start_scheduler()

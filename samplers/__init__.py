@@ -11,7 +11,7 @@ import importlib
 
 _WHERE = {
     "COEFFS": "plans", "SAMPLERS": "plans", "Plan": "plans", "make_plan": "plans",
-    "NoiseSchedule": "schedules",
+    "NoiseSchedule": "schedules", "flow_mu": "rules",
     "cfg_combine": "update", "gather_rows": "update", "hold_row": "update", "model_input": "update",
     "sample": "update", "sampler_step": "update",
 }

@@ -15,14 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from samplers.rules import RULES, check_settings
+from samplers.rules import RULES, check_mu, check_settings
 from samplers.schedules import (
     NoiseSchedule,
     alphas_cumprod,
     dpm_timesteps,
-    flow_shift,
+    flow_sigmas,
     interp,
-    np_linspace,
     sigmas,
     spaced_timesteps,
 )
@@ -217,20 +216,22 @@ def dpmpp_2m(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
     )  # fmt: skip
 
 
-def flow_euler(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
+def flow_euler(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0, *, mu: float | None = None) -> Plan:
     """Euler on the rectified-flow ODE dx/dsigma = v (Liu et al. 2023; shifted sigmas, Esser et al. 2024),
     as FlowMatchEulerDiscreteScheduler: x_next = x + (sigma_next - sigma) v, model timestep sigma N.
 
-    Quirk kept: the grid runs linearly from 1 to the *shifted* last training sigma, and is shifted again.
+    The sigmas are samplers.schedules.flow_sigmas (grid, static or dynamic shift by mu, shift_terminal), then 0.
+    Quirk kept: the "scheduler" grid runs linearly from 1 to the *shifted* last training sigma, and is
+    shifted again.
     """
-    n = schedule.num_train_timesteps
-    sigma_min = flow_shift(schedule, torch.tensor(1.0, dtype=torch.float32) / n).item()  # float32, as diffusers
-    sigma = flow_shift(schedule, np_linspace(n, sigma_min * n, num_steps) / n).float().double()
+    sigma = flow_sigmas(schedule, num_steps, mu)
     s = torch.cat([sigma, torch.zeros(1, dtype=torch.float64)])
+    n = schedule.num_train_timesteps
     return _plan("flow_euler", sigma * n, 1.0, c_skip=1.0, c_out=-sigma, c_x=1.0, c_e=s[1:] - s[:-1])
 
 
-# name -> builder(num_steps, schedule, eta) -> Plan; builders trust their input (make_plan checks it).
+# name -> builder(num_steps, schedule, eta) -> Plan, plus mu= where the rule says takes_mu; builders trust
+# their input (make_plan checks it).
 SAMPLERS = {
     "ddpm": ddpm,
     "ddim": ddim,
@@ -242,11 +243,20 @@ SAMPLERS = {
 assert set(SAMPLERS) == set(RULES), "every sampler has its rule (samplers/rules.py)"
 
 
-def make_plan(name: str, num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
-    """Check a request's sampler settings and build its plan. Raises ValueError with a message to act on."""
+def make_plan(name: str, num_steps: int, schedule: NoiseSchedule, eta: float = 0.0, *, mu: float | None = None) -> Plan:
+    """Check a request's sampler settings and build its plan. Raises ValueError with a message to act on.
+
+    mu: the resolution-dependent shift of a flow schedule with use_dynamic_shifting, required there
+    (samplers.rules.flow_mu gives it for an image size); ignored by other samplers and schedules, as
+    diffusers' FlowMatchEulerDiscreteScheduler ignores it without dynamic shifting.
+    """
     check_settings(name, num_steps, eta, schedule.prediction_type, schedule.num_train_timesteps)
-    plan = SAMPLERS[name](num_steps, schedule, eta)
+    takes_mu = RULES[name].takes_mu
+    if takes_mu and schedule.use_dynamic_shifting:
+        check_mu(mu, schedule.time_shift_type)
+    plan = SAMPLERS[name](num_steps, schedule, eta, **({"mu": mu} if takes_mu else {}))
     rest = [k for k in range(len(COEFFS)) if k != CLIP]
     if not torch.isfinite(plan.coeffs[:, rest]).all():  # e.g. dpmpp_2m at S = N on a leading grid: h = 0
-        raise ValueError(f"{name} with {num_steps} steps on a {schedule.timestep_spacing} grid is degenerate")
+        grid = "flow" if takes_mu else schedule.timestep_spacing
+        raise ValueError(f"{name} with {num_steps} steps on a {grid} grid is degenerate")
     return plan

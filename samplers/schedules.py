@@ -15,6 +15,8 @@ from samplers.rules import SCHEDULER_CLASS_DEFAULTS
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "flow")
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
+TIME_SHIFT_TYPES = ("exponential", "linear")
+FLOW_GRIDS = ("scheduler", "flux")
 
 # diffusers options implemented here only at their default: refused when a config sets them, because
 # ignoring them would sample from a different schedule than the checkpoint's.
@@ -27,8 +29,6 @@ _ONLY_DEFAULT = {
     "use_beta_sigmas": False,
     "use_lu_lambdas": False,
     "use_flow_sigmas": False,
-    "use_dynamic_shifting": False,
-    "shift_terminal": None,
     "invert_sigmas": False,
     "stochastic_sampling": False,
     "interpolation_type": "linear",
@@ -51,16 +51,32 @@ class NoiseSchedule:
     clip_sample: bool = False
     clip_sample_range: float = 1.0
     set_alpha_to_one: bool = True
-    shift: float = 1.0  # flow matching: sigma -> shift * sigma / (1 + (shift - 1) * sigma)
+    # flow matching (FlowMatchEulerDiscreteScheduler; defaults are that class's)
+    shift: float = 1.0  # sigma -> shift * sigma / (1 + (shift - 1) * sigma)
+    use_dynamic_shifting: bool = False  # shift by a per-request mu (image size) instead: make_plan(..., mu=)
+    base_shift: float | None = 0.5  # mu at base_image_seq_len tokens (samplers.rules.flow_mu)
+    max_shift: float | None = 1.15  # mu at max_image_seq_len tokens
+    base_image_seq_len: int = 256
+    max_image_seq_len: int = 4096
+    time_shift_type: str = "exponential"  # mu shifts as shift = e^mu (exponential) or shift = mu (linear)
+    shift_terminal: float | None = None  # stretch the shifted grid so that its last sigma is this
+    # not a diffusers key: the sigma grid the model's pipeline asks for (flow_sigmas), "scheduler" (SD3) or "flux"
+    # (FluxPipeline). None: "flux" with dynamic shifting, else "scheduler"; FLUX.1-schnell needs "flux" set.
+    flow_grid: str | None = None
 
     def __post_init__(self):
         _check_choice("beta_schedule", self.beta_schedule, BETA_SCHEDULES)
         _check_choice("prediction_type", self.prediction_type, PREDICTION_TYPES)
         _check_choice("timestep_spacing", self.timestep_spacing, TIMESTEP_SPACINGS)
+        _check_choice("time_shift_type", self.time_shift_type, TIME_SHIFT_TYPES)
+        if self.flow_grid is not None:
+            _check_choice("flow_grid", self.flow_grid, FLOW_GRIDS)
         if self.num_train_timesteps < 2:
             raise ValueError(f"num_train_timesteps must be at least 2, got {self.num_train_timesteps}")
         if not self.shift > 0:
             raise ValueError(f"shift must be positive, got {self.shift}")
+        if self.shift_terminal and not 0 < self.shift_terminal < 1:  # 0 and None are off, as in diffusers
+            raise ValueError(f"shift_terminal must be between 0 and 1 (or null), got {self.shift_terminal}")
 
     @classmethod
     def from_config(cls, cfg: dict) -> "NoiseSchedule":
@@ -161,6 +177,42 @@ def dpm_timesteps(schedule: NoiseSchedule, n: int) -> torch.Tensor:
     if schedule.timestep_spacing == "trailing":
         return trailing_timesteps(schedule, n)
     return np_linspace(0, big_n - 1, n + 1).round().flip(0)[:-1]
+
+
+def flow_grid(schedule: NoiseSchedule) -> str:
+    """The flow sigma grid a pipeline of this schedule asks for (see flow_sigmas)."""
+    return schedule.flow_grid or ("flux" if schedule.use_dynamic_shifting else "scheduler")
+
+
+def flow_sigmas(schedule: NoiseSchedule, n: int, mu: float | None = None) -> torch.Tensor:
+    """The n sigmas of FlowMatchEulerDiscreteScheduler.set_timesteps, descending, (n,) float64 holding its
+    float32 values (the final 0 not included). Model timesteps are sigma * num_train_timesteps.
+
+    1. grid. "scheduler", set_timesteps(n) as StableDiffusion3Pipeline calls it: linspace from the first to
+       the last sigma of the training table (already shifted by `shift` unless dynamic), in float64.
+       "flux", the sigmas FluxPipeline passes: np.linspace(1, 1/n, n), which set_timesteps casts to float32
+       first, so steps 2 and 3 run in float32 too.
+    2. shift (Esser et al. 2024, eq. 23): s sigma / (1 + (s - 1) sigma) with s = `shift`, or with dynamic
+       shifting s = e^mu (exponential) or s = mu (linear), written as s / (s + 1/sigma - 1) as diffusers does.
+    3. shift_terminal: 1 - sigma is scaled so that the last sigma becomes shift_terminal (LTX-Video).
+    """
+    big_n = schedule.num_train_timesteps
+    if flow_grid(schedule) == "flux":
+        sigma = np_linspace(1.0, 1 / n, n).float()
+    else:
+        table = torch.arange(big_n, 0, -1, dtype=torch.float32) / big_n  # __init__'s table, in float32
+        if not schedule.use_dynamic_shifting:
+            table = flow_shift(schedule, table)
+        sigma = np_linspace(table[0].item() * big_n, table[-1].item() * big_n, n) / big_n
+    if schedule.use_dynamic_shifting:
+        s = torch.tensor(math.exp(mu) if schedule.time_shift_type == "exponential" else mu, dtype=sigma.dtype)
+        sigma = s / (s + (sigma.reciprocal() - 1))
+    else:
+        sigma = flow_shift(schedule, sigma)
+    if schedule.shift_terminal:
+        scale = (1 - sigma[-1]) / (1 - schedule.shift_terminal)
+        sigma = 1 - (1 - sigma) / scale
+    return sigma.float().double()
 
 
 def flow_shift(schedule: NoiseSchedule, sigma: torch.Tensor) -> torch.Tensor:

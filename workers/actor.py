@@ -39,7 +39,7 @@ class WorkerSpec:
     backend: str = "auto"  # auto: breakable on CUDA, eager on the CPU
     max_batch: int = 64
     torch_threads: int | None = None
-    cross_attention: str = "padded"  # text models: "padded" | "varlen" (EngineConfig)
+    cross_attention: str = "auto"  # text models: "auto" | "padded" | "varlen" (EngineConfig)
     warm_sizes: tuple[str, ...] = ()  # "WxH" captured at start-up besides the native sizes
 
 

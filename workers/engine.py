@@ -49,7 +49,8 @@ class EngineConfig:
     backend: str = "eager"        # eager | full | breakable
     max_batch: int = 64           # largest graph bucket (a power of two)
     attention_break: bool = True  # under `breakable`, each layer's attention is an eager break
-    cross_attention: str = "padded"  # text families: "padded" (to max_tokens, masked) | "varlen" (real lengths)
+    cross_attention: str = "auto"  # text families: "padded" (to max_tokens, masked) | "varlen" (real lengths)
+                                   # | "auto" (the family's measured default)
 
 
 @dataclass

@@ -106,7 +106,7 @@ def test_from_config_takes_the_named_class_defaults(cfg, expected):
         {"trained_betas": [0.1, 0.2]},
         {"thresholding": True},
         {"final_sigmas_type": "sigma_min"},
-        {"use_dynamic_shifting": True},
+        {"invert_sigmas": True},
         {"lambda_min_clipped": -5.1},
     ],
 )

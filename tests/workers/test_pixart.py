@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from workers.cards import read_card
+from workers.families.pixart import set_cross_attention
 from workers.engine import Engine, EngineConfig
 from workers.loading import load_model
 from workers.models.tiny_pixart import MAX_TOKENS, make_tiny_pixart
@@ -27,6 +28,7 @@ def model(pixart_dir):
 def _reference(model, prompt: str, negative: str, seed: int, steps: int, guidance: float) -> torch.Tensor:
     from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline
 
+    set_cross_attention(model, "padded")  # the reference runs diffusers' own attention processors
     pipe = PixArtSigmaPipeline(tokenizer=model.tokenizer, text_encoder=model.text_encoder, vae=model.vae,
                                transformer=model.transformer,
                                scheduler=DPMSolverMultistepScheduler.from_config(model.card.scheduler))
@@ -98,6 +100,7 @@ def test_the_alpha_layout_equals_the_alpha_pipeline(tmp_path):
     assert read_card(tmp_path / "alpha").max_tokens == MAX_TOKENS  # the directory's own limit wins (α: 120)
     spec = ItemSpec(id="a", seed=4, sampler="dpmpp_2m", steps=5, guidance=4.0, prompt="a green tree")
     (ours,) = Engine(model, EngineConfig(backend="eager", max_batch=2)).generate([spec])
+    set_cross_attention(model, "padded")  # the reference runs diffusers' own attention processors
     pipe = PixArtAlphaPipeline(tokenizer=model.tokenizer, text_encoder=model.text_encoder, vae=model.vae,
                                transformer=model.transformer,
                                scheduler=DPMSolverMultistepScheduler.from_config(model.card.scheduler))
@@ -130,7 +133,7 @@ def test_varlen_cross_attention_equals_the_pipeline_too(model):
         results = Engine(model, EngineConfig(backend="eager", max_batch=4, cross_attention="varlen")).generate(specs)
         assert type(model.transformer.transformer_blocks[0].attn2.processor).__name__ == "VarlenCrossAttention"
     finally:
-        Engine(model, EngineConfig(backend="eager", max_batch=4))  # padded again (the default)
+        Engine(model, EngineConfig(backend="eager", max_batch=4, cross_attention="padded"))
     assert type(model.transformer.transformer_blocks[0].attn2.processor).__name__ == "AttnProcessor2_0"
     for spec, r in zip(specs, results):
         ref = _reference(model, spec.prompt, spec.negative_prompt, spec.seed, spec.steps, spec.guidance)

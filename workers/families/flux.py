@@ -1,9 +1,206 @@
-"""The flux family (not written yet)."""
+"""FLUX.1-dev and FLUX.1-schnell (Black Forest Labs 2024; diffusers' ``FluxTransformer2DModel`` and
+``FluxPipeline``): a rectified-flow MMDiT conditioned on a prompt twice, T5's token embeddings
+(``prompt_embeds``, max_tokens x 4096) and CLIP's pooled output (``pooled``, 768).
+
+Guidance. Dev is guidance-distilled: the request's guidance scale is an input of the network (one row
+per image, no CFG); schnell has no guidance input and ignores the scale. The reference pipeline's
+optional true CFG (``true_cfg_scale`` with a negative prompt: a second forward per image) is not offered:
+a request has one guidance scale, which dev needs for its embedding. Negative prompts are not encoded.
+
+Latents. The engine keeps each request's latents unpacked, (16, H/8, W/8), so the engine and the
+splitter stay family-agnostic; the step packs them into (H/16)(W/16) tokens of 64 for the transformer and
+unpacks its output, as ``FluxPipeline._pack_latents`` / ``_unpack_latents`` do. The update is elementwise,
+so applying it to the unpacked latents is the pipeline's update in the packed layout.
+
+Encoding follows ``FluxPipeline.encode_prompt`` exactly: the prompt as given (no lower-casing or stripping
+here; CLIP's tokenizer lower-cases by itself), CLIP padded and truncated to its ``model_max_length`` (77),
+T5 padded and truncated to ``max_tokens``, neither encoder given an attention mask, and no mask in the
+transformer: padding tokens take part, as in the reference, and every shape is fixed per model.
+Encodings are cached per model in an LRU keyed by the prompt.
+
+Graph safety: the position ids (image grid and text zeros) are device tensors made once per shape in
+``make_step``; the transformer turns them into RoPE tables on the device at each call (float64 on CUDA),
+with no host synchronisation, so the step captures as is.
+"""
 
 from __future__ import annotations
 
-BREAK_ATTENTION = False
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from graphs import TensorSpec
+from samplers import model_input, sampler_step
+
+CACHE_SIZE = 4096
+BREAK_ATTENTION = False  # the attention break patch is written for DiT's self-attention only (for now)
 
 
+def cond_specs(model) -> dict[str, TensorSpec]:
+    cfg = model.transformer.config
+    return {"prompt_embeds": TensorSpec((model.card.max_tokens, cfg.joint_attention_dim), model.dtype),
+            "pooled": TensorSpec((cfg.pooled_projection_dim,), model.dtype)}
+
+
+def plan_kwargs(model, shape: tuple[int, int, int]) -> dict:
+    """FLUX.1-dev's resolution-dependent shift: ``mu`` from the packed sequence length (h/2)(w/2), as
+    FluxPipeline's ``calculate_shift(latents.shape[1], ...)``; nothing for a static shift (schnell)."""
+    if not model.card.scheduler.get("use_dynamic_shifting", False):
+        return {}
+    from samplers import flow_mu
+
+    _, h, w = shape
+    return {"mu": flow_mu((h // 2) * (w // 2), model.card.scheduler)}
+
+
+def encode(model, specs) -> list[dict[str, torch.Tensor]]:
+    """Each request's prompt, encoded in one batch per text encoder (cache misses only)."""
+    found = _encode_texts(model, sorted({s.prompt for s in specs}))
+    return [{"prompt_embeds": found[s.prompt][0], "pooled": found[s.prompt][1]} for s in specs]
+
+
+@torch.no_grad()
+def _encode_texts(model, texts: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    cache: OrderedDict = model.cache
+    missing = [t for t in texts if t not in cache]
+    if missing:
+        # as FluxPipeline._get_clip_prompt_embeds: the pooled output, no attention mask
+        clip = model.tokenizer(missing, padding="max_length", max_length=model.tokenizer.model_max_length,
+                               truncation=True, return_tensors="pt")
+        pooled = model.text_encoder(clip.input_ids.to(model.text_encoder.device),
+                                    output_hidden_states=False).pooler_output               # (n, 768)
+        # as FluxPipeline._get_t5_prompt_embeds: the last hidden state, no attention mask
+        t5 = model.tokenizer_2(missing, padding="max_length", max_length=model.card.max_tokens, truncation=True,
+                               return_tensors="pt")
+        embeds = model.text_encoder_2(t5.input_ids.to(model.text_encoder_2.device),
+                                      output_hidden_states=False)[0]                        # (n, L, 4096)
+        for i, text in enumerate(missing):
+            cache[text] = (embeds[i].to(model.dtype), pooled[i].to(model.dtype))
+    out = {}
+    for text in texts:
+        cache.move_to_end(text)
+        out[text] = cache[text]
+    while len(cache) > CACHE_SIZE:
+        cache.popitem(last=False)
+    return out
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, (H/2)(W/2), 4C): 2x2 cells as tokens, as FluxPipeline._pack_latents."""
+    b, c, h, w = x.shape
+    x = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)  # (B, H/2, W/2, C, 2, 2)
+    return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(z: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """(B, (h/2)(w/2), 4C) -> (B, C, h, w), as FluxPipeline._unpack_latents."""
+    b, _, d = z.shape
+    z = z.view(b, h // 2, w // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)  # (B, C, h/2, 2, w/2, 2)
+    return z.reshape(b, d // 4, h, w)
+
+
+def image_ids(h: int, w: int, device) -> torch.Tensor:
+    """(h w, 3) position ids of an h x w token grid: (0, row, column), as FluxPipeline._prepare_latent_image_ids.
+    Float32 (the pipeline uses the encoder's dtype; bfloat16 would round rows and columns past 256)."""
+    ids = torch.zeros(h, w, 3)
+    ids[..., 1] = torch.arange(h)[:, None]
+    ids[..., 2] = torch.arange(w)[None, :]
+    return ids.reshape(h * w, 3).to(device)
+
+
+def make_step(model, shape=None):
+    """One whole denoising step for latents of ``shape`` (16, h, w; the native one by default): pack, the
+    transformer at timestep t / 1000 (FluxPipeline divides by 1000; the model multiplies back), with the
+    guidance scale per row when the model embeds it, unpack, sampler update. The position ids depend on
+    the shape only: device tensors made here, outside capture."""
+    transformer, dtype, device = model.transformer, model.dtype, model.device
+    _, h, w = shape or model.latent_shape
+    img_ids = image_ids(h // 2, w // 2, device)                       # (N, 3)
+    txt_ids = torch.zeros(model.card.max_tokens, 3, device=device)   # (L, 3): text tokens share position 0
+    embeds_guidance = bool(transformer.config.guidance_embeds)
+
+    def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, pooled):
+        tokens = pack(model_input(x, coeffs).to(dtype))                 # (B, N, 64)
+        v = transformer(tokens, encoder_hidden_states=prompt_embeds,    # (B, L, 4096)
+                        pooled_projections=pooled, timestep=t.to(dtype) / 1000,
+                        guidance=guidance if embeds_guidance else None,  # (B,) float32, as the pipeline's
+                        img_ids=img_ids, txt_ids=txt_ids, return_dict=False)[0]  # (B, N, 64)
+        x_next, denoised = sampler_step(x, unpack(v.float(), h, w), hist, noise, coeffs)  # (B, 16, h, w)
+        return {"x_next": x_next, "hist_next": denoised}
+
+    return step
+
+
+# -- loading -----------------------------------------------------------------------------------------------
 def load(card, device, dtype):
-    raise NotImplementedError("flux models cannot be loaded yet")
+    """The transformer and VAE (safetensors, sharded or not), both text encoders (transformers, local
+    files only, safetensors only) and both tokenizers, from ``card.path``. The second encoder and
+    tokenizer are extra attributes of the LoadedModel: ``text_encoder_2`` (T5), ``tokenizer_2``."""
+    from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+    from workers.loading import _assemble, _load_vae
+
+    path = Path(card.path)
+    transformer = _load_transformer(path / "transformer", device, dtype)
+    model = _assemble(card, transformer, _load_vae(path / "vae", device, dtype))
+    model.text_encoder = _load_encoder(CLIPTextModel, path / "text_encoder", device, dtype)
+    model.text_encoder_2 = _load_encoder(T5EncoderModel, path / "text_encoder_2", device, dtype)
+    model.tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
+    model.tokenizer_2 = AutoTokenizer.from_pretrained(str(path / "tokenizer_2"), local_files_only=True)
+    return model
+
+
+def _load_transformer(path: Path, device, dtype) -> torch.nn.Module:
+    """Built on the meta device and given the checkpoint's tensors (``assign``): FLUX.1's 12B parameters
+    are neither randomly initialised nor held twice on the host."""
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import load_file
+
+    from workers.loading import ModelError, _cast, _instantiate, _read_json
+
+    files = weight_files(path, "diffusion_pytorch_model")
+    with torch.device("meta"):
+        model = _instantiate(FluxTransformer2DModel, _read_json(path / "config.json"))
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f), device=str(torch.device(device))))
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ModelError(f"weights in {path} do not match its config.json: {len(missing)} missing "
+                         f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})")
+    return _cast(model, device, dtype)
+
+
+def _load_encoder(cls, path: Path, device, dtype) -> torch.nn.Module:
+    from workers.loading import _cast
+
+    weight_files(path, "model")  # our refusal of pickles and of a missing shard, with their messages
+    encoder = cls.from_pretrained(str(path), local_files_only=True, use_safetensors=True, dtype=dtype)
+    return _cast(encoder, device, dtype)
+
+
+def weight_files(path: Path, stem: str) -> list[Path]:
+    """The safetensors files of a component: the shards its ``<stem>.safetensors.index.json`` names (each
+    must be there), else ``<stem>.safetensors``. ModelError for pickles only, a missing shard, or none."""
+    from workers.loading import PICKLE_SUFFIXES, ModelError
+
+    index = path / f"{stem}.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise ModelError(f"{index} is not a safetensors index (a weight_map of tensor -> shard): {e}") from None
+        absent = [s for s in shards if not (path / s).is_file()]
+        if absent:
+            raise ModelError(f"{path} lacks shards its index names: {', '.join(absent)}")
+        return [path / s for s in shards]
+    if (path / f"{stem}.safetensors").is_file():
+        return [path / f"{stem}.safetensors"]
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES) if path.is_dir() else []
+    if pickles:
+        raise ModelError(f"{path} has only pickle weights ({', '.join(pickles)}); they are refused because "
+                         "loading them runs arbitrary code. Convert them to .safetensors.")
+    raise ModelError(f"{path} has no weights: expected {stem}.safetensors (or shards with "
+                     f"{stem}.safetensors.index.json)")

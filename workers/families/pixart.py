@@ -57,13 +57,19 @@ def _encode_texts(model, texts: list[str]) -> dict[str, tuple[torch.Tensor, torc
     return out
 
 
+DEFAULT_CROSS_ATTENTION = "varlen"  # measured on an H200 (docs/benchmarks/pixart.md): as fast or faster at
+                                   # every batch from 2 up, at 512 and 1024 px; within 3% at one 512 px image
+
+
 def set_cross_attention(model, mode: str) -> None:
     """``padded``: diffusers' cross-attention over all ``max_tokens`` keys with the mask (graph-stable);
-    ``varlen``: each row attends to its real tokens only, in an eager break (workers.varlen)."""
+    ``varlen``: each row attends to its real tokens only, in an eager break (workers.varlen); ``auto``:
+    the measured default."""
     from workers.varlen import restore_cross_attention, varlen_cross_attention
 
+    mode = DEFAULT_CROSS_ATTENTION if mode == "auto" else mode
     if mode not in ("padded", "varlen"):
-        raise ValueError(f"cross_attention must be 'padded' or 'varlen', got {mode!r}")
+        raise ValueError(f"cross_attention must be 'auto', 'padded' or 'varlen', got {mode!r}")
     (varlen_cross_attention if mode == "varlen" else restore_cross_attention)(model.transformer)
 
 

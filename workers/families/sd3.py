@@ -1,9 +1,187 @@
-"""The sd3 family (not written yet)."""
+"""Stable Diffusion 3 and 3.5 (Esser et al. 2024, "Scaling Rectified Flow Transformers"; diffusers'
+``SD3Transformer2DModel``, ``StableDiffusion3Pipeline``): an MMDiT that reads a prompt through three text
+encoders and predicts the rectified-flow velocity (the ``flow_euler`` plan; shift 3.0 from the card's
+scheduler config).
+
+The condition of a row is two tensors, made as ``StableDiffusion3Pipeline.encode_prompt`` makes them
+(clip_skip None, nothing lower-cased or stripped, no attention masks anywhere):
+
+    clip   = [CLIP-L penultimate hidden states | CLIP-bigG's]       (77, 768 + 1280), zero-padded to 4096
+    embeds = [clip ; T5 last hidden states]                          (77 + max_tokens, 4096)
+    pooled = [CLIP-L text projection | CLIP-bigG's]                  (2048,)
+
+T5 is padded (and truncated) to ``max_tokens``; without T5 (no text_encoder_3/, or ``skip_t5``) its part
+is zeros, as the reference with ``text_encoder_3=None``. The negative prompt is encoded the same way ("" by
+default, encoded, not zeros). Every prompt has the same shape, so the step is graph-stable. Encodings are
+cached per model in an LRU keyed by the text, on the host (2.7 MB a text in bf16 at 333 tokens: a device
+cache of pixart's size would hold 11 GB of GPU memory); the engine uploads a request's rows at admission.
+
+Decoding: SD3's VAE has a shift factor, ``pixels = vae.decode(latents / scaling_factor + shift_factor)``,
+which the engine's ``decode`` applies (``LoadedModel.vae_shift``).
+"""
 
 from __future__ import annotations
 
-BREAK_ATTENTION = False
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from graphs import TensorSpec
+from samplers import cfg_combine, model_input, sampler_step
+
+CACHE_SIZE = 1024  # texts; ~2.8 GB of host memory for SD3.5 in bf16
+BREAK_ATTENTION = False  # the attention break patch is written for DiT's self-attention only (for now)
 
 
+# -- loading ------------------------------------------------------------------------------------------
 def load(card, device, dtype):
-    raise NotImplementedError("sd3 models cannot be loaded yet")
+    """The transformer and VAE (safetensors, sharded or not), both CLIPs and T5 (transformers, local files,
+    safetensors only) and their tokenizers. Beyond LoadedModel's ``text_encoder`` / ``tokenizer`` (CLIP-L),
+    the model gets the attributes ``text_encoder_2`` / ``tokenizer_2`` (bigG), ``text_encoder_3`` /
+    ``tokenizer_3`` (T5; None when skipped). ``_assemble`` sets ``vae_shift`` from the VAE's shift_factor."""
+    from diffusers import SD3Transformer2DModel
+    from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+    from workers.layouts.sd3 import skips_t5
+    from workers.loading import _assemble, _cast, _instantiate, _load_vae, _load_weights, _read_json
+
+    path = Path(card.path)
+    transformer = _instantiate(SD3Transformer2DModel, _read_json(path / "transformer" / "config.json"))
+    _load_weights(transformer, path / "transformer")  # every *.safetensors: one file or all the shards
+    model = _assemble(card, _cast(transformer, device, dtype), _load_vae(path / "vae", device, dtype))
+    clip = CLIPTextModelWithProjection
+    model.text_encoder, model.tokenizer = _encoder(clip, path, "", device, dtype)
+    model.text_encoder_2, model.tokenizer_2 = _encoder(clip, path, "_2", device, dtype)
+    model.text_encoder_3 = model.tokenizer_3 = None
+    if not skips_t5(path, _read_json(path / "model_index.json")):
+        model.text_encoder_3, model.tokenizer_3 = _encoder(T5EncoderModel, path, "_3", device, dtype)
+    _check_widths(model, path)
+    return model
+
+
+def _encoder(cls, path: Path, suffix: str, device, dtype):
+    """text_encoder{suffix}/ by transformers' loader (shards, tied weights) and tokenizer{suffix}/, local files
+    only; pickle weights refused first, with the message the transformer's get."""
+    from transformers import AutoTokenizer
+
+    from workers.loading import PICKLE_SUFFIXES, ModelError, _cast
+
+    folder = path / f"text_encoder{suffix}"
+    if not any(folder.glob("*.safetensors")):
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        raise ModelError(f"{folder} has only pickle weights ({', '.join(pickles)}); they are refused because loading "
+                         "them runs arbitrary code. Convert them to .safetensors." if pickles else
+                         f"{folder} has no weights: expected model.safetensors")
+    encoder = cls.from_pretrained(str(folder), local_files_only=True, use_safetensors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path / f"tokenizer{suffix}"), local_files_only=True)
+    return _cast(encoder, device, dtype), tokenizer
+
+
+def _check_widths(model, path: Path) -> None:
+    """The encoders fit the transformer, as the pipeline assumes without checking: CLIP-L + bigG hidden
+    sizes within T5's width = joint_attention_dim, the projections = pooled_projection_dim."""
+    from workers.loading import ModelError
+
+    cfg, clips = model.transformer.config, (model.text_encoder.config, model.text_encoder_2.config)
+    t5 = model.text_encoder_3.config.d_model if model.text_encoder_3 is not None else cfg.joint_attention_dim
+    problems = []
+    if t5 != cfg.joint_attention_dim:
+        problems.append(f"T5's d_model {t5} != the transformer's joint_attention_dim {cfg.joint_attention_dim}")
+    if sum(c.hidden_size for c in clips) > cfg.joint_attention_dim:
+        problems.append(f"the CLIP hidden sizes {[c.hidden_size for c in clips]} add up to more than "
+                        f"joint_attention_dim {cfg.joint_attention_dim}")
+    if sum(c.projection_dim for c in clips) != cfg.pooled_projection_dim:
+        problems.append(f"the CLIP projections {[c.projection_dim for c in clips]} do not add up to "
+                        f"pooled_projection_dim {cfg.pooled_projection_dim}")
+    if model.tokenizer.model_max_length > min(c.max_position_embeddings for c in clips):
+        problems.append(f"tokenizer/ pads to {model.tokenizer.model_max_length} tokens, more than CLIP's positions")
+    if problems:
+        raise ModelError(f"{path}: the text encoders do not fit the transformer: {'; '.join(problems)}")
+
+
+# -- the family interface -----------------------------------------------------------------------------
+def cond_specs(model) -> dict[str, TensorSpec]:
+    cfg = model.transformer.config
+    embeds = TensorSpec((_clip_tokens(model) + model.card.max_tokens, cfg.joint_attention_dim), model.dtype)
+    pooled = TensorSpec((cfg.pooled_projection_dim,), model.dtype)
+    return {"prompt_embeds": embeds, "pooled": pooled, "neg_embeds": embeds, "neg_pooled": pooled}
+
+
+def encode(model, specs) -> list[dict[str, torch.Tensor]]:
+    """Each request's prompt and negative prompt, encoded in one batch per text encoder (cache misses only)."""
+    found = _encode_texts(model, sorted({t for s in specs for t in (s.prompt, s.negative_prompt)}))
+    return [{"prompt_embeds": found[s.prompt][0], "pooled": found[s.prompt][1],
+             "neg_embeds": found[s.negative_prompt][0], "neg_pooled": found[s.negative_prompt][1]} for s in specs]
+
+
+def make_step(model, shape=None):
+    """One whole denoising step: both CFG halves in one forward (prompt rows, then negative rows), guidance,
+    sampler update. Nothing depends on ``shape``: the transformer crops its positional embedding to the
+    latents' size itself."""
+    transformer, dtype = model.transformer, model.dtype
+
+    def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, pooled, neg_embeds, neg_pooled):
+        xin = model_input(x, coeffs).to(dtype)                                        # (B, C, H, W)
+        out = transformer(hidden_states=torch.cat([xin, xin]),                          # (2B, C, H, W)
+                          timestep=torch.cat([t, t]),                                   # (2B,) sigma * 1000
+                          encoder_hidden_states=torch.cat([prompt_embeds, neg_embeds]),  # (2B, 77 + L, 4096)
+                          pooled_projections=torch.cat([pooled, neg_pooled]),           # (2B, 2048)
+                          return_dict=False)[0]                                         # (2B, C, H, W) velocity
+        cond, uncond = out.float().chunk(2)
+        x_next, denoised = sampler_step(x, cfg_combine(cond, uncond, guidance), hist, noise, coeffs)
+        return {"x_next": x_next, "hist_next": denoised}
+
+    return step
+
+
+# -- the text path ------------------------------------------------------------------------------------
+def _clip_tokens(model) -> int:
+    """CLIP's token count: tokenizer/'s model_max_length (77), which the pipeline uses for both CLIPs."""
+    return int(model.tokenizer.model_max_length)
+
+
+@torch.no_grad()
+def _encode_texts(model, texts: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    cache: OrderedDict = model.cache
+    missing = [t for t in texts if t not in cache]
+    if missing:
+        embeds, pooled = _encode_prompts(model, missing)
+        embeds, pooled = embeds.to("cpu", model.dtype), pooled.to("cpu", model.dtype)
+        for i, text in enumerate(missing):  # copies, not views: an evicted entry frees its memory
+            cache[text] = (embeds[i].clone(), pooled[i].clone())
+    out = {}
+    for text in texts:
+        cache.move_to_end(text)
+        out[text] = cache[text]
+    while len(cache) > CACHE_SIZE:
+        cache.popitem(last=False)
+    return out
+
+
+def _encode_prompts(model, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, 77 + max_tokens, W) prompt embeddings and (n, P) pooled ones, as encode_prompt."""
+    clip_l, pooled_l = _clip(model.text_encoder, model.tokenizer, texts, _clip_tokens(model))
+    clip_g, pooled_g = _clip(model.text_encoder_2, model.tokenizer_2, texts, _clip_tokens(model))
+    t5 = _t5(model, texts)                                                       # (n, L, W)
+    clip = torch.cat([clip_l, clip_g], dim=-1)                                   # (n, 77, 768 + 1280)
+    clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))   # (n, 77, W)
+    return torch.cat([clip, t5], dim=-2), torch.cat([pooled_l, pooled_g], dim=-1)
+
+
+def _clip(encoder, tokenizer, texts: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The penultimate hidden states (n, 77, D) and the text projection (n, P): _get_clip_prompt_embeds."""
+    ids = tokenizer(texts, padding="max_length", max_length=length, truncation=True, return_tensors="pt").input_ids
+    out = encoder(ids.to(encoder.device), output_hidden_states=True)
+    return out.hidden_states[-2], out[0]
+
+
+def _t5(model, texts: list[str]) -> torch.Tensor:
+    """T5's last hidden states (n, max_tokens, W), no mask (as _get_t5_prompt_embeds); zeros without T5."""
+    length, encoder = model.card.max_tokens, model.text_encoder_3
+    if encoder is None:
+        return torch.zeros((len(texts), length, model.transformer.config.joint_attention_dim),
+                           device=model.text_encoder.device, dtype=model.text_encoder.dtype)
+    ids = model.tokenizer_3(texts, padding="max_length", max_length=length, truncation=True,
+                            add_special_tokens=True, return_tensors="pt").input_ids
+    return encoder(ids.to(encoder.device))[0]

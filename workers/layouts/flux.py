@@ -1,11 +1,99 @@
-"""The model card of a flux pipeline directory (torch-free)."""
+"""The model card of a FLUX.1 pipeline directory (``black-forest-labs/FLUX.1-dev``, ``-schnell``; diffusers'
+``FluxPipeline``), read from its JSON files without torch.
+
+The layout: ``transformer/`` (FluxTransformer2DModel, sharded safetensors), ``vae/`` (a 16-channel
+AutoencoderKL), ``text_encoder/`` (CLIPTextModel: its pooled output) with ``tokenizer/`` (CLIPTokenizer),
+``text_encoder_2/`` (T5EncoderModel: the token embeddings) with ``tokenizer_2/`` (T5TokenizerFast), and
+``scheduler/`` (FlowMatchEulerDiscreteScheduler). A missing part is a CardError naming it.
+
+Guidance. FLUX.1-dev is guidance-distilled: the scale is an input of the network (``guidance_embeds`` in
+the transformer's config), one forward per image, no classifier-free guidance and no negative prompt;
+FLUX.1-schnell is timestep-distilled and has no guidance input: the scale is ignored (default 0). Which
+of the two a directory holds is read from ``guidance_embeds``, never from its name. The card has no field
+for it yet: ``workers.families.flux`` reads the transformer's config.
+
+Schedule. FluxPipeline passes its own sigmas, np.linspace(1, 1/steps, steps), to the scheduler, dev and
+schnell alike (then shifted by ``mu`` for dev's dynamic shifting, statically for schnell): the card's
+scheduler config says so with ``flow_grid: "flux"`` (a samplers.NoiseSchedule key, not a diffusers one).
+
+Sizes. The latents are 16 x H/8 x W/8, packed 2x2 into (H/16)(W/16) tokens of 64, so each side is a
+multiple of 16 px. FLUX has no native size in its configs; 1024 is the real models' (``dit_serve.image_size``
+overrides). Each (width, height) size is one captured graph shape, so a card lists a few: the native
+square and the common ratios 4:3, 3:2, 16:9 and 21:9 both ways, each at about the native pixel count
+(width = native * sqrt(ratio), height = native / sqrt(ratio), each rounded to the nearest multiple of 16:
+at 1024, 1184x880, 1248x832, 1360x768, 1568x672 and their transposes). ``dit_serve.sizes`` replaces them.
+"""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+NATIVE_SIZE = 1024
+MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses more T5 tokens
+DEV = {"defaults": {"sampler": "flow_euler", "steps": 28, "guidance": 3.5}, "max_tokens": 512}
+SCHNELL = {"defaults": {"sampler": "flow_euler", "steps": 4, "guidance": 0.0}, "max_tokens": 256}
+RATIOS = ((4, 3), (3, 2), (16, 9), (21, 9))  # width:height, besides the square; each also transposed
+# part -> (the file that must be there, what it holds: the message's words)
+PARTS = {"vae": ("vae/config.json", "the VAE (AutoencoderKL)"),
+         "text_encoder": ("text_encoder/config.json", "the CLIP text encoder (CLIPTextModel)"),
+         "text_encoder_2": ("text_encoder_2/config.json", "the T5 text encoder (T5EncoderModel)"),
+         "tokenizer": ("tokenizer", "the CLIP tokenizer"), "tokenizer_2": ("tokenizer_2", "the T5 tokenizer"),
+         "scheduler": ("scheduler/scheduler_config.json", "the scheduler's config")}
+ENCODER_TYPES = {"text_encoder": "clip_text_model", "text_encoder_2": "t5"}  # config.json's model_type
 
 
 def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict):
-    from workers.cards import CardError
+    from workers.cards import CardError, ModelCard, _listed_sizes
 
-    raise CardError(f"{path}: flux pipelines are not supported yet")
+    _check_layout(path, transformer, vae)
+    extra = index.get("dit_serve", {})
+    distilled = bool(transformer.get("guidance_embeds", False))  # dev: True; schnell: False
+    base = DEV if distilled else SCHNELL
+    factor = 2 ** (len(vae["block_out_channels"]) - 1)
+    multiple = factor * 2  # the pipeline packs 2x2 latent cells into one token
+    size = int(extra.get("image_size", NATIVE_SIZE))
+    if size % multiple:
+        raise CardError(f"{path}/model_index.json: dit_serve.image_size {size} is not a multiple of {multiple} pixels")
+    max_tokens = int(extra.get("max_sequence_length", base["max_tokens"]))
+    if not 0 < max_tokens <= MAX_SEQUENCE_LENGTH:
+        raise CardError(f"{path}/model_index.json: dit_serve.max_sequence_length must be 1 to "
+                        f"{MAX_SEQUENCE_LENGTH} (FluxPipeline's limit), got {max_tokens}")
+    tokenizer_json = path / "tokenizer_2" / "tokenizer.json"
+    return ModelCard(
+        name, "flux", "text", path=str(path), image_size=size, latent_channels=int(vae["latent_channels"]),
+        latent_size=size // factor, dtype=extra.get("dtype", "bfloat16"), scheduler={**scheduler, "flow_grid": "flux"},
+        defaults={**base["defaults"], **extra.get("defaults", {})}, max_tokens=max_tokens,
+        sizes=tuple(_listed_sizes(path, extra, multiple) or ratio_sizes(size, multiple)), size_multiple=multiple,
+        tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() else "")
+
+
+def ratio_sizes(native: int, multiple: int) -> list[tuple[int, int]]:
+    """(width, height): the native square, then each of RATIOS at about native^2 pixels, landscape then
+    portrait, each side rounded to the nearest ``multiple`` (duplicates of a smaller native dropped)."""
+    def side(v: float) -> int:
+        return max(multiple, round(v / multiple) * multiple)
+
+    out = [(native, native)]
+    for w, h in RATIOS:
+        r = math.sqrt(w / h)
+        wide = (side(native * r), side(native / r))
+        out += [s for s in (wide, wide[::-1]) if s not in out]
+    return out
+
+
+def _check_layout(path: Path, transformer: dict, vae: dict | None) -> None:
+    from workers.cards import CardError, read_json
+
+    for part, (file, what) in PARTS.items():
+        if not (path / file).exists():
+            raise CardError(f"{path} is a FLUX pipeline without {part}/ ({what}): expected {path / file}")
+    for part, model_type in ENCODER_TYPES.items():
+        found = read_json(path / part / "config.json").get("model_type")
+        if found != model_type:
+            raise CardError(f"{path}/{part}/config.json has model_type {found!r}; a FLUX pipeline's {part} is "
+                            f"{PARTS[part][1]} ({model_type!r})")
+    if transformer.get("patch_size", 1) != 1 or transformer.get("in_channels", 64) != 4 * vae["latent_channels"]:
+        raise CardError(f"{path}/transformer/config.json: expected patch_size 1 and in_channels "
+                        f"{4 * vae['latent_channels']} (the VAE's {vae['latent_channels']} channels packed 2x2), "
+                        f"got {transformer.get('patch_size')} and {transformer.get('in_channels')}")
