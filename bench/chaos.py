@@ -684,7 +684,7 @@ def _sample_loop(s: Served, every: float, t0: float, stop: threading.Event, samp
 def memory_growth(samples: list[dict]) -> dict:
     """RSS growth (MiB) over the second half of the run, in total and per process: the first half holds
     the warm-up (caches, allocator arenas, Ray's bounded tables filling), a leak keeps growing after."""
-    mid = [x for x in samples if x["t_s"] >= samples[-1]["t_s"] / 2] if samples else []
+    mid = [x for x in samples if x["t_s"] >= samples[-1]["t_s"] / 2 and "rss_mb" in x] if samples else []
     if len(mid) < 2:
         return {"total": None, "by_process": {}}
     a, b = mid[0], mid[-1]

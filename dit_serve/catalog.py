@@ -31,7 +31,7 @@ class RequestError(ValueError):
 def model_entry(card: cards.ModelCard) -> ModelCard:
     """A card as GET /v1/models shows it."""
     return ModelCard(id=card.name, conditioning=card.conditioning, family=card.family, num_classes=card.num_classes,
-                     max_tokens=card.max_tokens, image_size=card.image_size,
+                     max_tokens=card.max_tokens, image_size=card.image_size, guidance=card.guidance_mode,
                      sizes=[f"{w}x{h}" for w, h in card.made_sizes()], class_names=card.class_names(),
                      defaults=card.defaults)
 
@@ -106,6 +106,10 @@ class Catalog:
         if negative_prompt and info.conditioning != "text":
             raise RequestError(f"model {info.name!r} is class-conditional: negative_prompt applies to text models",
                                "negative_prompt")
+        if negative_prompt and info.guidance_mode != "cfg":
+            meaning = "a network input (guidance-distilled)" if info.guidance_mode == "embedded" else "ignored"
+            raise RequestError(f"model {info.name!r} has no classifier-free guidance (its guidance is {meaning}): "
+                               "negative_prompt does not apply", "negative_prompt")
         return JobParams(sampler=sampler, steps=steps, guidance=guidance, eta=eta, negative_prompt=negative_prompt,
                          **(size or _size(info, None, None, False)))
 
@@ -154,7 +158,7 @@ def _truncation_warnings(info: cards.ModelCard, prompts: list[str], limit: int =
         return []
     out = []
     for i, p in enumerate(prompts):
-        n = len(tok.encode(p.lower().strip()).ids)
+        n = len(tok.encode(p.lower().strip() if info.lowercase_prompts else p).ids)
         if n > info.max_tokens and len(out) < limit:
             out.append(f"prompts[{i}] has {n} tokens; model {info.name!r} reads the first {info.max_tokens} "
                        "(the rest is cut, as the reference pipelines do)")

@@ -55,7 +55,13 @@ class Worker:
         cuda = torch.cuda.is_available()
         self.device = ("cuda" if cuda else "cpu") if spec.device == "auto" else spec.device
         on_cuda = self.device.startswith("cuda")
-        models = [load_model(m, device=self.device, dtype=self._dtype(spec.dtype, m)) for m in spec.models]
+        dtypes = [self._dtype(spec.dtype, m) for m in spec.models]
+        if on_cuda:  # several models per worker only if their weights fit (else: what each one needs)
+            from workers.memory import check_fits
+
+            check_fits(list(spec.models), [str(d).removeprefix("torch.") for d in dtypes],
+                       torch.cuda.mem_get_info(torch.device(self.device))[0], self.device)
+        models = [load_model(m, device=self.device, dtype=d) for m, d in zip(spec.models, dtypes)]
         self.backend = ("breakable" if on_cuda else "eager") if spec.backend == "auto" else spec.backend
         from workers.sizes import parse_size
 

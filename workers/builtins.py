@@ -1,14 +1,22 @@
-"""Full-size PixArt-Σ with random weights, for benchmarks: the architectures of
-``PixArt-alpha/PixArt-Sigma-XL-2-1024-MS`` (transformer 0.61B, ``google/t5-v1_1-xxl`` encoder 4.76B,
-the SDXL VAE) and a T5-like tokenizer made here, nothing downloaded.
+"""Full-size diffusion transformers with random weights, for benchmarks; tokenizers made here, nothing
+downloaded. The architectures of
+
+- ``PixArt-alpha/PixArt-Sigma-XL-2-1024-MS``: transformer 0.61B, ``google/t5-v1_1-xxl``'s encoder 4.76B,
+  the SDXL VAE (``build_pixart_sigma``);
+- ``stabilityai/stable-diffusion-3.5-medium``: MMDiT-X transformer 2.24B, CLIP-L 0.12B and OpenCLIP-bigG
+  0.69B text towers with projections, T5-XXL's encoder, a 16-channel VAE (``build_sd35_medium``);
+- ``black-forest-labs/FLUX.1-dev``: transformer 11.9B, CLIP-L's text tower, T5-XXL's encoder, a
+  16-channel VAE (``build_flux_dev``).
 
 Modules are built on the meta device, given storage on the target device in the target dtype, and
-initialised there from a seeded generator: the host never holds the 10 GB of weights. Meta
-construction leaves every tensor computed in ``__init__`` empty, so the one non-persistent buffer these
-models have (``PatchEmbed.pos_embed``, a sin-cos table) is recomputed on the device; any other buffer or
-plain tensor attribute is refused, so that a library upgrade cannot leave garbage in a model silently.
+initialised there from a seeded generator: the host never holds the weights (FLUX.1-dev's are 31 GiB
+in bf16). Meta construction leaves every tensor computed in ``__init__`` empty, so the buffers these
+models have (``PatchEmbed.pos_embed``, a sin-cos table; CLIP's ``position_ids``) are recomputed on the
+device; any other buffer or plain tensor attribute is refused, so that a library upgrade cannot leave
+garbage in a model silently.
 
     transformer, text_encoder, tokenizer, vae = build_pixart_sigma(1024, "cuda", torch.bfloat16)
+    parts = build_flux_dev(1024, "cuda", torch.bfloat16)  # {"transformer": ..., "tokenizer_2": ...}
 """
 
 from __future__ import annotations
@@ -34,11 +42,31 @@ SDXL_VAE = dict(
     in_channels=3, out_channels=3, latent_channels=4, block_out_channels=[128, 256, 512, 512],
     down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
     layers_per_block=2, norm_num_groups=32, act_fn="silu", scaling_factor=0.13025, force_upcast=True)
+# transformer/config.json of stable-diffusion-3.5-medium (sample_size follows the size: 128 at 1024 px)
+SD35_MEDIUM = dict(
+    patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+    joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
+    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+# transformer/config.json of FLUX.1-dev (patch_size 1: the pipeline packs 2x2 latent cells into a token of 64)
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56))
+# text_encoder/config.json of both (openai/clip-vit-large-patch14's text tower) and SD3's text_encoder_2
+# (OpenCLIP ViT-bigG/14's); bos/eos/pad ids are clip_tokenizer's (clip_token_ids), not the hub's
+CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+              max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu", layer_norm_eps=1e-5)
+CLIP_BIGG = dict(CLIP_L, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+                 projection_dim=1280, hidden_act="gelu")
+# vae/config.json of SD3.5 and FLUX.1: 16 latent channels, no quant convs; each has its scale and shift
+MMDIT_VAE = dict(SDXL_VAE, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False)
+SD3_VAE_FACTORS = dict(scaling_factor=1.5305, shift_factor=0.0609)
+FLUX_VAE_FACTORS = dict(scaling_factor=0.3611, shift_factor=0.1159)
 INIT_STD = 0.02  # every weight matrix, embedding and free parameter; PixArt's output stays ~N(0, 0.7)
 
 SPECIALS = ("<pad>", "</s>", "<unk>")  # T5's ids 0, 1, 2
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 SYMBOLS = LETTERS + "0123456789.,!?;:'\"-()&/%+*#@$="
+CLIP_SPECIALS = ("<|startoftext|>", "<|endoftext|>")  # last in the vocabulary, as in CLIP's
 # English letter frequencies (%), to choose which word-initial trigrams fit in the vocabulary
 LETTER_FREQ = (8.2, 1.5, 2.8, 4.3, 12.7, 2.2, 2.0, 6.1, 7.0, 0.15, 0.77, 4.0, 2.4, 6.7, 7.5, 1.9, 0.095, 6.0, 6.3,
                9.1, 2.8, 0.98, 2.4, 0.15, 2.0, 0.074)
@@ -71,6 +99,69 @@ def pixart_sigma_on_meta(image_size: int, *, transformer: dict | None = None, te
                 AutoencoderKL(**{**SDXL_VAE, "sample_size": image_size, **(vae or {})}))
 
 
+def build_sd35_medium(image_size: int, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
+                      **overrides: dict) -> dict:
+    """Stable Diffusion 3.5 medium at ``image_size`` pixels with random weights made on ``device`` in
+    ``dtype``, named as StableDiffusion3Pipeline's components: transformer, vae, text_encoder /
+    tokenizer (CLIP-L), text_encoder_2 / tokenizer_2 (bigG, padding with "!" as SD3's), text_encoder_3 /
+    tokenizer_3 (T5-XXL). ``overrides`` maps a module's name to keys of its config (tests shrink them);
+    one generator seeded with ``seed`` initialises the modules in that order."""
+    made = _made(sd35_medium_on_meta(image_size, **overrides), device, dtype, seed)
+    return {**made, "tokenizer": clip_tokenizer(), "tokenizer_2": clip_tokenizer(pad="!"), "tokenizer_3": t5_tokenizer()}
+
+
+def build_flux_dev(image_size: int, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
+                   **overrides: dict) -> dict:
+    """FLUX.1-dev with random weights made on ``device`` in ``dtype``, named as FluxPipeline's components:
+    transformer, vae, text_encoder / tokenizer (CLIP-L, its pooled output), text_encoder_2 / tokenizer_2
+    (T5-XXL). ``image_size`` is the VAE's sample_size only (the transformer takes any size);
+    ``overrides`` and ``seed`` as build_sd35_medium's."""
+    made = _made(flux_dev_on_meta(image_size, **overrides), device, dtype, seed)
+    return {**made, "tokenizer": clip_tokenizer(), "tokenizer_2": t5_tokenizer()}
+
+
+def sd35_medium_on_meta(image_size: int, **overrides: dict) -> dict[str, nn.Module]:
+    """The modules of build_sd35_medium on the meta device: shapes, no storage."""
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    o = _check_overrides(overrides, ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"))
+    clip_l = CLIPTextConfig(**{**CLIP_L, **clip_token_ids(), **o["text_encoder"]})
+    clip_g = CLIPTextConfig(**{**CLIP_BIGG, **clip_token_ids(pad="!"), **o["text_encoder_2"]})
+    with torch.device("meta"):
+        return {"transformer": SD3Transformer2DModel(**{**SD35_MEDIUM, "sample_size": image_size // 8,
+                                                        **o["transformer"]}),
+                "vae": AutoencoderKL(**{**MMDIT_VAE, **SD3_VAE_FACTORS, "sample_size": image_size, **o["vae"]}),
+                "text_encoder": CLIPTextModelWithProjection(clip_l),
+                "text_encoder_2": CLIPTextModelWithProjection(clip_g),
+                "text_encoder_3": T5EncoderModel(T5Config(**{**T5_XXL, **o["text_encoder_3"]}))}
+
+
+def flux_dev_on_meta(image_size: int, **overrides: dict) -> dict[str, nn.Module]:
+    """The modules of build_flux_dev on the meta device: shapes, no storage."""
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    o = _check_overrides(overrides, ("transformer", "vae", "text_encoder", "text_encoder_2"))
+    with torch.device("meta"):
+        return {"transformer": FluxTransformer2DModel(**{**FLUX_DEV, **o["transformer"]}),
+                "vae": AutoencoderKL(**{**MMDIT_VAE, **FLUX_VAE_FACTORS, "sample_size": image_size, **o["vae"]}),
+                "text_encoder": CLIPTextModel(CLIPTextConfig(**{**CLIP_L, **clip_token_ids(), **o["text_encoder"]})),
+                "text_encoder_2": T5EncoderModel(T5Config(**{**T5_XXL, **o["text_encoder_2"]}))}
+
+
+def _check_overrides(overrides: dict, names: tuple[str, ...]) -> dict[str, dict]:
+    unknown = set(overrides) - set(names)
+    if unknown:
+        raise TypeError(f"no module named {', '.join(sorted(unknown))} to override; the modules: {', '.join(names)}")
+    return {name: overrides.get(name) or {} for name in names}
+
+
+def _made(modules: dict[str, nn.Module], device, dtype: torch.dtype, seed: int) -> dict[str, nn.Module]:
+    gen = torch.Generator(device).manual_seed(seed)
+    return {name: materialise(m, device, dtype, gen) for name, m in modules.items()}
+
+
 @torch.no_grad()
 def materialise(model: nn.Module, device, dtype: torch.dtype, gen: torch.Generator) -> nn.Module:
     """Give a meta-built model storage on ``device`` (floating tensors in ``dtype``) and initialise it
@@ -101,9 +192,11 @@ def _init(owner: nn.Module, name: str, t: torch.Tensor, gen: torch.Generator) ->
 
 
 def _restore_buffers(model: nn.Module) -> None:
-    """Recompute what meta construction left empty: PatchEmbed's sin-cos table, as its ``__init__`` does
-    (float32 on the device, then the buffer's dtype, as a cast of a normally built model would give)."""
+    """Recompute what meta construction left empty, as the modules' ``__init__`` do: PatchEmbed's sin-cos
+    table (float32 on the device, then the buffer's dtype, as a cast of a normally built model would give;
+    SD3's, 384 x 384 patches, is made in float64 first: ~1.8 GB for a moment), CLIP's position ids."""
     from diffusers.models.embeddings import PatchEmbed, get_2d_sincos_pos_embed
+    from transformers.models.clip.modeling_clip import CLIPTextEmbeddings
 
     for mod_name, mod in model.named_modules():
         tensors = [n for n, v in vars(mod).items() if isinstance(v, torch.Tensor)]
@@ -113,6 +206,8 @@ def _restore_buffers(model: nn.Module) -> None:
             table = get_2d_sincos_pos_embed(mod.proj.out_channels, grid, base_size=mod.base_size,
                                             interpolation_scale=mod.interpolation_scale, device=mod.pos_embed.device)
             mod.pos_embed.copy_(table.float().unsqueeze(0))  # (1, T, D)
+        elif isinstance(mod, CLIPTextEmbeddings) and buffers == ["position_ids"]:
+            mod.position_ids.copy_(torch.arange(mod.position_ids.shape[-1], device=mod.position_ids.device))  # (1, 77)
         elif tensors or buffers:
             raise RuntimeError(f"{type(model).__name__}.{mod_name} ({type(mod).__name__}) holds tensors built in "
                                f"__init__ ({tensors + buffers}) that meta construction leaves empty: add a rule here")
@@ -147,3 +242,35 @@ def _pieces(n: int) -> list[str]:
     pieces = ["▁", *SYMBOLS, *("▁" + s for s in SYMBOLS), *bigrams, *("▁" + b for b in bigrams), *trigrams,
               *("▁" + w for w in common)]
     return pieces[:n]
+
+
+def clip_tokenizer(pad: str = "<|endoftext|>"):
+    """A CLIP tokenizer (transformers' CLIPTokenizer: lower-cased, byte-level BPE with ``</w>`` word ends,
+    <|startoftext|> ... <|endoftext|>, model_max_length 77) over a generated vocabulary of 37018 tokens,
+    fewer than CLIP's 49408 (every id in range of the models' embeddings): the 512 byte symbols (each
+    also word-final), then merges into letter bigrams and trigrams: an ordinary prompt is ~2 tokens a
+    word (CLIP's own ~1.3), never unknown. ``pad``: "<|endoftext|>" (CLIP-L's) or "!" (SD3's bigG's)."""
+    from transformers import CLIPTokenizer
+
+    vocab, merges = clip_vocab()
+    return CLIPTokenizer(vocab=vocab, merges=merges, pad_token=pad, model_max_length=CLIP_L["max_position_embeddings"])
+
+
+def clip_token_ids(pad: str = "<|endoftext|>") -> dict[str, int]:
+    """bos/eos/pad ids of clip_tokenizer(pad), for the CLIP configs: the pooled output is read at the
+    first eos (an eos_token_id of 2 would select the legacy argmax of the ids instead)."""
+    vocab, _ = clip_vocab()
+    return dict(bos_token_id=vocab[CLIP_SPECIALS[0]], eos_token_id=vocab[CLIP_SPECIALS[1]], pad_token_id=vocab[pad])
+
+
+def clip_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """(vocab, merges), deterministic. Merge ranks: letter pairs, letter pairs ending a word, then a pair
+    plus a letter (mid-word, word-final): the earlier a merge, the sooner BPE applies it."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    base = sorted(ByteLevel.alphabet())  # the 256 byte symbols; letters a-z stand for themselves
+    pairs = ["".join(p) for p in product(LETTERS, repeat=2)]
+    merges = [(a, b) for a, b in pairs] + [(a, b + "</w>") for a, b in pairs]
+    merges += [(p, c) for p in pairs for c in LETTERS] + [(p, c + "</w>") for p in pairs for c in LETTERS]
+    tokens = [*base, *(c + "</w>" for c in base), *(a + b for a, b in merges), *CLIP_SPECIALS]
+    return {t: i for i, t in enumerate(tokens)}, merges

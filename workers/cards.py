@@ -29,7 +29,9 @@ DIT_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 
 FALLBACK_DEFAULTS = {"guidance": 4.0, "sampler": "ddim", "steps": 50}
 DIT_CONFIG_DEFAULTS = {"sample_size": 32, "in_channels": 4}  # DiTTransformer2DModel's, for keys a config omits
 BUILTINS = {"dit-xl-2-256": 256, "dit-xl-2-512": 512,  # DiT-XL/2 + sd-vae-ft-ema, random weights
-            "pixart-sigma-512": 512, "pixart-sigma-1024": 1024}  # PixArt-Σ-XL/2 + T5-XXL + SDXL VAE (workers.builtins)
+            "pixart-sigma-512": 512, "pixart-sigma-1024": 1024,  # PixArt-Σ-XL/2 + T5-XXL + SDXL VAE (workers.builtins)
+            "sd35-medium-1024": 1024,  # Stable Diffusion 3.5 medium: MMDiT-X, CLIP-L, CLIP-bigG, T5-XXL (workers.builtins)
+            "flux-dev-512": 512, "flux-dev-1024": 1024}  # FLUX.1-dev: its transformer, CLIP-L, T5-XXL (workers.builtins)
 PIXART_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 0.02, "beta_schedule": "linear",
                     "prediction_type": "epsilon", "algorithm_type": "dpmsolver++", "solver_order": 2,
                     "timestep_spacing": "linspace"}  # PixArt-Σ's scheduler_config.json
@@ -44,7 +46,7 @@ class ModelCard:
     """A model as the service sees it. ``dtype`` is what it runs in on a GPU (on a CPU, float32)."""
 
     name: str
-    family: str                      # the workers.families module that runs it: "dit" | "pixart"
+    family: str                      # the workers.families module that runs it: dit | pixart | sd3 | flux
     conditioning: str                # "class" (labels) | "text" (prompts)
     path: str = ""                   # the model directory; empty for a built-in architecture
     builtin: str = ""                # a built-in architecture's name
@@ -61,6 +63,10 @@ class ModelCard:
     sizes: tuple[tuple[int, int], ...] = ()  # (width, height) it makes; the native square when empty
     size_multiple: int = 1           # pixels per transformer patch (VAE factor x patch size)
     tokenizer_file: str = ""         # text models: tokenizer.json, when the directory has one (token counts)
+    guidance_mode: str = "cfg"       # what `guidance` means: "cfg" (classifier-free, against the negative
+                                     # prompt or null class) | "embedded" (a network input: FLUX.1-dev) |
+                                     # "none" (ignored: FLUX.1-schnell)
+    lowercase_prompts: bool = False  # the family lower-cases prompts before tokenising (PixArt's pipelines do)
 
     @property
     def prediction_type(self) -> str:
@@ -116,7 +122,27 @@ def read_card(spec: str | Path) -> ModelCard:
         size = BUILTINS[spec]
         return ModelCard(spec, "pixart", "text", builtin=spec, image_size=size, latent_channels=4, latent_size=size // 8,
                          scheduler=dict(PIXART_SCHEDULER), max_tokens=300, sizes=tuple(pixart_bins(size // 8)),
-                         size_multiple=16, defaults={"sampler": "dpmpp_2m", "steps": 20, "guidance": 4.5})
+                         size_multiple=16, defaults={"sampler": "dpmpp_2m", "steps": 20, "guidance": 4.5},
+                         lowercase_prompts=True)
+    if spec in BUILTINS and spec.startswith("sd35-"):
+        from workers.layouts.sd3 import aspect_sizes
+
+        size = BUILTINS[spec]  # scheduler_config.json; sampling as the model card recommends (40 steps, CFG 4.5)
+        return ModelCard(spec, "sd3", "text", builtin=spec, image_size=size, latent_channels=16, latent_size=size // 8,
+                         scheduler={"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000,
+                                    "shift": 3.0}, max_tokens=256, sizes=tuple(aspect_sizes(size, 16)),
+                         size_multiple=16, defaults={"sampler": "flow_euler", "steps": 40, "guidance": 4.5})
+    if spec in BUILTINS and spec.startswith("flux-dev-"):
+        from workers.layouts.flux import DEV, ratio_sizes
+
+        size = BUILTINS[spec]  # FLUX.1-dev's scheduler_config.json, on FluxPipeline's sigma grid
+        scheduler = {"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,
+                     "max_image_seq_len": 4096, "max_shift": 1.15, "num_train_timesteps": 1000, "shift": 3.0,
+                     "use_dynamic_shifting": True, "flow_grid": "flux"}
+        return ModelCard(spec, "flux", "text", builtin=spec, image_size=size, latent_channels=16,
+                         latent_size=size // 8, scheduler=scheduler, defaults=dict(DEV["defaults"]),
+                         max_tokens=DEV["max_tokens"], sizes=tuple(ratio_sizes(size, 16)), size_multiple=16,
+                         guidance_mode="embedded")
     if spec in BUILTINS:
         size = BUILTINS[spec]
         return ModelCard(spec, "dit", "class", builtin=spec, num_classes=1000, image_size=size, latent_channels=4,
@@ -169,7 +195,7 @@ def _pixart_card(name: str, path: Path, cfg: dict, vae: dict | None, index: dict
         latent_size=size, pixel_space=vae is None, dtype=extra.get("dtype", "bfloat16"), scheduler=scheduler,
         defaults={**defaults, **extra.get("defaults", {})},
         max_tokens=int(extra.get("max_sequence_length", 300 if sigma else 120)), sizes=tuple(sizes),
-        size_multiple=multiple, tokenizer_file=str(path / "tokenizer" / "tokenizer.json")
+        size_multiple=multiple, lowercase_prompts=True, tokenizer_file=str(path / "tokenizer" / "tokenizer.json")
         if (path / "tokenizer" / "tokenizer.json").is_file() else "")
 
 

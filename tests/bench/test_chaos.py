@@ -140,3 +140,12 @@ def test_the_command_line_starts():
     assert out.returncode == 0, out.stderr
     for name in ("worker-kill", "serve-kill", "fuzz", "overload", "--smoke"):
         assert name in out.stdout
+
+
+def test_memory_growth_is_measured_over_the_second_half_per_process():
+    samples = [{"t_s": float(t), "rss_mb": 100.0 + t, "rss_mb_by_process": {"serve": 50.0 + t, "raylet": 30.0}}
+               for t in range(0, 101, 10)]
+    samples[-1]["rss_mb_by_process"]["gcs_server"] = 2.0  # a process that appeared late counts from 0
+    g = chaos.memory_growth(samples)
+    assert g["total"] == 50.0 and g["by_process"] == {"gcs_server": 2.0, "raylet": 0.0, "serve": 50.0}
+    assert chaos.memory_growth([]) == {"total": None, "by_process": {}}

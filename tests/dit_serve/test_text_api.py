@@ -14,9 +14,15 @@ from .conftest import service_config
 
 @pytest.fixture(scope="module")
 def api(digits_model, tmp_path_factory):
-    text_model = make_tiny_pixart(tmp_path_factory.mktemp("models") / "pixart-tiny")
+    from workers.models.tiny_flux import make_tiny_flux
+    from workers.models.tiny_sd3 import make_tiny_sd3
+
+    models = tmp_path_factory.mktemp("models")
+    text_model = make_tiny_pixart(models / "pixart-tiny")
     cfg = service_config(tmp_path_factory.mktemp("text-api"), digits_model,
-                         workers={"models": (digits_model, str(text_model))})
+                         workers={"models": (digits_model, str(text_model), str(make_tiny_sd3(models / "sd3-tiny")),
+                                             str(make_tiny_flux(models / "flux-tiny")),
+                                             str(make_tiny_flux(models / "schnell-tiny", schnell=True)))})
     with Service(cfg, roles=("api",)) as svc:
         with httpx.Client(base_url=svc.url, timeout=10) as http:
             yield svc, http
@@ -117,4 +123,27 @@ def test_a_prompt_over_the_token_limit_is_cut_with_a_warning_in_the_job(api):
     (warning,) = r.json()["params"]["warnings"]
     assert warning.startswith("prompts[1] has 31 tokens") and "reads the first 16" in warning
     assert http.get(f"/v1/jobs/{r.json()['id']}").json()["params"]["warnings"] == [warning]  # stored with the job
+    http.post(f"/v1/jobs/{r.json()['id']}/cancel")
+
+
+def test_mmdit_models_say_what_guidance_means_and_refuse_what_does_not_apply(api):
+    svc, http = api
+    models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    assert [models[k]["family"] for k in ("sd3-tiny", "flux-tiny", "schnell-tiny")] == ["sd3", "flux", "flux"]
+    assert [models[k]["guidance"] for k in ("sd3-tiny", "flux-tiny", "schnell-tiny", "digits")] == [
+        "cfg", "embedded", "none", "cfg"]
+    assert models["flux-tiny"]["defaults"]["sampler"] == "flow_euler"
+    for name in ("flux-tiny", "schnell-tiny"):
+        r = http.post("/v1/jobs", json={"model": name, "prompts": ["a cat"], "negative_prompt": "blurry"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "negative_prompt", r.text
+        assert "no classifier-free guidance" in r.json()["error"]["message"]
+    r = http.post("/v1/jobs", json={"model": "sd3-tiny", "prompts": ["A Cat"], "negative_prompt": "blurry",
+                                    "width": 4000, "height": 2000})
+    assert r.status_code == 202, r.text
+    p = r.json()["params"]
+    assert (p["sampler"], p["negative_prompt"]) == ("flow_euler", "blurry")
+    assert (p["width"], p["height"]) in [tuple(map(int, s.split("x"))) for s in models["sd3-tiny"]["sizes"]]
+    leases = [ls for ls in svc.store.lease("w", ["sd3-tiny"], 10, ttl=30) if ls.job_id == r.json()["id"]]
+    assert leases[0].spec.prompt == "A Cat"  # SD3 reads the prompt as written (no lower-casing)
+    svc.store.release(leases, "stop")
     http.post(f"/v1/jobs/{r.json()['id']}/cancel")

@@ -119,7 +119,7 @@ def make_step(model, shape=None):
     _, h, w = shape or model.latent_shape
     img_ids = image_ids(h // 2, w // 2, device)                       # (N, 3)
     txt_ids = torch.zeros(model.card.max_tokens, 3, device=device)   # (L, 3): text tokens share position 0
-    embeds_guidance = bool(transformer.config.guidance_embeds)
+    embeds_guidance = model.card.guidance_mode == "embedded"  # the card read guidance_embeds
 
     def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, pooled):
         tokens = pack(model_input(x, coeffs).to(dtype))                 # (B, N, 64)
@@ -137,7 +137,10 @@ def make_step(model, shape=None):
 def load(card, device, dtype):
     """The transformer and VAE (safetensors, sharded or not), both text encoders (transformers, local
     files only, safetensors only) and both tokenizers, from ``card.path``. The second encoder and
-    tokenizer are extra attributes of the LoadedModel: ``text_encoder_2`` (T5), ``tokenizer_2``."""
+    tokenizer are extra attributes of the LoadedModel: ``text_encoder_2`` (T5), ``tokenizer_2``. A built-in
+    card (``flux-dev-1024``) gets random weights instead (``_load_builtin``)."""
+    if card.builtin:
+        return _load_builtin(card, device, dtype)
     from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
     from workers.loading import _assemble, _load_vae
@@ -149,6 +152,19 @@ def load(card, device, dtype):
     model.text_encoder_2 = _load_encoder(T5EncoderModel, path / "text_encoder_2", device, dtype)
     model.tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
     model.tokenizer_2 = AutoTokenizer.from_pretrained(str(path / "tokenizer_2"), local_files_only=True)
+    return model
+
+
+def _load_builtin(card, device, dtype, **overrides):
+    """FLUX.1-dev with random weights made on the device (workers.builtins.build_flux_dev), with the
+    attributes ``load`` sets; ``overrides`` shrink its configs (tests)."""
+    from workers.builtins import build_flux_dev
+    from workers.loading import _assemble
+
+    parts = build_flux_dev(card.image_size, device, dtype, **overrides)
+    model = _assemble(card, parts.pop("transformer"), parts.pop("vae"))
+    for name, part in parts.items():  # text_encoder, tokenizer, text_encoder_2, tokenizer_2
+        setattr(model, name, part)
     return model
 
 

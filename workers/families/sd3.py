@@ -39,7 +39,10 @@ def load(card, device, dtype):
     """The transformer and VAE (safetensors, sharded or not), both CLIPs and T5 (transformers, local files,
     safetensors only) and their tokenizers. Beyond LoadedModel's ``text_encoder`` / ``tokenizer`` (CLIP-L),
     the model gets the attributes ``text_encoder_2`` / ``tokenizer_2`` (bigG), ``text_encoder_3`` /
-    ``tokenizer_3`` (T5; None when skipped). ``_assemble`` sets ``vae_shift`` from the VAE's shift_factor."""
+    ``tokenizer_3`` (T5; None when skipped). ``_assemble`` sets ``vae_shift`` from the VAE's shift_factor.
+    A built-in card (``sd35-medium-1024``) gets random weights instead (``_load_builtin``)."""
+    if card.builtin:
+        return _load_builtin(card, device, dtype)
     from diffusers import SD3Transformer2DModel
     from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
@@ -57,6 +60,19 @@ def load(card, device, dtype):
     if not skips_t5(path, _read_json(path / "model_index.json")):
         model.text_encoder_3, model.tokenizer_3 = _encoder(T5EncoderModel, path, "_3", device, dtype)
     _check_widths(model, path)
+    return model
+
+
+def _load_builtin(card, device, dtype, **overrides):
+    """SD3.5 medium with random weights made on the device (workers.builtins.build_sd35_medium), with the
+    attributes ``load`` sets; ``overrides`` shrink its configs (tests)."""
+    from workers.builtins import build_sd35_medium
+    from workers.loading import _assemble
+
+    parts = build_sd35_medium(card.image_size, device, dtype, **overrides)
+    model = _assemble(card, parts.pop("transformer"), parts.pop("vae"))
+    for name, part in parts.items():  # text_encoder, tokenizer, ..._2, ..._3
+        setattr(model, name, part)
     return model
 
 

@@ -9,8 +9,8 @@ AutoencoderKL), ``text_encoder/`` (CLIPTextModel: its pooled output) with ``toke
 Guidance. FLUX.1-dev is guidance-distilled: the scale is an input of the network (``guidance_embeds`` in
 the transformer's config), one forward per image, no classifier-free guidance and no negative prompt;
 FLUX.1-schnell is timestep-distilled and has no guidance input: the scale is ignored (default 0). Which
-of the two a directory holds is read from ``guidance_embeds``, never from its name. The card has no field
-for it yet: ``workers.families.flux`` reads the transformer's config.
+of the two a directory holds is read from ``guidance_embeds``, never from its name; the card says which
+(``guidance_mode`` "embedded" or "none"), and the API refuses a negative prompt for either.
 
 Schedule. FluxPipeline passes its own sigmas, np.linspace(1, 1/steps, steps), to the scheduler, dev and
 schnell alike (then shifted by ``mu`` for dev's dynamic shifting, statically for schnell): the card's
@@ -65,6 +65,7 @@ def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict
         latent_size=size // factor, dtype=extra.get("dtype", "bfloat16"), scheduler={**scheduler, "flow_grid": "flux"},
         defaults={**base["defaults"], **extra.get("defaults", {})}, max_tokens=max_tokens,
         sizes=tuple(_listed_sizes(path, extra, multiple) or ratio_sizes(size, multiple)), size_multiple=multiple,
+        guidance_mode="embedded" if distilled else "none",
         tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() else "")
 
 

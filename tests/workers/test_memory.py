@@ -1,0 +1,32 @@
+"""Weights' memory from safetensors headers and the worker's fit check, before anything is loaded."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from workers.cards import read_card
+from workers.memory import check_fits, safetensors_params, weight_bytes, weight_params
+
+
+def test_params_come_from_the_headers(tmp_path):
+    save_file({"a": torch.zeros(3, 5), "b": torch.zeros(7, dtype=torch.bfloat16)}, str(tmp_path / "w.safetensors"))
+    assert safetensors_params(tmp_path / "w.safetensors") == 22
+
+
+def test_a_pipeline_counts_every_component_it_loads(tmp_path):
+    from workers.loading import load_model
+    from workers.models.tiny_pixart import make_tiny_pixart
+
+    path = make_tiny_pixart(tmp_path / "p")
+    m = load_model(path)
+    want = sum(p.numel() for mod in (m.transformer, m.vae, m.text_encoder) for p in mod.parameters())
+    assert weight_params(read_card(path)) == want
+    assert weight_bytes(read_card(path), "bfloat16") == 2 * want
+    assert weight_params(read_card("pixart-sigma-1024")) == 610_856_096 + 4_762_310_656 + 83_653_863
+
+
+def test_models_that_do_not_fit_name_what_each_needs():
+    check_fits(["dit-xl-2-256"], ["bfloat16"], 80 * 2**30, "cuda:0")
+    with pytest.raises(MemoryError, match=r"need 11.7 GiB of weights \(dit-xl-2-256 1.6 GiB, pixart-sigma-1024 "
+                                          r"10.2 GiB\); cuda:0 has 8.0 GiB free"):
+        check_fits(["dit-xl-2-256", "pixart-sigma-1024"], ["bfloat16", "bfloat16"], 8 * 2**30, "cuda:0")
