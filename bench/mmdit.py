@@ -34,18 +34,20 @@ image). Sections (``--sections``), in this order per model:
 Targets: e2e ours <= 0.6x diffusers for flux-dev-512 and <= 1.0x for flux-dev-1024; mixed max sustained
 a >= 1.3x d.
 
-On one H200 (estimates; a model's load, random weights made on the GPU, is extra, ~20-40 s each):
+On one H200 (estimates from FLOP counts, not yet measured; each model's load, random weights made on the
+GPU, comes on top; one model is in memory at a time):
 
-    python bench/mmdit.py --models sd35-medium-1024 --sections step memory e2e      # ~70 s
-    python bench/mmdit.py --models flux-dev-512 --sections step memory e2e          # ~70 s
-    python bench/mmdit.py --models flux-dev-512 --sections mixed                    # ~160 s
-    python bench/mmdit.py --models flux-dev-1024 --sections step memory e2e         # ~130 s
-    python bench/mmdit.py                                   # all of it in one go: ~7.5 min with the loads
-    python bench/mmdit.py --smoke --out /tmp/mmdit          # seconds, on a CPU: every section, tiny models
+    python bench/mmdit.py --models sd35-medium-1024     # step, memory, e2e: ~60 s
+    python bench/mmdit.py --models flux-dev-512         # step, memory, e2e, mixed: ~230 s
+    python bench/mmdit.py --models flux-dev-1024        # step, memory, e2e: ~130 s
+    python bench/mmdit.py                               # all three in one process: ~7 min + three loads
+    python bench/mmdit.py --models flux-dev-512 --sections mixed   # one section (~160 s): merged into the report
+    python bench/mmdit.py --smoke --out /tmp/mmdit          # ~20 s on a CPU: every section, tiny models
 
-Per section: step ~30 s (SD3.5), ~40 s (FLUX 512), ~60 s (FLUX 1024); memory ~10-20 s; e2e ~20 s, ~20 s,
-~50 s; mixed ~160 s. Mixed options: --loads (offered images/s, default 0.25 0.5), --window (seconds of
-arrivals per load, 8). --fresh starts a new report instead of merging.
+Per section (SD3.5 / FLUX 512 / FLUX 1024): step ~30 / 45 / 65 s (capture of two graph backends
+included); memory ~10 / 6 / 16 s; e2e ~22 / 17 / 50 s; mixed (FLUX 512) ~160 s. Parts run separately
+merge into one report. Mixed options: --loads (offered images/s, default 0.3 0.6), --window (seconds
+of arrivals per load, 10). --fresh starts a new report instead of merging.
 
 Writes mmdit.json and mmdit.md (mmdit_smoke.* with --smoke) under --out after every section (and every
 mixed figure), so a run cut short keeps what it measured; a report there from the same GPU and versions
@@ -97,9 +99,9 @@ class Setup:
     mixed_sizes: tuple = ((512, 512), (512, 768), (768, 512))  # (width, height) asked
     max_batch: int = 8               # mixed: images in flight (a), images per pipeline call (d)
     wait_s: float = 0.1
-    window_s: float = 8.0
+    window_s: float = 10.0
     drain_s: float = 4.0
-    loads: tuple = (0.25, 0.5)       # offered images/s
+    loads: tuple = (0.3, 0.6)        # offered images/s: ~2 and ~3 requests in the window; ~0.6 saturates a (est.)
     backlog_stop_s: float = 120.0
 
 
@@ -199,7 +201,7 @@ def weights_gib(model) -> dict[str, float]:
     parts = {n: getattr(model, n, None) for n in names}
     out = {n: sum(p.numel() * p.element_size() for p in m.parameters()) / 2**30 for n, m in parts.items()
            if m is not None}
-    return {**{k: round(v, 3) for k, v in out.items()}, "total": round(sum(out.values()), 3)}
+    return {**{k: round(v, 4) for k, v in out.items()}, "total": round(sum(out.values()), 4)}
 
 
 # -- section 1: one denoising step --------------------------------------------------------------------
@@ -309,9 +311,9 @@ def build_runner(model, backend: str, max_batch: int):
 
 
 def iters_for(model, s: Setup, batch: int) -> int:
-    """More timed steps while the work is small: at most 2 rows at 1024 (8 at 512)."""
+    """More timed steps while the work is small: one transformer row at 1024 (four at 512)."""
     _, h, w = model.latent_shape
-    return s.iters[0] if batch * rows_per_image(model) * h * w <= 2 * 128 * 128 else s.iters[1]
+    return s.iters[0] if batch * rows_per_image(model) * h * w <= 128 * 128 else s.iters[1]
 
 
 def bench_step(model, s: Setup, batches: tuple, prompts: list[str]) -> dict:
@@ -382,17 +384,11 @@ def bench_e2e(model, s: Setup, prompts: list[str], state: dict) -> dict:
     """Section 3: ours (memory's engine, or one warmed here), then diffusers, each run on a prompt never
     seen before."""
     fresh = iter(prompts[len(prompts) // 2:])  # neither step's nor memory's
-    engine = state.get("engine") or warm_engine(model, s, prompts)[0]
     block = {"model": model.name, "size": list(model.card.native_size), "steps": s.steps,
              "guidance": guidance_of(model, s), "engine_max_batch": s.engine_batch, "runs_ms": {}}
-
-    def ours(i):
-        model.cache.clear()
-        engine.generate([item_spec(model, s, f"e2e{i}", i, next(fresh))])
-
-    block["runs_ms"]["ours"] = pb.repeat_ms(ours, s.e2e_reps)
-    state.pop("engine", None)
-    del engine
+    engine = state.pop("engine", None) or warm_engine(model, s, prompts)[0]
+    block["runs_ms"]["ours"] = _ours_e2e(engine, model, s, fresh)
+    del engine  # its graphs, before the pipeline runs
     pb.free()
     pipe = pipeline(model)
     size = model.card.native_size
@@ -401,6 +397,14 @@ def bench_e2e(model, s: Setup, prompts: list[str], state: dict) -> dict:
     block["ms"] = {k: round(statistics.median(v), 1) for k, v in block["runs_ms"].items()}
     block["ratio"] = round(block["ms"]["ours"] / block["ms"]["diffusers"], 3)
     return block
+
+
+def _ours_e2e(engine, model, s: Setup, fresh) -> list[float]:
+    def one(i):
+        model.cache.clear()
+        engine.generate([item_spec(model, s, f"e2e{i}", i, next(fresh))])
+
+    return pb.repeat_ms(one, s.e2e_reps)
 
 
 # -- section 4: mixed-size workload (FLUX-dev 512) ----------------------------------------------------
@@ -641,8 +645,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     p.add_argument("--smoke", action="store_true", help="every section in seconds on tiny random models (CPU)")
-    p.add_argument("--loads", type=float, nargs="+", help="mixed: offered loads in images/s (default 0.25 0.5)")
-    p.add_argument("--window", type=float, help="mixed: seconds of arrivals per load (default 8)")
+    p.add_argument("--loads", type=float, nargs="+", help="mixed: offered loads in images/s (default 0.3 0.6)")
+    p.add_argument("--window", type=float, help="mixed: seconds of arrivals per load (default 10)")
     p.add_argument("--fresh", action="store_true", help="start a new report instead of merging into the one in --out")
     args = p.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
@@ -650,6 +654,8 @@ def main(argv: list[str] | None = None) -> None:
     if (args.loads and min(args.loads) <= 0) or (args.window is not None and args.window <= 0):
         p.error("--loads and --window must be positive")
     s = smoke() if args.smoke else Setup()
+    if args.smoke:  # one thread: on a shared CPU torch's threads wait on each other and tiny steps swing 100x
+        torch.set_num_threads(1)
     over = {"loads": tuple(args.loads) if args.loads else None, "window_s": args.window}
     s = Setup(**{**s.__dict__, **{k: v for k, v in over.items() if v is not None}})
     name = "mmdit_smoke" if args.smoke else "mmdit"

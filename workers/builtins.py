@@ -107,7 +107,8 @@ def build_sd35_medium(image_size: int, device: str | torch.device, dtype: torch.
     tokenizer_3 (T5-XXL). ``overrides`` maps a module's name to keys of its config (tests shrink them);
     one generator seeded with ``seed`` initialises the modules in that order."""
     made = _made(sd35_medium_on_meta(image_size, **overrides), device, dtype, seed)
-    return {**made, "tokenizer": clip_tokenizer(), "tokenizer_2": clip_tokenizer(pad="!"), "tokenizer_3": t5_tokenizer()}
+    return {**made, "tokenizer": clip_tokenizer(), "tokenizer_2": clip_tokenizer(pad="!"),
+            "tokenizer_3": t5_tokenizer()}
 
 
 def build_flux_dev(image_size: int, device: str | torch.device, dtype: torch.dtype, seed: int = 0,

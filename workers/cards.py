@@ -30,8 +30,8 @@ FALLBACK_DEFAULTS = {"guidance": 4.0, "sampler": "ddim", "steps": 50}
 DIT_CONFIG_DEFAULTS = {"sample_size": 32, "in_channels": 4}  # DiTTransformer2DModel's, for keys a config omits
 BUILTINS = {"dit-xl-2-256": 256, "dit-xl-2-512": 512,  # DiT-XL/2 + sd-vae-ft-ema, random weights
             "pixart-sigma-512": 512, "pixart-sigma-1024": 1024,  # PixArt-Σ-XL/2 + T5-XXL + SDXL VAE (workers.builtins)
-            "sd35-medium-1024": 1024,  # Stable Diffusion 3.5 medium: MMDiT-X, CLIP-L, CLIP-bigG, T5-XXL (workers.builtins)
-            "flux-dev-512": 512, "flux-dev-1024": 1024}  # FLUX.1-dev: its transformer, CLIP-L, T5-XXL (workers.builtins)
+            "sd35-medium-1024": 1024,  # SD 3.5 medium: MMDiT-X, CLIP-L, CLIP-bigG, T5-XXL, 16-ch VAE (workers.builtins)
+            "flux-dev-512": 512, "flux-dev-1024": 1024}  # FLUX.1-dev, CLIP-L, T5-XXL, 16-ch VAE (workers.builtins)
 PIXART_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 0.02, "beta_schedule": "linear",
                     "prediction_type": "epsilon", "algorithm_type": "dpmsolver++", "solver_order": 2,
                     "timestep_spacing": "linspace"}  # PixArt-Σ's scheduler_config.json
@@ -127,10 +127,10 @@ def read_card(spec: str | Path) -> ModelCard:
     if spec in BUILTINS and spec.startswith("sd35-"):
         from workers.layouts.sd3 import aspect_sizes
 
-        size = BUILTINS[spec]  # scheduler_config.json; sampling as the model card recommends (40 steps, CFG 4.5)
-        return ModelCard(spec, "sd3", "text", builtin=spec, image_size=size, latent_channels=16, latent_size=size // 8,
-                         scheduler={"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000,
-                                    "shift": 3.0}, max_tokens=256, sizes=tuple(aspect_sizes(size, 16)),
+        size = BUILTINS[spec]  # SD3.5 medium's scheduler_config.json; its model card's 40 steps at CFG 4.5
+        scheduler = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
+        return ModelCard(spec, "sd3", "text", builtin=spec, image_size=size, latent_channels=16,
+                         latent_size=size // 8, scheduler=scheduler, max_tokens=256, sizes=tuple(aspect_sizes(size, 16)),
                          size_multiple=16, defaults={"sampler": "flow_euler", "steps": 40, "guidance": 4.5})
     if spec in BUILTINS and spec.startswith("flux-dev-"):
         from workers.layouts.flux import DEV, ratio_sizes

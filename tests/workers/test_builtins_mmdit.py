@@ -27,8 +27,10 @@ from workers.spec import ItemSpec
 # projections add up to pooled_projection_dim; FLUX's pooled input is CLIP's width); vocabularies stay full
 SD3_SMALL = dict(
     transformer=dict(num_layers=2, num_attention_heads=2, attention_head_dim=8, caption_projection_dim=16,
-                     joint_attention_dim=64, pooled_projection_dim=64, pos_embed_max_size=16, dual_attention_layers=(0,)),
-    text_encoder=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, projection_dim=32),
+                     joint_attention_dim=64, pooled_projection_dim=64, pos_embed_max_size=16,
+                     dual_attention_layers=(0,)),
+    text_encoder=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      projection_dim=32),
     text_encoder_2=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                         projection_dim=32),
     text_encoder_3=dict(d_model=64, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
@@ -39,7 +41,8 @@ FLUX_SMALL = dict(
     text_encoder=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2),
     text_encoder_2=dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
     vae=SD3_SMALL["vae"])
-FAMILIES = {"sd35-medium-1024": (build_sd35_medium, SD3_SMALL, sd3), "flux-dev-1024": (build_flux_dev, FLUX_SMALL, flux)}
+FAMILIES = {"sd35-medium-1024": (build_sd35_medium, SD3_SMALL, sd3),  # builder, shrunk configs, family module
+            "flux-dev-1024": (build_flux_dev, FLUX_SMALL, flux)}
 EAGER = EngineConfig(backend="eager", max_batch=2)
 
 
@@ -87,7 +90,7 @@ def test_recomputed_buffers_equal_a_normal_build(name, image_size, dtype):
         if not isinstance(ours, nn.Module):
             continue  # a tokenizer
         cls = type(ours)
-        ref = cls.from_config(ours.config) if hasattr(cls, "from_config") else cls(ours.config)  # diffusers | transformers
+        ref = cls.from_config(ours.config) if hasattr(cls, "from_config") else cls(ours.config)  # diffusers | HF
         ref_buffers = dict(nn.Module.to(ref, dtype=dtype).named_buffers())
         assert ref_buffers.keys() == dict(ours.named_buffers()).keys(), part
         for key, b in ours.named_buffers():
@@ -139,7 +142,7 @@ def test_the_clip_tokenizer_fits_the_encoders_and_marks_the_pooled_token():
     assert ids.shape == (2, 77) and ids.max() < CLIP_L["vocab_size"] and ids.min() >= 0
     assert 15 <= (ids[0] != tokenizer.pad_token_id).sum() <= 40  # ~2 tokens a word; 0 unknown
     assert tokenizer.model_max_length == 77 and len(tokenizer) < CLIP_L["vocab_size"]
-    assert bigg.pad_token_id == bigg.convert_tokens_to_ids("!") and clip_token_ids("!")["pad_token_id"] == bigg.pad_token_id
+    assert bigg.pad_token_id == bigg.convert_tokens_to_ids("!") == clip_token_ids("!")["pad_token_id"]
     parts = build_flux_dev(64, "cpu", torch.float32, **FLUX_SMALL)
     with torch.no_grad():
         out = parts["text_encoder"](ids)

@@ -30,3 +30,10 @@ def test_models_that_do_not_fit_name_what_each_needs():
     with pytest.raises(MemoryError, match=r"need 11.7 GiB of weights \(dit-xl-2-256 1.6 GiB, pixart-sigma-1024 "
                                           r"10.2 GiB\); cuda:0 has 8.0 GiB free"):
         check_fits(["dit-xl-2-256", "pixart-sigma-1024"], ["bfloat16", "bfloat16"], 8 * 2**30, "cuda:0")
+
+
+def test_every_builtin_has_a_size():
+    from workers.cards import BUILTINS
+
+    for name in BUILTINS:
+        assert weight_params(read_card(name)) > 0
