@@ -355,3 +355,28 @@ def test_a_text_model_end_to_end(svc, tmp_path):
                        json={"prompt": "a dog", "n": 2, "steps": 3, "response_format": "b64_json"})
         assert r.status_code == 200, r.text
         assert len(r.json()["data"]) == 2 and Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).size == (16, 16)
+
+
+def test_mmdit_models_in_one_worker_end_to_end(tmp_path):
+    """SD3 and FLUX (tiny, real layouts) served by one worker: prompts, negative prompts (SD3), sizes,
+    exact sizes, and the images endpoint, through the whole service."""
+    from workers.models.tiny_flux import make_tiny_flux
+    from workers.models.tiny_sd3 import make_tiny_sd3
+
+    sd3, flux = make_tiny_sd3(tmp_path / "models" / "sd3-tiny"), make_tiny_flux(tmp_path / "models" / "flux-tiny")
+    cfg = service_config(tmp_path / "data", str(sd3), workers={"max_batch": 4, "models": (str(sd3), str(flux))})
+    with Service(cfg) as svc, Client(svc.url) as c:
+        assert svc.wait_ready(180)
+        a = c.submit(prompts=["a red cat", "a blue house"], model="sd3-tiny", steps=3, negative_prompt="blurry",
+                     width=32, height=16)
+        b = c.submit(prompts=["a dog"], num_per_prompt=2, model="flux-tiny", steps=3, width=90, height=60,
+                     exact_size=True)
+        a, b = c.wait(a, progress=False, timeout=180), c.wait(b, progress=False, timeout=180)
+        assert a.state == "done" and [im.size for im in c.images(a)] == [(32, 16)] * 2
+        assert b.state == "done" and (b.params.width, b.params.height) == (96, 64)  # the nearest size it makes
+        assert [im.size for im in c.images(b)] == [(90, 60)] * 2                 # then resized to the asked one
+        r = httpx.post(f"{svc.url}/v1/images/generations", timeout=120,
+                       json={"model": "flux-tiny", "prompt": "a tree", "size": "64x96", "steps": 2,
+                             "response_format": "b64_json"})
+        assert r.status_code == 200, r.text
+        assert Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).size == (64, 96)
