@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 from dit_serve import __version__
 from dit_serve.catalog import Catalog, NewJob, RequestError, model_entry
 from dit_serve.config import LimitsConfig, ServerConfig
+from dit_serve.events import Cursor, EventResponse, JobEvents, StreamLimits, Streams
 from dit_serve.keys import AuthError, KeyRing, Principal
 from dit_serve.metrics import Metrics
 from dit_serve.netguard import check_webhook_url
@@ -54,8 +55,14 @@ _bearer = HTTPBearer(auto_error=False, description="one of the server's API keys
 JobId = Path(min_length=1, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$", description="a job id")
 
 
+EVENTS_DOC = {"description": "Server-Sent Events: `progress`, `item` (once per item ending), `end`, then the "
+                             "stream closes; a reconnect with Last-Event-ID resumes (docs/service.md, Events)",
+              "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+
+
 def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Metrics,
-               workers_ready: Callable[[], int | None] = lambda: None, allow_hosts: tuple[str, ...] = ()) -> FastAPI:
+               workers_ready: Callable[[], int | None] = lambda: None, allow_hosts: tuple[str, ...] = (),
+               stream_limits: StreamLimits = StreamLimits()) -> FastAPI:
     from dit_serve.http_limits import LimitsMiddleware
 
     app = FastAPI(title="dit-serve", version=__version__, responses=ERRORS,
@@ -65,6 +72,7 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
     ring = KeyRing(store, [k.get_secret_value() for k in server.api_keys])
     limits = catalog.limits
     pace = _Pace(store)
+    app.state.event_streams = streams = Streams(stream_limits)
 
     def authorize(cred: HTTPAuthorizationCredentials | None = Security(_bearer)) -> Principal:
         """Every /v1 route, when the service has API keys (health and metrics stay open, for probes)."""
@@ -121,6 +129,23 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
                 who: Principal = Depends(authorize)) -> Job:
         """State and per-item progress (each running item's current step)."""
         return job_or_404(job_id, who, items)
+
+    @v1.get("/jobs/{job_id}/events", status_code=200, response_class=EventResponse, tags=["jobs"],
+            responses={200: EVENTS_DOC, **_doc(404, 429)})
+    async def job_events(job_id: str = JobId, who: Principal = Depends(authorize),
+                         last_event_id: str | None = Header(None, max_length=100, description="resume: the id of "
+                                                            "the last event received")) -> EventResponse:
+        """The job's events as they happen (Server-Sent Events), ending with ``end``. With ``Last-Event-ID``,
+        the items that ended since that event come first, and none sent before. 429 (Retry-After) past
+        the open streams allowed: poll ``GET /v1/jobs/{id}`` instead."""
+        try:
+            cursor = Cursor.parse(last_event_id)
+        except ValueError as e:
+            raise RequestError(str(e), "Last-Event-ID") from None
+        job = await run_in_threadpool(job_or_404, job_id, who, False)
+        if (why := streams.acquire(who.tenant)) is not None:
+            raise RequestError(why, status=429, retry_after=stream_limits.retry_after_s)
+        return EventResponse(JobEvents(store, job, cursor, streams).stream(), lambda: streams.release(who.tenant))
 
     @v1.get("/jobs", response_model=JobList, tags=["jobs"])
     def list_jobs(limit: int = Query(20, ge=1, le=100), offset: int = Query(0, ge=0, le=MAX_OFFSET),

@@ -7,6 +7,10 @@
         job = c.wait(job)                    # a tqdm bar over the job's denoising steps
         images = c.images(job)               # PIL images, in item order
 
+``wait`` follows the job's Server-Sent Events (``events``, ``GET /v1/jobs/{id}/events``): it returns as
+soon as the job ends and shows progress as it comes; a dropped stream resumes with ``Last-Event-ID``,
+and a service without the stream (older), a refused one (429) or one that keeps dropping is polled.
+
 ``AsyncClient`` has the same methods as coroutines. Imports httpx, pydantic, tqdm and (for images)
 pillow; never torch or ray, so a laptop can submit to a remote cluster. Service errors raise
 ``ApiError`` with the server's message.
@@ -27,16 +31,19 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import httpx
+from pydantic import TypeAdapter
 
-from dit_serve.schemas import Job, JobList, ModelList
+from dit_serve.schemas import EndEvent, Job, JobEvent, JobList, ModelList, ProgressEvent
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 API_KEY_ENV = "DIT_SERVE_API_KEY"
 JobRef = Job | str
 RETRY_STATUS = {502, 503, 504}  # a proxy or a restarting service: worth another try
+STREAM_SILENCE_S = 35.0  # an event stream silent this long has dropped (the service sends a keep-alive every 15 s)
+_EVENTS = TypeAdapter(JobEvent)
 
 
 class ApiError(Exception):
@@ -105,21 +112,88 @@ def _pil(png: bytes):
 
 
 class _Bar:
-    """A tqdm bar over a job's denoising steps (all items together)."""
+    """A tqdm bar over a job's denoising steps (all items together), fed by polls or by events."""
 
-    def __init__(self, job: Job, enabled: bool):
+    def __init__(self, job: JobRef, enabled: bool):
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=job.steps_total, desc=f"job {job.id[:8]}", unit="step", disable=not enabled)
+        known = isinstance(job, Job)
+        self.state = job.state if known else "queued"  # the last state seen (for a timeout's message)
+        self.bar = tqdm(total=job.steps_total if known else 0, desc=f"job {_job_id(job)[:8]}", unit="step",
+                        disable=not enabled)
 
-    def update(self, job: Job) -> None:
-        self.bar.total = job.steps_total
-        self.bar.n = job.steps_done
+    def update(self, job: Job | JobEvent) -> None:
+        if not isinstance(job, (Job, ProgressEvent, EndEvent)) or job.state == "deleted":  # items: no steps
+            return
+        self.state, self.bar.total, self.bar.n = job.state, job.steps_total, job.steps_done
         self.bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in sorted(job.counts.items())), refresh=False)
         self.bar.refresh()
 
     def close(self) -> None:
         self.bar.close()
+
+
+class _SSE:
+    """Server-Sent Events parsing (WHATWG's rules, those this service's streams use): lines in, events
+    out. ``last_id`` is the id to resume from (``Last-Event-ID``)."""
+
+    def __init__(self, last_id: str | None = None):
+        self.last_id = self._id = last_id
+        self._name, self._data = "", []
+
+    def feed(self, line: str) -> JobEvent | None:
+        """The event a blank line completes; None for other lines, comments and unknown events. An id
+        counts once its event is complete: a stream cut inside an event resumes before that event."""
+        if not line:
+            name, data, self.last_id = self._name, "\n".join(self._data), self._id
+            self._name, self._data = "", []
+            if not data or name not in ("progress", "item", "end"):
+                return None
+            try:
+                return _EVENTS.validate_json(data)
+            except ValueError:  # from a newer service, say, with a state this SDK does not know: skipped
+                return None
+        if line.startswith(":"):  # a comment: the keep-alive
+            return None
+        field, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "event":
+            self._name = value
+        elif field == "data":
+            self._data.append(value)
+        elif field == "id" and "\0" not in value:
+            self._id = value
+        return None
+
+
+def _stream_request(job: JobRef, sse: _SSE, auth: dict, timeout: httpx.Timeout, deadline: float | None) -> dict:
+    """httpx.stream arguments of one (re)connection: Last-Event-ID, and a read timeout that ends at the
+    deadline or when the stream has been silent too long."""
+    headers = {**auth, "Accept": "text/event-stream"}
+    if sse.last_id:
+        headers["Last-Event-ID"] = sse.last_id
+    read = STREAM_SILENCE_S if deadline is None else min(STREAM_SILENCE_S, max(0.05, deadline - time.monotonic()))
+    return dict(method="GET", url=f"/v1/jobs/{_job_id(job)}/events", headers=headers,
+                timeout=httpx.Timeout(timeout.connect, read=read, write=timeout.write, pool=timeout.pool))
+
+
+def _opened(r: httpx.Response) -> None:
+    """Raise ApiError unless ``r`` (read, when an error) is an event stream."""
+    _check(r)
+    if not r.headers.get("content-type", "").startswith("text/event-stream"):
+        raise ApiError(r.status_code, f"not an event stream: {r.headers.get('content-type')}")
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
 
 
 class Client:
@@ -186,20 +260,70 @@ class Client:
         return ModelList.model_validate(self._call("GET", "/v1/models").json())
 
     def wait(self, job: JobRef, progress: bool = True, timeout: float | None = None, interval: float = 0.25) -> Job:
-        """Poll until the job is done, failed or cancelled (TimeoutError after ``timeout`` seconds)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        current = self.get(job, items=False)
-        bar = _Bar(current, progress)
+        """Until the job is done, failed or cancelled; returns it, with its items (TimeoutError after
+        ``timeout`` seconds). Follows the job's events, so it returns as soon as the job ends; without
+        them (an older service, a refused or failing stream) it polls every ``interval`` seconds."""
+        deadline, bar = _deadline(timeout), _Bar(job, progress)
         try:
-            while not current.finished:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"job {current.id} still {current.state} after {timeout} s")
-                time.sleep(interval)
-                current = self.get(current.id, items=False)
-                bar.update(current)
+            if not self._follow(job, bar, deadline):
+                self._poll(job, bar, deadline, interval)
+        except TimeoutError:
+            raise TimeoutError(f"job {_job_id(job)} still {bar.state} after {timeout} s") from None
         finally:
             bar.close()
-        return self.get(current.id)
+        return self.get(job)
+
+    def _follow(self, job: JobRef, bar: _Bar, deadline: float | None) -> bool:
+        """Show the job's events on ``bar`` until its end: True; False when there is no stream to follow."""
+        try:
+            with contextlib.closing(self.events(job, timeout=_left(deadline))) as events:
+                for event in events:
+                    bar.update(event)
+            return True
+        except (ApiError, httpx.TransportError):
+            return False
+
+    def _poll(self, job: JobRef, bar: _Bar, deadline: float | None, interval: float) -> None:
+        current = self.get(job, items=False)
+        bar.update(current)
+        while not current.finished:
+            if _past(deadline):
+                raise TimeoutError
+            time.sleep(interval)
+            current = self.get(current.id, items=False)
+            bar.update(current)
+
+    def events(self, job: JobRef, last_event_id: str | None = None, timeout: float | None = None
+               ) -> Iterator[JobEvent]:
+        """The job's events as they happen: ``ProgressEvent``, ``ItemEvent`` (once per item ending) and a
+        last ``EndEvent``. A dropped stream is resumed with ``Last-Event-ID`` (up to ``retries`` times in a
+        row), which neither repeats nor skips item events. ``ApiError`` for an error answer (a 404 also from
+        a service older than the events route); TimeoutError after ``timeout`` seconds."""
+        sse, deadline, failures = _SSE(last_event_id), _deadline(timeout), 0
+        while True:
+            try:
+                with self._http.stream(**_stream_request(job, sse, self._auth, self._http.timeout, deadline)) as r:
+                    if not r.is_success:
+                        r.read()
+                    _opened(r)
+                    for line in r.iter_lines():
+                        if (event := sse.feed(line)) is not None:
+                            failures = 0
+                            yield event
+                            if isinstance(event, EndEvent):
+                                return
+                        if _past(deadline):
+                            raise TimeoutError(f"job {_job_id(job)} did not end within {timeout} s")
+            except httpx.TransportError:  # dropped, refused, or silent past its read timeout
+                if _past(deadline):
+                    raise TimeoutError(f"job {_job_id(job)} did not end within {timeout} s") from None
+                if failures >= self.retries:
+                    raise
+            else:  # closed before its end event
+                if failures >= self.retries:
+                    raise httpx.RemoteProtocolError(f"the event stream of job {_job_id(job)} keeps closing early")
+            failures += 1
+            time.sleep(_backoff(failures - 1))
 
     def image_bytes(self, job: JobRef, index: int) -> bytes:
         return self._call("GET", f"/v1/jobs/{_job_id(job)}/images/{index}").content
@@ -293,19 +417,65 @@ class AsyncClient:
 
     async def wait(self, job: JobRef, progress: bool = True, timeout: float | None = None,
                    interval: float = 0.25) -> Job:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        current = await self.get(job, items=False)
-        bar = _Bar(current, progress)
+        """As ``Client.wait``: follows the job's events, else polls."""
+        deadline, bar = _deadline(timeout), _Bar(job, progress)
         try:
-            while not current.finished:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"job {current.id} still {current.state} after {timeout} s")
-                await asyncio.sleep(interval)
-                current = await self.get(current.id, items=False)
-                bar.update(current)
+            if not await self._follow(job, bar, deadline):
+                await self._poll(job, bar, deadline, interval)
+        except TimeoutError:
+            raise TimeoutError(f"job {_job_id(job)} still {bar.state} after {timeout} s") from None
         finally:
             bar.close()
-        return await self.get(current.id)
+        return await self.get(job)
+
+    async def _follow(self, job: JobRef, bar: _Bar, deadline: float | None) -> bool:
+        try:
+            async with contextlib.aclosing(self.events(job, timeout=_left(deadline))) as events:
+                async for event in events:
+                    bar.update(event)
+            return True
+        except (ApiError, httpx.TransportError):
+            return False
+
+    async def _poll(self, job: JobRef, bar: _Bar, deadline: float | None, interval: float) -> None:
+        current = await self.get(job, items=False)
+        bar.update(current)
+        while not current.finished:
+            if _past(deadline):
+                raise TimeoutError
+            await asyncio.sleep(interval)
+            current = await self.get(current.id, items=False)
+            bar.update(current)
+
+    async def events(self, job: JobRef, last_event_id: str | None = None, timeout: float | None = None
+                     ) -> AsyncIterator[JobEvent]:
+        """As ``Client.events``, an async iterator."""
+        sse, deadline, failures = _SSE(last_event_id), _deadline(timeout), 0
+        while True:
+            try:
+                async with self._http.stream(**_stream_request(job, sse, self._auth, self._http.timeout,
+                                                               deadline)) as r:
+                    if not r.is_success:
+                        await r.aread()
+                    _opened(r)
+                    async for line in r.aiter_lines():
+                        if (event := sse.feed(line)) is not None:
+                            failures = 0
+                            yield event
+                            if isinstance(event, EndEvent):
+                                return
+                        if _past(deadline):
+                            raise TimeoutError(f"job {_job_id(job)} did not end within {timeout} s")
+            except httpx.TransportError:
+                if _past(deadline):
+                    raise TimeoutError(f"job {_job_id(job)} did not end within {timeout} s") from None
+                if failures >= self.retries:
+                    raise
+            else:
+                if failures >= self.retries:
+                    raise httpx.RemoteProtocolError(f"the event stream of job {_job_id(job)} keeps closing early")
+            failures += 1
+            await asyncio.sleep(_backoff(failures - 1))
 
     async def image_bytes(self, job: JobRef, index: int) -> bytes:
         return (await self._call("GET", f"/v1/jobs/{_job_id(job)}/images/{index}")).content

@@ -117,6 +117,8 @@ class WorkerConfig(_Section):
         "auto", description="text models: cross-attention over prompts padded to the token limit (masked), "
                             "or over each prompt's real tokens in an eager break; auto: the family's measured "
                             "default (varlen for PixArt)")
+    text_encoder_device: str = Field("", max_length=50, description="text models: where text encoders run "
+                                     "('' with the transformer; 'cpu' or 'cuda:1' to free the serving GPU)")
     warm_sizes: tuple[str, ...] = Field((), description="'WxH' sizes captured at start-up besides each model's "
                                                         "native size (others are captured when first asked for)")
 

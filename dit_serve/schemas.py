@@ -179,6 +179,44 @@ class Job(_Response):
         return self.state in TERMINAL_STATES
 
 
+
+# -- events of one job (GET /v1/jobs/{id}/events, Server-Sent Events; dit_serve.events) ------------
+class ProgressEvent(_Response):
+    """The job's progress, sent when it changed (at most every 0.25 s per stream, the latest state)."""
+
+    event: Literal["progress"] = "progress"
+    state: State
+    counts: dict[str, int] = Field(description="items per state")
+    running: int = Field(description="items leased to workers now")
+    steps_done: int = Field(description="denoising steps done over all items")
+    steps_total: int
+
+
+class ItemEvent(_Response):
+    """One item ended (sent once per ending: an item retried after failing ends again, and is sent again)."""
+
+    event: Literal["item"] = "item"
+    index: int
+    state: Literal["done", "failed", "cancelled"]
+    url: str | None = Field(None, description="done: the image, /v1/jobs/{id}/images/{index} (relative to "
+                                              "the service's base URL)")
+    error: str | None = Field(None, description="failed: why")
+    finished_at: float
+
+
+class EndEvent(_Response):
+    """The job ended (done, failed or cancelled; deleted: purged while streamed); the stream closes."""
+
+    event: Literal["end"] = "end"
+    state: Literal["done", "failed", "cancelled", "deleted"]
+    counts: dict[str, int] = Field(default_factory=dict)
+    steps_done: int = 0
+    steps_total: int = 0
+    finished_at: float | None = None
+
+
+JobEvent = Annotated[ProgressEvent | ItemEvent | EndEvent, Field(discriminator="event")]
+
 class JobList(_Response):
     data: list[Job]
     total: int

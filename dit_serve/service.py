@@ -181,6 +181,9 @@ class Service:
 
     def stop(self) -> None:
         if self._server is not None:
+            streams = getattr(self._server.config.app.state, "event_streams", None)
+            if streams is not None:  # open event streams end now (clients resume elsewhere), not at a timeout
+                streams.close()
             self._server.should_exit = True
         self._stop.set()
         for t in self._threads:

@@ -276,6 +276,16 @@ class Store:
             return conn.execute(select(func.count()).select_from(items).where(
                 items.c.job_id == job_id, items.c.state.in_(("queued", "running")))).scalar_one()
 
+    def finished_items(self, job_id: str, since: float | None = None) -> list:
+        """The job's ended items (done, failed, cancelled) whose ``finished_at`` is at or after ``since``
+        (every ended one when None), as rows of (idx, state, error, finished_at): the event streams' read."""
+        query = select(items.c.idx, items.c.state, items.c.error, items.c.finished_at).where(
+            items.c.job_id == job_id, items.c.state.in_(TERMINAL_STATES))
+        if since is not None:
+            query = query.where(items.c.finished_at >= since)
+        with self._tx(write=False) as conn:
+            return conn.execute(query.order_by(items.c.finished_at, items.c.idx)).all()
+
     def cancel_job(self, job_id: str, tenant: str | None = None) -> bool:
         """Queued and running items become cancelled (a worker drops a running one at its next step
         boundary, when its scheduler sees the lease is gone). A job that had already finished keeps
@@ -423,6 +433,7 @@ class Store:
                 leases[0].solo = True
             _set(conn, [(ls.job_id, ls.index) for ls in leases], state="running", step=0, lease_owner=owner,
                  lease_token=token, lease_expires=now + ttl, attempts=items.c.attempts + 1)
+        self.changes.notify(sorted({ls.job_id for ls in leases}))
         return leases
 
     def _take_over_expired(self, conn, rows, now: float) -> list:
@@ -461,6 +472,7 @@ class Store:
                 [dict(j=ls.job_id, i=ls.index, t=ls.token, s=ls.step) for ls in leases])
             held = set(conn.execute(select(items.c.job_id, items.c.idx, items.c.lease_token).where(
                 items.c.job_id.in_(sorted({ls.job_id for ls in leases})), items.c.state == "running")).all())
+        self.changes.notify(sorted({ls.job_id for ls in leases}))  # progress: event streams wake
         return [ls for ls in leases if (ls.job_id, ls.index, ls.token) not in held]
 
     def release(self, leases: list[Lease], reason: str = "stop", error: str | None = None) -> list[Lease]:
@@ -553,9 +565,10 @@ class Store:
 
 
 class Changes:
-    """In-process notifications of item state changes, so that waiters in this process (the images
-    endpoint) wake when a job may have finished instead of polling it. A process that runs no scheduler
-    (API only, PostgreSQL) gets no notifications: its waiters fall back to a slow poll."""
+    """In-process notifications of item changes (leased, progress written, ended), so that waiters in
+    this process (the images endpoint, the event streams) wake when a job changed instead of polling
+    it. A process that runs no scheduler (API only, PostgreSQL) gets no notifications: its waiters fall
+    back to a slow poll."""
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -41,6 +41,7 @@ class WorkerSpec:
     torch_threads: int | None = None
     cross_attention: str = "auto"  # text models: "auto" | "padded" | "varlen" (EngineConfig)
     warm_sizes: tuple[str, ...] = ()  # "WxH" captured at start-up besides the native sizes
+    text_encoder_device: str = ""     # text encoders elsewhere ("cpu", "cuda:1"); "" with the transformer
 
 
 class Worker:
@@ -60,8 +61,10 @@ class Worker:
             from workers.memory import check_fits
 
             check_fits(list(spec.models), [str(d).removeprefix("torch.") for d in dtypes],
-                       torch.cuda.mem_get_info(torch.device(self.device))[0], self.device)
-        models = [load_model(m, device=self.device, dtype=d) for m, d in zip(spec.models, dtypes)]
+                       torch.cuda.mem_get_info(torch.device(self.device))[0], self.device,
+                       encoders_here=spec.text_encoder_device in ("", self.device))
+        models = [load_model(m, device=self.device, dtype=d, encoder_device=spec.text_encoder_device or None)
+                  for m, d in zip(spec.models, dtypes)]
         self.backend = ("breakable" if on_cuda else "eager") if spec.backend == "auto" else spec.backend
         from workers.sizes import parse_size
 

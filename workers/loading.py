@@ -25,6 +25,7 @@ import torch
 
 from samplers import NoiseSchedule
 from workers.cards import DIT_SCHEDULER, FALLBACK_DEFAULTS, CardError, ModelCard, read_card, read_json
+from workers.encoders import encoders_on, load_text_encoder, place_encoder
 from workers.labels import resolve_label
 
 log = logging.getLogger(__name__)
@@ -90,9 +91,15 @@ def run_dtype(card: ModelCard, device: str | torch.device) -> torch.dtype:
 
 
 def load_model(spec: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> LoadedModel:
+               dtype: torch.dtype = torch.float32, encoder_device: str | None = None) -> LoadedModel:
     """Load ``digits``, a built-in architecture name, or a local model directory: the model its card
-    (``workers.cards.read_card``, the same reader the API uses) describes."""
+    (``workers.cards.read_card``, the same reader the API uses) describes. Text encoders load on
+    ``encoder_device`` when given (offload: "cpu", another GPU), once per distinct weights."""
+    with encoders_on(encoder_device):
+        return _load_model(spec, device, dtype)
+
+
+def _load_model(spec, device, dtype) -> LoadedModel:
     try:
         card = read_card(spec)
     except CardError as e:
@@ -121,11 +128,12 @@ def _load_pixart(card: ModelCard, path: Path, vae, device, dtype) -> LoadedModel
     _load_weights(transformer, path / "transformer")
     if not any((path / "text_encoder").glob("*.safetensors")):
         _load_weights(transformer, path / "text_encoder")  # the same refusal of pickles, with its message
-    # transformers' loader: sharded checkpoints and tied embeddings; use_safetensors refuses pickles
-    encoder = T5EncoderModel.from_pretrained(str(path / "text_encoder"), local_files_only=True, use_safetensors=True)
+    # transformers' loader: sharded checkpoints and tied embeddings; use_safetensors refuses pickles; one
+    # copy per process for identical weights (workers.encoders)
+    encoder = load_text_encoder(T5EncoderModel, path / "text_encoder", device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
     model = _assemble(card, _cast(transformer, device, dtype), vae)
-    model.text_encoder, model.tokenizer = _cast(encoder, device, dtype), tokenizer
+    model.text_encoder, model.tokenizer = encoder, tokenizer
     return model
 
 
@@ -207,7 +215,7 @@ def _builtin_pixart(card: ModelCard, device, dtype) -> LoadedModel:
 
     transformer, encoder, tokenizer, vae = build_pixart_sigma(card.image_size, device, dtype)
     model = _assemble(card, transformer, vae)
-    model.text_encoder, model.tokenizer = encoder, tokenizer
+    model.text_encoder, model.tokenizer = place_encoder(encoder, device, dtype), tokenizer
     return model
 
 

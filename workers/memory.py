@@ -33,40 +33,61 @@ def safetensors_params(path: Path) -> int:
     return total
 
 
-def weight_params(card: ModelCard) -> int:
-    """Parameters of everything the worker loads for ``card`` (transformer, VAE, text encoders)."""
+def components(card: ModelCard) -> dict[str, tuple[int, str]]:
+    """Parameters per component the worker loads for ``card``, with an identity for text encoders (the
+    weights' fingerprint: identical encoders are loaded once per process, workers.encoders)."""
     if card.builtin:
-        return _builtin_params(card)
+        core, encoders = BUILTIN_PARAMS[card.builtin]
+        return {"model": (core, ""), **({"text_encoders": (encoders, f"{card.name}:encoders")} if encoders else {})}
+    from workers.encoders import fingerprint
+
     path = Path(card.path)
     folders = [path / d for d in WEIGHT_DIRS if (path / d).is_dir()] or [path]
-    return sum(safetensors_params(f) for folder in folders for f in sorted(folder.glob("*.safetensors")))
+    return {f.name: (sum(safetensors_params(w) for w in sorted(f.glob("*.safetensors"))),
+                     fingerprint(f) if f.name.startswith("text_encoder") else "") for f in folders}
 
 
-# parameters of the built-in architectures (transformer + VAE + text encoders), counted on the meta device
+def weight_params(card: ModelCard, encoders: bool = True) -> int:
+    """Parameters of everything the worker loads for ``card`` (transformer, VAE, and text encoders unless
+    ``encoders`` is False: they run elsewhere)."""
+    return sum(n for name, (n, ident) in components(card).items() if encoders or not ident)
+
+
+# parameters of the built-in architectures, counted on the meta device: (transformer + VAE, text encoders)
 BUILTIN_PARAMS = {
-    "dit-xl-2-256": 749_826_464 + 83_653_863, "dit-xl-2-512": 749_826_464 + 83_653_863,
-    "pixart-sigma-512": 610_856_096 + 4_762_310_656 + 83_653_863,
-    "pixart-sigma-1024": 610_856_096 + 4_762_310_656 + 83_653_863,
-    "sd35-medium-1024": 7_907_612_003 + 226_492_416,  # + the positional-embedding table (a buffer)
-    "flux-dev-512": 16_870_599_139, "flux-dev-1024": 16_870_599_139,
+    "dit-xl-2-256": (749_826_464 + 83_653_863, 0), "dit-xl-2-512": (749_826_464 + 83_653_863, 0),
+    "pixart-sigma-512": (610_856_096 + 83_653_863, 4_762_310_656),
+    "pixart-sigma-1024": (610_856_096 + 83_653_863, 4_762_310_656),
+    # SD3.5: + the positional-embedding table (a buffer); encoders CLIP-L, CLIP-bigG, T5-XXL
+    "sd35-medium-1024": (2_243_171_520 + 226_492_416 + 83_819_683, 123_650_304 + 694_659_840 + 4_762_310_656),
+    "flux-dev-512": (11_901_408_320 + 83_819_683, 123_060_480 + 4_762_310_656),
+    "flux-dev-1024": (11_901_408_320 + 83_819_683, 123_060_480 + 4_762_310_656),
 }
 
 
-def _builtin_params(card: ModelCard) -> int:
-    return BUILTIN_PARAMS[card.builtin]
+def weight_bytes(card: ModelCard, dtype: str, encoders: bool = True) -> int:
+    return weight_params(card, encoders) * DTYPE_BYTES.get(dtype, 4)
 
 
-def weight_bytes(card: ModelCard, dtype: str) -> int:
-    return weight_params(card) * DTYPE_BYTES.get(dtype, 4)
-
-
-def check_fits(specs: list[str], dtypes: list[str], free_bytes: int, device: str, headroom: float = 0.85) -> None:
+def check_fits(specs: list[str], dtypes: list[str], free_bytes: int, device: str, headroom: float = 0.85,
+               encoders_here: bool = True) -> None:
     """MemoryError naming each model's need when their weights take more than ``headroom`` of what is free
-    (the rest is for activations, graph pools and the VAE)."""
-    needs = [(read_card(s).name, weight_bytes(read_card(s), d)) for s, d in zip(specs, dtypes)]
+    (the rest is for activations, graph pools and the VAE). Text encoders count once per distinct weights
+    (they are shared), and not at all when they run elsewhere (``encoders_here`` False)."""
+    needs, seen = [], set()
+    for spec, dtype in zip(specs, dtypes):
+        card = read_card(spec)
+        n = 0
+        for name, (params, ident) in components(card).items():
+            if ident and (not encoders_here or ident in seen):
+                continue
+            seen.add(ident)
+            n += params
+        needs.append((card.name, n * DTYPE_BYTES.get(dtype, 4)))
     total = sum(b for _, b in needs)
     if total > headroom * free_bytes:
         each = ", ".join(f"{name} {b / 2**30:.1f} GiB" for name, b in needs)
         raise MemoryError(f"the models of this worker need {total / 2**30:.1f} GiB of weights ({each}); {device} has "
                           f"{free_bytes / 2**30:.1f} GiB free, and {100 - 100 * headroom:.0f}% of it is kept for "
-                          "activations and graphs: list fewer models per worker ([workers] models)")
+                          "activations and graphs: list fewer models per worker ([workers] models), or run the "
+                          "text encoders elsewhere ([workers] text_encoder_device)")

@@ -163,8 +163,10 @@ def _load_builtin(card, device, dtype, **overrides):
 
     parts = build_flux_dev(card.image_size, device, dtype, **overrides)
     model = _assemble(card, parts.pop("transformer"), parts.pop("vae"))
+    from workers.encoders import place_encoder
+
     for name, part in parts.items():  # text_encoder, tokenizer, text_encoder_2, tokenizer_2
-        setattr(model, name, part)
+        setattr(model, name, place_encoder(part, device, dtype) if name.startswith("text_encoder") else part)
     return model
 
 
@@ -192,9 +194,10 @@ def _load_transformer(path: Path, device, dtype) -> torch.nn.Module:
 def _load_encoder(cls, path: Path, device, dtype) -> torch.nn.Module:
     from workers.loading import _cast
 
+    from workers.encoders import load_text_encoder
+
     weight_files(path, "model")  # our refusal of pickles and of a missing shard, with their messages
-    encoder = cls.from_pretrained(str(path), local_files_only=True, use_safetensors=True, dtype=dtype)
-    return _cast(encoder, device, dtype)
+    return load_text_encoder(cls, path, device, dtype)  # shared when the weights are identical
 
 
 def weight_files(path: Path, stem: str) -> list[Path]:

@@ -71,8 +71,10 @@ def _load_builtin(card, device, dtype, **overrides):
 
     parts = build_sd35_medium(card.image_size, device, dtype, **overrides)
     model = _assemble(card, parts.pop("transformer"), parts.pop("vae"))
+    from workers.encoders import place_encoder
+
     for name, part in parts.items():  # text_encoder, tokenizer, ..._2, ..._3
-        setattr(model, name, part)
+        setattr(model, name, place_encoder(part, device, dtype) if name.startswith("text_encoder") else part)
     return model
 
 
@@ -89,9 +91,11 @@ def _encoder(cls, path: Path, suffix: str, device, dtype):
         raise ModelError(f"{folder} has only pickle weights ({', '.join(pickles)}); they are refused because loading "
                          "them runs arbitrary code. Convert them to .safetensors." if pickles else
                          f"{folder} has no weights: expected model.safetensors")
-    encoder = cls.from_pretrained(str(folder), local_files_only=True, use_safetensors=True)
+    from workers.encoders import load_text_encoder
+
+    encoder = load_text_encoder(cls, folder, device, dtype)  # shared when the weights are identical
     tokenizer = AutoTokenizer.from_pretrained(str(path / f"tokenizer{suffix}"), local_files_only=True)
-    return _cast(encoder, device, dtype), tokenizer
+    return encoder, tokenizer
 
 
 def _check_widths(model, path: Path) -> None:

@@ -1,0 +1,268 @@
+"""Server-Sent Events of one job, ``GET /v1/jobs/{id}/events`` (the route is in ``dit_serve.api``).
+
+The stream (``text/event-stream``), in order::
+
+    retry: 1000                          reconnect delay asked of EventSource clients (ms)
+
+    event: progress                      state, counts, running items, steps done / total
+    id: 0.1
+    data: {"event":"progress","state":"running","counts":{"running":2},"running":2,...}
+
+    event: item                          an item ended: index, state, url (done), error (failed)
+    id: 1.2.1520413.0
+    data: {"event":"item","index":0,"state":"done","url":"/v1/jobs/<id>/images/0",...}
+
+    event: end                           the job ended: state, counts, steps; the stream closes
+    id: 1.3.1520413.0
+    data: {"event":"end","state":"done",...}
+
+    : keep-alive                         a comment when nothing was sent for ``keepalive_s``
+
+**Ids** are ``<items>.<seq>`` until the first item event, then ``<items>.<seq>.<t>.<index>``: ``items``
+item events sent, ``seq`` events sent (it grows by one per event, so ids increase), and the *cursor*
+``(t, index)``: the latest-ending item sent (in the order in which items end), ``t`` being its ``finished_at`` in
+microseconds after the job's ``created_at``, ties broken by index. A reconnect with ``Last-Event-ID``
+gets the current progress, then every item that ended after the cursor (the ones it missed, none that
+it had), then live events; its ids go on from the one it sent.
+
+Why a cursor and not a count of items seen: an item retried after failing leaves the ended set and ends
+again later, and a count would then skip an item. Its new ending lies after the cursor, so it is sent
+again, as what it is: a new ending. What the cursor assumes: endings are stamped in the order they
+commit. The store stamps them inside the writing transaction (on SQLite under the database's single
+write lock), so it holds there and with one scheduler. With several schedulers on PostgreSQL, two endings
+of one job committed at the same moment may be stamped out of order: a live stream still sends both (each
+read looks ``slack_s`` back before the cursor and remembers what it sent); a reconnect that falls between
+the two could miss the earlier-stamped one. The end event's counts and ``GET /v1/jobs/{id}`` stay
+authoritative.
+
+**Wake-ups.** A stream reads the store when ``Store.changes`` says the job changed (a lease, progress
+written by a heartbeat, an ending), at most every ``min_read_gap_s`` (a batch of commits is one read),
+and at least every ``poll_s`` (an API process without the scheduler gets no notifications). Progress is
+sent when it changed, at most every ``progress_interval_s``: a change inside that time goes out at its
+end, as the latest state. Items and the end go out at the read that finds them. A read is two queries
+in this order: the job's counts, then its ended items; counts that say the job ended therefore come with
+all its ended items, so no item event follows the end event. A client that hangs up cancels the
+response (Starlette listens for the disconnect), which ends the generator at its await; its ``finally``
+stops watching the job, and the response gives its stream slot back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Callable
+
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+
+from dit_serve.schemas import EndEvent, ItemEvent, Job, ProgressEvent
+
+log = logging.getLogger(__name__)
+_ID = re.compile(r"^(\d{1,12})\.(\d{1,15})(?:\.(-?\d{1,18})\.(\d{1,9}))?$")
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """Bounds and pacing of event streams; the bounds are per API process."""
+
+    max_streams: int = 256        # open streams; one more is a 429 (each costs reads, at most 1/min_read_gap_s)
+    tenant_max_streams: int = 64  # ... of one tenant
+    retry_after_s: int = 10
+    keepalive_s: float = 15.0
+    progress_interval_s: float = 0.25
+    poll_s: float = 1.0
+    min_read_gap_s: float = 0.05
+    slack_s: float = 2.0
+    retry_ms: int = 1000
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """What a client was sent: ``items`` item events, ``seq`` events, and the last item ``key``."""
+
+    items: int = 0
+    seq: int = 0
+    key: tuple[int, int] | None = None  # (microseconds after created_at, index)
+
+    def __str__(self) -> str:
+        return f"{self.items}.{self.seq}" + ("" if self.key is None else f".{self.key[0]}.{self.key[1]}")
+
+    @classmethod
+    def parse(cls, text: str | None) -> "Cursor":
+        """The cursor of a ``Last-Event-ID`` (none: a new stream); ValueError for one this service never sent."""
+        if text is None or not text.strip():
+            return cls()
+        m = _ID.match(text.strip())
+        if m is None:
+            raise ValueError(f"Last-Event-ID {text[:40]!r} is not an id of this stream (e.g. '3.17.1520413.2'); "
+                             "send the id of the last event received, or none")
+        key = None if m[3] is None else (int(m[3]), int(m[4]))
+        return cls(int(m[1]), int(m[2]), key)
+
+    def next(self, key: tuple[int, int] | None = None) -> "Cursor":
+        """The cursor after one more event; ``key`` for an item event."""
+        if key is None:
+            return replace(self, seq=self.seq + 1)
+        return Cursor(self.items + 1, self.seq + 1, key if self.key is None else max(self.key, key))
+
+
+class Streams:
+    """The open event streams of this process, bounded overall and per tenant. Counted from the event
+    loop's thread only (the route and the response are async), so the counts need no lock.
+
+    ``close()`` ends every open stream within ``poll_s`` (without an end event: clients resume with
+    ``Last-Event-ID``, elsewhere or later). The HTTP server's graceful shutdown waits for open responses,
+    so whoever stops the server should call it first."""
+
+    def __init__(self, limits: StreamLimits):
+        self.limits, self.open, self.per_tenant = limits, 0, Counter()
+        self.closing = threading.Event()
+
+    def close(self) -> None:
+        self.closing.set()
+
+    def acquire(self, tenant: str) -> str | None:
+        """Take a slot for ``tenant``; None when taken, else why not."""
+        if self.open >= self.limits.max_streams:
+            return f"this service has {self.open} event streams open, its most; poll GET /v1/jobs/{{id}} instead"
+        if self.per_tenant[tenant] >= self.limits.tenant_max_streams:
+            return (f"your tenant has {self.per_tenant[tenant]} event streams open, its most; close one or poll "
+                    "GET /v1/jobs/{id} instead")
+        self.open += 1
+        self.per_tenant[tenant] += 1
+        return None
+
+    def release(self, tenant: str) -> None:
+        self.open -= 1
+        self.per_tenant[tenant] -= 1
+        if not self.per_tenant[tenant]:
+            del self.per_tenant[tenant]
+
+
+class EventResponse(StreamingResponse):
+    """``text/event-stream`` that calls ``release`` however it ends: finished, the client gone, or never
+    started (a generator that never ran has no ``finally`` to run)."""
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # no proxy buffering
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+class JobEvents:
+    """One connection's stream of one job's events (the module docstring is its contract)."""
+
+    def __init__(self, store, job: Job, cursor: Cursor, streams: Streams):
+        self.store, self.job_id, self.created_at = store, job.id, job.created_at
+        self.streams, self.limits = streams, streams.limits
+        self.cursor, self.since = cursor, cursor.key  # items at or before ``since``: sent on an earlier connection
+        self.sent: set[tuple[int, int]] = set()       # item keys sent on this connection
+        self.shown: ProgressEvent | None = None       # the last progress sent ...
+        self.shown_at = -1e9                          # ... then (monotonic s)
+        self.pending = False                          # a change not sent yet: it was too soon
+        self.sent_at = time.monotonic()               # the last bytes sent (for the keep-alive)
+
+    async def stream(self) -> AsyncIterator[str]:
+        changed = self.store.changes.watch(self.job_id)
+        try:
+            yield f"retry: {self.limits.retry_ms}\n\n"
+            while not self.streams.closing.is_set():
+                read_at = time.monotonic()
+                changed.clear()
+                try:
+                    job, rows = await run_in_threadpool(self._read)
+                except Exception:  # the store is unreachable: end; the client reconnects with its last id
+                    log.warning("event stream of job %s: reading the store failed", self.job_id, exc_info=True)
+                    return
+                out = self._items(rows)
+                if job is None or job.finished:
+                    yield "".join(out) + self._end(job)
+                    return
+                if out := out + self._progress(job, read_at):
+                    yield self._sending("".join(out))
+                await _wait(changed, self._timeout())
+                if time.monotonic() - self.sent_at >= self.limits.keepalive_s:
+                    yield self._sending(": keep-alive\n\n")
+                await asyncio.sleep(max(0.0, read_at + self.limits.min_read_gap_s - time.monotonic()))
+        finally:
+            self.store.changes.unwatch(self.job_id, changed)
+
+    def _progress(self, job: Job, now: float) -> list[str]:
+        """The progress event when the job's progress changed and the last one is old enough; else none
+        (``pending``: the next read that is late enough sends the state then)."""
+        snap = ProgressEvent(state=job.state, counts=job.counts, running=job.counts.get("running", 0),
+                             steps_done=job.steps_done, steps_total=job.steps_total)
+        self.pending = snap != self.shown
+        if not self.pending or now - self.shown_at < self.limits.progress_interval_s:
+            return []
+        self.shown, self.shown_at, self.pending = snap, now, False
+        return [self._event("progress", snap)]
+
+    def _timeout(self) -> float:
+        """Until the next read without a notification: the slow poll, a pending progress, the keep-alive."""
+        now, lim = time.monotonic(), self.limits
+        due = [lim.poll_s, self.sent_at + lim.keepalive_s - now]
+        if self.pending:
+            due.append(self.shown_at + lim.progress_interval_s - now)
+        return max(0.0, min(due))
+
+    def _sending(self, text: str) -> str:
+        self.sent_at = time.monotonic()
+        return text
+
+    def _read(self) -> tuple[Job | None, list]:
+        """The job's counts, then its ended items (in this order: see the module docstring)."""
+        job = self.store.get_job(self.job_id, with_items=False)
+        if job is None:
+            return None, []
+        key = self.cursor.key
+        since = None if key is None else self.created_at + key[0] / 1e6 - self.limits.slack_s
+        return job, self.store.finished_items(self.job_id, since)
+
+    def _items(self, rows) -> list[str]:
+        """Events of the ended items not sent yet, in the order they ended."""
+        keyed = sorted(((self._key(r.finished_at), r.idx), r) for r in rows)
+        out = []
+        for key, r in keyed:
+            if (self.since is not None and key <= self.since) or key in self.sent:
+                continue
+            self.sent.add(key)
+            self.cursor = self.cursor.next(key)
+            out.append(self._format("item", ItemEvent(
+                index=r.idx, state=r.state, error=r.error, finished_at=r.finished_at or self.created_at,
+                url=f"/v1/jobs/{self.job_id}/images/{r.idx}" if r.state == "done" else None)))
+        return out
+
+    def _key(self, finished_at: float | None) -> int:
+        return round(((finished_at or self.created_at) - self.created_at) * 1e6)
+
+    def _end(self, job: Job | None) -> str:
+        if job is None:  # purged while streamed
+            return self._event("end", EndEvent(state="deleted"))
+        return self._event("end", EndEvent(state=job.state, counts=job.counts, steps_done=job.steps_done,
+                                           steps_total=job.steps_total, finished_at=job.finished_at))
+
+    def _event(self, name: str, data) -> str:
+        self.cursor = self.cursor.next()
+        return self._format(name, data)
+
+    def _format(self, name: str, data) -> str:
+        return f"event: {name}\nid: {self.cursor}\ndata: {data.model_dump_json()}\n\n"
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except asyncio.TimeoutError:
+        pass

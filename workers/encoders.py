@@ -1,0 +1,91 @@
+"""Text encoders: one copy per process for identical weights, optionally on another device.
+
+Text encoders are large (T5-XXL: 4.76 B parameters, 8.9 GiB in bf16) and the families share them:
+PixArt-Σ, SD3/SD3.5 and FLUX.1 all use T5-v1.1-XXL's encoder, and FLUX and SD3 the same CLIP-L. A
+worker serving several of these models loads each distinct encoder once: ``load_text_encoder`` keys
+its process-wide cache by the encoder's class, the target device and dtype, and a fingerprint of the
+weights (``fingerprint``: the config and, per safetensors file, its name, size, header and 16 samples
+of 64 KiB spread over the file, so two checkpoints that differ anywhere in practice differ here,
+without reading 9 GB). Encoders are frozen and run between steps, one batch at a time, so sharing is safe.
+
+Offload (``[workers] text_encoder_device``, e.g. "cpu" or "cuda:1"): encoders load there instead of
+the transformer's GPU; their outputs are cached on the host and uploaded with the rest of a request's
+conditioning at admission. It frees the encoder's memory on the serving GPU and costs encode time on
+prompts that miss the cache (docs/design.md gives the measured cost).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SAMPLES, SAMPLE_BYTES = 16, 1 << 16
+_SHARED: dict[tuple, object] = {}
+_DEVICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("text_encoder_device", default=None)
+
+
+def fingerprint(folder: Path) -> str:
+    """A digest of an encoder folder's weights (see the module docstring), without reading them all."""
+    h = hashlib.sha256()
+    config = folder / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for f in sorted(folder.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            h.update(head + fh.read(int.from_bytes(head, "little") if len(head) == 8 else 0))
+            for i in range(SAMPLES):
+                fh.seek(max(0, (size - SAMPLE_BYTES) * i // max(1, SAMPLES - 1)))
+                h.update(fh.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def encoders_on(device: str | None):
+    """Load text encoders on ``device`` (None: with their transformer) inside this block."""
+    token = _DEVICE.set(device or None)
+    try:
+        yield
+    finally:
+        _DEVICE.reset(token)
+
+
+def encoder_device(default):
+    """Where a text encoder loads: the offload device when one is set, else ``default``."""
+    return _DEVICE.get() or default
+
+
+def load_text_encoder(cls, folder: Path, device, dtype):
+    """``cls.from_pretrained(folder)`` (local files, safetensors only) on the encoder device in ``dtype``,
+    frozen; the same module again for identical weights on the same device and dtype."""
+    import torch
+
+    from workers.loading import _cast
+
+    dev = torch.device(encoder_device(device))
+    key = (cls.__name__, fingerprint(folder), str(dev), str(dtype))
+    if key in _SHARED:
+        log.info("sharing the text encoder of %s (same weights already loaded on %s)", folder, dev)
+        return _SHARED[key]
+    encoder = cls.from_pretrained(str(folder), local_files_only=True, use_safetensors=True, dtype=dtype)
+    _SHARED[key] = encoder = _cast(encoder, dev, dtype)
+    return encoder
+
+
+def place_encoder(encoder, device, dtype):
+    """A text encoder built with its transformer (the built-ins), moved to the offload device if one is set."""
+    from workers.loading import _cast
+
+    target = encoder_device(device)
+    return encoder if str(target) == str(device) else _cast(encoder, target, dtype)
+
+
+def clear() -> None:
+    """Forget the shared encoders (tests; a process that unloads its models)."""
+    _SHARED.clear()
