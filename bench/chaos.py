@@ -694,6 +694,20 @@ def memory_growth(samples: list[dict]) -> dict:
     return {"total": round(b["rss_mb"] - a["rss_mb"], 1), "by_process": by}
 
 
+FLAT_MIB_PER_MIN = 0.5  # "memory flat": the RSS trend over the second half of the run stays below this
+
+
+def memory_slope(samples: list[dict]) -> float | None:
+    """The least-squares trend of the whole tree's RSS over the second half of the run, MiB per minute."""
+    half = [x for x in samples if x["t_s"] >= samples[-1]["t_s"] / 2 and "rss_mb" in x] if samples else []
+    if len(half) < 3:
+        return None
+    mt = sum(x["t_s"] for x in half) / len(half)
+    mr = sum(x["rss_mb"] for x in half) / len(half)
+    var = sum((x["t_s"] - mt) ** 2 for x in half)
+    return round(60 * sum((x["t_s"] - mt) * (x["rss_mb"] - mr) for x in half) / var, 3) if var else None
+
+
 def overload_result(args, capacity, offered, load, samples, rss_start, rss_end, bounded, stopped) -> dict:
     """The bound holds queued + running items (both from /healthz, one store query)."""
     depths = [x["queue_depth"] for x in samples if x["queue_depth"] is not None]
@@ -701,7 +715,7 @@ def overload_result(args, capacity, offered, load, samples, rss_start, rss_end, 
     codes = load["status"]
     five = sum(v for k, v in codes.items() if k.isdigit() and int(k) >= 500)
     limit = args.max_queued if bounded else None
-    growth = memory_growth(samples)
+    growth, slope = memory_growth(samples), memory_slope(samples)
     return {"summary": {"capacity images/s": round(capacity, 2), "offered images/s": round(offered, 2),
                         "sent images/s": round(load["images_offered"] / load["seconds"], 2),
                         "accepted images/s": round(load["images_accepted"] / load["seconds"], 2),
@@ -711,12 +725,15 @@ def overload_result(args, capacity, offered, load, samples, rss_start, rss_end, 
                         "queued + running max": max(held, default=None), "bound": limit,
                         "rss MiB start -> end": f"{rss_start / 2**20:.0f} -> {rss_end / 2**20:.0f}",
                         "rss MiB growth, second half": growth["total"],
+                        "rss trend MiB/min, second half": slope,
                         "rss MiB growth by process, second half": growth["by_process"],
                         "seconds": round(load["seconds"], 1)},
             "checks": {"0 5xx": five == 0, "every 429 has Retry-After": load["retry_after"][False] == 0,
                        "queued + running within the bound": limit is not None and max(held, default=0) <= limit,
                        "no transport errors": all(k.isdigit() for k in codes),
-                       "SIGTERM exits 0, nothing left": clean_exit(stopped)},
+                       "SIGTERM exits 0, nothing left": clean_exit(stopped),
+                       f"memory flat (RSS trend over the second half <= {FLAT_MIB_PER_MIN} MiB/min)":
+                           slope is not None and slope <= FLAT_MIB_PER_MIN},
             "details": {"samples": samples, "clients_behind": load["behind"], "after_sigterm": stopped,
                         "rss_bytes": {"start": rss_start, "end": rss_end}}}
 

@@ -108,7 +108,8 @@ def test_overload_checks_need_a_bound_and_retry_after_on_every_429():
     stopped = {"exit_code": 0, "left_running": ["ray::DashboardAgent"]}
     r = chaos.overload_result(args, 10.0, 20.0, load, samples, 2**30, 2**30 + 2**20, True, stopped)
     assert r["checks"] == {"0 5xx": True, "every 429 has Retry-After": False, "queued + running within the bound": True,
-                           "no transport errors": True, "SIGTERM exits 0, nothing left": False}
+                           "no transport errors": True, "SIGTERM exits 0, nothing left": False,
+                           "memory flat (RSS trend over the second half <= 0.5 MiB/min)": False}  # no RSS samples
     assert r["summary"]["429 with Retry-After"] == "3/4" and r["summary"]["sent images/s"] == 15.0
     assert (r["summary"]["queue depth max"], r["summary"]["queued + running max"]) == (90, 100)
     args.max_queued = 99
@@ -149,3 +150,10 @@ def test_memory_growth_is_measured_over_the_second_half_per_process():
     g = chaos.memory_growth(samples)
     assert g["total"] == 50.0 and g["by_process"] == {"gcs_server": 2.0, "raylet": 0.0, "serve": 50.0}
     assert chaos.memory_growth([]) == {"total": None, "by_process": {}}
+
+
+def test_memory_is_flat_only_when_the_second_half_trend_is():
+    flat = [{"t_s": float(t), "rss_mb": 1000.0 + min(t, 300) * 0.1 + (t % 20) * 0.05} for t in range(0, 1201, 10)]
+    assert chaos.memory_slope(flat) <= chaos.FLAT_MIB_PER_MIN  # warm-up growth in the first half only
+    creeping = [{"t_s": float(t), "rss_mb": 1000.0 + t * 0.05} for t in range(0, 601, 10)]  # 3 MiB/min
+    assert abs(chaos.memory_slope(creeping) - 3.0) < 1e-6
