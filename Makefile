@@ -8,7 +8,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: a loose requirement would pull a multi-GB build where a local wheel exists
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# the server extra (torch, ray, FastAPI, ...) and the test tools; a bare `pip install .` is the client only
+	$(PY) -m pip install -q -e '.[server,dev]'
 	touch $(STAMP)
 
 .PHONY: install demo test

@@ -1,4 +1,5 @@
-"""The `dit-serve` command line. Bad input prints one line to stderr and exits 2.
+"""The `dit-serve` command line. Bad input prints one line to stderr and exits 2; so does a server-side
+command (serve, generate, demo, keys) where only the base install (the SDK and the client commands) is.
 
     dit-serve serve [--config FILE]          the service (local Ray, SQLite, digits on the CPU by default)
     dit-serve submit --labels 3,7 [--out D]  queue a job (and wait for it and write its images);
@@ -15,12 +16,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 from pathlib import Path
 
 EXIT_USAGE = 2
 DEFAULT_URL = "http://127.0.0.1:8000"
+# What the server-side commands import beyond the base install; `pip install 'dit-serve[server]'` brings it.
+SERVICE_MODULES = ("fastapi", "uvicorn", "sqlalchemy", "prometheus_client")  # dit_serve.service: API, store, metrics
+MODEL_MODULES = ("torch", "diffusers", "safetensors")  # loading and running a model
 
 
 class _Parser(argparse.ArgumentParser):
@@ -201,11 +206,41 @@ COMMANDS = {"generate": _cmd_generate, "demo": _cmd_demo, "serve": _cmd_serve,
             "list": _cmd_client, "keys": _cmd_keys}
 
 
+def server_modules(args) -> tuple[str, ...]:
+    """The server-side modules a command imports; none for the client commands. ``serve --role api``
+    runs neither Ray nor a model."""
+    workers = ("ray", *MODEL_MODULES)  # the scheduler's Ray actors load the models
+    if args.command == "serve":
+        return SERVICE_MODULES if args.role == "api" else SERVICE_MODULES + workers
+    return {"generate": MODEL_MODULES, "keys": SERVICE_MODULES,
+            "demo": SERVICE_MODULES + workers}.get(args.command, ())
+
+
+def missing_extra(args) -> str | None:
+    """One line naming the extra to install when a command's server-side modules are missing (found
+    with find_spec, before anything imports them); None when they are all there."""
+
+    def absent(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except (ImportError, ValueError):  # a broken install, or a module without a spec
+            return True
+
+    missing = next((m for m in server_modules(args) if absent(m)), None)
+    if missing is None:
+        return None
+    return f"dit-serve {args.command} needs the server extra ({missing} is not installed): pip install 'dit-serve[server]'"
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if (message := missing_extra(args)) is not None:
+        print(message, file=sys.stderr)
+        return EXIT_USAGE
+
     from dit_serve.commands import CommandError, user_error
     from dit_serve.generate import UsageError
 
-    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -14,9 +14,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 from PIL import Image
+
+if TYPE_CHECKING:  # numpy is the server extra's: grid and publish also serve the client's `fetch`
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +81,12 @@ def prepare_out(out: Path) -> Path:
         raise UsageError(f"output directory {str(out)!r} is not writable: {e.strerror or e}") from None
 
 
-def grid(images: list[np.ndarray], cols: int, min_side: int = 64, gap: int = 4) -> Image.Image:
+def grid(images: list[Image.Image], cols: int, min_side: int = 64, gap: int = 4) -> Image.Image:
     """Tile images row-major, each upscaled (nearest) so small ones are viewable, with a grey gap."""
-    h, w = images[0].shape[:2]
+    w, h = images[0].size
     scale = max(1, -(-min_side // h))
     th, tw = h * scale, w * scale
-    tiles = [Image.fromarray(img).convert("RGB").resize((tw, th), Image.NEAREST) for img in images]
+    tiles = [img.convert("RGB").resize((tw, th), Image.NEAREST) for img in images]
     rows = -(-len(tiles) // cols)
     canvas = Image.new("RGB", (cols * (tw + gap) + gap, rows * (th + gap) + gap), (96, 96, 96))
     for i, tile in enumerate(tiles):
@@ -108,9 +111,10 @@ def write_outputs(out: Path, staging: Path, model_name: str, entries: list[dict]
                   images: list[np.ndarray], cols: int) -> Path:
     """Write PNGs and the grid into staging, then publish them and the manifest into DIR."""
     try:
-        for entry, img in zip(entries, images):
-            Image.fromarray(img).save(staging / entry["file"])
-        grid(images, cols).save(staging / "grid.png")
+        pils = [Image.fromarray(img) for img in images]
+        for entry, img in zip(entries, pils):
+            img.save(staging / entry["file"])
+        grid(pils, cols).save(staging / "grid.png")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -3,7 +3,7 @@ manifest. Client side (no torch): ``dit-serve fetch``, ``submit --out``, the dem
 
 As ``dit_serve.generate.write_outputs``: files go to a hidden staging folder first and are moved
 into place one by one, the manifest last, so an interrupted fetch never leaves a manifest that
-names missing files.
+names missing files. Needs only the base install (httpx, pydantic, tqdm, pillow): no numpy.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 from dit_serve.client import Client
@@ -43,7 +42,7 @@ def write_job(client: Client, job: Job, out: Path) -> Path:
             name = f"{it.index:05d}_label{it.label}.png" if it.prompt is None else f"{it.index:05d}.png"
             png = client.image_bytes(job, it.index)
             (staging / name).write_bytes(png)
-            images.append(np.asarray(Image.open(io.BytesIO(png))))
+            images.append(Image.open(io.BytesIO(png)))
             entry = {"file": name, "index": it.index, "label": it.label, "seed": it.seed}
             entries.append(entry if it.prompt is None else {**entry, "label": None, "prompt": it.prompt})
         grid(images, grid_columns([e["prompt"] if "prompt" in e else e["label"] for e in entries])).save(
