@@ -37,7 +37,8 @@ authoritative.
 
 **Wake-ups.** A stream reads the store when ``Store.changes`` says the job changed (a lease, progress
 written by a heartbeat, an ending), at most every ``min_read_gap_s`` (a batch of commits is one read),
-and at least every ``poll_s`` (an API process without the scheduler gets no notifications). Progress is
+and at least every ``poll_s`` (in case a notification is lost; with PostgreSQL, notifications cross
+processes by LISTEN/NOTIFY). Progress is
 sent when it changed, at most every ``progress_interval_s``: a change inside that time goes out at its
 end, as the latest state. Items and the end go out at the read that finds them. A read is two queries
 in this order: the job's counts, then its ended items; counts that say the job ended therefore come with

@@ -103,6 +103,8 @@ class Service:
         catalog = build_catalog(self.config)
         self.store = open_store(self.config)
         self._spawn("heap-trim", heap.trim_every, 60.0, self._stop)
+        if "api" in self.roles and self.store.engine.dialect.name == "postgresql":
+            self._spawn("changes", self.store.listen, self._stop)  # other processes' writes wake our waiters
         try:
             if "scheduler" in self.roles:
                 self._start_scheduler()

@@ -98,6 +98,9 @@ def requeue_backoff(requeues: int) -> float:
     return 0.0 if requeues <= 3 else min(60.0, 0.5 * 2.0 ** (requeues - 3))
 
 
+CHANNEL = "dit_serve_changes"  # PostgreSQL NOTIFY channel of Changes
+
+
 class Store:
     """Jobs, items, leases and results. Thread-safe: each call uses its own pooled connection.
 
@@ -111,7 +114,8 @@ class Store:
         self.engine = create_engine(_driver_url(url), pool_pre_ping=True)
         if self.engine.dialect.name == "sqlite":
             _sqlite_setup(self.engine)
-        self.changes = Changes()
+        postgres = self.engine.dialect.name == "postgresql"
+        self.changes = Changes(publish=self._publish if postgres else None)
         self._migrate()
 
     def _migrate(self) -> None:
@@ -149,6 +153,35 @@ class Store:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def _publish(self, job_ids: list[str]) -> None:
+        """PostgreSQL: tell the other processes (``listen``) which jobs changed, after the write committed."""
+        from sqlalchemy import text
+
+        try:
+            with self.engine.connect() as conn:
+                for i in range(0, len(job_ids), 200):  # NOTIFY payloads stay under 8000 bytes
+                    conn.execute(text("SELECT pg_notify(:c, :p)"), {"c": CHANNEL, "p": ",".join(job_ids[i:i + 200])})
+                conn.commit()
+        except Exception as e:  # waiters fall back to their slow poll; the write itself stands
+            log.warning("could not publish a change notification: %s", e)
+
+    def listen(self, stop: threading.Event) -> None:
+        """PostgreSQL: wake this process's waiters (images endpoint, event streams) on changes other
+        processes publish (LISTEN/NOTIFY), until ``stop`` is set; reconnects after a lost connection."""
+        import psycopg
+
+        url = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        while not stop.is_set():
+            try:
+                with psycopg.connect(url, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    while not stop.is_set():
+                        for note in conn.notifies(timeout=1.0):
+                            self.changes.notify(note.payload.split(","), local=True)
+            except Exception as e:  # the database restarted, a network blip: waiters poll meanwhile
+                log.warning("change notifications lost (%s); reconnecting", e)
+                stop.wait(1.0)
 
     @contextmanager
     def _tx(self, write: bool = True):
@@ -565,12 +598,13 @@ class Store:
 
 
 class Changes:
-    """In-process notifications of item changes (leased, progress written, ended), so that waiters in
-    this process (the images endpoint, the event streams) wake when a job changed instead of polling
-    it. A process that runs no scheduler (API only, PostgreSQL) gets no notifications: its waiters fall
-    back to a slow poll."""
+    """Notifications of item changes (leased, progress written, ended), so that waiters (the images
+    endpoint, the event streams) wake when a job changed instead of polling it. In-process always; on
+    PostgreSQL also across processes: ``publish`` NOTIFYs the other processes, whose ``Store.listen``
+    thread wakes their waiters. Waiters still check every second in case a notification is lost."""
 
-    def __init__(self):
+    def __init__(self, publish=None):
+        self._publish = publish
         self._lock = threading.Lock()
         self._waiters: dict[str, list] = {}  # job id -> [(loop, asyncio.Event)]
 
@@ -591,7 +625,10 @@ class Changes:
             else:
                 self._waiters.pop(job_id, None)
 
-    def notify(self, job_ids: list[str]) -> None:
+    def notify(self, job_ids: list[str], local: bool = False) -> None:
+        """Wake this process's waiters on ``job_ids``, and (unless ``local``) publish to the others."""
+        if self._publish is not None and not local and job_ids:
+            self._publish(job_ids)
         with self._lock:
             hits = [w for j in job_ids for w in self._waiters.get(j, ())]
         for loop, waiter in hits:

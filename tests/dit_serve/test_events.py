@@ -257,7 +257,7 @@ def test_without_notifications_the_stream_checks_every_second(api, http, tmp_pat
 
 def test_api_processes_on_postgres_stream_a_job_another_process_runs(digits_model, postgres_url, tmp_path):
     """Two API processes' worth of services on one PostgreSQL store, and a scheduler elsewhere (a Store of
-    its own): no notifications reach the APIs, and both streams still deliver every item once, then end."""
+    its own, whose writes reach the APIs by LISTEN/NOTIFY): both streams deliver every item once, then end."""
     cfg = service_config(tmp_path, digits_model, store={"url": postgres_url})
     scheduler = Store(postgres_url, tmp_path)
     with Service(cfg, roles=("api",)) as a, Service(cfg, roles=("api",)) as b, \

@@ -502,3 +502,34 @@ def test_temp_files_of_killed_writers_are_swept(store):
     os.utime(png, (time.time() - 3600, time.time() - 3600))
     assert store.sweep_temp_files(older_than_s=600) == 1
     assert not old.exists() and fresh.exists() and png.exists()
+
+
+def test_postgres_notifies_other_processes_of_changes(tmp_path):
+    """A write by one store (another process's scheduler) wakes waiters of another store (an API process)
+    through LISTEN/NOTIFY, well before their one-second poll."""
+    import asyncio
+    import threading
+
+    api, scheduler = _open("postgresql", tmp_path), Store(PG_URL, tmp_path)
+    stop = threading.Event()
+    listener = threading.Thread(target=api.listen, args=(stop,), daemon=True)
+    listener.start()
+    try:
+        job = _job(scheduler, 2)
+        time.sleep(0.5)  # LISTEN is in place
+
+        async def woken() -> float:
+            event = api.changes.watch(job)
+            t0 = time.monotonic()
+            await asyncio.get_running_loop().run_in_executor(None, lambda: scheduler.lease("w", ["digits"], 2, ttl=30))
+            await asyncio.wait_for(event.wait(), 5)
+            api.changes.unwatch(job, event)
+            return time.monotonic() - t0
+
+        assert asyncio.run(woken()) < 0.5
+    finally:
+        stop.set()
+        listener.join(5)
+        scheduler.close()
+        api.close()
+    assert not listener.is_alive()
