@@ -26,13 +26,13 @@ with no host synchronisation, so the step captures as is.
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
 from graphs import TensorSpec
 from samplers import model_input, sampler_step
+from workers.families.textcache import encodings
 
 CACHE_SIZE = 4096
 BREAK_ATTENTION = False  # the attention break patch is written for DiT's self-attention only (for now)
@@ -63,9 +63,7 @@ def encode(model, specs) -> list[dict[str, torch.Tensor]]:
 
 @torch.no_grad()
 def _encode_texts(model, texts: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    cache: OrderedDict = model.cache
-    missing = [t for t in texts if t not in cache]
-    if missing:
+    def encode(missing: list[str]):
         # as FluxPipeline._get_clip_prompt_embeds: the pooled output, no attention mask
         clip = model.tokenizer(missing, padding="max_length", max_length=model.tokenizer.model_max_length,
                                truncation=True, return_tensors="pt")
@@ -76,15 +74,9 @@ def _encode_texts(model, texts: list[str]) -> dict[str, tuple[torch.Tensor, torc
                                return_tensors="pt")
         embeds = model.text_encoder_2(t5.input_ids.to(model.text_encoder_2.device),
                                       output_hidden_states=False)[0]                        # (n, L, 4096)
-        for i, text in enumerate(missing):
-            cache[text] = (embeds[i].to(model.dtype), pooled[i].to(model.dtype))
-    out = {}
-    for text in texts:
-        cache.move_to_end(text)
-        out[text] = cache[text]
-    while len(cache) > CACHE_SIZE:
-        cache.popitem(last=False)
-    return out
+        return list(zip(embeds.to(model.dtype), pooled.to(model.dtype)))
+
+    return encodings(model, texts, encode, CACHE_SIZE)
 
 
 def pack(x: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,12 @@ cached per model in an LRU keyed by the processed text (10,000 images of one pro
 
 from __future__ import annotations
 
-from collections import OrderedDict
 
 import torch
 
 from graphs import TensorSpec
 from samplers import cfg_combine, model_input, sampler_step
+from workers.families.textcache import encodings
 
 CACHE_SIZE = 4096
 BREAK_ATTENTION = False  # the attention break patch is written for DiT's self-attention only (for now)
@@ -38,23 +38,15 @@ def encode(model, specs) -> list[dict[str, torch.Tensor]]:
 
 @torch.no_grad()
 def _encode_texts(model, texts: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    cache: OrderedDict = model.cache
-    missing = [t for t in texts if t not in cache]
-    if missing:
+    def encode(missing: list[str]):
         tok = model.tokenizer(missing, padding="max_length", max_length=model.card.max_tokens, truncation=True,
                               add_special_tokens=True, return_tensors="pt")
         device = model.text_encoder.device
         mask = tok.attention_mask.to(device)                                           # (n, L)
         embeds = model.text_encoder(tok.input_ids.to(device), attention_mask=mask)[0]  # (n, L, D)
-        for i, text in enumerate(missing):
-            cache[text] = (embeds[i].to(model.dtype), mask[i].to(model.dtype))
-    out = {}
-    for text in texts:
-        cache.move_to_end(text)
-        out[text] = cache[text]
-    while len(cache) > CACHE_SIZE:
-        cache.popitem(last=False)
-    return out
+        return list(zip(embeds.to(model.dtype), mask.to(model.dtype)))
+
+    return encodings(model, texts, encode, CACHE_SIZE)
 
 
 DEFAULT_CROSS_ATTENTION = "varlen"  # measured on an H200 (docs/benchmarks/pixart.md): as fast or faster at
