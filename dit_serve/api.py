@@ -26,7 +26,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 
-from dit_serve import __version__
+from dit_serve import __version__, web
 from dit_serve.catalog import Catalog, NewJob, RequestError, model_entry
 from dit_serve.config import LimitsConfig, ServerConfig
 from dit_serve.events import Cursor, EventResponse, JobEvents, StreamLimits, Streams
@@ -225,6 +225,7 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
         return model_entry(catalog.models[model_id])
 
     app.include_router(v1)
+    app.include_router(web.router)  # the page at / and its assets: no key (it holds no data; it calls /v1 with one)
 
     @app.get("/healthz", response_model=Health, tags=["service"], responses=_doc(503))
     def health():
@@ -242,7 +243,7 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
         metrics.queue_depth.set(store.counts().get("queued", 0))
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.state.all_routes = [r for r in (*v1.routes, *app.router.routes) if hasattr(r, "path_regex")]
+    app.state.all_routes = [r for r in (*v1.routes, *web.router.routes, *app.router.routes) if hasattr(r, "path_regex")]
     return app
 
 
