@@ -189,6 +189,19 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
                                status=409)
         return FileResponse(path, media_type="image/png")
 
+    @v1.get("/jobs/{job_id}/items/{index}/preview", response_class=Response, tags=["jobs"],
+            responses={200: {"content": {"image/png": {}}}, **_doc(404)})
+    def get_preview(job_id: str = JobId, index: int = Path(ge=0, le=MAX_ITEMS), who: Principal = Depends(authorize)):
+        """The latest preview of a running item of a job with ``preview_every`` (a small PNG of its denoised
+        estimate); 404 when it has none (not started, ended, or no previews asked)."""
+        found = store.preview(job_id, index, tenant=who.scope)
+        if found is None:
+            job_or_404(job_id, who, with_items=False)
+            raise RequestError(f"item {index} of job {job_id} has no preview now (previews exist while an item "
+                               "runs, for jobs submitted with preview_every)", "index", status=404)
+        step, png = found
+        return Response(png, media_type="image/png", headers={"Cache-Control": "no-store", "X-Preview-Step": str(step)})
+
     @v1.get("/jobs/{job_id}/archive", tags=["jobs"],
             responses={200: {"content": {"application/zip": {}}}, **_doc(404)})
     def get_archive(job_id: str = JobId, who: Principal = Depends(authorize)):

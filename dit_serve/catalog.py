@@ -17,6 +17,7 @@ from dit_serve.config import LimitsConfig
 from dit_serve.schemas import ImageGenerationRequest, JobParams, JobRequest, ModelCard
 from samplers.rules import check_settings
 from workers import cards
+from workers.previews import preview_map_of
 from workers.sizes import parse_size
 
 
@@ -81,6 +82,11 @@ class Catalog:
                                f"{self.limits.max_items_per_job}", "prompts" if text else "labels")
         params = self.params(info, req.sampler, req.steps, req.guidance, req.eta, req.negative_prompt,
                              size=_size(info, req.width, req.height, req.exact_size))
+        if req.preview_every:
+            if preview_map_of(info) is None:
+                raise RequestError(f"model {info.name!r} has no preview (its {info.latent_channels}-channel latents "
+                                   "have no RGB map); send preview_every 0", "preview_every")
+            params.preview_every = req.preview_every
         if text:
             params.warnings.extend(_truncation_warnings(info, req.prompts))
             prompts = [p for p in req.prompts for _ in range(req.num_per_prompt)]

@@ -31,16 +31,17 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import httpx
 from pydantic import TypeAdapter
 
-from dit_serve.schemas import EndEvent, Job, JobEvent, JobList, ModelList, ProgressEvent
+from dit_serve.schemas import EndEvent, Job, JobEvent, JobList, ModelList, PreviewEvent, ProgressEvent
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 API_KEY_ENV = "DIT_SERVE_API_KEY"
 JobRef = Job | str
+PreviewFn = Callable[[int, int, Any], None]  # (item index, step, PIL image)
 RETRY_STATUS = {502, 503, 504}  # a proxy or a restarting service: worth another try
 STREAM_SILENCE_S = 35.0  # an event stream silent this long has dropped (the service sends a keep-alive every 15 s)
 _EVENTS = TypeAdapter(JobEvent)
@@ -147,7 +148,7 @@ class _SSE:
         if not line:
             name, data, self.last_id = self._name, "\n".join(self._data), self._id
             self._name, self._data = "", []
-            if not data or name not in ("progress", "item", "end"):
+            if not data or name not in ("progress", "item", "preview", "end"):
                 return None
             try:
                 return _EVENTS.validate_json(data)
@@ -227,18 +228,19 @@ class Client:
                seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
                guidance: float | None = None, eta: float | None = None, priority: int | None = None,
                webhook_url: str | None = None, idempotency_key: str | None = None, width: int | None = None,
-               height: int | None = None, exact_size: bool | None = None) -> Job:
+               height: int | None = None, exact_size: bool | None = None, preview_every: int | None = None) -> Job:
         """Queue a job: each label ``num_per_label`` times (class models), or each prompt ``num_per_prompt``
         times (text models, with an optional ``negative_prompt``); returns once the service stored it. Jobs of a
         higher ``priority`` (-100..100, default 0) run first. ``webhook_url`` is POSTed the finished job.
         ``width`` x ``height``: a size the model makes, or (models with aspect-ratio bins) any size, made at
-        the nearest bin and, with ``exact_size``, resized to it.
+        the nearest bin and, with ``exact_size``, resized to it. ``preview_every`` N: a preview of each
+        running image every N steps (``wait(on_preview=...)``).
         The same ``idempotency_key`` (default: a fresh one) on a later call returns this job rather
         than a new one."""
         body = _job_body(labels, prompts=prompts, negative_prompt=negative_prompt, num_per_prompt=num_per_prompt,
                          model=model, num_per_label=num_per_label, seed=seed, seeds=seeds, sampler=sampler,
                          steps=steps, guidance=guidance, eta=eta, priority=priority, webhook_url=webhook_url,
-                         width=width, height=height, exact_size=exact_size)
+                         width=width, height=height, exact_size=exact_size, preview_every=preview_every)
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
         return Job.model_validate(self._call("POST", "/v1/jobs", json=body, headers=headers).json())
 
@@ -259,13 +261,16 @@ class Client:
     def models(self) -> ModelList:
         return ModelList.model_validate(self._call("GET", "/v1/models").json())
 
-    def wait(self, job: JobRef, progress: bool = True, timeout: float | None = None, interval: float = 0.25) -> Job:
+    def wait(self, job: JobRef, progress: bool = True, timeout: float | None = None, interval: float = 0.25,
+             on_preview: PreviewFn | None = None) -> Job:
         """Until the job is done, failed or cancelled; returns it, with its items (TimeoutError after
         ``timeout`` seconds). Follows the job's events, so it returns as soon as the job ends; without
-        them (an older service, a refused or failing stream) it polls every ``interval`` seconds."""
+        them (an older service, a refused or failing stream) it polls every ``interval`` seconds.
+        ``on_preview(index, step, image)`` is called with each preview (a PIL image) of a job submitted
+        with ``preview_every``, as its events arrive (none while polling)."""
         deadline, bar = _deadline(timeout), _Bar(job, progress)
         try:
-            if not self._follow(job, bar, deadline):
+            if not self._follow(job, bar, deadline, on_preview):
                 self._poll(job, bar, deadline, interval)
         except TimeoutError:
             raise TimeoutError(f"job {_job_id(job)} still {bar.state} after {timeout} s") from None
@@ -273,15 +278,26 @@ class Client:
             bar.close()
         return self.get(job)
 
-    def _follow(self, job: JobRef, bar: _Bar, deadline: float | None) -> bool:
+    def _follow(self, job: JobRef, bar: _Bar, deadline: float | None, on_preview: PreviewFn | None = None) -> bool:
         """Show the job's events on ``bar`` until its end: True; False when there is no stream to follow."""
         try:
             with contextlib.closing(self.events(job, timeout=_left(deadline))) as events:
                 for event in events:
                     bar.update(event)
+                    if on_preview is not None and isinstance(event, PreviewEvent):
+                        self._preview(event, on_preview)
             return True
         except (ApiError, httpx.TransportError):
             return False
+
+    def _preview(self, event: PreviewEvent, on_preview: PreviewFn) -> None:
+        try:
+            png = self._call("GET", event.url).content
+        except ApiError as e:  # 404: the item ended meanwhile (its image follows)
+            if e.status != 404:
+                raise
+            return
+        on_preview(event.index, event.step, _pil(png))
 
     def _poll(self, job: JobRef, bar: _Bar, deadline: float | None, interval: float) -> None:
         current = self.get(job, items=False)
@@ -389,11 +405,11 @@ class AsyncClient:
                      seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
                      guidance: float | None = None, eta: float | None = None, priority: int | None = None,
                      webhook_url: str | None = None, idempotency_key: str | None = None, width: int | None = None,
-               height: int | None = None, exact_size: bool | None = None) -> Job:
+               height: int | None = None, exact_size: bool | None = None, preview_every: int | None = None) -> Job:
         body = _job_body(labels, prompts=prompts, negative_prompt=negative_prompt, num_per_prompt=num_per_prompt,
                          model=model, num_per_label=num_per_label, seed=seed, seeds=seeds, sampler=sampler,
                          steps=steps, guidance=guidance, eta=eta, priority=priority, webhook_url=webhook_url,
-                         width=width, height=height, exact_size=exact_size)
+                         width=width, height=height, exact_size=exact_size, preview_every=preview_every)
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
         return Job.model_validate((await self._call("POST", "/v1/jobs", json=body, headers=headers)).json())
 
@@ -416,11 +432,11 @@ class AsyncClient:
         return ModelList.model_validate((await self._call("GET", "/v1/models")).json())
 
     async def wait(self, job: JobRef, progress: bool = True, timeout: float | None = None,
-                   interval: float = 0.25) -> Job:
-        """As ``Client.wait``: follows the job's events, else polls."""
+                   interval: float = 0.25, on_preview: PreviewFn | None = None) -> Job:
+        """As ``Client.wait``: follows the job's events, else polls. ``on_preview`` is a plain function."""
         deadline, bar = _deadline(timeout), _Bar(job, progress)
         try:
-            if not await self._follow(job, bar, deadline):
+            if not await self._follow(job, bar, deadline, on_preview):
                 await self._poll(job, bar, deadline, interval)
         except TimeoutError:
             raise TimeoutError(f"job {_job_id(job)} still {bar.state} after {timeout} s") from None
@@ -428,14 +444,26 @@ class AsyncClient:
             bar.close()
         return await self.get(job)
 
-    async def _follow(self, job: JobRef, bar: _Bar, deadline: float | None) -> bool:
+    async def _follow(self, job: JobRef, bar: _Bar, deadline: float | None,
+                      on_preview: PreviewFn | None = None) -> bool:
         try:
             async with contextlib.aclosing(self.events(job, timeout=_left(deadline))) as events:
                 async for event in events:
                     bar.update(event)
+                    if on_preview is not None and isinstance(event, PreviewEvent):
+                        await self._preview(event, on_preview)
             return True
         except (ApiError, httpx.TransportError):
             return False
+
+    async def _preview(self, event: PreviewEvent, on_preview: PreviewFn) -> None:
+        try:
+            png = (await self._call("GET", event.url)).content
+        except ApiError as e:  # 404: the item ended meanwhile (its image follows)
+            if e.status != 404:
+                raise
+            return
+        on_preview(event.index, event.step, _pil(png))
 
     async def _poll(self, job: JobRef, bar: _Bar, deadline: float | None, interval: float) -> None:
         current = await self.get(job, items=False)

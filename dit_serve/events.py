@@ -12,6 +12,10 @@ The stream (``text/event-stream``), in order::
     id: 1.2.1520413.0
     data: {"event":"item","index":0,"state":"done","url":"/v1/jobs/<id>/images/0",...}
 
+    event: preview                       a running item has a new preview (jobs with preview_every)
+    id: 1.3.1520413.0
+    data: {"event":"preview","index":1,"step":4,"url":"/v1/jobs/<id>/items/1/preview"}
+
     event: end                           the job ended: state, counts, steps; the stream closes
     id: 1.3.1520413.0
     data: {"event":"end","state":"done",...}
@@ -34,6 +38,14 @@ of one job committed at the same moment may be stamped out of order: a live stre
 read looks ``slack_s`` back before the cursor and remembers what it sent); a reconnect that falls between
 the two could miss the earlier-stamped one. The end event's counts and ``GET /v1/jobs/{id}`` stay
 authoritative.
+
+**Previews** are ephemeral: a ``preview`` event is sent when a running item's latest preview
+(``Store.preview_steps``: a listing of the job's preview files, then which items run) has a later step
+than the last one this connection sent for it. Each takes an id like any non-item event (``seq`` grows,
+the cursor stays), so a ``Last-Event-ID`` after a preview resumes exactly as after a progress event;
+a reconnect gets each running item's latest preview again, not the ones it missed. The read takes
+previews after the ended items, of running items only, so an item's previews come before its item event.
+An item event resets what was sent for that index (an item retried after failing starts again at step 0).
 
 **Wake-ups.** A stream reads the store when ``Store.changes`` says the job changed (a lease, progress
 written by a heartbeat, an ending), at most every ``min_read_gap_s`` (a batch of commits is one read),
@@ -61,7 +73,7 @@ from typing import AsyncIterator, Callable
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from dit_serve.schemas import EndEvent, ItemEvent, Job, ProgressEvent
+from dit_serve.schemas import EndEvent, ItemEvent, Job, PreviewEvent, ProgressEvent
 
 log = logging.getLogger(__name__)
 _ID = re.compile(r"^(\d{1,12})\.(\d{1,15})(?:\.(-?\d{1,18})\.(\d{1,9}))?$")
@@ -169,6 +181,7 @@ class JobEvents:
         self.streams, self.limits = streams, streams.limits
         self.cursor, self.since = cursor, cursor.key  # items at or before ``since``: sent on an earlier connection
         self.sent: set[tuple[int, int]] = set()       # item keys sent on this connection
+        self.previewed: dict[int, int] = {}            # index -> the step of the last preview sent
         self.shown: ProgressEvent | None = None       # the last progress sent ...
         self.shown_at = -1e9                          # ... then (monotonic s)
         self.pending = False                          # a change not sent yet: it was too soon
@@ -182,7 +195,7 @@ class JobEvents:
                 read_at = time.monotonic()
                 changed.clear()
                 try:
-                    job, rows = await run_in_threadpool(self._read)
+                    job, rows, previews = await run_in_threadpool(self._read)
                 except Exception:  # the store is unreachable: end; the client reconnects with its last id
                     log.warning("event stream of job %s: reading the store failed", self.job_id, exc_info=True)
                     return
@@ -190,7 +203,7 @@ class JobEvents:
                 if job is None or job.finished:
                     yield "".join(out) + self._end(job)
                     return
-                if out := out + self._progress(job, read_at):
+                if out := out + self._previews(previews) + self._progress(job, read_at):
                     yield self._sending("".join(out))
                 await _wait(changed, self._timeout())
                 if time.monotonic() - self.sent_at >= self.limits.keepalive_s:
@@ -222,14 +235,26 @@ class JobEvents:
         self.sent_at = time.monotonic()
         return text
 
-    def _read(self) -> tuple[Job | None, list]:
-        """The job's counts, then its ended items (in this order: see the module docstring)."""
+    def _read(self) -> tuple[Job | None, list, dict[int, int]]:
+        """The job's counts, then its ended items, then its running items' previews (in this order: see
+        the module docstring)."""
         job = self.store.get_job(self.job_id, with_items=False)
         if job is None:
-            return None, []
+            return None, [], {}
         key = self.cursor.key
         since = None if key is None else self.created_at + key[0] / 1e6 - self.limits.slack_s
-        return job, self.store.finished_items(self.job_id, since)
+        rows = self.store.finished_items(self.job_id, since)
+        return job, rows, ({} if job.finished else self.store.preview_steps(self.job_id))
+
+    def _previews(self, latest: dict[int, int]) -> list[str]:
+        """Events of the previews newer than the last sent of each item, by index."""
+        out = []
+        for index, step in sorted(latest.items()):
+            if step > self.previewed.get(index, 0):
+                self.previewed[index] = step
+                out.append(self._event("preview", PreviewEvent(
+                    index=index, step=step, url=f"/v1/jobs/{self.job_id}/items/{index}/preview")))
+        return out
 
     def _items(self, rows) -> list[str]:
         """Events of the ended items not sent yet, in the order they ended."""
@@ -239,6 +264,7 @@ class JobEvents:
             if (self.since is not None and key <= self.since) or key in self.sent:
                 continue
             self.sent.add(key)
+            self.previewed.pop(r.idx, None)
             self.cursor = self.cursor.next(key)
             out.append(self._format("item", ItemEvent(
                 index=r.idx, state=r.state, error=r.error, finished_at=r.finished_at or self.created_at,

@@ -6,7 +6,8 @@ One loop, one thread; each turn:
 1. every ``reconcile_seconds``: read ``ray.nodes()``; start a worker for each new slot (a GPU, a
    unit of the configured custom resource, or the CPU worker) and drop workers whose node left;
 2. wait up to ``tick_seconds`` for the workers' outstanding ``poll()`` and ``info()`` calls; commit
-   finished PNGs (exactly once, through the lease), record failures, note progress;
+   finished PNGs (exactly once, through the lease), record failures, note progress, write the
+   previews of items still held (``Store.put_preview``: the latest per item, before their endings);
 3. every ``heartbeat_seconds``: renew the leases and write progress in one store call; items whose
    lease is gone (the job was cancelled) are cancelled on their worker;
 4. lease new items for every ready worker with room (``max_inflight``); the engine batches
@@ -235,6 +236,9 @@ class Scheduler:
         for key, (done, _total) in report["progress"].items():
             if key in w.leases:
                 w.leases[key].step = done
+        for key, step, png in report.get("previews", ()):
+            if key in w.leases:  # before the endings below: an ended item's preview is removed, not written
+                self.store.put_preview(w.leases[key], step, png)
         for key, png in report["finished"]:
             lease = w.leases.pop(key, None)
             if lease is not None and self.store.commit_result(lease, png):

@@ -20,6 +20,7 @@ MAX_SEED = 2**63 - 1  # seeds are stored as signed 64-bit integers
 MAX_ITEMS = 1_000_000  # the most items a request may describe; [limits] max_items_per_job is lower
 MAX_STEPS = 10_000
 MAX_GUIDANCE = 100.0
+MAX_PREVIEW_EVERY = 1000
 MAX_NAME = 200  # model names, class names
 MAX_PROMPT = 2000  # characters; the model's tokenizer then truncates to its token limit, as the reference does
 
@@ -91,6 +92,9 @@ class JobRequest(_Request):
     eta: float = Field(0.0, ge=0, le=1, description="DDIM eta (0 = deterministic, 1 = DDPM-like)")
     priority: int = Field(0, ge=-100, le=100, description="higher runs first; first come, first served "
                                                           "within a priority")
+    preview_every: int = Field(0, ge=0, le=MAX_PREVIEW_EVERY,
+                               description="N > 0: a small preview of each running image every N steps "
+                                           "(`preview` events, GET /v1/jobs/{id}/items/{i}/preview); 0: none")
     webhook_url: str | None = Field(None, max_length=2000, pattern=r"^https?://[^\s]+$",
                                     description="POSTed the finished job (JSON) once it is done, failed or "
                                                 "cancelled; retried with backoff until it answers 2xx")
@@ -131,6 +135,7 @@ class JobParams(_Response):
     output_width: int = Field(0, description="pixels of the stored image when resized to an exact size "
                                              "(0: as generated)")
     output_height: int = 0
+    preview_every: int = Field(0, description="a preview every N steps (0: none)")
     warnings: list[str] = Field(default_factory=list, description="what the service changed in the request, e.g. "
                                                                    "prompts cut at the model's token limit")
 
@@ -204,6 +209,17 @@ class ItemEvent(_Response):
     finished_at: float
 
 
+class PreviewEvent(_Response):
+    """A new preview of a running item (jobs with ``preview_every``): its denoised estimate after ``step``
+    steps, small and approximate (no VAE decode). Ephemeral: a reconnect gets the latest, not missed ones."""
+
+    event: Literal["preview"] = "preview"
+    index: int
+    step: int = Field(description="denoising steps done when it was taken")
+    url: str = Field(description="the item's latest preview (PNG), /v1/jobs/{id}/items/{index}/preview (relative "
+                                 "to the service's base URL; 404 once the item ended)")
+
+
 class EndEvent(_Response):
     """The job ended (done, failed or cancelled; deleted: purged while streamed); the stream closes."""
 
@@ -215,7 +231,7 @@ class EndEvent(_Response):
     finished_at: float | None = None
 
 
-JobEvent = Annotated[ProgressEvent | ItemEvent | EndEvent, Field(discriminator="event")]
+JobEvent = Annotated[ProgressEvent | ItemEvent | PreviewEvent | EndEvent, Field(discriminator="event")]
 
 class JobList(_Response):
     data: list[Job]

@@ -89,7 +89,7 @@ class Lease:
         return ItemSpec(id=self.key, seed=self.seed, sampler=p.sampler, steps=p.steps, guidance=p.guidance,
                         eta=p.eta, label=self.label, model=self.model, prompt=self.prompt or "",
                         negative_prompt=p.negative_prompt, width=p.width, height=p.height,
-                        out_width=p.output_width, out_height=p.output_height)
+                        out_width=p.output_width, out_height=p.output_height, preview_every=p.preview_every)
 
 
 def requeue_backoff(requeues: int) -> float:
@@ -331,6 +331,7 @@ class Store:
                                    .values(state="cancelled", finished_at=time.time(), **_NO_LEASE)).rowcount
             if stopped:
                 conn.execute(update(jobs).where(jobs.c.id == job_id).values(cancelled=True))
+        shutil.rmtree(self.data_dir / "previews" / job_id, ignore_errors=True)
         self.changes.notify([job_id])
         return True
 
@@ -362,6 +363,7 @@ class Store:
             conn.execute(jobs.delete().where(jobs.c.id == job_id))
         # after the commit: a crash here leaves files no row points at, never a row without its file
         shutil.rmtree(self.data_dir / "images" / job_id, ignore_errors=True)
+        shutil.rmtree(self.data_dir / "previews" / job_id, ignore_errors=True)
         return True
 
     def purge_finished(self, older_than_s: float, limit: int = 100) -> list[str]:
@@ -532,6 +534,7 @@ class Store:
                                   crashes=items.c.crashes + int(crash), solo_crashes=items.c.solo_crashes + int(crash and ls.solo))
                 if conn.execute(update(items).where(*_held(ls)).values(**values)).rowcount != 1:
                     continue
+                self._drop_preview(ls.job_id, ls.index)
                 why = self._give_up(conn, ls, error)
                 if why is not None:
                     _set(conn, [(ls.job_id, ls.index)], state="failed", error=why[:2000], finished_at=now)
@@ -569,6 +572,7 @@ class Store:
                 if won:
                     os.replace(tmp, final)  # before commit: a failed commit leaves an orphan a re-run replaces
             if won:
+                self._drop_preview(lease.job_id, lease.index)
                 self.changes.notify([lease.job_id])
             return won
         finally:
@@ -579,7 +583,8 @@ class Store:
         """Delete result temp files a killed process left behind (written, never renamed nor removed);
         only old ones, since another scheduler may be writing a fresh one. Returns how many."""
         cutoff, n = time.time() - older_than_s, 0
-        for tmp in (self.data_dir / "images").glob("*/.*.tmp"):
+        temps = [*(self.data_dir / "images").glob("*/.*.tmp"), *(self.data_dir / "previews").glob("*/.*.tmp")]
+        for tmp in temps:
             try:
                 if tmp.stat().st_mtime < cutoff:
                     tmp.unlink()
@@ -593,8 +598,71 @@ class Store:
         with self._tx() as conn:
             won = conn.execute(update(items).where(*_held(lease)).values(
                 state="failed", error=error[:2000], finished_at=time.time(), **_NO_LEASE)).rowcount == 1
+        self._drop_preview(lease.job_id, lease.index)
         self.changes.notify([lease.job_id])
         return won
+
+    # -- previews (ephemeral: files beside the images, no rows) --------------------------------------
+    def put_preview(self, lease: Lease, step: int, png: bytes) -> None:
+        """Keep ``png`` as the latest preview of a leased item (``previews/<job>/<index>.<step>.png``,
+        renamed into place so readers on any process see a whole file; older steps removed after).
+        No fsync and no row: a preview lost in a crash costs nothing. The step in the name lets event
+        streams see a new preview from a directory listing."""
+        folder = self.data_dir / "previews" / lease.job_id
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{lease.index:05d}-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(png)
+            os.replace(tmp, folder / f"{lease.index:05d}.{step:06d}.png")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        for old in folder.glob(f"{lease.index:05d}.*.png"):
+            if (key := _preview_key(old.name)) is not None and key < (lease.index, step):
+                old.unlink(missing_ok=True)
+        self.changes.notify([lease.job_id])
+
+    def preview_steps(self, job_id: str) -> dict[int, int]:
+        """Index -> step of the latest preview of each of the job's running items (the event streams' read:
+        a listing, and a query only when the job has previews)."""
+        latest: dict[int, int] = {}
+        try:
+            names = os.listdir(self.data_dir / "previews" / job_id)
+        except FileNotFoundError:
+            return latest
+        for name in names:
+            if (key := _preview_key(name)) is not None and key[1] > latest.get(key[0], -1):
+                latest[key[0]] = key[1]
+        if not latest:
+            return latest
+        with self._tx(write=False) as conn:
+            running = set(conn.execute(select(items.c.idx).where(items.c.job_id == job_id,
+                                                                 items.c.state == "running")).scalars())
+        return {i: step for i, step in latest.items() if i in running}
+
+    def preview(self, job_id: str, index: int, tenant: str | None = None) -> tuple[int, bytes] | None:
+        """(step, PNG) of a running item's latest preview; None when it has none (or is not running)."""
+        query = select(items.c.state).where(items.c.job_id == job_id, items.c.idx == index)
+        if tenant is not None:
+            query = query.where(items.c.tenant == tenant)
+        with self._tx(write=False) as conn:
+            if conn.execute(query).scalar() != "running":
+                return None
+        folder = self.data_dir / "previews" / job_id
+        for _ in range(3):  # a newer preview may replace the one listed between listing and reading
+            found = sorted(k for p in folder.glob(f"{index:05d}.*.png") if (k := _preview_key(p.name)))
+            if not found:
+                return None
+            try:
+                return found[-1][1], (folder / f"{index:05d}.{found[-1][1]:06d}.png").read_bytes()
+            except FileNotFoundError:
+                continue
+        return None
+
+    def _drop_preview(self, job_id: str, index: int) -> None:
+        for p in (self.data_dir / "previews" / job_id).glob(f"{index:05d}.*.png"):
+            p.unlink(missing_ok=True)
 
 
 class Changes:
@@ -639,6 +707,14 @@ class Changes:
 
 
 _NO_LEASE = dict(lease_owner=None, lease_token=None, lease_expires=None)
+
+
+def _preview_key(name: str) -> tuple[int, int] | None:
+    """(index, step) of a preview file's name ``<index>.<step>.png``; None for other files."""
+    parts = name.split(".")
+    if len(parts) != 3 or parts[2] != "png" or not (parts[0].isdigit() and parts[1].isdigit()):
+        return None
+    return int(parts[0]), int(parts[1])
 
 
 def _held(lease: Lease):

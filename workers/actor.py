@@ -7,7 +7,7 @@ never touch the engine, so the engine stays single-threaded:
 - ``submit(items)`` / ``cancel(ids)`` queue work; the loop admits or drops it at the next step
   boundary (a cancelled item stops before its next step). Each returns a list as long as its input.
 - ``poll()`` hands over what happened since the last poll: per-item progress, finished items as
-  PNG bytes, failed items with their error (an error raised for that item), crashed items (a step
+  PNG bytes, the latest preview of running items that asked for them (key, step, PNG bytes), failed items with their error (an error raised for that item), crashed items (a step
   they were in raised: the batch's fault until shown otherwise, so the scheduler requeues them),
   step durations, seconds spent stepping out of the seconds since the last poll, and the engine's
   counters.
@@ -78,6 +78,7 @@ class Worker:
         self._lock = threading.Lock()
         self._progress: dict[str, tuple[int, int]] = {}
         self._finished: list[tuple[str, bytes]] = []
+        self._previews: dict[str, tuple[int, bytes]] = {}  # item key -> its latest (step, PNG) not polled yet
         self._failed: list[tuple[str, str]] = []
         self._crashed: list[tuple[str, str]] = []
         self._step_seconds: list[float] = []
@@ -114,9 +115,11 @@ class Worker:
         now = time.perf_counter()
         with self._lock:
             report = {"progress": dict(self._progress), "finished": self._finished, "failed": self._failed,
+                      "previews": [(k, step, png) for k, (step, png) in self._previews.items()],
                       "crashed": self._crashed, "step_seconds": self._step_seconds, "busy_s": self._busy_s,
                       "window_s": now - self._since, "stats": self.engine.stats()}
             self._finished, self._failed, self._crashed, self._step_seconds = [], [], [], []
+            self._previews = {}
             self._busy_s, self._since = 0.0, now
         return report
 
@@ -157,6 +160,7 @@ class Worker:
         self.engine.cancel(item_id)
         with self._lock:
             self._progress.pop(item_id, None)
+            self._previews.pop(item_id, None)
 
     def _add(self, items: list[ItemSpec]) -> None:
         """Admit items together; if that fails, one by one, so a bad item fails alone."""
@@ -188,12 +192,15 @@ class Worker:
             return
         dt = time.perf_counter() - t0
         pngs = [(r.request.id, _png(r.image)) for r in results]
+        previews = {p.request_id: (p.step, _png(p.image)) for p in self.engine.take_previews()}  # latest per item
         with self._lock:
             self._step_seconds.append(dt)
             self._busy_s += dt
+            self._previews.update(previews)
             self._finished += pngs
             for item_id, _ in pngs:
                 self._progress.pop(item_id, None)
+                self._previews.pop(item_id, None)
 
     def _on_progress(self, item_id: str, done: int, total: int) -> None:
         with self._lock:
@@ -207,6 +214,7 @@ class Worker:
             self._crashed += [(i, error) for i in ids]
             for i in ids:
                 self._progress.pop(i, None)
+                self._previews.pop(i, None)
 
 
 

@@ -11,6 +11,13 @@ batch mixes samplers, step counts, steps and guidance scales, and requests join 
 step boundary (step-level batching). Finished latents are decoded (VAE for latent models) into
 uint8 images.
 
+Previews (``ItemSpec.preview_every``): after a group's step, the requests that asked for one at this
+step (every N-th, not the last) get their denoised estimate (``hist_next``, a graph output) mapped to
+small RGB by ``workers.previews``, outside the graph: one batched matmul and resize per group, a uint8
+copy to the host that does not wait for the GPU (pinned, non-blocking, with an event), collected by
+``take_previews()``. Previews read the step's outputs and write nothing back: images are bit-equal
+with and without them.
+
 Determinism: the starting noise of a request comes from ``torch.Generator("cpu").manual_seed(seed)``
 (CPU noise, so a seed means the same image on any device), and an ancestral sampler's per-step
 noise from the same generator, so an image does not depend on its batch or bucket.
@@ -30,6 +37,7 @@ from samplers import Plan, make_plan
 from workers.families import family_of
 from workers.loading import LoadedModel
 from workers.patches import break_attention
+from workers.previews import preview_map_of, to_rgb
 from workers.spec import ItemSpec
 
 log = logging.getLogger(__name__)
@@ -42,6 +50,22 @@ class ImageResult:
     request: ItemSpec
     image: np.ndarray  # (H, W, 3) or (H, W) uint8
     latents: torch.Tensor  # final x on the CPU, float32 (C, H, W): for equality checks
+
+
+@dataclass
+class Preview:
+    request_id: str
+    step: int          # steps done when it was taken
+    image: np.ndarray  # (h, w, 3) or (h, w) uint8, at most ``workers.previews.MAX_SIDE`` a side
+
+
+@dataclass
+class _PendingPreviews:
+    """A batch of previews on its way to the host: ``host`` (B, h, w, c) uint8, valid once ``ready``."""
+
+    ids: list[tuple[str, int]]  # (request id, step) per row
+    host: torch.Tensor
+    ready: object = None        # a torch.cuda.Event recorded after the copy; None: already copied
 
 
 @dataclass(frozen=True)
@@ -109,6 +133,8 @@ class Engine:
         self.steps_run = 0
         self.real_rows = 0    # sample-steps served
         self.padded_rows = 0  # bucket rows replayed without a sample in them (padding waste)
+        self.previews_made = 0
+        self._previews: list[_PendingPreviews] = []
 
     def _group(self, model: LoadedModel, shape: tuple[int, int, int]) -> GraphKey:
         """The group of ``model`` at latent ``shape``, made on first use. Groups of every shape capture into
@@ -223,10 +249,46 @@ class Engine:
                 on_progress(a.req.id, a.step, a.plan.num_steps)
             if a.step == a.plan.num_steps:
                 done.append(a)
+        self._preview(group, active, out["hist_next"])
         if not done:
             return []
         group.active = [a for a in active if a.step < a.plan.num_steps]
         return self._finish(group.model, done)
+
+    def _preview(self, group: _Group, active: list[_Active], denoised: torch.Tensor) -> None:
+        """Start the previews due at this step (rows of ``denoised``, (B, C, H, W)) on their way to the host."""
+        rows = [i for i, a in enumerate(active) if a.req.preview_every and a.step < a.plan.num_steps
+                and a.step % a.req.preview_every == 0]
+        pmap = preview_map_of(group.model.card) if rows and group.model.card is not None else None
+        if pmap is None:
+            return
+        with torch.no_grad():
+            rgb = to_rgb(denoised[rows], pmap)  # (b, h, w, c) uint8 on the device
+        ids = [(active[i].req.id, active[i].step) for i in rows]
+        if rgb.device.type != "cuda":
+            self._previews.append(_PendingPreviews(ids, rgb.cpu()))
+            return
+        host = torch.empty(rgb.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(rgb, non_blocking=True)  # no wait: the host goes on queueing steps
+        ready = torch.cuda.Event()
+        ready.record()
+        self._previews.append(_PendingPreviews(ids, host, ready))
+
+    def take_previews(self, wait: bool = False) -> list[Preview]:
+        """The previews whose copies have reached the host (all of them with ``wait``), oldest first."""
+        out, left = [], []
+        for p in self._previews:
+            if p.ready is not None and not wait and not p.ready.query():
+                left.append(p)
+                continue
+            if p.ready is not None:
+                p.ready.synchronize()
+            imgs = p.host.numpy()
+            out += [Preview(rid, step, img[..., 0] if img.shape[-1] == 1 else img)
+                    for (rid, step), img in zip(p.ids, imgs)]
+        self._previews = left
+        self.previews_made += len(out)
+        return out
 
     @staticmethod
     def _noise(active: list[_Active], group: _Group) -> torch.Tensor:
@@ -274,6 +336,7 @@ class Engine:
 
     def stats(self) -> dict:
         return {"steps": self.steps_run, "real_rows": self.real_rows, "padded_rows": self.padded_rows,
+                "previews": self.previews_made,
                 "groups": {f"{k.model}:{'x'.join(map(str, k.latent_shape))}:{k.dtype}:{k.backend}":
                            g.runner.stats() for k, g in self.groups.items()}}
 

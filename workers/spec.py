@@ -16,7 +16,8 @@ class ItemSpec:
     model. Class-conditional models read ``label``; text models ``prompt`` and ``negative_prompt`` (""
     is the unconditional prompt, as in the reference pipelines). ``width`` x ``height`` is the size the
     model generates at (0: its native size); ``out_width`` x ``out_height``, when set, the size the image
-    is resized (and centre-cropped) to afterwards."""
+    is resized (and centre-cropped) to afterwards. ``preview_every`` N > 0: a preview of the denoised
+    estimate after every N-th step (not the last; ``workers.previews``); 0: none."""
 
     id: str
     seed: int
@@ -32,3 +33,4 @@ class ItemSpec:
     height: int = 0
     out_width: int = 0
     out_height: int = 0
+    preview_every: int = 0

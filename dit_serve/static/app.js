@@ -98,7 +98,8 @@ function jobRequest() {
   const [width, height] = ($("f-size").value || "x").split("x").map((v) => (v ? Number(v) : undefined));
   const body = { model: m.id, sampler: $("f-sampler").value || undefined, steps: number("f-steps"),
                  guidance: $("f-guidance").disabled ? undefined : number("f-guidance"), width, height,
-                 seed: number("f-seed"), priority: number("f-priority") };
+                 seed: number("f-seed"), priority: number("f-priority"),
+                 preview_every: number("f-preview") || undefined };
   if (m.conditioning === "text") {
     body.prompts = $("f-prompts").value.split("\n").map((p) => p.trim()).filter(Boolean);
     body.num_per_prompt = number("f-count");
@@ -232,13 +233,14 @@ function jobView(jobId) {
     }
   }
 
-  // the cell's picture; previews while denoising (later) will pass their frames here too
+  // the cell's picture: the final image, or a preview while denoising
   function setCellImage(cell, url) {
     blobs.push(url);
     const img = cell.querySelector("img");
     img.onload = () => img.classList.toggle("pixelated", img.naturalWidth < img.clientWidth);
     img.src = url;
     cell.classList.add("has-image");
+    cell.classList.remove("preview");
   }
 
   function itemText(item) {
@@ -302,13 +304,33 @@ function jobView(jobId) {
     render(await api(`/v1/jobs/${encodeURIComponent(jobId)}`, { signal: ctrl.signal }));
   }
 
-  // what each event of the stream does; a later `preview` event gets its handler here (setCellImage)
+  // a running item's latest preview, until its final image is known (cell.url); one fetch per cell at once
+  async function showPreview(ev) {
+    const cell = cells[ev.index];
+    if (!cell || cell.url || cell.previewing || ev.step <= (cell.previewStep ?? 0)) return;
+    cell.previewing = true;
+    try {
+      const r = await api(ev.url, { signal: ctrl.signal, raw: true });
+      const blob = await r.blob();
+      if (cell.url) return;  // the final image won the race
+      cell.previewStep = ev.step;
+      setCellImage(cell, URL.createObjectURL(blob));
+      cell.classList.add("preview");
+    } catch (e) {
+      // a preview is best effort: a 404 means the item ended meanwhile, and its image follows
+    } finally {
+      cell.previewing = false;
+    }
+  }
+
+  // what each event of the stream does
   const handlers = {
     progress(ev) {
       renderHeader({ ...job, ...ev });
       if (job.num_items <= ITEM_REFRESH_MAX && Date.now() - itemsReadAt > 1000) refresh().catch(() => {});
     },
     item(ev) { setItem(ev.index, ev.state, ev.url, ev.error); },
+    preview(ev) { showPreview(ev); },
     end(ev) {
       if (ev.state === "deleted") { location.hash = "#/"; return; }
       renderHeader({ ...job, ...ev });

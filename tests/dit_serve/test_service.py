@@ -380,3 +380,39 @@ def test_mmdit_models_in_one_worker_end_to_end(tmp_path):
                              "response_format": "b64_json"})
         assert r.status_code == 200, r.text
         assert Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).size == (64, 96)
+
+
+def test_previews_arrive_before_their_item_and_wait_gets_pil_images(svc, client):
+    job = client.submit(labels=[3, 7], seed=5, steps=400, preview_every=2)
+    assert job.params.preview_every == 2
+    events = []
+    for ev in client.events(job, timeout=120):
+        events.append(ev)
+        if ev.event == "preview" and len([e for e in events if e.event == "preview"]) == 1:
+            r = httpx.get(f"{svc.url}{ev.url}", timeout=10)  # may have ended meanwhile: then a 404
+            assert r.status_code == 404 or (r.headers["content-type"] == "image/png"
+                                            and Image.open(io.BytesIO(r.content)).size == (8, 8))
+    previews = [e for e in events if e.event == "preview"]
+    assert previews, "no preview event"
+    for index in (0, 1):
+        steps = [e.step for e in previews if e.index == index]
+        assert steps == sorted(set(steps)) and all(s % 2 == 0 and 0 < s < 400 for s in steps)
+        item_at = next(i for i, e in enumerate(events) if e.event == "item" and e.index == index)
+        assert all(i < item_at for i, e in enumerate(events) if e.event == "preview" and e.index == index)
+    with pytest.raises(ApiError) as err:  # ended: no preview any more
+        client._call("GET", f"/v1/jobs/{job.id}/items/0/preview")
+    assert err.value.status == 404
+    assert not list((svc.config.store.data_dir / "previews" / job.id).glob("*.png"))
+
+    got = []
+    job = client.submit(labels=[1], seed=6, steps=400, preview_every=2)
+    done = client.wait(job, progress=False, timeout=120, on_preview=lambda i, s, im: got.append((i, s, im)))
+    assert done.state == "done" and got and all(i == 0 and im.size == (8, 8) for i, _, im in got)
+    assert [s for _, s, _ in got] == sorted({s for _, s, _ in got})
+
+
+def test_bad_preview_every_is_a_400(svc, client):
+    for bad in (-1, 1001, "x"):
+        with pytest.raises(ApiError) as err:
+            client.submit(labels=[1], preview_every=bad)
+        assert err.value.status == 400 and err.value.param == "preview_every"

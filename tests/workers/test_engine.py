@@ -106,3 +106,46 @@ def test_images_are_uint8_at_native_resolution(model):
     (r,) = engine(model).generate([req(3, steps=4)])
     assert r.image.shape == (8, 8) and r.image.dtype.name == "uint8"
     assert torch.isfinite(r.latents).all()
+
+
+def _run_with_previews(model, reqs):
+    eng, finished, previews = engine(model), {}, []
+    eng.add_many(reqs)
+    while eng.num_active:
+        for r in eng.step():
+            finished[r.request.id] = r
+        previews += [(p.request_id, p.step, p.image) for p in eng.take_previews()]
+    return finished, previews + [(p.request_id, p.step, p.image) for p in eng.take_previews(wait=True)]
+
+
+def test_previews_at_every_nth_step_only_for_requests_that_asked(model):
+    # steps 7, every 2: previews after steps 2, 4, 6 (never the last); every 3 of 6 steps: 3 only (6 is the last)
+    reqs = [req(0, steps=7, preview_every=2), req(1, steps=6, preview_every=3), req(2, steps=7)]
+    _, previews = _run_with_previews(model, reqs)
+    steps = defaultdict(list)
+    for rid, step, img in previews:
+        steps[rid].append(step)
+        assert img.dtype.name == "uint8" and img.shape == (8, 8)  # digits: 1-channel pixels, 8 x 8
+    assert dict(steps) == {"r0": [2, 4, 6], "r1": [3]}
+    _, none = _run_with_previews(model, [req(3), req(4, preview_every=0)])
+    assert none == []
+
+
+def test_previews_never_change_the_images(model):
+    reqs = [req(i, steps=6, sampler=s) for i, s in enumerate(("ddim", "euler_a", "dpmpp_2m"))]
+    with_previews, _ = _run_with_previews(model, [ItemSpec(**{**r.__dict__, "preview_every": 1}) for r in reqs])
+    without, _ = _run_with_previews(model, reqs)
+    for r in reqs:
+        assert torch.equal(with_previews[r.id].latents, without[r.id].latents)
+        assert (with_previews[r.id].image == without[r.id].image).all()
+
+
+def test_a_preview_is_the_denoised_estimate(model):
+    # digits is pixel space: the preview at step k is hist (the denoised estimate) as uint8
+    eng = engine(model)
+    eng.add(req(0, steps=4, preview_every=1))
+    eng.step()
+    hist = eng.groups[next(iter(eng.groups))].active[0].hist
+    (p,) = eng.take_previews(wait=True)
+    expected = ((hist[0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
+    assert p.step == 1 and (p.image == expected).all()
