@@ -298,3 +298,17 @@ def test_without_the_event_stream_the_job_page_polls(keyed, browser):
     finally:
         browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": []})
         browser.execute_cdp_cmd("Network.disable", {})
+
+
+@pytest.mark.slow
+def test_previews_show_in_the_grid_while_a_job_denoises(svc, browser):
+    browser.get(f"{svc.url}/")
+    _wait(browser, lambda d: _js(d, "return document.querySelectorAll('#f-model option').length") > 0, what="models")
+    _fill(browser, "#f-preview", 5)  # once the form is shown (after the models arrive)
+    job_id = _submit(browser, "4", count=4, steps=1000)
+    assert httpx.get(f"{svc.url}/v1/jobs/{job_id}").json()["params"]["preview_every"] == 5
+    _wait(browser, lambda d: _js(d, "return [...document.querySelectorAll('#grid .cell.preview img')].filter("
+                                    "i => i.complete && i.naturalWidth > 0).length") > 0, 60, "a preview in a cell")
+    _find(browser, "#j-cancel").click()
+    _wait(browser, lambda d: _text(d, "#j-state") == "cancelled", what="cancelled")
+    assert _js_errors(browser) == []
