@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from dit_serve.config import LimitsConfig
 from dit_serve.schemas import ImageGenerationRequest, JobParams, JobRequest, ModelCard
-from samplers.rules import check_settings
+from samplers.rules import RULES, check_settings
 from workers import cards
 from workers.previews import preview_map_of
 from workers.sizes import parse_size
@@ -34,7 +34,8 @@ def model_entry(card: cards.ModelCard) -> ModelCard:
     return ModelCard(id=card.name, conditioning=card.conditioning, family=card.family, num_classes=card.num_classes,
                      max_tokens=card.max_tokens, image_size=card.image_size, guidance=card.guidance_mode,
                      sizes=[f"{w}x{h}" for w, h in card.made_sizes()], class_names=card.class_names(),
-                     defaults=card.defaults)
+                     defaults=card.defaults,
+                     samplers=[n for n, rule in RULES.items() if card.prediction_type in rule.predictions])
 
 
 @dataclass(frozen=True)

@@ -293,6 +293,8 @@ class ModelCard(_Response):
     sizes: list[str] = Field(default_factory=list, description="'WxH' sizes the model makes")
     class_names: list[str] = Field(default_factory=list, description="index i names class i; empty if unnamed")
     defaults: dict = Field(default_factory=dict)
+    samplers: list[str] = Field(default_factory=list, description="the samplers a job may name for this model "
+                                                                   "(those that integrate what it predicts)")
     guidance: Literal["cfg", "embedded", "none"] = Field(
         "cfg", description="what a job's `guidance` means: cfg (classifier-free guidance against the negative "
                            "prompt or the null class), embedded (an input of a guidance-distilled network, e.g. "

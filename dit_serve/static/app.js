@@ -4,7 +4,7 @@
 import { api, apiKey, followEvents, onKeyNeeded, sleep } from "./api.js";
 
 const $ = (id) => document.getElementById(id);
-const SAMPLERS = ["ddpm", "ddim", "euler", "euler_a", "dpmpp_2m", "flow_euler"]; // schemas.JobRequest.sampler
+const SAMPLERS = ["ddpm", "ddim", "euler", "euler_a", "dpmpp_2m", "flow_euler"]; // for a service without /v1/models' samplers
 const MAX_CELLS = 2000;       // a bigger job shows its first items; "Download all" has every image
 const ITEM_REFRESH_MAX = 256; // jobs up to this size re-read their items (each one's step) once a second
 const models = new Map();     // id -> card, from GET /v1/models
@@ -65,7 +65,7 @@ function applyModel() {
   $("f-count-label").textContent = text ? "Images per prompt" : "Images per label";
   const d = m.defaults || {};
   $("f-sampler").replaceChildren(el("option", { value: "", textContent: `default (${d.sampler ?? "model's"})` }),
-    ...SAMPLERS.map((s) => el("option", { value: s, textContent: s })));
+    ...(m.samplers?.length ? m.samplers : SAMPLERS).map((s) => el("option", { value: s, textContent: s })));
   $("f-steps").placeholder = d.steps ?? "";
   $("f-guidance").placeholder = d.guidance ?? "";
   $("f-guidance").disabled = m.guidance === "none";

@@ -132,7 +132,8 @@ def test_mmdit_models_say_what_guidance_means_and_refuse_what_does_not_apply(api
     assert [models[k]["family"] for k in ("sd3-tiny", "flux-tiny", "schnell-tiny")] == ["sd3", "flux", "flux"]
     assert [models[k]["guidance"] for k in ("sd3-tiny", "flux-tiny", "schnell-tiny", "digits")] == [
         "cfg", "embedded", "none", "cfg"]
-    assert models["flux-tiny"]["defaults"]["sampler"] == "flow_euler"
+    assert models["flux-tiny"]["defaults"]["sampler"] == "flow_euler" and models["flux-tiny"]["samplers"] == ["flow_euler"]
+    assert "flow_euler" not in models["digits"]["samplers"] and "dpmpp_2m" in models["pixart-tiny"]["samplers"]
     for name in ("flux-tiny", "schnell-tiny"):
         r = http.post("/v1/jobs", json={"model": name, "prompts": ["a cat"], "negative_prompt": "blurry"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "negative_prompt", r.text
