@@ -119,6 +119,8 @@ class WorkerConfig(_Section):
                             "default (varlen for PixArt)")
     text_encoder_device: str = Field("", max_length=50, description="text models: where text encoders run "
                                      "('' with the transformer; 'cpu' or 'cuda:1' to free the serving GPU)")
+    max_shapes: int = Field(8, ge=1, le=64, description="image sizes of one model kept captured at once; the "
+                                                       "least recently used idle one beyond it is dropped")
     warm_sizes: tuple[str, ...] = Field((), description="'WxH' sizes captured at start-up besides each model's "
                                                         "native size (others are captured when first asked for)")
 

@@ -165,7 +165,7 @@ class Scheduler:
         spec = WorkerSpec(models=tuple(self.cfg.models), device=self.cfg.device, dtype=self.cfg.dtype,
                           backend=self.cfg.backend, max_batch=self.cfg.max_batch, torch_threads=self.cfg.torch_threads,
                           cross_attention=self.cfg.cross_attention, warm_sizes=tuple(self.cfg.warm_sizes),
-                          text_encoder_device=self.cfg.text_encoder_device)
+                          text_encoder_device=self.cfg.text_encoder_device, max_shapes=self.cfg.max_shapes)
         handle = _actor_class().options(**opts).remote(spec)
         self.workers[key] = _Worker(key, plan, handle, handle.info.remote())
         log.info("starting worker %s (%s%s)", key, plan.resource, f" on node {plan.node_id[:12]}" if plan.node_id else "")

@@ -42,6 +42,7 @@ class WorkerSpec:
     cross_attention: str = "auto"  # text models: "auto" | "padded" | "varlen" (EngineConfig)
     warm_sizes: tuple[str, ...] = ()  # "WxH" captured at start-up besides the native sizes
     text_encoder_device: str = ""     # text encoders elsewhere ("cpu", "cuda:1"); "" with the transformer
+    max_shapes: int = 8               # sizes of one model kept captured at once (EngineConfig)
 
 
 class Worker:
@@ -69,7 +70,7 @@ class Worker:
         from workers.sizes import parse_size
 
         self.engine = Engine(models, EngineConfig(backend=self.backend, max_batch=spec.max_batch,
-                                                  cross_attention=spec.cross_attention))
+                                                  cross_attention=spec.cross_attention, max_shapes=spec.max_shapes))
         t0 = time.perf_counter()
         self.engine.warmup(sizes=[parse_size(s) for s in spec.warm_sizes])
         log.info("worker ready: %s on %s (%s), warm-up %.1f s", ", ".join(self.engine.models), self.device,

@@ -73,6 +73,8 @@ class EngineConfig:
     backend: str = "eager"        # eager | full | breakable
     max_batch: int = 64           # largest graph bucket (a power of two)
     attention_break: bool = True  # under `breakable`, each layer's attention is an eager break
+    max_shapes: int = 8           # latent shapes of one model kept captured at once (least recently used
+                                  # idle ones beyond it are dropped, and captured again when asked for)
     cross_attention: str = "auto"  # text families: "padded" (to max_tokens, masked) | "varlen" (real lengths)
                                    # | "auto" (the family's measured default)
 
@@ -96,6 +98,7 @@ class _Group:
     runner: GraphRunner
     shape: tuple[int, int, int]  # the latents' (C, H, W)
     active: list[_Active] = field(default_factory=list)
+    last_used: int = 0           # the engine's step count when it last ran or admitted
 
 
 BASE_INPUTS = ("x", "t", "guidance", "coeffs", "hist", "noise")
@@ -123,6 +126,7 @@ class Engine:
         self._keys: dict[tuple[str, tuple[int, int, int]], GraphKey] = {}
         self._pools: dict[torch.device, tuple] = {}  # one graph pool and stream per device, for every shape
         self._warm = False
+        self.steps_run = 0
         for m in models:
             family = family_of(m)
             if config.backend == "breakable" and config.attention_break and family.BREAK_ATTENTION:
@@ -130,7 +134,6 @@ class Engine:
             if hasattr(family, "set_cross_attention"):
                 family.set_cross_attention(m, config.cross_attention)
             self._group(m, tuple(m.latent_shape))
-        self.steps_run = 0
         self.real_rows = 0    # sample-steps served
         self.padded_rows = 0  # bucket rows replayed without a sample in them (padding waste)
         self.previews_made = 0
@@ -141,7 +144,10 @@ class Engine:
         their device's one graph pool: their replays never overlap (one engine thread), so the pool holds
         the largest shape's working memory once, not one copy per shape."""
         if (model.name, shape) in self._keys:
-            return self._keys[model.name, shape]
+            key = self._keys[model.name, shape]
+            self.groups[key].last_used = self.steps_run
+            return key
+        self._evict(model)
         device = model.device
         if device.type == "cuda" and device not in self._pools:
             self._pools[device] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
@@ -151,12 +157,27 @@ class Engine:
                              max_batch=self.config.max_batch, backend=self.config.backend, device=device,
                              pool=pool, stream=stream)
         key = GraphKey(model.name, shape, str(model.dtype).removeprefix("torch."), runner.backend)
-        self.groups[key] = _Group(model, runner, shape)
+        self.groups[key] = _Group(model, runner, shape, last_used=self.steps_run)
         self._keys[model.name, shape] = key
         if self._warm:  # a size first asked for while serving: captured now, once (logged)
             log.info("capturing %s at latent shape %s on first use", model.name, "x".join(map(str, shape)))
             runner.warmup()
         return key
+
+    def _evict(self, model: LoadedModel) -> None:
+        """Before a new shape of ``model``: at ``max_shapes`` of them, drop the least recently used idle one
+        (never the native shape). Its arena (the static inputs, e.g. 315 MB for PixArt-Σ at 64 rows) and its
+        graphs go; the pool keeps its blocks for the next capture. Every bin a user may ask for (33 for
+        PixArt) would otherwise stay captured for good."""
+        mine = [(k, g) for k, g in self.groups.items() if k.model == model.name]
+        if len(mine) < self.config.max_shapes:
+            return
+        idle = [(g.last_used, k) for k, g in mine if not g.active and g.shape != tuple(model.latent_shape)]
+        if idle:
+            _, key = min(idle)
+            del self.groups[key], self._keys[model.name, key.latent_shape]
+            log.info("dropped %s at latent shape %s (least recently used of %d shapes)", model.name,
+                     "x".join(map(str, key.latent_shape)), len(mine))
 
     def warmup(self, sizes: Iterable[tuple[int, int]] = ()) -> None:
         """Capture every bucket of every group, and of each model's groups at ``sizes`` (width, height) it
@@ -234,6 +255,7 @@ class Engine:
 
     def _step_group(self, group: _Group, on_progress: ProgressFn | None) -> list[ImageResult]:
         active = group.active
+        group.last_used = self.steps_run
         self.real_rows += len(active)
         self.padded_rows += sum(group.runner.plan(len(active))) - len(active)
         rows = torch.stack([a.rows[a.step] for a in active])  # (B, 10): timestep, then the 9 coefficients

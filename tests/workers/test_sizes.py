@@ -134,3 +134,15 @@ def test_generate_makes_the_size_asked_from_the_command_line(pixart_dir, tmp_pat
                  "--width", "40", "--height", "19", "--exact-size", "--out", str(out)]) == 0
     assert Image.open(out / "00000.png").size == (40, 19)
     assert main(["generate", "--model", "digits", "--labels", "3", "--width", "16", "--out", str(tmp_path / "d")]) == 2
+
+
+def test_only_max_shapes_stay_captured_the_least_recently_used_idle_one_goes(model):
+    engine = Engine(model, EngineConfig(backend="eager", max_batch=2, max_shapes=2))
+    spec = lambda i, w, h: ItemSpec(id=str(i), seed=i, sampler="ddim", steps=2, guidance=2.0, prompt="a cat",
+                                    width=w, height=h)
+    first = engine.generate([spec(0, 32, 16)])[0]
+    engine.generate([spec(1, 16, 32)])  # a third shape: 32x16 (idle, least recently used) is dropped
+    shapes = sorted(k.latent_shape for k in engine.groups)
+    assert shapes == [(4, 8, 8), (4, 16, 8)]  # the native shape stays
+    again = engine.generate([spec(0, 32, 16)])[0]  # made again on demand, same image
+    assert torch.equal(first.latents, again.latents) and len(engine.groups) == 2
