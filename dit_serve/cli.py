@@ -61,7 +61,7 @@ def prompts_of(args) -> list[str] | None:
         try:
             return [line.strip() for line in args.prompts_file.read_text().splitlines() if line.strip()]
         except OSError as e:
-            from dit_serve.generate import UsageError
+            from dit_serve.errors import UsageError
 
             raise UsageError(f"cannot read --prompts-file {str(args.prompts_file)!r}: {e.strerror or e}") from None
     return args.prompts
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
 
     from dit_serve.commands import CommandError, user_error
-    from dit_serve.generate import UsageError
+    from dit_serve.errors import UsageError
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -7,9 +7,7 @@ interrupted or failed run never leaves a manifest that names missing files.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -18,6 +16,9 @@ from typing import TYPE_CHECKING
 
 from PIL import Image
 
+from dit_serve.errors import UsageError
+from dit_serve.outputs import grid, publish
+
 if TYPE_CHECKING:  # numpy is the server extra's: grid and publish also serve the client's `fetch`
     import numpy as np
 
@@ -25,10 +26,6 @@ log = logging.getLogger(__name__)
 
 MAX_STEPS = 1000
 MAX_PROMPT = 2000  # as the API (dit_serve.schemas)
-
-
-class UsageError(ValueError):
-    """Bad user input: the CLI prints the message on one line and exits 2."""
 
 
 @dataclass(frozen=True)
@@ -79,32 +76,6 @@ def prepare_out(out: Path) -> Path:
         return Path(tempfile.mkdtemp(prefix=".partial-", dir=out))
     except OSError as e:
         raise UsageError(f"output directory {str(out)!r} is not writable: {e.strerror or e}") from None
-
-
-def grid(images: list[Image.Image], cols: int, min_side: int = 64, gap: int = 4) -> Image.Image:
-    """Tile images row-major, each upscaled (nearest) so small ones are viewable, with a grey gap."""
-    w, h = images[0].size
-    scale = max(1, -(-min_side // h))
-    th, tw = h * scale, w * scale
-    tiles = [img.convert("RGB").resize((tw, th), Image.NEAREST) for img in images]
-    rows = -(-len(tiles) // cols)
-    canvas = Image.new("RGB", (cols * (tw + gap) + gap, rows * (th + gap) + gap), (96, 96, 96))
-    for i, tile in enumerate(tiles):
-        canvas.paste(tile, (gap + (i % cols) * (tw + gap), gap + (i // cols) * (th + gap)))
-    return canvas
-
-
-def publish(staging: Path, out: Path, files: list[str], manifest: dict) -> Path:
-    """Move staged files into DIR one by one, then write the manifest last (atomically), so DIR never
-    holds a manifest that names missing files. Removes the staging folder in any case."""
-    try:
-        for name in files:
-            os.replace(staging / name, out / name)
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        os.replace(staging / "manifest.json", out / "manifest.json")
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out / "manifest.json"
 
 
 def write_outputs(out: Path, staging: Path, model_name: str, entries: list[dict],

@@ -1,7 +1,7 @@
 """Write a finished job's images into a directory: the PNGs as the service stored them, a grid and a
 manifest. Client side (no torch): ``dit-serve fetch``, ``submit --out``, the demo and the examples.
 
-As ``dit_serve.generate.write_outputs``: files go to a hidden staging folder first and are moved
+Files go to a hidden staging folder first and are moved
 into place one by one, the manifest last, so an interrupted fetch never leaves a manifest that
 names missing files. Needs only the base install (httpx, pydantic, tqdm, pillow): no numpy.
 """
@@ -9,7 +9,9 @@ names missing files. Needs only the base install (httpx, pydantic, tqdm, pillow)
 from __future__ import annotations
 
 import io
+import json
 import math
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,8 +19,33 @@ from pathlib import Path
 from PIL import Image
 
 from dit_serve.client import Client
-from dit_serve.generate import grid, publish
 from dit_serve.schemas import Job
+
+
+def grid(images: list[Image.Image], cols: int, min_side: int = 64, gap: int = 4) -> Image.Image:
+    """Tile images row-major, each upscaled (nearest) so small ones are viewable, with a grey gap."""
+    w, h = images[0].size
+    scale = max(1, -(-min_side // h))
+    th, tw = h * scale, w * scale
+    tiles = [img.convert("RGB").resize((tw, th), Image.NEAREST) for img in images]
+    rows = -(-len(tiles) // cols)
+    canvas = Image.new("RGB", (cols * (tw + gap) + gap, rows * (th + gap) + gap), (96, 96, 96))
+    for i, tile in enumerate(tiles):
+        canvas.paste(tile, (gap + (i % cols) * (tw + gap), gap + (i // cols) * (th + gap)))
+    return canvas
+
+
+def publish(staging: Path, out: Path, files: list[str], manifest: dict) -> Path:
+    """Move staged files into DIR one by one, then write the manifest last (atomically), so DIR never
+    holds a manifest that names missing files. Removes the staging folder in any case."""
+    try:
+        for name in files:
+            os.replace(staging / name, out / name)
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(staging / "manifest.json", out / "manifest.json")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out / "manifest.json"
 
 
 def grid_columns(labels: list) -> int:

@@ -80,3 +80,25 @@ def test_the_api_serves_without_torch_or_ray(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+SERVER_SIDE = {"api", "catalog", "events", "generate", "heap", "http_limits", "keys", "metrics", "netguard",
+               "reaper", "scheduler", "service", "store", "tables", "web", "webhooks"}
+GRAPH_SCRIPT = r"""
+import sys
+import dit_serve.client, dit_serve.schemas, dit_serve.outputs
+from dit_serve.cli import main
+main(["submit", "--url", "http://127.0.0.1:9", "--labels", "1"])
+main(["status", "--url", "http://127.0.0.1:9", "abc"])
+print(" ".join(sorted(m for m in sys.modules if m.startswith("dit_serve."))))
+"""
+
+
+def test_the_sdk_side_imports_nothing_from_the_server_side():
+    """The import graph: the SDK, the output writer and the client commands load no server-side module
+    (the HTTP app, the store, the scheduler, local generation), so `pip install dit-serve` suffices."""
+    r = subprocess.run([sys.executable, "-c", GRAPH_SCRIPT], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = {m.split(".")[1] for m in r.stdout.split()}
+    assert loaded & SERVER_SIDE == set(), loaded & SERVER_SIDE
+    assert {"client", "schemas", "outputs", "cli"} <= loaded
