@@ -577,21 +577,9 @@ def markdown(result: dict) -> str:
 
 
 def _mixed_markdown(m: dict) -> list[str]:
-    lines = [f"## Mixed sizes, {m['model']}", "",
-             f"Sizes asked {m['sizes']}, made at {m['made_sizes']} by both systems; a: our engine (at most "
-             f"{m['max_batch']} in flight); d: FluxPipeline, static batches of one size up to {m['max_batch']} "
-             f"images. {m['window_s']} s of arrivals per load, {m['drain_s']} s to drain.",
-             "", "| system | offered img/s | arrived img/s | done img/s | p50 ms | p99 ms | unfinished | sustained |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['system']} | {r['offered_images_per_s']:g} | {r.get('arrived_images_per_s', '')} | "
-              f"{r['images_per_s']} | {r['p50_ms']} | {r['p99_ms']} | {r['unfinished']}/{r['requests']} | "
-              f"{'yes' if et.sustained(r) else 'no'} |" for r in m["rows"]]
-    lines += ["", f"Max sustained img/s ({m['backlog_images']} images queued at t=0): "
-              + ", ".join(f"{k} {v}" for k, v in m["max_images_per_s"].items())
-              + (f"; a / d {m['ratio_max']}x" if "ratio_max" in m else ""),
-              "", f"Graph pool of the {m.get('groups', '?')} shapes: {m.get('pool_mb', '?')} MiB; warm-up "
-              f"{m.get('warmup_s', '?')} s; padding fraction (a) {m.get('padding_fraction', '?')}", ""]
-    return lines
+    return pb.mixed_markdown(m, f"Sizes asked {m['sizes']}, made at {m['made_sizes']} by both systems; a: our "
+                                f"engine (at most {m['max_batch']} in flight); d: FluxPipeline, static batches of "
+                                f"one size up to {m['max_batch']} images.")
 
 
 def write(result: dict, out: Path, name: str) -> None:

@@ -569,10 +569,15 @@ def markdown(result: dict) -> str:
 
 
 def _mixed_markdown(m: dict) -> list[str]:
+    return mixed_markdown(m, f"Sizes asked {m['sizes']}, generated at {m['made_sizes']}; a: our engine "
+                             f"({m['cross_attention']} cross-attention, at most {m['max_batch']} in flight); d: "
+                             f"PixArtSigmaPipeline, static batches of one size up to {m['max_batch']} images.")
+
+
+def mixed_markdown(m: dict, systems: str) -> list[str]:
+    """The mixed section's report: ``systems`` says what a and d are (bench/mmdit.py uses it too)."""
     lines = [f"## Mixed sizes, {m['model']}", "",
-             f"Sizes asked {m['sizes']}, generated at {m['made_sizes']}; a: our engine ({m['cross_attention']} "
-             f"cross-attention, at most {m['max_batch']} in flight); d: PixArtSigmaPipeline, static batches of one "
-             f"size up to {m['max_batch']} images. {m['window_s']} s of arrivals per load, {m['drain_s']} s to drain.",
+             f"{systems} {m['window_s']} s of arrivals per load, {m['drain_s']} s to drain.",
              "", "| system | offered img/s | arrived img/s | done img/s | p50 ms | p99 ms | unfinished | sustained |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['system']} | {r['offered_images_per_s']:g} | {r.get('arrived_images_per_s', '')} | "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from samplers.rules import prediction_type
 from workers.labels import resolve_label
-from workers.sizes import nearest_bin, parse_size, pixart_bins
+from workers.sizes import nearest_bin, parse_size, pixart_bins, ratio_sizes
 
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 SHIPPED = ("digits", "digits-flow", "digits-text")  # pipeline directories under workers/models
@@ -133,7 +133,7 @@ def read_card(spec: str | Path) -> ModelCard:
                          latent_size=size // 8, scheduler=scheduler, max_tokens=256, sizes=tuple(aspect_sizes(size, 16)),
                          size_multiple=16, defaults={"sampler": "flow_euler", "steps": 40, "guidance": 4.5})
     if spec in BUILTINS and spec.startswith("flux-dev-"):
-        from workers.layouts.flux import DEV, ratio_sizes
+        from workers.layouts.flux import DEV
 
         size = BUILTINS[spec]  # FLUX.1-dev's scheduler_config.json, on FluxPipeline's sigma grid
         scheduler = {"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,

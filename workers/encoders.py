@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import hashlib
 import logging
 from pathlib import Path
@@ -30,7 +31,16 @@ _DEVICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("text_encod
 
 
 def fingerprint(folder: Path) -> str:
-    """A digest of an encoder folder's weights (see the module docstring), without reading them all."""
+    """A digest of an encoder folder's weights (see the module docstring), without reading them all; read
+    once per state of the folder (the worker's memory check and its loader both ask)."""
+    files = sorted([*folder.glob("*.safetensors"), folder / "config.json"])
+    state = tuple((f.name, st.st_size, st.st_mtime_ns) for f in files if f.is_file() for st in [f.stat()])
+    return _fingerprint(str(folder), state)
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(folder: str, state: tuple) -> str:
+    folder = Path(folder)
     h = hashlib.sha256()
     config = folder / "config.json"
     h.update(config.read_bytes() if config.is_file() else b"")

@@ -126,8 +126,7 @@ def _load_pixart(card: ModelCard, path: Path, vae, device, dtype) -> LoadedModel
 
     transformer = _instantiate(PixArtTransformer2DModel, _read_json(path / "transformer" / "config.json"))
     _load_weights(transformer, path / "transformer")
-    if not any((path / "text_encoder").glob("*.safetensors")):
-        _load_weights(transformer, path / "text_encoder")  # the same refusal of pickles, with its message
+    refuse_without_safetensors(path / "text_encoder", "model.safetensors")
     # transformers' loader: sharded checkpoints and tied embeddings; use_safetensors refuses pickles; one
     # copy per process for identical weights (workers.encoders)
     encoder = load_text_encoder(T5EncoderModel, path / "text_encoder", device, dtype)
@@ -178,16 +177,23 @@ def _instantiate(cls, cfg: dict) -> torch.nn.Module:
     return cls(**{k: v for k, v in cfg.items() if k in params})
 
 
+def refuse_without_safetensors(path: Path, expected: str = "diffusion_pytorch_model.safetensors") -> None:
+    """ModelError when a component folder has no .safetensors: pickle files are named and refused
+    (loading them runs code), otherwise the file that was expected is named."""
+    if any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES) if path.is_dir() else []
+    if pickles:
+        raise ModelError(f"{path} has only pickle weights ({', '.join(pickles)}); they are refused because "
+                         "loading them runs arbitrary code. Convert them to .safetensors.")
+    raise ModelError(f"{path} has no weights: expected {expected}")
+
+
 def _load_weights(model: torch.nn.Module, path: Path) -> None:
     from safetensors.torch import load_file
 
+    refuse_without_safetensors(path)
     files = sorted(path.glob("*.safetensors"))
-    if not files:
-        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise ModelError(f"{path} has only pickle weights ({', '.join(pickles)}); they are refused because "
-                             "loading them runs arbitrary code. Convert them to .safetensors.")
-        raise ModelError(f"{path} has no weights: expected diffusion_pytorch_model.safetensors")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))

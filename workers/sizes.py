@@ -10,6 +10,8 @@ check sizes without torch. Keys are height / width rounded to two places; values
 
 from __future__ import annotations
 
+import math
+
 
 def _bins(text: str) -> dict[float, tuple[int, int]]:
     """"ratio:HxW ..." -> {ratio: (height, width)}."""
@@ -75,3 +77,21 @@ def parse_size(text: str) -> tuple[int, int]:
     if w <= 0 or h <= 0:
         raise ValueError(f"size must be positive, got {text!r}")
     return w, h
+
+
+RATIOS = ((4, 3), (3, 2), (16, 9), (21, 9))  # width:height besides the square, each also transposed
+
+
+def ratio_sizes(native: int, unit: int) -> list[tuple[int, int]]:
+    """(width, height): the native square, then each of RATIOS at the native pixel count, landscape then
+    portrait, each side rounded to the nearest ``unit`` (sizes already listed dropped). For families that
+    make any multiple of their patch (SD3, FLUX) but have no reference bins."""
+    def side(v: float) -> int:
+        return max(unit, round(v / unit) * unit)
+
+    out = [(native, native)]
+    for w, h in RATIOS:
+        r = math.sqrt(w / h)
+        wide = (side(native * r), side(native / r))
+        out += [s for s in (wide, wide[::-1]) if s not in out]
+    return out

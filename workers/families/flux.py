@@ -184,8 +184,6 @@ def _load_transformer(path: Path, device, dtype) -> torch.nn.Module:
 
 
 def _load_encoder(cls, path: Path, device, dtype) -> torch.nn.Module:
-    from workers.loading import _cast
-
     from workers.encoders import load_text_encoder
 
     weight_files(path, "model")  # our refusal of pickles and of a missing shard, with their messages
@@ -195,7 +193,7 @@ def _load_encoder(cls, path: Path, device, dtype) -> torch.nn.Module:
 def weight_files(path: Path, stem: str) -> list[Path]:
     """The safetensors files of a component: the shards its ``<stem>.safetensors.index.json`` names (each
     must be there), else ``<stem>.safetensors``. ModelError for pickles only, a missing shard, or none."""
-    from workers.loading import PICKLE_SUFFIXES, ModelError
+    from workers.loading import ModelError, refuse_without_safetensors
 
     index = path / f"{stem}.safetensors.index.json"
     if index.is_file():
@@ -209,9 +207,5 @@ def weight_files(path: Path, stem: str) -> list[Path]:
         return [path / s for s in shards]
     if (path / f"{stem}.safetensors").is_file():
         return [path / f"{stem}.safetensors"]
-    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES) if path.is_dir() else []
-    if pickles:
-        raise ModelError(f"{path} has only pickle weights ({', '.join(pickles)}); they are refused because "
-                         "loading them runs arbitrary code. Convert them to .safetensors.")
-    raise ModelError(f"{path} has no weights: expected {stem}.safetensors (or shards with "
-                     f"{stem}.safetensors.index.json)")
+    refuse_without_safetensors(path, f"{stem}.safetensors (or shards with {stem}.safetensors.index.json)")
+    raise ModelError(f"{path} has no {stem}.safetensors (nor shards with {stem}.safetensors.index.json)")

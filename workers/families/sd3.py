@@ -83,15 +83,11 @@ def _encoder(cls, path: Path, suffix: str, device, dtype):
     only; pickle weights refused first, with the message the transformer's get."""
     from transformers import AutoTokenizer
 
-    from workers.loading import PICKLE_SUFFIXES, ModelError, _cast
+    from workers.encoders import load_text_encoder
+    from workers.loading import refuse_without_safetensors
 
     folder = path / f"text_encoder{suffix}"
-    if not any(folder.glob("*.safetensors")):
-        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        raise ModelError(f"{folder} has only pickle weights ({', '.join(pickles)}); they are refused because loading "
-                         "them runs arbitrary code. Convert them to .safetensors." if pickles else
-                         f"{folder} has no weights: expected model.safetensors")
-    from workers.encoders import load_text_encoder
+    refuse_without_safetensors(folder, "model.safetensors")
 
     encoder = load_text_encoder(cls, folder, device, dtype)  # shared when the weights are identical
     tokenizer = AutoTokenizer.from_pretrained(str(path / f"tokenizer{suffix}"), local_files_only=True)

@@ -26,14 +26,12 @@ at 1024, 1184x880, 1248x832, 1360x768, 1568x672 and their transposes). ``dit_ser
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 NATIVE_SIZE = 1024
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses more T5 tokens
 DEV = {"defaults": {"sampler": "flow_euler", "steps": 28, "guidance": 3.5}, "max_tokens": 512}
 SCHNELL = {"defaults": {"sampler": "flow_euler", "steps": 4, "guidance": 0.0}, "max_tokens": 256}
-RATIOS = ((4, 3), (3, 2), (16, 9), (21, 9))  # width:height, besides the square; each also transposed
 # part -> (the file that must be there, what it holds: the message's words)
 PARTS = {"vae": ("vae/config.json", "the VAE (AutoencoderKL)"),
          "text_encoder": ("text_encoder/config.json", "the CLIP text encoder (CLIPTextModel)"),
@@ -45,6 +43,7 @@ ENCODER_TYPES = {"text_encoder": "clip_text_model", "text_encoder_2": "t5"}  # c
 
 def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict):
     from workers.cards import CardError, ModelCard, _listed_sizes
+    from workers.sizes import ratio_sizes
 
     _check_layout(path, transformer, vae)
     extra = index.get("dit_serve", {})
@@ -67,20 +66,6 @@ def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict
         sizes=tuple(_listed_sizes(path, extra, multiple) or ratio_sizes(size, multiple)), size_multiple=multiple,
         guidance_mode="embedded" if distilled else "none",
         tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() else "")
-
-
-def ratio_sizes(native: int, multiple: int) -> list[tuple[int, int]]:
-    """(width, height): the native square, then each of RATIOS at about native^2 pixels, landscape then
-    portrait, each side rounded to the nearest ``multiple`` (duplicates of a smaller native dropped)."""
-    def side(v: float) -> int:
-        return max(multiple, round(v / multiple) * multiple)
-
-    out = [(native, native)]
-    for w, h in RATIOS:
-        r = math.sqrt(w / h)
-        wide = (side(native * r), side(native / r))
-        out += [s for s in (wide, wide[::-1]) if s not in out]
-    return out
 
 
 def _check_layout(path: Path, transformer: dict, vae: dict | None) -> None:

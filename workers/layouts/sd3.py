@@ -18,13 +18,12 @@ it has them, else ``aspect_sizes``: the native square and the landscape and port
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 CLIP_ARCH = "CLIPTextModelWithProjection"
 T5_ARCH = "T5EncoderModel"
 MAX_T5_TOKENS = 512  # the reference pipeline refuses a longer max_sequence_length
-RATIOS = ((4, 3), (3, 2), (16, 9), (21, 9))  # width:height, each also transposed
+
 DEFAULTS = {"sampler": "flow_euler", "steps": 28, "guidance": 7.0}  # StableDiffusion3Pipeline's
 
 
@@ -64,15 +63,11 @@ def skips_t5(path: Path, index: dict) -> bool:
 
 
 def aspect_sizes(native: int, multiple: int) -> list[tuple[int, int]]:
-    """(width, height): the native square, then each of RATIOS landscape and portrait at the native pixel
+    """(width, height): the native square, then each of workers.sizes.RATIOS landscape and portrait at the native pixel
     count, sides rounded to 64 px (to ``multiple`` when the native side is not a multiple of 64: tiny models)."""
-    unit = 64 if native % 64 == 0 and 64 % multiple == 0 else multiple
-    out = [(native, native)]
-    for a, b in RATIOS:
-        w = max(unit, round(native * math.sqrt(a / b) / unit) * unit)
-        h = max(unit, round(native * math.sqrt(b / a) / unit) * unit)
-        out += [s for s in ((w, h), (h, w)) if s not in out]
-    return out
+    from workers.sizes import ratio_sizes
+
+    return ratio_sizes(native, 64 if native % 64 == 0 and 64 % multiple == 0 else multiple)
 
 
 def _check_parts(path: Path, vae: dict | None, scheduler: dict, no_t5: bool) -> None:

@@ -1,8 +1,9 @@
 """A FLUX.1 pipeline directory in the layout of ``black-forest-labs/FLUX.1-dev`` (or ``-schnell``), shrunk
 to run on a CPU in seconds, with random weights: transformer (sharded safetensors with its index, as the
-real 3-shard checkpoint), CLIP text encoder and its BPE tokenizer (vocab.json + merges.txt, built here
-with ``tokenizers``), T5 encoder (sharded, as the real one) and a word-level T5-like tokenizer, a 16-channel
-VAE with FLUX's scaling and shift factors, and the real scheduler configs. Nothing is downloaded.
+real 3-shard checkpoint), CLIP text encoder and its BPE tokenizer (vocab.json + merges.txt, as
+``workers.models.tiny_sd3`` writes them), T5 encoder (sharded, as the real one) and a word-level
+T5-like tokenizer, a 16-channel VAE with FLUX's scaling and shift factors, and the real scheduler
+configs. Nothing is downloaded.
 
 Images 64x64 (latents 16x8x8, 16 packed tokens), also 96x64 and 64x96; prompts of ``MAX_TOKENS`` T5 tokens.
 
@@ -16,54 +17,15 @@ import json
 from pathlib import Path
 
 from workers.models.tiny_pixart import WORDS, tokenizer as t5_tokenizer  # T5's specials, a small word list
+from workers.models.tiny_sd3 import clip_vocab, write_clip_tokenizer  # CLIP's BPE files, small
 
 MAX_TOKENS = 16
 IMAGE_SIZE = 64
 SIZES = ("64x64", "96x64", "64x96")  # width x height
-CLIP_CORPUS = ("a red cat", "the big blue house", "a small green tree", "a dog drawn in ink",
-               "photo of a cat holding a sign that says hello world")
-CLIP_SPLIT = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
 # the schedulers' configs on the hub (scheduler/scheduler_config.json)
 DEV_SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 4096, "max_shift": 1.15,
                  "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True}
 SCHNELL_SCHEDULER = {**DEV_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False}
-
-
-def clip_vocab() -> tuple[dict[str, int], list[str]]:
-    """CLIP's vocabulary layout, small: the 256 byte-level symbols, each again with ``</w>``, the tokens of
-    BPE merges learned on CLIP_CORPUS (CLIP's normaliser and pre-tokeniser), then <|startoftext|> and
-    <|endoftext|> last, as in openai/clip-vit-large-patch14."""
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(end_of_word_suffix="</w>", continuing_subword_prefix=""))
-    tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "),
-                                           normalizers.Lowercase()])
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(CLIP_SPLIT), behavior="removed", invert=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.train_from_iterator(CLIP_CORPUS, trainers.BpeTrainer(
-        vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), end_of_word_suffix="</w>",
-        show_progress=False))
-    merges = [" ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens = [*alphabet, *(c + "</w>" for c in alphabet), *(m.replace(" ", "") for m in merges)]
-    tokens = list(dict.fromkeys(tokens)) + ["<|startoftext|>", "<|endoftext|>"]
-    return {t: i for i, t in enumerate(tokens)}, merges
-
-
-def save_clip_tokenizer(path: Path) -> int:
-    """vocab.json, merges.txt and the configs, as FLUX.1-dev's tokenizer/ holds them; returns the vocab size."""
-    vocab, merges = clip_vocab()
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "vocab.json").write_text(json.dumps(vocab))
-    (path / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    specials = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-                "unk_token": "<|endoftext|>"}
-    (path / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {**specials, "tokenizer_class": "CLIPTokenizer", "model_max_length": 77, "do_lower_case": True,
-         "clean_up_tokenization_spaces": True}, indent=2))
-    return len(vocab)
 
 
 def make_tiny_flux(path: Path, seed: int = 0, schnell: bool = False) -> Path:
@@ -75,7 +37,8 @@ def make_tiny_flux(path: Path, seed: int = 0, schnell: bool = False) -> Path:
 
     path = Path(path)
     torch.manual_seed(seed)
-    vocab = save_clip_tokenizer(path / "tokenizer")
+    write_clip_tokenizer(path / "tokenizer", pad="<|endoftext|>")
+    vocab = len(clip_vocab()[0])
     CLIPTextModel(CLIPTextConfig(vocab_size=vocab, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
                                  num_attention_heads=4, max_position_embeddings=77, bos_token_id=vocab - 2,
                                  eos_token_id=vocab - 1, pad_token_id=vocab - 1)
