@@ -89,7 +89,7 @@ class StreamLimits:
     keepalive_s: float = 15.0
     progress_interval_s: float = 0.25
     poll_s: float = 1.0
-    min_read_gap_s: float = 0.05
+    min_read_gap_s: float = 0.02  # an ending just after another read waits at most this long
     slack_s: float = 2.0
     retry_ms: int = 1000
 

@@ -5,7 +5,8 @@ One loop, one thread; each turn:
 
 1. every ``reconcile_seconds``: read ``ray.nodes()``; start a worker for each new slot (a GPU, a
    unit of the configured custom resource, or the CPU worker) and drop workers whose node left;
-2. wait up to ``tick_seconds`` for the workers' outstanding ``poll()`` and ``info()`` calls; commit
+2. wait up to ``tick_seconds`` for the workers' outstanding (long) ``poll()`` and ``info()`` calls,
+   or less: the first answer, or new work in the store, ends the wait; commit
    finished PNGs (exactly once, through the lease), record failures, note progress, write the
    previews of items still held (``Store.put_preview``: the latest per item, before their endings);
 3. every ``heartbeat_seconds``: renew the leases and write progress in one store call; items whose
@@ -46,6 +47,8 @@ from dit_serve.store import Lease, Store
 from workers.actor import WorkerSpec, remote_worker_class
 
 log = logging.getLogger(__name__)
+
+WAKE_SLICE_S = 0.005  # while waiting for answers, how often the store's new-work signal is looked at
 
 
 @dataclass(frozen=True)
@@ -191,8 +194,11 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------------------------------
     def _collect(self) -> None:
-        """Wait up to a tick for the workers' answers. A worker is polled at most once a tick: an
-        answered poll is not sent again at once, which kept a core busy polling idle workers."""
+        """Wait up to a tick for the workers' answers; return at the first answer, or as soon as the store
+        says new work may be queued (``Store.work``), so that a submission is leased at once. Polls are
+        long polls (``Worker.poll(wait_s)``): a worker answers when an item ends, so a finished image is
+        committed without waiting for a tick. A worker is polled at most once a tick: an answered poll is
+        not sent again at once, which kept a core busy polling idle workers."""
         import ray
 
         now, refs = time.monotonic(), {}
@@ -202,17 +208,27 @@ class Scheduler:
             elif w.poll_ref is not None:
                 refs[w.poll_ref] = w
             elif now - w.poll_sent >= self.sched.tick_seconds:
-                w.poll_ref, w.poll_sent = w.handle.poll.remote(), now
+                w.poll_ref = w.handle.poll.options(concurrency_group="poll").remote(self._poll_wait_s())
+                w.poll_sent = now
                 refs[w.poll_ref] = w
         if not refs:
-            time.sleep(self.sched.tick_seconds / 2)
+            self.store.work.wait(self.sched.tick_seconds / 2)
             return
-        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.sched.tick_seconds)
+        deadline, done = now + self.sched.tick_seconds, []
+        while not done and not self.store.work.is_set() and (left := deadline - time.monotonic()) > 0:
+            done, _ = ray.wait(list(refs), num_returns=1, timeout=min(WAKE_SLICE_S, left))
+        if done:  # and whatever else has answered meanwhile
+            done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         for ref in done:
             self._receive(refs[ref], ref)
         for w in [w for w in self.workers.values() if w.ready and w.poll_ref is not None]:
             if time.monotonic() - w.poll_sent > self.lease_seconds:
                 self._drop(w, f"stalled: no answer to poll() for {self.lease_seconds:.0f} s", "crash")
+
+    def _poll_wait_s(self) -> float:
+        """How long an idle worker holds a poll: progress and previews still arrive twice a heartbeat,
+        and far inside the lease period that declares a silent worker stalled."""
+        return min(self.sched.heartbeat_seconds / 2, self.lease_seconds / 4)
 
     def _receive(self, w: _Worker, ref) -> None:
         import ray
@@ -280,6 +296,7 @@ class Scheduler:
     def _dispatch(self) -> None:
         if self.draining:
             return
+        self.store.work.clear()  # before leasing: a submission after this query sets it again
         ready = [w for w in self.workers.values() if w.ready]
         if self._suspects and ready and not any(w.reserved for w in ready):
             min(ready, key=lambda w: len(w.leases)).reserved = True  # it empties, then runs suspects alone

@@ -219,7 +219,10 @@ def local_service(config: Config | None = None, data_dir: Path | None = None):
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on accepted sockets
+    # whose proto says TCP. With it on, a response written in two parts (headers, then body) waited for
+    # the client's delayed ACK: 40 ms added to every request on Linux
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -116,6 +116,9 @@ class Store:
             _sqlite_setup(self.engine)
         postgres = self.engine.dialect.name == "postgresql"
         self.changes = Changes(publish=self._publish if postgres else None)
+        # set when items may have become queued (a submission, a retry, a release; on PostgreSQL any change
+        # another process publishes): the scheduler waits on it instead of finding new work a tick later
+        self.work = threading.Event()
         self._migrate()
 
     def _migrate(self) -> None:
@@ -178,6 +181,7 @@ class Store:
                     conn.execute(f"LISTEN {CHANNEL}")
                     while not stop.is_set():
                         for note in conn.notifies(timeout=1.0):
+                            self.work.set()
                             self.changes.notify(note.payload.split(","), local=True)
             except Exception as e:  # the database restarted, a network blip: waiters poll meanwhile
                 log.warning("change notifications lost (%s); reconnecting", e)
@@ -233,6 +237,8 @@ class Store:
             if idempotency_key is None or (found := self._by_key(tenant, idempotency_key, digest)) is None:
                 raise
             return found, False
+        self.work.set()
+        self.changes.notify([job_id])  # on PostgreSQL: wakes the scheduler of another process
         return job_id, True
 
     def _check_room(self, conn, n: int, tenant: str, max_active: int | None, tenant_max_active: int | None) -> None:
@@ -348,6 +354,9 @@ class Store:
             if n and row.webhook_url:
                 conn.execute(update(jobs).where(jobs.c.id == job_id).values(
                     webhook_state="pending", webhook_attempts=0, webhook_next=0.0, webhook_error=None))
+        if n:
+            self.work.set()
+            self.changes.notify([job_id])
         return n
 
     def delete_job(self, job_id: str, tenant: str | None = None) -> bool | None:
@@ -539,6 +548,7 @@ class Store:
                 if why is not None:
                     _set(conn, [(ls.job_id, ls.index)], state="failed", error=why[:2000], finished_at=now)
                     failed.append(ls)
+        self.work.set()
         self.changes.notify(sorted({ls.job_id for ls in leases}))
         return failed
 

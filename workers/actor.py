@@ -6,11 +6,12 @@ never touch the engine, so the engine stays single-threaded:
 
 - ``submit(items)`` / ``cancel(ids)`` queue work; the loop admits or drops it at the next step
   boundary (a cancelled item stops before its next step). Each returns a list as long as its input.
-- ``poll()`` hands over what happened since the last poll: per-item progress, finished items as
-  PNG bytes, the latest preview of running items that asked for them (key, step, PNG bytes), failed items with their error (an error raised for that item), crashed items (a step
-  they were in raised: the batch's fault until shown otherwise, so the scheduler requeues them),
-  step durations, seconds spent stepping out of the seconds since the last poll, and the engine's
-  counters.
+- ``poll(wait_s)`` hands over what happened since the last poll: per-item progress, finished items
+  as PNG bytes, the latest preview of running items that asked for them (key, step, PNG bytes),
+  failed items with their error (an error raised for that item), crashed items (a step they were in
+  raised: the batch's fault until shown otherwise, so the scheduler requeues them), step durations,
+  seconds spent stepping out of the seconds since the last poll, and the engine's counters. A long
+  poll: it answers at once when an item has ended, else when one ends or ``wait_s`` has passed.
 
 The worker keeps no durable state: the scheduler holds the leases, the store holds the truth. If
 the actor dies, its items return to the queue. Heavy imports (torch, the engine) happen inside
@@ -77,6 +78,7 @@ class Worker:
                  self.backend, time.perf_counter() - t0)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._news = threading.Condition(self._lock)  # notified when an item ends: wakes a long poll
         self._progress: dict[str, tuple[int, int]] = {}
         self._finished: list[tuple[str, bytes]] = []
         self._previews: dict[str, tuple[int, bytes]] = {}  # item key -> its latest (step, PNG) not polled yet
@@ -112,9 +114,15 @@ class Worker:
             self._inbox.put(("cancel", item_id))
         return [True] * len(ids)
 
-    def poll(self) -> dict:
-        now = time.perf_counter()
+    def poll(self, wait_s: float = 0.0) -> dict:
+        """What happened since the last poll. With ``wait_s``, a long poll: it answers as soon as an item
+        finished, failed or crashed, or after ``wait_s`` (progress and previews ride along). The scheduler
+        calls it in the actor's ``poll`` concurrency group, so a waiting poll never holds up ``submit`` and
+        ``cancel`` (which keep their order in the default group)."""
         with self._lock:
+            if wait_s > 0 and not (self._finished or self._failed or self._crashed or self._stop.is_set()):
+                self._news.wait(wait_s)
+            now = time.perf_counter()
             report = {"progress": dict(self._progress), "finished": self._finished, "failed": self._failed,
                       "previews": [(k, step, png) for k, (step, png) in self._previews.items()],
                       "crashed": self._crashed, "step_seconds": self._step_seconds, "busy_s": self._busy_s,
@@ -126,6 +134,8 @@ class Worker:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._lock:
+            self._news.notify_all()
         self._thread.join(timeout=10)
 
     # -- the step loop (its own thread) -------------------------------------------------------------
@@ -176,6 +186,7 @@ class Worker:
                 except (KeyError, ValueError) as e:
                     with self._lock:
                         self._failed.append((it.id, f"{type(e).__name__}: {e}"))
+                        self._news.notify_all()
                     continue
                 with self._lock:
                     self._progress[it.id] = (0, it.steps)
@@ -202,6 +213,8 @@ class Worker:
             for item_id, _ in pngs:
                 self._progress.pop(item_id, None)
                 self._previews.pop(item_id, None)
+            if pngs:
+                self._news.notify_all()
 
     def _on_progress(self, item_id: str, done: int, total: int) -> None:
         with self._lock:
@@ -216,6 +229,7 @@ class Worker:
             for i in ids:
                 self._progress.pop(i, None)
                 self._previews.pop(i, None)
+            self._news.notify_all()
 
 
 
@@ -234,4 +248,6 @@ def remote_worker_class():
 
     # no task events: the scheduler polls each worker many times a second, and the GCS would keep a record
     # of every call (up to 100,000 by default, ~3 KiB each): hundreds of MB before it levels off
-    return ray.remote(max_restarts=0, enable_task_events=False)(Worker)
+    # calls of the ``poll`` group run on their own thread (a long poll waits there); the default group keeps
+    # one thread, so submits and cancels run in the order they were sent
+    return ray.remote(max_restarts=0, enable_task_events=False, concurrency_groups={"poll": 1})(Worker)

@@ -309,7 +309,7 @@ def test_a_poison_item_fails_alone_and_its_batch_mates_finish(svc, digits_model,
                 self.items.pop(i, None)
             return [True] * len(ids)
 
-        def poll(self):
+        def poll(self, wait_s=0.0):
             import os
 
             now = time.monotonic()
@@ -321,7 +321,7 @@ def test_a_poison_item_fails_alone_and_its_batch_mates_finish(svc, digits_model,
             return {"progress": {}, "finished": [(i, b"png") for i in done], "failed": [], "crashed": [],
                     "step_seconds": [], "busy_s": 0.0, "window_s": 0.0, "stats": {}}
 
-    monkeypatch.setattr("dit_serve.scheduler._actor_class", lambda: ray.remote(max_restarts=0)(PoisonedWorker))
+    monkeypatch.setattr("dit_serve.scheduler._actor_class", lambda: ray.remote(max_restarts=0, concurrency_groups={"poll": 1})(PoisonedWorker))
     monkeypatch.setattr("dit_serve.store.requeue_backoff", lambda n: 0.0)
     cfg = service_config(tmp_path, digits_model, workers={"max_batch": 4})
     with Service(cfg, roles=("scheduler",)) as sched:

@@ -92,3 +92,19 @@ def test_an_image_does_not_depend_on_its_batch(worker):
     worker.submit(crowd)
     second, _, _ = _drain(worker, {it.id for it in crowd})
     assert second["job/40"] == first["job/30"]
+
+
+def test_a_long_poll_answers_when_an_item_ends_and_waits_when_nothing_does(worker):
+    """``poll(wait_s)`` returns as soon as an item has finished (not after ``wait_s``), and an idle
+    worker holds the poll for ``wait_s``: the scheduler commits an image the moment it exists without
+    polling idle workers in a loop."""
+    worker.poll()  # nothing left over from earlier tests
+    t0 = time.monotonic()
+    report = worker.poll(wait_s=0.3)
+    assert report["finished"] == [] and time.monotonic() - t0 >= 0.25
+    worker.submit([_item(90, steps=5)])
+    t0, finished = time.monotonic(), {}
+    while "job/90" not in finished:
+        assert time.monotonic() - t0 < 60, "the item never finished"
+        finished.update(worker.poll(wait_s=30.0)["finished"])
+    assert time.monotonic() - t0 < 20.0, "the long poll waited out its wait_s instead of answering the ending"
