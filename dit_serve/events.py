@@ -48,8 +48,9 @@ previews after the ended items, of running items only, so an item's previews com
 An item event resets what was sent for that index (an item retried after failing starts again at step 0).
 
 **Wake-ups.** A stream reads the store when ``Store.changes`` says the job changed (a lease, progress
-written by a heartbeat, an ending), at most every ``min_read_gap_s`` (a batch of commits is one read),
-and at least every ``poll_s`` (in case a notification is lost; with PostgreSQL, notifications cross
+written by a heartbeat, an ending), at most one read per ``min_read_gap_s`` on average, in bursts of
+up to ``read_burst`` (a batch of commits is one read, and a single image's ending right after the read
+of its lease is not held back), and at least every ``poll_s`` (in case a notification is lost; with PostgreSQL, notifications cross
 processes by LISTEN/NOTIFY). Progress is
 sent when it changed, at most every ``progress_interval_s``: a change inside that time goes out at its
 end, as the latest state. Items and the end go out at the read that finds them. A read is two queries
@@ -89,7 +90,8 @@ class StreamLimits:
     keepalive_s: float = 15.0
     progress_interval_s: float = 0.25
     poll_s: float = 1.0
-    min_read_gap_s: float = 0.02  # an ending just after another read waits at most this long
+    min_read_gap_s: float = 0.05  # reads of one stream: at most one per this on average ...
+    read_burst: int = 3           # ... in bursts of this many (an ending just after a lease's read goes out at once)
     slack_s: float = 2.0
     retry_ms: int = 1000
 
@@ -186,12 +188,14 @@ class JobEvents:
         self.shown_at = -1e9                          # ... then (monotonic s)
         self.pending = False                          # a change not sent yet: it was too soon
         self.sent_at = time.monotonic()               # the last bytes sent (for the keep-alive)
+        self.credit, self.credit_at = float(self.limits.read_burst), self.sent_at  # reads allowed now (a bucket)
 
     async def stream(self) -> AsyncIterator[str]:
         changed = self.store.changes.watch(self.job_id)
         try:
             yield f"retry: {self.limits.retry_ms}\n\n"
             while not self.streams.closing.is_set():
+                await self._pace()
                 read_at = time.monotonic()
                 changed.clear()
                 try:
@@ -208,9 +212,19 @@ class JobEvents:
                 await _wait(changed, self._timeout())
                 if time.monotonic() - self.sent_at >= self.limits.keepalive_s:
                     yield self._sending(": keep-alive\n\n")
-                await asyncio.sleep(max(0.0, read_at + self.limits.min_read_gap_s - time.monotonic()))
         finally:
             self.store.changes.unwatch(self.job_id, changed)
+
+    async def _pace(self) -> None:
+        """Take one read from the bucket (``read_burst`` deep, refilled one per ``min_read_gap_s``), waiting
+        for it when empty: a job whose items end every few milliseconds costs its stream a bounded read rate."""
+        gap, now = self.limits.min_read_gap_s, time.monotonic()
+        self.credit = min(float(self.limits.read_burst), self.credit + (now - self.credit_at) / gap)
+        self.credit_at = now
+        if self.credit < 1.0:
+            await asyncio.sleep((1.0 - self.credit) * gap)
+            self.credit, self.credit_at = 1.0, time.monotonic()
+        self.credit -= 1.0
 
     def _progress(self, job: Job, now: float) -> list[str]:
         """The progress event when the job's progress changed and the last one is old enough; else none

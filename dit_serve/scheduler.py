@@ -48,8 +48,6 @@ from workers.actor import WorkerSpec, remote_worker_class
 
 log = logging.getLogger(__name__)
 
-WAKE_SLICE_S = 0.005  # while waiting for answers, how often the store's new-work signal is looked at
-
 
 @dataclass(frozen=True)
 class SlotPlan:
@@ -83,6 +81,7 @@ class _Worker:
     poll_ref: Any = None
     poll_sent: float = 0.0
     reserved: bool = False  # for suspects: takes no new work until empty, then runs an isolated group
+    queue_left: bool = False  # its last lease got all it asked for: more may be queued
 
     @property
     def name(self) -> str:
@@ -194,13 +193,15 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------------------------------
     def _collect(self) -> None:
-        """Wait up to a tick for the workers' answers; return at the first answer, or as soon as the store
-        says new work may be queued (``Store.work``), so that a submission is leased at once. Polls are
-        long polls (``Worker.poll(wait_s)``): a worker answers when an item ends, so a finished image is
-        committed without waiting for a tick. A worker is polled at most once a tick: an answered poll is
-        not sent again at once, which kept a core busy polling idle workers."""
+        """Wait up to a tick for the workers' answers, and no longer than the first answer or new work in
+        the store. One event wakes the loop: ``Store.work``, which the store sets when items may have become
+        queued and each outstanding call sets when it completes (a callback on its future), so a submission
+        is leased, and a finished image committed, without waiting for a tick. Polls are long polls
+        (``Worker.poll(wait_s)``): a worker answers when an item ends. A worker is polled at most once a
+        tick: an answered poll is not sent again at once, which kept a core busy polling idle workers."""
         import ray
 
+        wake = self.store.work  # cleared by _dispatch before it leases; answers that came since are seen below
         now, refs = time.monotonic(), {}
         for w in self.workers.values():
             if not w.ready:
@@ -210,14 +211,13 @@ class Scheduler:
             elif now - w.poll_sent >= self.sched.tick_seconds:
                 w.poll_ref = w.handle.poll.options(concurrency_group="poll").remote(self._poll_wait_s())
                 w.poll_sent = now
+                w.poll_ref.future().add_done_callback(lambda _: wake.set())
                 refs[w.poll_ref] = w
         if not refs:
-            self.store.work.wait(self.sched.tick_seconds / 2)
+            wake.wait(self.sched.tick_seconds / 2)
             return
-        deadline, done = now + self.sched.tick_seconds, []
-        while not done and not self.store.work.is_set() and (left := deadline - time.monotonic()) > 0:
-            done, _ = ray.wait(list(refs), num_returns=1, timeout=min(WAKE_SLICE_S, left))
-        if done:  # and whatever else has answered meanwhile
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        if not done and wake.wait(self.sched.tick_seconds):
             done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         for ref in done:
             self._receive(refs[ref], ref)
@@ -255,16 +255,18 @@ class Scheduler:
         for key, step, png in report.get("previews", ()):
             if key in w.leases:  # before the endings below: an ended item's preview is removed, not written
                 self.store.put_preview(w.leases[key], step, png)
-        for key, png in report["finished"]:
-            lease = w.leases.pop(key, None)
+        finished = [(w.leases.pop(key, None), png) for key, png in report["finished"]]
+        failed = [(w.leases.pop(key, None), error) for key, error in report["failed"]]
+        crashed = [(w.leases.pop(key, None), error) for key, error in report.get("crashed", ())]
+        if (finished or failed) and not self._suspects and (w.queue_left or self.store.work.is_set()):
+            self._fill(w)  # the next items are on their way before the commits below: the GPU does not wait
+        for lease, png in finished:
             if lease is not None and self.store.commit_result(lease, png):
                 self.metrics.item_finished("done")
-        for key, error in report["failed"]:
-            lease = w.leases.pop(key, None)
+        for lease, error in failed:
             if lease is not None and self.store.fail_item(lease, error):
-                log.warning("item %s failed: %s", key, error)
+                log.warning("item %s failed: %s", lease.key, error)
                 self.metrics.item_finished("failed")
-        crashed = [(w.leases.pop(key, None), error) for key, error in report.get("crashed", ())]
         for lease, error in crashed:  # the step they were in raised: a crash of their batch, not their failure
             if lease is not None:
                 self._requeue([lease], "crash", error)
@@ -294,20 +296,24 @@ class Scheduler:
                     del w.leases[k]
 
     def _dispatch(self) -> None:
+        self.store.work.clear()  # before leasing: a submission after the lease query sets it again
         if self.draining:
             return
-        self.store.work.clear()  # before leasing: a submission after this query sets it again
         ready = [w for w in self.workers.values() if w.ready]
         if self._suspects and ready and not any(w.reserved for w in ready):
             min(ready, key=lambda w: len(w.leases)).reserved = True  # it empties, then runs suspects alone
         for w in ready:
-            room = self.cfg.inflight() - len(w.leases)
-            if room <= 0 or (w.reserved and w.leases):
-                continue
-            leases = self.store.lease(f"{self.owner}/{w.key}", w.models, room, self.lease_seconds, isolate=w.reserved)
-            w.reserved = bool(leases) and leases[0].suspect  # stays reserved while its isolated group runs
-            if not leases:
-                continue
+            self._fill(w)
+
+    def _fill(self, w: _Worker) -> None:
+        """Lease queued items for ``w`` up to its room (``max_inflight``) and send them."""
+        room = self.cfg.inflight() - len(w.leases)
+        if self.draining or room <= 0 or (w.reserved and w.leases):
+            return
+        leases = self.store.lease(f"{self.owner}/{w.key}", w.models, room, self.lease_seconds, isolate=w.reserved)
+        w.reserved = bool(leases) and leases[0].suspect  # stays reserved while its isolated group runs
+        w.queue_left = len(leases) == room
+        if leases:
             w.handle.submit.remote([ls.spec for ls in leases])
             w.leases.update({ls.key: ls for ls in leases})
 

@@ -70,3 +70,82 @@ def test_a_submission_is_leased_and_committed_without_waiting_for_ticks(tmp_path
         took = time.monotonic() - t0
     assert job.state == "done"
     assert took < 3.0, f"one image took {took:.1f} s: leasing or committing waited for a tick"
+
+
+def test_an_event_stream_reads_in_short_bursts_then_at_the_paced_rate():
+    """``read_burst`` reads go at once (a lease's read, then the ending right after it); beyond them one
+    read per ``min_read_gap_s``: a job whose items end every few milliseconds costs a bounded read rate."""
+    from dit_serve.events import JobEvents, StreamLimits
+
+    ev = JobEvents.__new__(JobEvents)
+    ev.limits = StreamLimits(min_read_gap_s=0.05, read_burst=3)
+    ev.credit, ev.credit_at = 3.0, time.monotonic()
+
+    async def reads(n: int) -> list[float]:
+        t0, out = time.monotonic(), []
+        for _ in range(n):
+            await ev._pace()
+            out.append(time.monotonic() - t0)
+        return out
+
+    at = asyncio.run(reads(8))
+    assert at[2] < 0.03, "the first reads of a burst waited"
+    assert at[7] >= 0.2, f"8 reads with a burst of 3 need about 5 gaps of 50 ms, took {at[7]:.3f} s"
+
+
+@pytest.mark.slow
+def test_a_worker_gets_its_next_items_before_the_finished_ones_are_committed(tmp_path, digits_model, monkeypatch):
+    """With a queue behind a full worker, the scheduler leases the next items as soon as a poll reports
+    endings, and commits the PNGs after: the worker's next batch does not wait for the store writes."""
+    import ray
+
+    from dit_serve.store import Store as RealStore
+
+    calls: list[str] = []
+    real_lease, real_commit = RealStore.lease, RealStore.commit_result
+
+    def lease(self, *a, **k):
+        got = real_lease(self, *a, **k)
+        if got:
+            calls.append("lease")
+        return got
+
+    monkeypatch.setattr(RealStore, "lease", lease)
+    monkeypatch.setattr(RealStore, "commit_result",
+                        lambda self, *a, **k: calls.append("commit") or real_commit(self, *a, **k))
+
+    class BatchWorker:  # finishes what it holds 0.3 s after it got it
+        def __init__(self, spec):
+            self.items = {}
+
+        def info(self):
+            return {"models": ["digits"], "device": "cpu", "backend": "fake"}
+
+        def submit(self, items):
+            self.items.update({it.id: time.monotonic() for it in items})
+            return [True] * len(items)
+
+        def cancel(self, ids):
+            return [True] * len(ids)
+
+        def poll(self, wait_s=0.0):
+            done = [i for i, t0 in self.items.items() if time.monotonic() - t0 > 0.3]
+            for i in done:
+                del self.items[i]
+            return {"progress": {}, "finished": [(i, b"png") for i in done], "failed": [], "crashed": [],
+                    "step_seconds": [], "busy_s": 0.0, "window_s": 0.0, "stats": {}}
+
+    monkeypatch.setattr("dit_serve.scheduler._actor_class",
+                        lambda: ray.remote(max_restarts=0, concurrency_groups={"poll": 1})(BatchWorker))
+    cfg = service_config(tmp_path, digits_model, workers={"max_batch": 2})
+    with Service(cfg, roles=("scheduler",)) as sched:
+        assert sched.wait_ready(60)
+        job_id = sched.store.create_job("digits", JobParams(sampler="ddim", steps=5, guidance=1.0), [1] * 6, list(range(6)))
+        deadline = time.monotonic() + 60
+        while not sched.store.get_job(job_id).finished:
+            assert time.monotonic() < deadline, "the job did not finish"
+            time.sleep(0.05)
+    first_commit = calls.index("commit")
+    assert calls[:first_commit] == ["lease", "lease"], f"the second pair was leased after the first commits: {calls}"
+    assert calls.count("lease") == 3
+    assert sched.store.get_job(job_id).counts == {"done": 6}
