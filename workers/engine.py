@@ -284,8 +284,10 @@ class Engine:
         pmap = preview_map_of(group.model.card) if rows and group.model.card is not None else None
         if pmap is None:
             return
-        with torch.no_grad():
-            rgb = to_rgb(denoised[rows], pmap)  # (b, h, w, c) uint8 on the device
+        with torch.no_grad():  # nothing here may wait for the GPU: no pageable copy, no sync
+            due = denoised if len(rows) == len(active) else \
+                denoised.index_select(0, _upload(torch.tensor(rows), denoised.device))
+            rgb = to_rgb(due, pmap)  # (b, h, w, c) uint8 on the device
         ids = [(active[i].req.id, active[i].step) for i in rows]
         if rgb.device.type != "cuda":
             self._previews.append(_PendingPreviews(ids, rgb.cpu()))

@@ -85,10 +85,25 @@ def to_rgb(denoised, pmap: PreviewMap, max_side: int = MAX_SIDE):
 
     x = denoised.float()
     if not pmap.identity:
-        w = torch.tensor(pmap.weight, dtype=torch.float32, device=x.device)  # (C, 3)
-        b = torch.tensor(pmap.bias, dtype=torch.float32, device=x.device)    # (3,)
+        w, b = _factors(pmap, x.device)                                       # (C, 3), (3,)
         x = torch.einsum("bchw,cr->brhw", x, w) + b[None, :, None, None]     # (B, 3, H, W)
     size = preview_size(*x.shape[-2:], max_side=max_side)
     if size != tuple(x.shape[-2:]):
         x = F.interpolate(x, size=size, mode="area")                          # (B, c, h, w)
     return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)  # (B, h, w, c)
+
+
+_FACTORS: dict = {}
+
+
+def _factors(pmap: PreviewMap, device):
+    """``pmap``'s weight and bias as float32 tensors on ``device``, made once: building them per call
+    copied from pageable host memory, which on a GPU waits for every step queued before it (the host
+    could no longer run ahead of the GPU: +25-33% step time with a preview at every step on an H200)."""
+    import torch
+
+    key = (pmap, str(device))
+    if key not in _FACTORS:
+        _FACTORS[key] = (torch.tensor(pmap.weight, dtype=torch.float32, device=device),
+                         torch.tensor(pmap.bias, dtype=torch.float32, device=device))
+    return _FACTORS[key]

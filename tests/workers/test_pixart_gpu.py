@@ -157,3 +157,33 @@ def test_previews_on_the_gpu_do_not_change_the_images(pixart_cuda):
     want = engine.generate([replace(s, id=s.id + "b", preview_every=0) for s in specs])
     for g, w in zip(got, want):
         assert torch.equal(g.latents, w.latents)
+
+
+def test_previews_add_no_host_wait_to_a_step(pixart_cuda):
+    """A step that takes previews makes no more synchronising CUDA calls than one that does not (counted
+    by PyTorch's sync debug mode): the host keeps queueing steps ahead of the GPU. A pageable copy (the
+    map's factors built per call, a gather's index) made every previewed step wait for the GPU."""
+    import warnings
+
+    from workers.engine import Engine, EngineConfig
+    from workers.spec import ItemSpec
+
+    def syncs(preview_every: int) -> int:
+        engine = Engine(pixart_cuda, EngineConfig(backend="breakable", max_batch=4))
+        engine.warmup()
+        engine.add_many([ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=8, guidance=2.0, prompt="a cat",
+                                  preview_every=preview_every if i != 1 else 0) for i in range(3)])
+        engine.step()  # the first step (admission) outside the count
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(5):
+                    engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        engine.take_previews(wait=True)
+        return sum("synchroniz" in str(w.message) for w in seen)
+
+    assert syncs(1) == syncs(0)
