@@ -226,7 +226,7 @@ def stop_serve(s: Served, timeout: float = 90.0) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(s.proc.pid, signal.SIGKILL)
         code = s.proc.wait(30)
-    time.sleep(5.0)  # a local Ray's processes follow their service within about 3 s (dit_serve.reaper)
+    time.sleep(5.0)  # a local Ray's processes follow their service within about 3 s (dit_serve.server.reaper)
     left = still_alive(tree)
     kill_all(left)
     return {"exit_code": code, "left_running": [p.title for p in left]}
@@ -586,7 +586,7 @@ def _purged(e: dict) -> bool:
 
 # -- overload --------------------------------------------------------------------------------------------
 def run_overload(args, tmp: Path) -> dict:
-    from dit_serve.config import LimitsConfig
+    from dit_serve.server.config import LimitsConfig
 
     bounded = "max_queued_items" in LimitsConfig.model_fields  # the field is new: older services lack it
     config = tmp / "dit-serve.toml"

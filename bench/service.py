@@ -91,7 +91,7 @@ ROWS = [("1 image ms: engine -> service, until done", "engine_single_ms", "servi
 def worker_threads(environ: dict) -> int:
     """A worker actor's torch threads: OMP_NUM_THREADS where the service's environment sets it, else what
     Ray sets it to in the actor, its num_cpus rounded down ([workers] num_cpus, 1 by default)."""
-    from dit_serve.config import WorkerConfig
+    from dit_serve.server.config import WorkerConfig
 
     return int(environ.get("OMP_NUM_THREADS") or max(1, math.floor(WorkerConfig().num_cpus)))
 

@@ -24,7 +24,7 @@ from pathlib import Path
 EXIT_USAGE = 2
 DEFAULT_URL = "http://127.0.0.1:8000"
 # What the server-side commands import beyond the base install; `pip install 'dit-serve[server]'` brings it.
-SERVICE_MODULES = ("fastapi", "uvicorn", "sqlalchemy", "prometheus_client")  # dit_serve.service: API, store, metrics
+SERVICE_MODULES = ("fastapi", "uvicorn", "sqlalchemy", "prometheus_client")  # dit_serve.server.service: API, store, metrics
 MODEL_MODULES = ("torch", "diffusers", "safetensors")  # loading and running a model
 
 
@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_generate(args) -> int:
-    from dit_serve.generate import GenerateArgs, run_generate
+    from dit_serve.server.generate import GenerateArgs, run_generate
 
     a = GenerateArgs(model=args.model, labels=args.labels or (), num_per_label=args.num_per_label or 1,
                      prompts=tuple(prompts_of(args) or ()), negative_prompt=args.negative_prompt or "",

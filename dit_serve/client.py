@@ -533,7 +533,7 @@ def service_url(url: str | None) -> Iterator[str]:
     if url:
         yield url
         return
-    from dit_serve.service import local_service  # server side, imported only when asked for
+    from dit_serve.server.service import local_service  # server side, imported only when asked for
 
     with local_service() as svc:
         yield svc.url

@@ -28,7 +28,7 @@ def user_error(e: Exception) -> CommandError | None:
     import httpx
 
     from dit_serve.client import ApiError
-    from dit_serve.config import ConfigError
+    from dit_serve.errors import ConfigError
 
     if isinstance(e, ApiError):
         return CommandError(e.message, EXIT_USAGE if e.status < 500 else EXIT_FAILURE)
@@ -44,7 +44,7 @@ def user_error(e: Exception) -> CommandError | None:
 
 def _config(args):
     from dit_serve.client import API_KEY_ENV
-    from dit_serve.config import load_config
+    from dit_serve.server.config import load_config
 
     cfg = load_config(getattr(args, "config", None))
     env_key = os.environ.get(API_KEY_ENV, "")  # a key kept out of files and the process list
@@ -60,10 +60,10 @@ def serve(args) -> int:
     """Run until SIGINT or SIGTERM, then drain (no new leases; running items may finish for up to
     ``[scheduler] drain_seconds``) and stop cleanly (the rest back to the queue, workers stopped).
     A second signal skips the drain."""
-    from dit_serve import heap
-    from dit_serve.service import Service
+    from dit_serve.server import heap
+    from dit_serve.server.service import Service
 
-    heap.limit_arenas()  # before the service's threads exist (dit_serve.heap says why)
+    heap.limit_arenas()  # before the service's threads exist (dit_serve.server.heap says why)
     cfg = _config(args)
     roles = ("api", "scheduler") if args.role == "all" else (args.role,)
     stop, hurry = threading.Event(), threading.Event()
@@ -91,8 +91,8 @@ def keys(args) -> int:
     """``dit-serve keys create|list|revoke``: works on the store the config names, no service needed."""
     import time
 
-    from dit_serve import keys as k
-    from dit_serve.service import open_store
+    from dit_serve.server import keys as k
+    from dit_serve.server.service import open_store
 
     store = open_store(_config(args))
     try:
@@ -204,7 +204,7 @@ def demo(args) -> int:
     digits on the CPU), a job of the ten digits through the SDK with a progress bar, PNGs + grid +
     manifest into --out, then a clean shutdown."""
     from dit_serve.client import Client
-    from dit_serve.service import local_service
+    from dit_serve.server.service import local_service
 
     if args.num_per_label < 1:
         raise CommandError(f"--num-per-label must be >= 1, got {args.num_per_label}")

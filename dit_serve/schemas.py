@@ -3,7 +3,7 @@
 Imports pydantic only (no torch, no ray), so the SDK installs and imports on a laptop. Requests
 forbid unknown fields: a typo such as ``num_per_lable`` is a 400, not a silently ignored option.
 Static checks (types, signs, lengths) live here; checks that need the deployment's configuration
-or the model's classes (limits, label names) are made once by the API (``dit_serve.catalog``).
+or the model's classes (limits, label names) are made once by the API (``dit_serve.server.catalog``).
 Every number a request carries is finite and bounded and every string and list has a maximum length,
 so nothing a request contains can be stored in a form that cannot be read back.
 """
@@ -185,7 +185,7 @@ class Job(_Response):
 
 
 
-# -- events of one job (GET /v1/jobs/{id}/events, Server-Sent Events; dit_serve.events) ------------
+# -- events of one job (GET /v1/jobs/{id}/events, Server-Sent Events; dit_serve.server.events) ------------
 class ProgressEvent(_Response):
     """The job's progress, sent when it changed (at most every 0.25 s per stream, the latest state)."""
 

@@ -67,8 +67,8 @@ def service(url: str | None, receiver_host: str, secret: str | None) -> Iterator
     if url:
         yield url
         return
-    from dit_serve.config import Config
-    from dit_serve.service import local_service
+    from dit_serve.server.config import Config
+    from dit_serve.server.service import local_service
 
     config = Config().with_overrides(webhooks={"allow_hosts": (receiver_host,), "secret": secret})
     with local_service(config) as svc:

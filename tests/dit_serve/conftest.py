@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dit_serve.config import Config
+from dit_serve.server.config import Config
 
 DIGITS_DIR = Path(__file__).resolve().parents[2] / "workers" / "models" / "digits"
 
@@ -46,7 +46,7 @@ def postgres_url() -> str:
         pytest.skip("no PostgreSQL server: set DIT_SERVE_TEST_POSTGRES_URL (.ci/run starts one)")
     from sqlalchemy import create_engine
 
-    from dit_serve.store import _driver_url, meta
+    from dit_serve.server.store import _driver_url, meta
 
     engine = create_engine(_driver_url(url))
     meta.drop_all(engine)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from dit_serve.service import Service
+from dit_serve.server.service import Service
 
 from .conftest import service_config
 
@@ -248,7 +248,7 @@ def test_api_keys_guard_v1_but_not_probes(digits_model, tmp_path, monkeypatch):
 
 
 def test_api_keys_must_look_like_keys(tmp_path):
-    from dit_serve.config import ConfigError, Config
+    from dit_serve.server.config import ConfigError, Config
 
     with pytest.raises(ConfigError, match="^the command line or environment: server.api_keys: an API key must be at "
                                           "least 8 printable"):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from dit_serve.catalog import Catalog, RequestError
+from dit_serve.server.catalog import Catalog, RequestError
 from workers.cards import read_card
-from dit_serve.config import LimitsConfig
+from dit_serve.server.config import LimitsConfig
 from dit_serve.schemas import ImageGenerationRequest, JobRequest
 
 
@@ -35,8 +35,8 @@ def test_the_loader_builds_what_the_card_describes(name):
 
 
 def test_serve_and_generate_accept_the_same_models():
-    from dit_serve.config import Config
-    from dit_serve.service import build_catalog
+    from dit_serve.server.config import Config
+    from dit_serve.server.service import build_catalog
 
     catalog = build_catalog(Config().with_overrides(workers={"models": ("digits", "digits-flow")}))
     assert list(catalog.models) == ["digits", "digits-flow"]

@@ -11,7 +11,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from dit_serve.client import Client
-from dit_serve.service import Service
+from dit_serve.server.service import Service
 
 from .conftest import oracle, service_config
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dit_serve.config import Config, ConfigError, load_config
+from dit_serve.server.config import Config, ConfigError, load_config
 
 
 def test_defaults_need_no_file():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from dit_serve.service import Service
+from dit_serve.server.service import Service
 
 from .conftest import service_config
 

@@ -18,14 +18,14 @@ import httpx
 import pytest
 from fastapi.responses import JSONResponse
 
-from dit_serve.api import create_app
+from dit_serve.server.api import create_app
 from dit_serve.client import AsyncClient, Client
-from dit_serve.config import ServerConfig
-from dit_serve.events import StreamLimits
-from dit_serve.keys import create_key
-from dit_serve.metrics import Metrics
-from dit_serve.service import Service, build_catalog
-from dit_serve.store import Store
+from dit_serve.server.config import ServerConfig
+from dit_serve.server.events import StreamLimits
+from dit_serve.server.keys import create_key
+from dit_serve.server.metrics import Metrics
+from dit_serve.server.service import Service, build_catalog
+from dit_serve.server.store import Store
 
 from .conftest import service_config
 

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from dit_serve import heap
+from dit_serve.server import heap
 
 glibc = pytest.mark.skipif(heap._libc() is None, reason="needs glibc")
 

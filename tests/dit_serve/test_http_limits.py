@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, Field
 
-from dit_serve.http_limits import LimitsMiddleware
+from dit_serve.server.http_limits import LimitsMiddleware
 
 LIMIT = 1 << 20
 READ_TIMEOUT_S = 0.5
@@ -52,7 +52,7 @@ def make_app(max_body_bytes: int = LIMIT, read_timeout_s: float = READ_TIMEOUT_S
     def health() -> dict:  # sync, as dit_serve's: it runs in the thread pool
         return {"status": "ok"}
 
-    @app.exception_handler(RequestValidationError)  # as dit_serve.api: the first error only, no input echoed
+    @app.exception_handler(RequestValidationError)  # as dit_serve.server.api: the first error only, no input echoed
     async def invalid(_request, e: RequestValidationError) -> JSONResponse:
         return JSONResponse({"error": {"message": e.errors()[0]["msg"], "type": "invalid_request_error",
                                        "param": None, "code": None}}, status_code=400)
@@ -156,7 +156,7 @@ def test_receive_passes_through_once_the_body_is_complete():
     assert sent[0]["status"] == 204
 
 
-# end to end: uvicorn (h11) on a free port, as dit_serve.service runs it
+# end to end: uvicorn (h11) on a free port, as dit_serve.server.service runs it
 
 
 @contextmanager

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dit_serve import reaper
+from dit_serve.server import reaper
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -124,7 +124,7 @@ def test_leftovers_of_a_dead_dit_serve_are_stopped_when_their_start_time_matches
     try:
         # `other` has the pid of a recorded process but not its start time: a reused pid, not ours
         path = _pid_file(tmp_path, (owner.pid, owner_start), [(left.pid, left_start), (other.pid, other_start + 1)])
-        with caplog.at_level(logging.WARNING, logger="dit_serve.reaper"):
+        with caplog.at_level(logging.WARNING, logger="dit_serve.server.reaper"):
             assert reaper.clean_leftovers(path) == 1
         assert left.wait(5) == -signal.SIGTERM
         assert other.poll() is None

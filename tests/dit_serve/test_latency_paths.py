@@ -12,8 +12,8 @@ import pytest
 
 from dit_serve.client import Client
 from dit_serve.schemas import JobParams
-from dit_serve.service import Service, _bind
-from dit_serve.store import Store
+from dit_serve.server.service import Service, _bind
+from dit_serve.server.store import Store
 
 from .conftest import service_config
 
@@ -75,7 +75,7 @@ def test_a_submission_is_leased_and_committed_without_waiting_for_ticks(tmp_path
 def test_an_event_stream_reads_in_short_bursts_then_at_the_paced_rate():
     """``read_burst`` reads go at once (a lease's read, then the ending right after it); beyond them one
     read per ``min_read_gap_s``: a job whose items end every few milliseconds costs a bounded read rate."""
-    from dit_serve.events import JobEvents, StreamLimits
+    from dit_serve.server.events import JobEvents, StreamLimits
 
     ev = JobEvents.__new__(JobEvents)
     ev.limits = StreamLimits(min_read_gap_s=0.05, read_burst=3)
@@ -99,7 +99,7 @@ def test_a_worker_gets_its_next_items_before_the_finished_ones_are_committed(tmp
     endings, and commits the PNGs after: the worker's next batch does not wait for the store writes."""
     import ray
 
-    from dit_serve.store import Store as RealStore
+    from dit_serve.server.store import Store as RealStore
 
     calls: list[str] = []
     real_lease, real_commit = RealStore.lease, RealStore.commit_result
@@ -135,7 +135,7 @@ def test_a_worker_gets_its_next_items_before_the_finished_ones_are_committed(tmp
             return {"progress": {}, "finished": [(i, b"png") for i in done], "failed": [], "crashed": [],
                     "step_seconds": [], "busy_s": 0.0, "window_s": 0.0, "stats": {}}
 
-    monkeypatch.setattr("dit_serve.scheduler._actor_class",
+    monkeypatch.setattr("dit_serve.server.scheduler._actor_class",
                         lambda: ray.remote(max_restarts=0, concurrency_groups={"poll": 1})(BatchWorker))
     cfg = service_config(tmp_path, digits_model, workers={"max_batch": 2})
     with Service(cfg, roles=("scheduler",)) as sched:

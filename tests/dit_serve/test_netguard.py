@@ -13,11 +13,11 @@ import threading
 
 import pytest
 
-from dit_serve.config import WebhookConfig
-from dit_serve.netguard import Allowlist, UnsafeDestination, check_url, check_webhook_url, forbidden, resolve_safe
+from dit_serve.server.config import WebhookConfig
+from dit_serve.server.netguard import Allowlist, UnsafeDestination, check_url, check_webhook_url, forbidden, resolve_safe
 from dit_serve.schemas import JobParams
-from dit_serve.store import Store
-from dit_serve.webhooks import Notifier
+from dit_serve.server.store import Store
+from dit_serve.server.webhooks import Notifier
 
 PARAMS = JobParams(sampler="ddim", steps=10, guidance=2.0)
 

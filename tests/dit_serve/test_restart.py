@@ -79,7 +79,7 @@ def test_restart_mid_job_loses_nothing(digits_model, tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert "stopping (draining" in log.read_text()
-        from dit_serve.store import Store
+        from dit_serve.server.store import Store
 
         store = Store(f"sqlite:///{data / 'jobs.db'}", data)
         try:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dit_serve.config import WorkerConfig
-from dit_serve.scheduler import SlotPlan, plan_slots
+from dit_serve.server.config import WorkerConfig
+from dit_serve.server.scheduler import SlotPlan, plan_slots
 
 
 def _node(node_id: str, alive: bool = True, **resources) -> dict:

@@ -22,7 +22,7 @@ from PIL import Image
 from dit_serve.cli import main as cli
 from dit_serve.client import ApiError, AsyncClient, Client
 from dit_serve.schemas import JobParams
-from dit_serve.service import Service
+from dit_serve.server.service import Service
 
 from .conftest import oracle, service_config
 
@@ -209,8 +209,8 @@ class _Receiver:
 
 
 def test_a_webhook_is_delivered_signed_and_retried(svc, client):
-    from dit_serve.config import WebhookConfig
-    from dit_serve.webhooks import sign
+    from dit_serve.server.config import WebhookConfig
+    from dit_serve.server.webhooks import sign
 
     receiver = _Receiver(fail=1)
     normal = svc.notifier.cfg
@@ -321,8 +321,8 @@ def test_a_poison_item_fails_alone_and_its_batch_mates_finish(svc, digits_model,
             return {"progress": {}, "finished": [(i, b"png") for i in done], "failed": [], "crashed": [],
                     "step_seconds": [], "busy_s": 0.0, "window_s": 0.0, "stats": {}}
 
-    monkeypatch.setattr("dit_serve.scheduler._actor_class", lambda: ray.remote(max_restarts=0, concurrency_groups={"poll": 1})(PoisonedWorker))
-    monkeypatch.setattr("dit_serve.store.requeue_backoff", lambda n: 0.0)
+    monkeypatch.setattr("dit_serve.server.scheduler._actor_class", lambda: ray.remote(max_restarts=0, concurrency_groups={"poll": 1})(PoisonedWorker))
+    monkeypatch.setattr("dit_serve.server.store.requeue_backoff", lambda n: 0.0)
     cfg = service_config(tmp_path, digits_model, workers={"max_batch": 4})
     with Service(cfg, roles=("scheduler",)) as sched:
         seeds = [1, 666, 2, 3, 4, 5, 6, 7]

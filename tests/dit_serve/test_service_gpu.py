@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from dit_serve.client import Client
-from dit_serve.service import Service
+from dit_serve.server.service import Service
 
 from .conftest import oracle, service_config
 

@@ -9,9 +9,9 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from dit_serve.keys import create_key, list_keys, revoke_key, set_limits
-from dit_serve.service import Service
-from dit_serve.store import api_keys
+from dit_serve.server.keys import create_key, list_keys, revoke_key, set_limits
+from dit_serve.server.service import Service
+from dit_serve.server.store import api_keys
 
 from .conftest import service_config
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from dit_serve.service import Service
+from dit_serve.server.service import Service
 from workers.models.tiny_pixart import make_tiny_pixart
 
 from .conftest import service_config
@@ -72,7 +72,7 @@ def test_the_images_endpoint_takes_the_prompt_of_a_text_model(api):
     from dit_serve.schemas import ImageGenerationRequest
 
     svc, _ = api
-    from dit_serve.service import build_catalog
+    from dit_serve.server.service import build_catalog
 
     new = build_catalog(svc.config).resolve_images(ImageGenerationRequest(model="pixart-tiny", prompt="a tree", n=2))
     assert new.prompts == ["a tree", "a tree"] and new.model == "pixart-tiny"
@@ -100,7 +100,7 @@ def test_sizes_snap_to_what_the_model_makes_and_reach_the_worker(api, body, made
 
 def test_the_images_endpoint_size_is_the_image_size(api):
     from dit_serve.schemas import ImageGenerationRequest
-    from dit_serve.service import build_catalog
+    from dit_serve.server.service import build_catalog
 
     svc, http = api
     catalog = build_catalog(svc.config)

@@ -1,4 +1,4 @@
-"""The web page at ``/`` (dit_serve/static, dit_serve/web.py), driven in a real headless Chromium.
+"""The web page at ``/`` (dit_serve/server/static, dit_serve/server/web.py), driven in a real headless Chromium.
 
 The browser tests use Debian's ``chromium`` and ``chromium-driver`` through Selenium, with the driver's
 path given, so Selenium Manager never runs and nothing is downloaded; without them they skip (.ci/run
@@ -19,7 +19,7 @@ import zipfile
 import httpx
 import pytest
 
-from dit_serve.service import Service
+from dit_serve.server.service import Service
 
 from .conftest import service_config
 

@@ -11,7 +11,7 @@ with the same data dir does, and logs a warning saying how many it stopped.
 
 How:
 
-* ``watch_local_ray`` starts ``python -m dit_serve.reaper``, a watchdog of only the standard library,
+* ``watch_local_ray`` starts ``python -m dit_serve.server.reaper``, a watchdog of only the standard library,
   in a session of its own (a signal to the service's process group does not reach it). Its stdin is
   the read end of a pipe whose write end only the service holds (not inheritable), so it reads EOF
   when the service dies, however it dies; a byte on the pipe is a normal stop.
@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-log = logging.getLogger("dit_serve.reaper")  # also when run as __main__
+log = logging.getLogger("dit_serve.server.reaper")  # also when run as __main__
 
 PID_FILE = "local-ray.pids"
 TICK_S = 1.0   # how often the watchdog records Ray's processes
@@ -152,10 +152,10 @@ def watch_local_ray(data_dir: Path) -> None:
         owner = (os.getpid(), start_time(os.getpid()))
         r, w = os.pipe()  # not inheritable: only this process holds the write end
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "dit_serve.reaper", str(pid_file), json.dumps(owner),
+            proc = subprocess.Popen([sys.executable, "-m", "dit_serve.server.reaper", str(pid_file), json.dumps(owner),
                                      json.dumps([p for p in roots if p[1] is not None])],
                                     stdin=r, stdout=subprocess.DEVNULL, start_new_session=True,
-                                    cwd=Path(__file__).resolve().parents[1])  # imports this copy of the package
+                                    cwd=Path(__file__).resolve().parents[2])  # imports this copy of the package
         except BaseException:
             os.close(w)
             raise

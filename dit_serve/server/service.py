@@ -20,12 +20,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from dit_serve.api import create_app
-from dit_serve.catalog import Catalog
-from dit_serve.config import Config
-from dit_serve.metrics import Metrics
-from dit_serve.reaper import release_local_ray, watch_local_ray
-from dit_serve.store import Store
+from dit_serve.server.api import create_app
+from dit_serve.server.catalog import Catalog
+from dit_serve.server.config import Config
+from dit_serve.server.metrics import Metrics
+from dit_serve.server.reaper import release_local_ray, watch_local_ray
+from dit_serve.server.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Service:
         return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
 
     def start(self) -> "Service":
-        from dit_serve import heap
+        from dit_serve.server import heap
 
         catalog = build_catalog(self.config)
         self.store = open_store(self.config)
@@ -116,7 +116,7 @@ class Service:
         return self
 
     def _start_scheduler(self) -> None:
-        from dit_serve.scheduler import Scheduler
+        from dit_serve.server.scheduler import Scheduler
 
         self._init_ray()
         cfg = self.config
@@ -125,7 +125,7 @@ class Service:
         # on first use, and doing that while another thread imports FastAPI raced into a KeyError
         self.scheduler.reconcile()
         self._spawn("scheduler", self.scheduler.run, self._stop)
-        from dit_serve.webhooks import Notifier
+        from dit_serve.server.webhooks import Notifier
 
         self.notifier = Notifier(self.store, cfg.webhooks)
         self._spawn("webhooks", self.notifier.run, self._stop)

@@ -19,7 +19,7 @@ from then on the app's own messages (its 400 or 500 about the failed read) are d
 middleware answers instead, provided the response has not started; if it has, the connection is
 dropped by the server (the exception propagates, or the response ends incomplete).
 
-Errors are JSON in OpenAI's shape, as in ``dit_serve.api``, and carry ``Connection: close``: the rest
+Errors are JSON in OpenAI's shape, as in ``dit_serve.server.api``, and carry ``Connection: close``: the rest
 of the body is left unread (or its framing is unknown), so the connection cannot serve another request.
 """
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from dit_serve.config import LimitsConfig
+from dit_serve.server.config import LimitsConfig
 from dit_serve.schemas import ImageGenerationRequest, JobParams, JobRequest, ModelCard
 from samplers.rules import RULES, check_settings
 from workers import cards

@@ -1,6 +1,6 @@
 """The web page: one framework-free page at ``/``, its script and style under ``/static/``.
 
-The files live in ``dit_serve/static`` (shipped as package data); nothing is built, and the page loads
+The files live in ``dit_serve/server/static`` (shipped as package data); nothing is built, and the page loads
 nothing from elsewhere. The page and its assets need no key: they hold no data. The page then calls
 ``/v1`` like any other client, sending the key the user typed in (kept in the tab's sessionStorage) as
 ``Authorization: Bearer``, so every rule of the API (tenants, limits, validation) applies to it
@@ -33,7 +33,7 @@ router = APIRouter(include_in_schema=False)
 
 @cache
 def assets() -> frozenset[str]:
-    """The names under ``/static/``: the files of ``dit_serve/static`` of a type in ``TYPES``."""
+    """The names under ``/static/``: the files of ``dit_serve/server/static`` of a type in ``TYPES``."""
     return frozenset(p.name for p in STATIC.iterdir() if p.suffix in TYPES)
 
 

@@ -37,7 +37,7 @@ from sqlalchemy import and_, bindparam, case, create_engine, event, func, or_, s
 from sqlalchemy.exc import IntegrityError
 
 from dit_serve.schemas import TERMINAL_STATES, ItemStatus, Job, JobParams, WebhookStatus
-from dit_serve.tables import (DEFAULT_TENANT, MIGRATIONS, SCHEMA_VERSION, api_keys, items, jobs, meta, schema,
+from dit_serve.server.tables import (DEFAULT_TENANT, MIGRATIONS, SCHEMA_VERSION, api_keys, items, jobs, meta, schema,
                                tenants)
 from workers.spec import ItemSpec
 

@@ -1,7 +1,7 @@
 """The job store's tables and their migrations (SQLAlchemy Core; SQLite and PostgreSQL).
 
 The schema is versioned: ``SCHEMA_VERSION`` is stored in the database, and ``MIGRATIONS[v]`` brings a
-database at version v to v + 1 in place (``dit_serve.store.Store`` runs them in one transaction).
+database at version v to v + 1 in place (``dit_serve.server.store.Store`` runs them in one transaction).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ items = Table(
     Index("items_leasable", "state", "model", "priority", "created_at"),
     Index("items_tenant_state", "tenant", "state"),
 )
-# API keys belong to tenants; only a salted hash of each key's secret is stored (dit_serve.keys)
+# API keys belong to tenants; only a salted hash of each key's secret is stored (dit_serve.server.keys)
 tenants = Table(
     "tenants", meta,
     Column("name", String(64), primary_key=True),

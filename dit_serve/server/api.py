@@ -4,7 +4,7 @@ models itself, so several API processes can serve one PostgreSQL store.
 
 Every error body is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape), and every
 status a route can answer is in the OpenAPI schema. Requests are validated completely before anything
-is stored: a 4xx leaves no trace in the store. Callers are tenants (``dit_serve.keys``): each sees and
+is stored: a 4xx leaves no trace in the store. Callers are tenants (``dit_serve.server.keys``): each sees and
 acts on its own jobs only, and a job that another tenant owns is a 404.
 """
 
@@ -26,16 +26,17 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 
-from dit_serve import __version__, web
-from dit_serve.catalog import Catalog, NewJob, RequestError, model_entry
-from dit_serve.config import LimitsConfig, ServerConfig
-from dit_serve.events import Cursor, EventResponse, JobEvents, StreamLimits, Streams
-from dit_serve.keys import AuthError, KeyRing, Principal
-from dit_serve.metrics import Metrics
-from dit_serve.netguard import check_webhook_url
+from dit_serve import __version__
+from dit_serve.server import web
+from dit_serve.server.catalog import Catalog, NewJob, RequestError, model_entry
+from dit_serve.server.config import LimitsConfig, ServerConfig
+from dit_serve.server.events import Cursor, EventResponse, JobEvents, StreamLimits, Streams
+from dit_serve.server.keys import AuthError, KeyRing, Principal
+from dit_serve.server.metrics import Metrics
+from dit_serve.server.netguard import check_webhook_url
 from dit_serve.schemas import (MAX_ITEMS, ErrorResponse, Health, ImageData, ImageGenerationRequest, ImagesResponse,
                                Job, JobList, JobRequest, ModelCard, ModelList, clip)
-from dit_serve.store import IdempotencyConflict, QueueFull, Store, dump_manifest
+from dit_serve.server.store import IdempotencyConflict, QueueFull, Store, dump_manifest
 
 
 def _doc(*statuses: int) -> dict:
@@ -63,7 +64,7 @@ EVENTS_DOC = {"description": "Server-Sent Events: `progress`, `item` (once per i
 def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Metrics,
                workers_ready: Callable[[], int | None] = lambda: None, allow_hosts: tuple[str, ...] = (),
                stream_limits: StreamLimits = StreamLimits()) -> FastAPI:
-    from dit_serve.http_limits import LimitsMiddleware
+    from dit_serve.server.http_limits import LimitsMiddleware
 
     app = FastAPI(title="dit-serve", version=__version__, responses=ERRORS,
                   description="Batch image generation with diffusion transformers.")

@@ -42,14 +42,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from dit_serve.errors import ConfigError  # defined on the SDK side: the CLI catches it without this module
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """An unreadable or invalid config file; the message names the file and the field."""
 
 
 class _Section(BaseModel):
@@ -164,7 +162,7 @@ class WebhookConfig(_Section):
     @field_validator("allow_hosts")
     @classmethod
     def _allow_hosts(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
-        from dit_serve.netguard import Allowlist
+        from dit_serve.server.netguard import Allowlist
 
         Allowlist.parse(entries)  # a bad entry is a config error now, not a failed delivery later
         return entries

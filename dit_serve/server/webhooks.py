@@ -36,9 +36,9 @@ import uuid
 
 import httpx
 
-from dit_serve.config import WebhookConfig
-from dit_serve.netguard import Allowlist, UnsafeDestination, parse_url, resolve_safe
-from dit_serve.store import Store
+from dit_serve.server.config import WebhookConfig
+from dit_serve.server.netguard import Allowlist, UnsafeDestination, parse_url, resolve_safe
+from dit_serve.server.store import Store
 
 log = logging.getLogger(__name__)
 

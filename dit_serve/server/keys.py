@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import select, update
 
-from dit_serve.store import DEFAULT_TENANT, Store, api_keys, tenants
+from dit_serve.server.store import DEFAULT_TENANT, Store, api_keys, tenants
 
 ROLES = ("user", "admin")
 TENANT_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from dit_serve.config import SchedulerConfig, WorkerConfig
-from dit_serve.metrics import Metrics
-from dit_serve.store import Lease, Store
+from dit_serve.server.config import SchedulerConfig, WorkerConfig
+from dit_serve.server.metrics import Metrics
+from dit_serve.server.store import Lease, Store
 from workers.actor import WorkerSpec, remote_worker_class
 
 log = logging.getLogger(__name__)
