@@ -59,32 +59,37 @@ def _config(args):
 def serve(args) -> int:
     """Run until SIGINT or SIGTERM, then drain (no new leases; running items may finish for up to
     ``[scheduler] drain_seconds``) and stop cleanly (the rest back to the queue, workers stopped).
-    A second signal skips the drain."""
+    A second signal skips the drain. With the API, uvicorn runs on this thread and handles the signals
+    (``Service.serve_http``); a scheduler-only process waits for them here."""
     from dit_serve.server import heap
     from dit_serve.server.service import Service
 
     heap.limit_arenas()  # before the service's threads exist (dit_serve.server.heap says why)
     cfg = _config(args)
     roles = ("api", "scheduler") if args.role == "all" else (args.role,)
+    with Service(cfg, roles=roles, http_thread=False) as svc:
+        where = svc.url if "api" in roles else "no HTTP (scheduler only)"
+        print(f"dit-serve: serving {', '.join(cfg.workers.models)} at {where}; "
+              f"store {cfg.store.database_url()}", flush=True)
+        if "api" in roles:
+            svc.serve_http()
+        else:
+            _serve_scheduler(svc, cfg)
+    return 0
+
+
+def _serve_scheduler(svc, cfg) -> None:
     stop, hurry = threading.Event(), threading.Event()
 
     def on_signal(*_):
         (hurry if stop.is_set() else stop).set()
 
-    with Service(cfg, roles=roles) as svc:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
-            signal.signal(sig, on_signal)
-        where = svc.url if "api" in roles else "no HTTP (scheduler only)"
-        print(f"dit-serve: serving {', '.join(cfg.workers.models)} at {where}; "
-              f"store {cfg.store.database_url()}", flush=True)
-        stop.wait()
-        print(f"dit-serve: stopping (draining for up to {cfg.scheduler.drain_seconds:.0f} s; "
-              "signal again to stop now)", file=sys.stderr, flush=True)
-        drainer = threading.Thread(target=svc.drain, daemon=True)
-        drainer.start()
-        while drainer.is_alive() and not hurry.wait(0.1):
-            pass
-    return 0
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
+        signal.signal(sig, on_signal)
+    stop.wait()
+    print(f"dit-serve: stopping (draining for up to {cfg.scheduler.drain_seconds:.0f} s; "
+          "signal again to stop now)", file=sys.stderr, flush=True)
+    svc.drain(hurry=hurry.is_set)
 
 
 def keys(args) -> int:

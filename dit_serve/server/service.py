@@ -8,16 +8,26 @@ the scheduler thread and the HTTP server thread.
 only one of them, e.g. several ``api`` processes and one ``scheduler`` sharing a PostgreSQL store.
 ``stop()`` stops accepting requests, hands the scheduler's leases back to the queue, stops the
 workers and shuts Ray down if this process started it.
+
+Embedded (a script, a test), the HTTP server runs on a thread of its own. ``dit-serve serve`` passes
+``http_thread=False`` and calls ``serve_http()`` on the main thread instead: uvicorn then handles
+SIGINT and SIGTERM itself and shuts down its own way (listeners closed, open event streams ended,
+requests in flight finished), and the app's lifespan drains the scheduler at its end (no new
+leases; running items may finish for up to ``[scheduler] drain_seconds``). A second signal skips
+what is left of the drain.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 from dit_serve.server.api import create_app
@@ -78,9 +88,31 @@ class Retention:
                 log.exception("retention round failed; retrying")
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server; a second signal of either kind (not only SIGINT) forces the exit, and open
+        event streams end as the shutdown begins (their clients resume elsewhere) instead of holding it
+        until the graceful-shutdown timeout."""
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None) -> None:
+            streams = getattr(self.config.app.state, "event_streams", None)
+            if streams is not None:
+                streams.close()
+            await super().shutdown(sockets)
+
+    return Server
+
+
 class Service:
-    def __init__(self, config: Config, roles: tuple[str, ...] = ("api", "scheduler")):
-        self.config, self.roles = config, roles
+    def __init__(self, config: Config, roles: tuple[str, ...] = ("api", "scheduler"), http_thread: bool = True):
+        self.config, self.roles, self.http_thread = config, roles, http_thread
         self.metrics = Metrics()
         self.store: Store | None = None
         self.scheduler = None
@@ -89,6 +121,8 @@ class Service:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._server = None
+        self._sock = None
+        self._drain_at_exit = False  # serve_http(): the lifespan's end drains the scheduler
         self._started_ray = False
         self.port: int | None = None
 
@@ -154,14 +188,34 @@ class Service:
 
         app = create_app(self.store, catalog, self.config.server, self.metrics,
                          lambda: self.scheduler.num_ready if self.scheduler else None, self.config.webhooks.allow_hosts)
-        sock = _bind(self.config.server.host, self.config.server.port)
-        self.port = sock.getsockname()[1]
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
-        self._server.install_signal_handlers = lambda: None  # signals belong to the main thread (the CLI)
-        self._spawn("http", self._server.run, [sock])
+        app.router.lifespan_context = self._lifespan
+        self._sock = _bind(self.config.server.host, self.config.server.port)
+        self.port = self._sock.getsockname()[1]
+        self._server = _server_class()(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+        if not self.http_thread:  # serve_http() runs it on the main thread
+            return
+        self._spawn("http", self._server.run, [self._sock])  # off the main thread uvicorn leaves signals alone
         if not _wait_for(lambda: self._server.started or not self._threads[-1].is_alive(), 30):
             raise ServiceError("the HTTP server did not start within 30 s")
         log.info("dit-serve API at %s", self.url)
+
+    def serve_http(self) -> None:
+        """Serve HTTP on the calling (main) thread until SIGINT or SIGTERM, with uvicorn's own signal
+        handling and graceful shutdown; the lifespan's end drains the scheduler. Returns once done."""
+        for sig in (signal.SIGINT, signal.SIGTERM):  # what uvicorn restores and raises again after its exit
+            signal.signal(sig, lambda *_: None)      # (the default would end the process before stop())
+        self._drain_at_exit = True
+        self._server.run([self._sock])
+
+    @asynccontextmanager
+    async def _lifespan(self, _app):
+        """Nothing to start (the store and the scheduler run before HTTP does); at the end of a
+        ``serve_http`` shutdown, the drain, off the event loop; a second signal ends it early."""
+        yield
+        if self._drain_at_exit and self.scheduler is not None:
+            print(f"dit-serve: stopping (draining for up to {self.config.scheduler.drain_seconds:.0f} s; "
+                  "signal again to stop now)", file=sys.stderr, flush=True)
+            await asyncio.to_thread(self.drain, None, lambda: self._server.force_exit)
 
     def _spawn(self, name: str, target, *args) -> None:
         t = threading.Thread(target=target, args=args, name=f"dit-serve-{name}", daemon=True)
@@ -172,14 +226,16 @@ class Service:
         """Block until at least one worker is ready (models loaded and warm)."""
         return _wait_for(lambda: self.scheduler is not None and self.scheduler.num_ready > 0, timeout)
 
-    def drain(self, timeout_s: float | None = None) -> bool:
+    def drain(self, timeout_s: float | None = None, hurry=lambda: False) -> bool:
         """Stop leasing new work and wait up to ``timeout_s`` (``[scheduler] drain_seconds``) for the
-        running items to finish; True if they did. ``stop`` then hands back whatever is left."""
+        running items to finish, or until ``hurry()``; True if they did. ``stop`` then hands back
+        whatever is left."""
         if self.scheduler is None:
             return True
         self.scheduler.draining = True
         timeout_s = self.config.scheduler.drain_seconds if timeout_s is None else timeout_s
-        return _wait_for(lambda: self.scheduler.held == 0, timeout_s, interval=0.1)
+        _wait_for(lambda: self.scheduler.held == 0 or hurry(), timeout_s, interval=0.1)
+        return self.scheduler.held == 0
 
     def stop(self) -> None:
         if self._server is not None:

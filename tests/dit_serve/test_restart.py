@@ -89,3 +89,59 @@ def test_restart_mid_job_loses_nothing(digits_model, tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_sigterm_ends_event_streams_at_once_and_a_second_one_skips_the_drain(digits_model, tmp_path):
+    """uvicorn handles the signals: the first SIGTERM closes the listener and ends open event streams
+    (their clients resume elsewhere) at once, then the drain starts; a second SIGTERM ends the drain
+    early, the process exits 0 and the unfinished items are back in the queue, not lost."""
+    import threading
+
+    port, data, log = _free_port(), tmp_path / "data", tmp_path / "serve.log"
+    config = tmp_path / "dit-serve.toml"
+    config.write_text(f'[server]\nport = {port}\n[store]\ndata_dir = "{data}"\n'
+                      f'[ray]\nnum_cpus = 2\n[workers]\nmodels = ["{digits_model}"]\nmax_batch = 16\n'
+                      '[scheduler]\ndrain_seconds = 120\n')
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve(config, log)
+    try:
+        _wait_ready(url, proc, log)
+        client = Client(url)
+        job = client.submit(labels=list(range(8)), steps=1000, seed=1)
+        while client.get(job, items=False).steps_done == 0:
+            time.sleep(0.05)
+        ended = threading.Event()
+
+        def follow():
+            for _ in Client(url).events(job):
+                pass
+
+        def run():
+            try:
+                follow()
+            except Exception:  # the stream ends with the server, one way or another
+                pass
+            ended.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert ended.wait(10), "an open event stream held the shutdown"
+        deadline = time.monotonic() + 30
+        while "stopping (draining" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
+        assert proc.poll() is None, "the drain should still be running"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        from dit_serve.server.store import Store
+
+        store = Store(f"sqlite:///{data / 'jobs.db'}", data)
+        try:
+            counts = store.get_job(job.id).counts
+        finally:
+            store.close()
+        assert set(counts) <= {"queued", "done"} and counts.get("queued", 0) > 0, counts
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
