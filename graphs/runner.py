@@ -15,6 +15,9 @@ Contract
   runners for several latent shapes) may share one pool and one stream (``pool=``, ``stream=``): on one
   stream a later capture reuses the blocks earlier captures freed, so the pool holds the largest
   shape's working memory once. Each bucket's replay is then timed (median of a few, CUDA events) into ``replay_ms``.
+  A compiled step (``graphs.compiled.CompiledStep``) compiles in its first warm-up call, at the largest
+  bucket, before any capture; under the ``eager`` backend warm-up still calls it once per bucket, so it
+  compiles at start-up rather than in the first request.
 * What happens on a miss: a bucket whose capture raises (``.item()``, a host copy, an unsupported
   op) is logged with the reason, counted in ``capture_failures`` and served eagerly through the
   same static buffers; the buckets after it are captured into a fresh pool when the failure left
@@ -51,6 +54,7 @@ import torch
 
 from .arena import Arena, TensorSpec
 from .breakable import BreakableCUDAGraph, require_cuda
+from .compiled import CompiledStep
 from .splitter import bucket_sizes, check_timings, split_batch
 
 __all__ = ["BACKENDS", "BucketStats", "GraphRunner"]
@@ -192,6 +196,9 @@ class GraphRunner:
                         self._capture_all()
                         self._replay_ms = {b: self._time_bucket(b) for b in self.buckets}
                         self._plans = {}
+                elif isinstance(self._fn, CompiledStep):
+                    for b in sorted(self.buckets, reverse=True):
+                        self._step(b)
             self._warmed = True
         logger.info("GraphRunner warm-up done: %s", self._summary())
         return self.stats()

@@ -11,6 +11,10 @@ batch mixes samplers, step counts, steps and guidance scales, and requests join 
 step boundary (step-level batching). Finished latents are decoded (VAE for latent models) into
 uint8 images.
 
+Compiled steps (``EngineConfig.compile = "inductor"``): each group's step is compiled by Inductor once,
+with a dynamic batch, at warm-up, and captured into the same graphs (``graphs.compiled``); the attention
+breaks stay breaks. Compile time, graphs compiled and cache hits are in ``stats()`` per group.
+
 Previews (``ItemSpec.preview_every``): after a group's step, the requests that asked for one at this
 step (every N-th, not the last) get their denoised estimate (``hist_next``, a graph output) mapped to
 small RGB by ``workers.previews``, outside the graph: one batched matmul and resize per group, a uint8
@@ -33,10 +37,12 @@ import numpy as np
 import torch
 
 from graphs import GraphKey, GraphRunner, TensorSpec
+from graphs.compiled import CompiledStep, opaque_break, use_cache_dir
 from samplers import Plan, make_plan
 from workers.families import family_of
 from workers.loading import LoadedModel
-from workers.patches import break_attention
+from workers.patches import AttentionScratch, attention_into, break_attention
+from workers.varlen import varlen_attention_into
 from workers.previews import preview_map_of, to_rgb
 from workers.spec import ItemSpec
 
@@ -77,6 +83,17 @@ class EngineConfig:
                                   # idle ones beyond it are dropped, and captured again when asked for)
     cross_attention: str = "auto"  # text families: "padded" (to max_tokens, masked) | "varlen" (real lengths)
                                    # | "auto" (the family's measured default)
+    compile: str = "off"          # "inductor": each step compiled by Inductor once per model and latent shape
+                                  # (dynamic batch), then captured as before (graphs.compiled) | "off"
+    compile_cache: str = ""       # Inductor's cache directory, kept across restarts ("": Inductor's default,
+                                  # under the temp directory)
+
+    def __post_init__(self) -> None:
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
+
+
+COMPILE_MODES = ("off", "inductor")
 
 
 @dataclass
@@ -99,6 +116,7 @@ class _Group:
     shape: tuple[int, int, int]  # the latents' (C, H, W)
     active: list[_Active] = field(default_factory=list)
     last_used: int = 0           # the engine's step count when it last ran or admitted
+    compiled: CompiledStep | None = None  # the runner's step, when config.compile is on
 
 
 BASE_INPUTS = ("x", "t", "guidance", "coeffs", "hist", "noise")
@@ -127,12 +145,16 @@ class Engine:
         self._pools: dict[torch.device, tuple] = {}  # one graph pool and stream per device, for every shape
         self._warm = False
         self.steps_run = 0
+        if config.compile != "off":
+            _prepare_compile(config.compile_cache)
         for m in models:
             family = family_of(m)
             if config.backend == "breakable" and config.attention_break and family.BREAK_ATTENTION:
                 break_attention(m.transformer)
             if hasattr(family, "set_cross_attention"):
                 family.set_cross_attention(m, config.cross_attention)
+            if config.compile != "off":
+                _traceable_scratch(m.transformer)
             self._group(m, tuple(m.latent_shape))
         self.real_rows = 0    # sample-steps served
         self.padded_rows = 0  # bucket rows replayed without a sample in them (padding waste)
@@ -153,11 +175,14 @@ class Engine:
             self._pools[device] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
         pool, stream = self._pools.get(device, (None, None))
         inputs, outputs = step_specs(model, shape)
-        runner = GraphRunner(family_of(model).make_step(model, shape), inputs, outputs,
+        step = family_of(model).make_step(model, shape)
+        compiled = None if self.config.compile == "off" else \
+            CompiledStep(step, f"{model.name} at {'x'.join(map(str, shape))}")
+        runner = GraphRunner(compiled or step, inputs, outputs,
                              max_batch=self.config.max_batch, backend=self.config.backend, device=device,
                              pool=pool, stream=stream)
         key = GraphKey(model.name, shape, str(model.dtype).removeprefix("torch."), runner.backend)
-        self.groups[key] = _Group(model, runner, shape, last_used=self.steps_run)
+        self.groups[key] = _Group(model, runner, shape, last_used=self.steps_run, compiled=compiled)
         self._keys[model.name, shape] = key
         if self._warm:  # a size first asked for while serving: captured now, once (logged)
             log.info("capturing %s at latent shape %s on first use", model.name, "x".join(map(str, shape)))
@@ -362,7 +387,47 @@ class Engine:
         return {"steps": self.steps_run, "real_rows": self.real_rows, "padded_rows": self.padded_rows,
                 "previews": self.previews_made,
                 "groups": {f"{k.model}:{'x'.join(map(str, k.latent_shape))}:{k.dtype}:{k.backend}":
-                           g.runner.stats() for k, g in self.groups.items()}}
+                           _group_stats(g) for k, g in self.groups.items()}}
+
+
+def _group_stats(group: _Group) -> dict:
+    """The runner's counters, and the compiler's (graphs, seconds, cache hits) when the step is compiled."""
+    stats = group.runner.stats()
+    return stats if group.compiled is None else stats | {"compile": group.compiled.stats()}
+
+
+def _prepare_compile(cache_dir: str) -> None:
+    """Before compiling steps: the attention breaks stay opaque calls for dynamo (so a breakable capture
+    still breaks there) and Inductor's cache goes where the config says."""
+    opaque_break(attention_into)
+    opaque_break(varlen_attention_into)
+    if cache_dir:
+        use_cache_dir(cache_dir)
+
+
+class _TracedScratch(AttentionScratch):
+    """The attention breaks' shared scratch (workers.patches), except while dynamo traces: then fresh q, k,
+    v and output tensors. An ``out=`` write into a slice of one fixed-size buffer makes dynamo specialise
+    the batch (functionalising a write into a view whose size depends on it; torch 2.13), so the step
+    would not compile with a dynamic batch; in a compiled step the tensors are Inductor's to place, and
+    it reuses their memory from layer to layer as the scratch does. Eager calls (an uncompiled step, a
+    fallback) still share the one buffer."""
+
+    def views(self, rows: int, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if torch.compiler.is_compiling():
+            return tuple(torch.empty(rows, dim, dtype=like.dtype, device=like.device) for _ in range(4))
+        return super().views(rows, dim, like)
+
+
+def _traceable_scratch(transformer: torch.nn.Module) -> None:
+    """Give every attention processor of ``transformer`` that has a scratch a ``_TracedScratch`` (one per
+    scratch they shared)."""
+    traced: dict[int, _TracedScratch] = {}
+    for module in transformer.modules():
+        proc = getattr(module, "processor", None)
+        scratch = getattr(proc, "scratch", None)
+        if isinstance(scratch, AttentionScratch) and not isinstance(scratch, _TracedScratch):
+            proc.scratch = traced.setdefault(id(scratch), _TracedScratch())
 
 
 def _upload(t: torch.Tensor, device) -> torch.Tensor:

@@ -1,0 +1,298 @@
+"""Inductor's kernels inside our graphs: one CFG denoising step of DiT-XL/2 at 256 px (random weights, bf16).
+
+Systems, at 1 and 64 images (2 and 128 transformer rows), median ms of ``GraphRunner.run`` (or the loop
+body), synchronised:
+  diffusers            the loop body of diffusers' DiTPipeline, eager (bench/step_latency.py's)
+  breakable            our engine's runner: breakable graphs, each layer's attention an eager break
+  breakable+inductor   the same with ``EngineConfig(compile="inductor")``: the step compiled once with a
+                       dynamic batch, Inductor's kernels captured between the breaks (graphs.compiled)
+  full+inductor        the compiled step captured whole, one CUDA graph per bucket (attention inside)
+plus the graph pool and the segments per bucket of each; the largest |x_next| difference of each compiled
+system from `breakable` on the same inputs (full+inductor also runs diffusers' attention inside the graph
+instead of the break); the seconds each engine took to warm (full+inductor compiles its own graph, cold);
+and the start of a breakable+inductor worker in a fresh process, before anything else runs: cold (an
+empty cache directory) and warm (the same directory again): seconds to a warmed engine, seconds spent in
+calls that compiled, Inductor's FX-graph cache hits and misses. Each part runs in its own try: a failure
+is recorded in the report and the rest still runs. Writes kernels.json and kernels.md (kernels_smoke.*
+with --smoke) under --out after each part.
+
+    python bench/kernels.py                                   # on a GPU (~5 min on an H200)
+    python bench/kernels.py --model pixart-sigma-1024 --images 1 8 --max-batch 8
+    python bench/kernels.py --smoke                           # the digits model on a CPU (~1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+
+
+def _bench_module(name: str):
+    """A sibling benchmark file as a module (bench/ is not a package), loaded once."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+SYSTEMS = {  # name -> (backend, compile)
+    "breakable": ("breakable", "off"),
+    "breakable+inductor": ("breakable", "inductor"),
+    "full+inductor": ("full", "inductor"),
+}
+
+
+def device_setup(smoke: bool) -> tuple[str, torch.dtype]:
+    return ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+
+
+def iters(args, images: int) -> int:
+    """Timed repetitions: as step_latency at 256 px."""
+    return 3 if args.smoke else (30 if images <= 8 else 12)
+
+
+def median_ms(fn, iters: int) -> float:
+    """Median wall time of fn() in ms: step_latency's ``cuda_ms`` on a GPU, the same loop on a CPU."""
+    if torch.cuda.is_available():
+        return _bench_module("step_latency").cuda_ms(fn, iters)
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+# -- what a step reads, per family ------------------------------------------------------------------
+def step_inputs(model, images: int) -> dict[str, torch.Tensor]:
+    """Our step's inputs for ``images`` images, seeded: DiT at step 10 of DDIM 50 with guidance 4 (as
+    step_latency, with labels among the model's classes); PixArt as bench/pixart.py's step section."""
+    if model.card.family == "pixart":
+        px = _bench_module("pixart")
+        return px.live_inputs(model, images, px.make_prompts(), px.Setup())
+    from samplers import gather_rows, make_plan
+
+    g, dev = torch.Generator().manual_seed(images), model.device
+    t, coeffs = gather_rows([make_plan("ddim", 50, model.schedule)] * images, [10] * images)
+    x = torch.randn(images, *model.latent_shape, generator=g)
+    labels = torch.randint(0, model.num_classes, (images,), generator=g)
+    return {k: v.to(dev) for k, v in dict(x=x, t=t, coeffs=coeffs, labels=labels, guidance=torch.full((images,), 4.0),
+                                           hist=torch.zeros_like(x), noise=torch.zeros_like(x)).items()}
+
+
+def diffusers_loop_body(model, images: int, inputs: dict):
+    """The reference pipeline's loop body at ``images`` images, or a reason it cannot run on this model."""
+    if model.card.family == "pixart":
+        return _bench_module("pixart").diffusers_step(model, inputs, _bench_module("pixart").Setup())
+    if model.num_classes != 1000:
+        return f"step_latency.diffusers_step_fn draws ImageNet's 1000 classes; {model.name} has {model.num_classes}"
+    return _bench_module("step_latency").diffusers_step_fn(model, images)
+
+
+# -- systems ------------------------------------------------------------------------------------------
+def build_engine(model, backend: str, compile_mode: str, max_batch: int, cache: str):
+    """A warmed engine as a worker builds it; returns (engine, its runner, seconds to warm)."""
+    from workers.engine import Engine, EngineConfig
+
+    t0 = time.perf_counter()
+    engine = Engine(model, EngineConfig(backend=backend, max_batch=max_batch, compile=compile_mode,
+                                        compile_cache=cache))
+    engine.warmup()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return engine, next(iter(engine.groups.values())).runner, time.perf_counter() - t0
+
+
+def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
+    """Median ms at each image count, pool, warm-up and compile stats; `breakable` fills ``reference``
+    (x_next per image count), the others report their largest difference from it."""
+    from workers.patches import restore_attention
+
+    backend, compile_mode = SYSTEMS[name]
+    if backend != "breakable" and model.card.family == "dit":
+        restore_attention(model.transformer)  # diffusers' own attention inside the graph, as `full` serves it
+    engine, runner, warm_s = build_engine(model, backend, compile_mode, args.max_batch, str(args.cache))
+    stats = engine.stats()["groups"]
+    block = {"warmup_s": round(warm_s, 2), "ms": {}, "max_abs_diff": {},
+             "pool_mib": round(runner.stats()["pool_reserved_bytes"] / 2**20, 1),
+             "compile": next(iter(stats.values())).get("compile"),
+             "segments_per_bucket": {b: s["segments"] for b, s in runner.stats()["buckets"].items()}}
+    with torch.no_grad():
+        for n, inp in inputs.items():
+            block["ms"][n] = round(median_ms(lambda: runner.run(**inp), iters(args, n)), 3)
+            x_next = runner.run(**inp)["x_next"].float()
+            if name == "breakable":
+                reference[n] = x_next
+            elif n in reference:
+                block["max_abs_diff"][n] = (x_next - reference[n]).abs().max().item()
+    engine = runner = None  # its graphs and pool go before the next system's
+    free()
+    return block
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# -- a worker's start, in a fresh process ---------------------------------------------------------------
+def child(args) -> dict:
+    """Load the model and warm a breakable+inductor engine with --cache; what the parent records."""
+    from workers.loading import load_model
+
+    device, dtype = device_setup(args.smoke)
+    t0 = time.perf_counter()
+    model = load_model(args.model, device=device, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    engine, _, warm_s = build_engine(model, "breakable", "inductor", args.max_batch, str(args.cache))
+    return {"load_s": round(load_s, 2), "ready_s": round(warm_s, 2),
+            "compile": next(iter(engine.stats()["groups"].values()))["compile"]}
+
+
+def start(args, kind: str) -> dict:
+    """One child run (``kind``: "cold" or "warm" is what the cache holds by then) and its wall time."""
+    cmd = [sys.executable, __file__, "--child", "--model", args.model, "--max-batch", str(args.max_batch),
+           "--cache", str(args.cache)] + (["--smoke"] if args.smoke else [])
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} start exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_s": round(time.perf_counter() - t0, 2)}
+
+
+# -- the run --------------------------------------------------------------------------------------------
+def run(args, result: dict, save) -> None:
+    from workers.loading import load_model
+
+    for kind in ("cold", "warm"):  # first, while this process holds no GPU memory
+        attempt(result, f"start/{kind}", lambda: result["start"].__setitem__(kind, start(args, kind)), save)
+    device, dtype = device_setup(args.smoke)
+    model = load_model(args.model, device=device, dtype=dtype)
+    inputs = {n: step_inputs(model, n) for n in args.images}
+    reference: dict = {}
+
+    def diffusers() -> None:
+        block = result["systems"]["diffusers"] = {"ms": {}}
+        with torch.no_grad():
+            for n, inp in inputs.items():
+                body = diffusers_loop_body(model, n, inp)
+                if isinstance(body, str):
+                    block["skipped"] = body
+                    return
+                block["ms"][n] = round(median_ms(body, iters(args, n)), 3)
+
+    attempt(result, "diffusers", diffusers, save)
+    for name in SYSTEMS:
+        attempt(result, name, lambda: result["systems"].__setitem__(
+            name, bench_system(model, name, args, inputs, reference)), save)
+
+
+def attempt(result: dict, part: str, fn, save) -> None:
+    """Run one part; an exception is recorded under errors[part] (the report keeps the other parts)."""
+    t0 = time.perf_counter()
+    try:
+        fn()
+    except Exception as exc:  # a benchmark part failing is a result to report, not a reason to stop
+        result["errors"][part] = f"{type(exc).__name__}: {exc}"[:4000]
+        free()
+    print(f"{part}: {time.perf_counter() - t0:.1f} s" + (f" FAILED {result['errors'][part][:300]}"
+                                                         if part in result["errors"] else ""), flush=True)
+    save()
+
+
+def markdown(result: dict) -> str:
+    images = result["images"]
+    lines = [f"# Inductor inside our graphs: {result['model']}, one CFG step (median ms)", "",
+             f"{result['hardware']}; torch {result['torch']}, triton {result['triton']}, diffusers "
+             f"{result['diffusers']}; buckets up to {result['max_batch']}.", "",
+             "| system | " + " | ".join(f"{n} image{'s' * (n > 1)} ({2 * n} rows)" for n in images)
+             + " | graph pool MiB | max abs diff x_next vs breakable | warm-up s | compiling s (graphs) |",
+             "|---|" + "---|" * (len(images) + 4)]
+    for name, block in result["systems"].items():
+        ms = [f"{block['ms'][n]:.2f}" if n in block.get("ms", {}) else "-" for n in images]
+        diff = ", ".join(f"{d:.2e}" for d in block.get("max_abs_diff", {}).values())
+        c = block.get("compile")
+        compiling = f"{c['compile_s']} ({c['graphs']})" if c else ""
+        lines.append(f"| {name} | " + " | ".join(ms) + f" | {block.get('pool_mib', '')} | {diff} | "
+                     f"{block.get('warmup_s', '')} | {compiling} |")
+    lines += [f"\n{name} skipped: {block['skipped']}" for name, block in result["systems"].items() if "skipped" in block]
+    lines += ["", "Worker start with compile=\"inductor\" (breakable), a fresh process each:", "",
+              "| cache | process s | model load s | engine ready s | in compiling calls s | FX cache hits / misses |",
+              "|---|---|---|---|---|---|"]
+    for kind, s in result["start"].items():
+        c = s["compile"] or {}
+        lines.append(f"| {kind} | {s['process_s']} | {s['load_s']} | {s['ready_s']} | {c.get('compile_s')} | "
+                     f"{c.get('fx_cache_hits')} / {c.get('fx_cache_misses')} |")
+    lines += [""] + [f"- {part} failed: `{err.splitlines()[0][:300]}`" for part, err in result["errors"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="dit-xl-2-256", help="a built-in or a model directory (default dit-xl-2-256)")
+    p.add_argument("--images", type=int, nargs="+", default=[1, 64], help="images per step (rows are twice that)")
+    p.add_argument("--max-batch", type=int, default=64, help="largest bucket of the engines")
+    p.add_argument("--cache", type=Path, help="Inductor cache directory; must be empty (default: a fresh temp dir)")
+    p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    p.add_argument("--child-timeout", type=float, default=420.0, help="seconds a worker start may take")
+    p.add_argument("--smoke", action="store_true", help="the digits model on a CPU, small batches")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a worker start, for the parent
+    args = p.parse_args(argv)
+    if args.smoke and args.model == "dit-xl-2-256":
+        args.model, args.images, args.max_batch = "digits", [1, 4], 4
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    args.cache = args.cache or Path(tempfile.mkdtemp(prefix="kernels-inductor-"))
+    if args.cache.exists() and any(args.cache.iterdir()):
+        raise SystemExit(f"--cache {args.cache} is not empty: the cold start needs an empty cache")
+    result = {"model": args.model, "images": args.images, "max_batch": args.max_batch, **versions(args.smoke),
+              "cache": str(args.cache), "systems": {}, "start": {}, "errors": {}}
+    name = "kernels_smoke" if args.smoke else "kernels"
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / f"{name}.md").write_text(markdown(result))
+
+    t0 = time.perf_counter()
+    run(args, result, save)
+    result["bench_s"] = round(time.perf_counter() - t0, 1)
+    save()
+    print(markdown(result) + f"\nbenchmark took {result['bench_s']:.0f} s")
+
+
+def versions(smoke: bool) -> dict:
+    import diffusers
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    hardware = torch.cuda.get_device_name() if not smoke and torch.cuda.is_available() else \
+        f"CPU ({platform.processor() or platform.machine()})"
+    return {"hardware": hardware, "torch": torch.__version__, "triton": triton_version,
+            "diffusers": diffusers.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
+
+
+if __name__ == "__main__":
+    main()

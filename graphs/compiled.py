@@ -1,0 +1,163 @@
+"""Compiled regions inside captured graphs: a step compiled by Inductor, then captured as any step is.
+
+Contract
+--------
+* What is compiled: the whole step callable the runner receives (CFG, transformer, sampler update),
+  by ``torch.compile`` with Inductor in its default mode: fused Triton (or C++) kernels, and no CUDA
+  graphs of Inductor's own (never ``reduce-overhead``): ``GraphRunner`` captures the compiled code into
+  its breakable graphs as it captures eager code, so buckets, pool and replays work as before.
+* One compile per step (a model at one latent shape), for every bucket: the batch dimension (dim 0 of
+  every input) is marked dynamic, strictly, with ``fullgraph=True``: a model that specialises the
+  batch, or that dynamo cannot trace in one graph, fails to compile instead of recompiling per bucket.
+  dynamo specialises sizes 0 and 1, so a one-row call runs as two rows, the second one dropped: the
+  next row of the same storage (the runner's static buffers: a stale padding row, as in any bucket) or
+  a copy of the first. The step is row-independent (pitfall 9); one more row costs less than a compile.
+* Breaks stay breaks: dynamo would trace into an ``@eager_on_graph`` function, whose code reads the
+  thread's capture state: the compiled step would hold for "no capture" only, and a capture would make
+  dynamo compile again inside it, tracing the capture's own CUDA graph calls. ``opaque_break(fn)`` makes
+  fn a custom op that dynamo keeps as one opaque call: the step is traced once, and at run time the op
+  calls fn, so under a breakable capture the segment ends there as before (the same segments and
+  breaks as the uncompiled step). fn takes tensors only and writes its result into one of them.
+* When compilation happens: on the first call (the runner's warm-up runs every bucket eagerly before
+  capturing it, largest first, so the compile sees the largest batch and every later bucket reuses
+  it). A compile or run that raises logs a warning, and the step is the plain one from then on:
+  serving never depends on the compiler.
+* The artefacts are cached on disk (``use_cache_dir``): a restarted worker, or a new one on a node
+  with the cache, traces the step again (dynamo is not cached) but loads Inductor's kernels.
+* Counters (``stats()``): graphs compiled (recompiles are graphs after the first), seconds spent in
+  calls that compiled, Inductor's FX-graph cache hits and misses, and the fallback reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import re
+import time
+from typing import Callable, Mapping
+
+import torch
+
+__all__ = ["CompiledStep", "opaque_break", "use_cache_dir"]
+
+logger = logging.getLogger(__name__)
+
+_OPAQUE: dict[Callable, str] = {}  # marked function -> its op's name
+
+
+@functools.cache
+def _lib() -> torch.library.Library:
+    """The opaque breaks' ops, graphs::<name>: made on first use, kept for the process."""
+    return torch.library.Library("graphs", "FRAGMENT")
+
+
+def use_cache_dir(path: str | os.PathLike) -> None:
+    """Keep Inductor's compiled graphs, kernels and autotuning results under ``path``.
+
+    Inductor reads its cache root from TORCHINDUCTOR_CACHE_DIR at each lookup (Triton's kernel cache
+    sits under it unless TRITON_CACHE_DIR says otherwise), so the variable is the switch; the
+    in-memory caches keyed by the old root are cleared.
+    """
+    from torch._inductor.utils import clear_caches
+
+    os.makedirs(path, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(path)
+    torch._inductor.config.fx_graph_cache = True        # compiled FX graphs (the wrapper code)
+    torch._inductor.config.autotune_local_cache = True  # autotuning choices, next to the kernels
+    torch._functorch.config.enable_autograd_cache = True  # AOTAutograd's graphs: the warm path
+    clear_caches()
+
+
+def opaque_break(fn: Callable, out: str = "out") -> None:
+    """Keep the ``@eager_on_graph`` function ``fn`` as one opaque call in compiled graphs.
+
+    fn's parameters are tensors; it writes its result into the one named ``out`` and returns None
+    (the breaks in ``workers`` do). Registered once per function, for the life of the process.
+    """
+    if fn in _OPAQUE:
+        return
+    params = list(inspect.signature(fn).parameters)
+    if out not in params:
+        raise ValueError(f"{fn.__qualname__} has no parameter {out!r} to write its result into")
+    name = re.sub(r"\W", "_", f"{fn.__module__}_{fn.__qualname__}")
+    args = ", ".join(f"Tensor(a!) {p}" if p == out else f"Tensor {p}" for p in params)
+    _lib().define(f"{name}({args}) -> ()")
+    _lib().impl(name, fn, "CompositeExplicitAutograd")  # runs fn: a break under a breakable capture
+    torch.library.register_fake(f"graphs::{name}", lambda *args, **kwargs: None, lib=_lib())
+    op = getattr(torch.ops.graphs, name)
+    # dynamo calls the op where it would have inlined fn; eager callers still call fn itself
+    torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(lambda *a, **kw: op(*a, **kw))
+    _OPAQUE[fn] = name
+
+
+def _two_rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-row view of t's storage (same address and strides: a copy would fail dynamo's guards on the
+    storage offset, i.e. recompile), or t's row repeated when its storage ends after the first row."""
+    try:
+        return t.as_strided((2, *t.shape[1:]), t.stride(), t.storage_offset())
+    except RuntimeError:  # the storage ends after the first row
+        return t.repeat(2, *(1,) * (t.dim() - 1))
+
+
+class CompiledStep:
+    """``fn`` compiled by Inductor with a dynamic batch, or ``fn`` itself after a failure (see above)."""
+
+    def __init__(self, fn: Callable[..., Mapping[str, torch.Tensor]], name: str) -> None:
+        self.fn, self.name = fn, name
+        self._compiled = torch.compile(fn, backend=self._inductor, fullgraph=True)
+        self.graphs = 0           # graphs Inductor compiled for this step; > 1 means recompiles
+        self.compile_s = 0.0      # wall time of the calls that compiled (tracing, Inductor, first run)
+        self.cache_hits = 0       # of Inductor's FX-graph cache during those calls
+        self.cache_misses = 0
+        self.fallback_reason: str | None = None
+
+    def _inductor(self, gm: torch.fx.GraphModule, example_inputs) -> Callable:
+        """The backend: Inductor, counted (torch.compile's "inductor" backend in mode "default")."""
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(gm, example_inputs)
+        self.graphs += 1
+        return compiled
+
+    @property
+    def compiled(self) -> bool:
+        return self.fallback_reason is None
+
+    def __call__(self, **inputs: torch.Tensor) -> Mapping[str, torch.Tensor]:
+        if not self.compiled:
+            return self.fn(**inputs)
+        rows = next(iter(inputs.values())).shape[0]
+        args = inputs if rows != 1 else {k: _two_rows(v) for k, v in inputs.items()}
+        for t in args.values():
+            torch._dynamo.mark_dynamic(t, 0)
+        try:
+            out = self._timed(args)
+        except Exception as exc:  # the compiler's failure must not become the request's
+            self.fallback_reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            logger.warning("%s: compiled step failed, running it uncompiled: %s", self.name, self.fallback_reason)
+            return self.fn(**inputs)
+        return out if rows != 1 else {k: v[:1] for k, v in out.items()}
+
+    def _timed(self, inputs: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        from torch._dynamo.utils import counters
+
+        graphs, t0 = self.graphs, time.perf_counter()
+        hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+        # dynamo's per-code recompile limit (8) counts every model and shape whose step shares this code
+        with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096):
+            out = self._compiled(**inputs)
+        if self.graphs != graphs:
+            self.compile_s += time.perf_counter() - t0
+            self.cache_hits += counters["inductor"]["fxgraph_cache_hit"] - hits
+            self.cache_misses += counters["inductor"]["fxgraph_cache_miss"] - misses
+            if self.graphs > 1:
+                logger.warning("%s: recompiled (%d graphs); the batch should be the only dynamic size",
+                               self.name, self.graphs)
+        return out
+
+    def stats(self) -> dict:
+        return {"compiled": self.compiled, "graphs": self.graphs, "compile_s": round(self.compile_s, 3),
+                "fx_cache_hits": self.cache_hits, "fx_cache_misses": self.cache_misses,
+                "fallback_reason": self.fallback_reason}

@@ -1,0 +1,246 @@
+"""graphs.compiled on a CPU (Inductor's C++ backend): one compile serves every bucket, an eager break
+stays a call in the compiled code, a step that cannot compile runs uncompiled, and a second process
+with the same cache directory hits Inductor's cache. Then the same on the shipped digits model through
+the engine.
+
+A CPU cannot capture CUDA graphs, so the breaks are checked with a stand-in for the breakable capture
+on this thread (``recording``): what calls reach it is what a real capture would cut segments at. The
+GPU file (test_compiled_gpu.py) captures for real. Compiles take seconds each here: marked slow.
+"""
+
+import contextlib
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphs import GraphRunner, TensorSpec, breakable, eager_on_graph
+from graphs.compiled import CompiledStep, opaque_break
+
+pytestmark = pytest.mark.slow
+
+INPUTS = {"x": TensorSpec((16,), torch.float32), "t": TensorSpec((), torch.float32)}
+OUTPUTS = {"y": TensorSpec((16,), torch.float32), "m": TensorSpec((), torch.float32)}
+TOL = 1e-5  # float32, Inductor's fused kernels against eager's: rounding only
+
+
+@eager_on_graph
+def rownorm_into(h, out):
+    """A stand-in for attention: a row-wise kernel that a breakable capture runs eagerly."""
+    out.copy_(h / (h.norm(dim=-1, keepdim=True) + 1.0))
+
+
+@eager_on_graph
+def rownorm_unregistered_into(h, out):
+    """The same, never passed to opaque_break: dynamo traces into it."""
+    out.copy_(h / (h.norm(dim=-1, keepdim=True) + 1.0))
+
+
+def make_step(norm=rownorm_into, seed=0):
+    """A row-wise step: gelu MLP around one break."""
+    g = torch.Generator().manual_seed(seed)
+    w1, b1, w2 = torch.randn(16, 32, generator=g) / 4, torch.randn(32, generator=g), torch.randn(32, 16, generator=g) / 6
+
+    def step(x, t):
+        h = F.gelu(x @ w1 + b1 + t[:, None])  # (b, 32)
+        out = torch.empty_like(h)
+        norm(h, out)                          # (b, 32), a break under a breakable capture
+        return {"y": x + out @ w2, "m": out.mean(dim=-1)}  # (b, 16), (b,)
+
+    return step
+
+
+def make_inputs(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(n, 16, generator=g), "t": torch.randn(n, generator=g)}
+
+
+def assert_close(got, want):
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=TOL, rtol=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    opaque_break(rownorm_into)
+
+
+class Recording:
+    """Stands in for breakable's capture on this thread: each marked call reaches break_on, as in a capture."""
+
+    def __init__(self):
+        self.breaks = []
+
+    def break_on(self, fn, args, kwargs):
+        self.breaks.append(fn)
+        return fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def recording():
+    rec = breakable._local.capture = Recording()
+    try:
+        yield rec
+    finally:
+        breakable._local.capture = None
+
+
+def test_one_compile_at_warmup_serves_every_bucket():
+    from torch._dynamo.utils import counters
+
+    plain, graphs0 = make_step(), counters["stats"]["unique_graphs"]
+    step = CompiledStep(plain, "mlp")
+    runner = GraphRunner(step, INPUTS, OUTPUTS, max_batch=8, device="cpu")
+    runner.warmup()  # eager backend: still calls the compiled step once per bucket, largest first
+    assert step.graphs == 1 and step.compile_s > 0
+    for n in range(10):  # 9 = 8 + 1: the one-row bucket runs as two rows of the same static buffers
+        live = make_inputs(n, seed=n)
+        assert_close(runner.run(**live), plain(**live))
+    assert step.stats() == {**step.stats(), "compiled": True, "graphs": 1, "fallback_reason": None}
+    assert counters["stats"]["unique_graphs"] - graphs0 == 1  # dynamo's own count agrees: no recompile
+
+
+def test_a_break_stays_a_call_in_the_compiled_step():
+    plain = make_step()
+    step = CompiledStep(plain, "mlp")
+    live = make_inputs(4)
+    step(**live)  # compiles outside any capture, as warm-up does
+    with recording() as eager_run:
+        want = plain(**live)
+    with recording() as compiled_run:
+        got = step(**live)
+    assert_close(got, want)
+    assert eager_run.breaks == compiled_run.breaks == [rownorm_into.__wrapped__]
+    assert step.graphs == 1  # the code compiled outside the capture is the code that runs inside it
+
+
+def test_an_unregistered_break_recompiles_when_a_capture_starts():
+    """Why opaque_break exists: dynamo traces into a marked function, whose code reads the thread's
+    capture state; the compiled step holds for "no capture" only, and inside a capture dynamo compiles
+    again, tracing the capture's bookkeeping (with a real capture: CUDA graph calls, during capture)."""
+    step = CompiledStep(make_step(rownorm_unregistered_into), "mlp")
+    live = make_inputs(4)
+    step(**live)
+    assert step.graphs == 1
+    with recording():
+        step(**live)
+    assert step.graphs == 2
+
+
+def _graph_break(x, t):
+    y = x * 2
+    torch._dynamo.graph_break()  # fullgraph=True refuses this
+    return {"y": y, "m": t}
+
+
+def _batch_of_eight_only(x, t):
+    scale = 2.0 if x.shape[0] == 8 else 3.0  # specialises the dynamic batch: strict marking refuses
+    return {"y": x * scale, "m": t}
+
+
+@pytest.mark.parametrize("fn", [_graph_break, _batch_of_eight_only])
+def test_a_step_that_cannot_compile_runs_uncompiled_with_one_warning(fn, caplog):
+    step = CompiledStep(fn, "bad")
+    with caplog.at_level(logging.WARNING, logger="graphs.compiled"):
+        for n in (8, 4, 8):
+            live = make_inputs(n, seed=n)
+            assert_close(step(**live), fn(**live))
+    assert not step.compiled and step.fallback_reason
+    assert sum("running it uncompiled" in r.getMessage() for r in caplog.records) == 1
+    assert step.stats()["compiled"] is False
+
+
+CHILD = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, {tests!r})
+    from graphs.compiled import CompiledStep, opaque_break, use_cache_dir
+    from test_compiled import make_inputs, make_step, rownorm_into
+    use_cache_dir(sys.argv[1])
+    opaque_break(rownorm_into)
+    step = CompiledStep(make_step(), "mlp")
+    with torch.no_grad():
+        step(**make_inputs(8))
+    print(json.dumps(step.stats()))
+""")
+
+
+def test_a_second_process_with_the_same_cache_dir_hits_the_cache(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(tests=str(Path(__file__).parent)))
+    cache = tmp_path / "cache"
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(script), str(cache)], capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["graphs"] == warm["graphs"] == 1
+    assert (cold["fx_cache_hits"], cold["fx_cache_misses"]) == (0, 1)
+    assert (warm["fx_cache_hits"], warm["fx_cache_misses"]) == (1, 0)
+    assert (cache / "fxgraph").is_dir()  # Inductor wrote where it was told
+    print(f"compile: cold {cold['compile_s']} s, warm {warm['compile_s']} s")
+
+
+# -- the digits model through the engine ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def digits():
+    from workers.loading import load_model
+
+    return load_model("digits")
+
+
+def _req(i):
+    from workers.spec import ItemSpec
+
+    return ItemSpec(id=f"r{i}", label=i % 10, seed=100 + i, sampler="ddim", steps=4, guidance=2.0)
+
+
+def test_compiled_digits_engine_matches_uncompiled_with_one_graph_and_the_same_breaks(digits):
+    from workers.engine import Engine, EngineConfig
+    from workers.loading import load_model
+    from workers.patches import attention_into
+
+    compiled = Engine(digits, EngineConfig(backend="breakable", max_batch=8, compile="inductor"))
+    compiled.warmup()  # the compile happens here, on a CPU too
+    assert next(iter(compiled.groups.values())).compiled.graphs == 1
+    plain = Engine(load_model("digits"), EngineConfig(backend="breakable", max_batch=8))
+    reqs = [_req(i) for i in range(13)]  # 8 + 4 + 1 per step
+    for a, b in zip(compiled.generate(reqs), plain.generate(reqs)):
+        assert (a.latents - b.latents).abs().max().item() <= 1e-4 * max(1.0, b.latents.abs().max().item())
+    stats = next(iter(compiled.stats()["groups"].values()))["compile"]
+    assert stats["compiled"] and stats["graphs"] == 1 and stats["compile_s"] > 0
+
+    live = _step_inputs(digits, 4)  # one bucket of 4: one call of the step
+    runs = []
+    for engine in (compiled, plain):
+        with recording() as run:
+            next(iter(engine.groups.values())).runner.run(**live)
+        runs.append(run.breaks)
+    layers = len(digits.transformer.transformer_blocks)
+    assert runs[0] == runs[1] == [attention_into.__wrapped__] * layers
+    assert next(iter(compiled.stats()["groups"].values()))["compile"]["graphs"] == 1
+
+
+def _step_inputs(model, n):
+    from samplers import gather_rows, make_plan
+
+    g = torch.Generator().manual_seed(n)
+    t, coeffs = gather_rows([make_plan("ddim", 10, model.schedule)] * n, [3] * n)
+    x = torch.randn(n, *model.latent_shape, generator=g)
+    return dict(x=x, t=t, coeffs=coeffs, labels=torch.randint(0, model.num_classes, (n,), generator=g),
+                guidance=torch.full((n,), 2.0), hist=torch.zeros_like(x), noise=torch.zeros_like(x))
+
+
+def test_unknown_compile_mode_is_refused():
+    from workers.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="compile must be one of"):
+        EngineConfig(compile="max-autotune")
