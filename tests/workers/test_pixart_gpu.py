@@ -160,9 +160,11 @@ def test_previews_on_the_gpu_do_not_change_the_images(pixart_cuda):
 
 
 def test_previews_add_no_host_wait_to_a_step(pixart_cuda):
-    """A step that takes previews makes no more synchronising CUDA calls than one that does not (counted
-    by PyTorch's sync debug mode): the host keeps queueing steps ahead of the GPU. A pageable copy (the
-    map's factors built per call, a gather's index) made every previewed step wait for the GPU."""
+    """Steps that take previews (taken after each step without waiting, as the worker does) make no more
+    synchronising CUDA calls than steps that do not, counted by PyTorch's sync debug mode, but for at most
+    one: the caching host allocator's first pinned block of a new size. The host keeps queueing steps
+    ahead of the GPU. Before, the map's factors were built per call and a subset was gathered with a host
+    index: three pageable copies, each waiting for the GPU, every previewed step (+15 here)."""
     import warnings
 
     from workers.engine import Engine, EngineConfig
@@ -171,9 +173,11 @@ def test_previews_add_no_host_wait_to_a_step(pixart_cuda):
     def syncs(preview_every: int) -> int:
         engine = Engine(pixart_cuda, EngineConfig(backend="breakable", max_batch=4))
         engine.warmup()
-        engine.add_many([ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=8, guidance=2.0, prompt="a cat",
+        engine.add_many([ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=12, guidance=2.0, prompt="a cat",
                                   preview_every=preview_every if i != 1 else 0) for i in range(3)])
-        engine.step()  # the first step (admission) outside the count
+        for _ in range(3):  # admission, and the first previews' pinned blocks, outside the count
+            engine.step()
+            engine.take_previews()
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -181,9 +185,10 @@ def test_previews_add_no_host_wait_to_a_step(pixart_cuda):
             try:
                 for _ in range(5):
                     engine.step()
+                    engine.take_previews()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         engine.take_previews(wait=True)
         return sum("synchroniz" in str(w.message) for w in seen)
 
-    assert syncs(1) == syncs(0)
+    assert syncs(1) <= syncs(0) + 1
