@@ -44,6 +44,8 @@ class WorkerSpec:
     warm_sizes: tuple[str, ...] = ()  # "WxH" captured at start-up besides the native sizes
     text_encoder_device: str = ""     # text encoders elsewhere ("cpu", "cuda:1"); "" with the transformer
     max_shapes: int = 8               # sizes of one model kept captured at once (EngineConfig)
+    compile: str = "off"              # "inductor": compiled steps inside the graphs (EngineConfig)
+    compile_cache: str = ""           # Inductor's cache directory (EngineConfig)
 
 
 class Worker:
@@ -71,7 +73,8 @@ class Worker:
         from workers.sizes import parse_size
 
         self.engine = Engine(models, EngineConfig(backend=self.backend, max_batch=spec.max_batch,
-                                                  cross_attention=spec.cross_attention, max_shapes=spec.max_shapes))
+                                                  cross_attention=spec.cross_attention, max_shapes=spec.max_shapes,
+                                                  compile=spec.compile, compile_cache=spec.compile_cache))
         t0 = time.perf_counter()
         self.engine.warmup(sizes=[parse_size(s) for s in spec.warm_sizes])
         log.info("worker ready: %s on %s (%s), warm-up %.1f s", ", ".join(self.engine.models), self.device,

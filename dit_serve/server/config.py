@@ -121,6 +121,12 @@ class WorkerConfig(_Section):
                                                        "least recently used idle one beyond it is dropped")
     warm_sizes: tuple[str, ...] = Field((), description="'WxH' sizes captured at start-up besides each model's "
                                                         "native size (others are captured when first asked for)")
+    compile: Literal["off", "inductor"] = Field("off", description="inductor: each model's step compiled by "
+                                                "Inductor once per size (dynamic batch) and captured into the "
+                                                "same graphs; faster steps, a slower start (see docs/benchmarks/"
+                                                "kernels.md)")
+    compile_cache: str = Field("", max_length=500, description="a directory for Inductor's compiled kernels, kept "
+                                                               "across restarts ('': Inductor's default under /tmp)")
 
     @field_validator("warm_sizes")
     @classmethod

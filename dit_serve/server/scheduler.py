@@ -167,7 +167,8 @@ class Scheduler:
         spec = WorkerSpec(models=tuple(self.cfg.models), device=self.cfg.device, dtype=self.cfg.dtype,
                           backend=self.cfg.backend, max_batch=self.cfg.max_batch, torch_threads=self.cfg.torch_threads,
                           cross_attention=self.cfg.cross_attention, warm_sizes=tuple(self.cfg.warm_sizes),
-                          text_encoder_device=self.cfg.text_encoder_device, max_shapes=self.cfg.max_shapes)
+                          text_encoder_device=self.cfg.text_encoder_device, max_shapes=self.cfg.max_shapes,
+                          compile=self.cfg.compile, compile_cache=self.cfg.compile_cache)
         handle = _actor_class().options(**opts).remote(spec)
         self.workers[key] = _Worker(key, plan, handle, handle.info.remote())
         log.info("starting worker %s (%s%s)", key, plan.resource, f" on node {plan.node_id[:12]}" if plan.node_id else "")

@@ -108,3 +108,20 @@ def test_a_long_poll_answers_when_an_item_ends_and_waits_when_nothing_does(worke
         assert time.monotonic() - t0 < 60, "the item never finished"
         finished.update(worker.poll(wait_s=30.0)["finished"])
     assert time.monotonic() - t0 < 20.0, "the long poll waited out its wait_s instead of answering the ending"
+
+
+@pytest.mark.slow
+def test_a_worker_with_compile_inductor_runs_compiled_steps(tmp_path):
+    """``[workers] compile = "inductor"`` reaches the worker's engine: its step is compiled once (into the
+    cache directory given) and the item still comes back as a PNG."""
+    w = Worker(WorkerSpec(models=("digits",), max_batch=4, torch_threads=1, compile="inductor",
+                          compile_cache=str(tmp_path / "inductor")))
+    try:
+        w.submit([_item(50, steps=4)])
+        finished, failed, reports = _drain(w, {"job/50"})
+        assert failed == {} and Image.open(io.BytesIO(finished["job/50"])).size == (8, 8)
+        groups = reports[-1]["stats"]["groups"]
+        assert [g["compile"]["graphs"] for g in groups.values()] == [1]
+        assert any((tmp_path / "inductor").iterdir())
+    finally:
+        w.stop()
