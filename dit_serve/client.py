@@ -120,10 +120,13 @@ class _Bar:
 
         known = isinstance(job, Job)
         self.state = job.state if known else "queued"  # the last state seen (for a timeout's message)
+        self.final: Job | None = None  # the ended job, when its end event carried it
         self.bar = tqdm(total=job.steps_total if known else 0, desc=f"job {_job_id(job)[:8]}", unit="step",
                         disable=not enabled)
 
     def update(self, job: Job | JobEvent) -> None:
+        if isinstance(job, EndEvent) and job.job is not None:
+            self.final = job.job
         if not isinstance(job, (Job, ProgressEvent, EndEvent)) or job.state == "deleted":  # items: no steps
             return
         self.state, self.bar.total, self.bar.n = job.state, job.steps_total, job.steps_done
@@ -276,7 +279,7 @@ class Client:
             raise TimeoutError(f"job {_job_id(job)} still {bar.state} after {timeout} s") from None
         finally:
             bar.close()
-        return self.get(job)
+        return bar.final or self.get(job)
 
     def _follow(self, job: JobRef, bar: _Bar, deadline: float | None, on_preview: PreviewFn | None = None) -> bool:
         """Show the job's events on ``bar`` until its end: True; False when there is no stream to follow."""
@@ -442,7 +445,7 @@ class AsyncClient:
             raise TimeoutError(f"job {_job_id(job)} still {bar.state} after {timeout} s") from None
         finally:
             bar.close()
-        return await self.get(job)
+        return bar.final or await self.get(job)
 
     async def _follow(self, job: JobRef, bar: _Bar, deadline: float | None,
                       on_preview: PreviewFn | None = None) -> bool:

@@ -229,6 +229,8 @@ class EndEvent(_Response):
     steps_done: int = 0
     steps_total: int = 0
     finished_at: float | None = None
+    job: Job | None = Field(None, description="the ended job with its items, as GET /v1/jobs/{id} returns it, "
+                                              "for jobs of up to 100 items (null for larger ones)")
 
 
 JobEvent = Annotated[ProgressEvent | ItemEvent | PreviewEvent | EndEvent, Field(discriminator="event")]

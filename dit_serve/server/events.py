@@ -77,6 +77,8 @@ from fastapi.responses import StreamingResponse
 from dit_serve.schemas import EndEvent, ItemEvent, Job, PreviewEvent, ProgressEvent
 
 log = logging.getLogger(__name__)
+END_EVENT_ITEMS = 100  # the end event of a job of up to this many items carries the job and its items, so a
+                       # client's wait returns without another request (a single image: a few ms sooner)
 _ID = re.compile(r"^(\d{1,12})\.(\d{1,15})(?:\.(-?\d{1,18})\.(\d{1,9}))?$")
 
 
@@ -255,6 +257,8 @@ class JobEvents:
         job = self.store.get_job(self.job_id, with_items=False)
         if job is None:
             return None, [], {}
+        if job.finished and job.num_items <= END_EVENT_ITEMS:  # the end event carries it whole
+            job = self.store.get_job(self.job_id, with_items=True) or job
         key = self.cursor.key
         since = None if key is None else self.created_at + key[0] / 1e6 - self.limits.slack_s
         rows = self.store.finished_items(self.job_id, since)
@@ -292,7 +296,8 @@ class JobEvents:
         if job is None:  # purged while streamed
             return self._event("end", EndEvent(state="deleted"))
         return self._event("end", EndEvent(state=job.state, counts=job.counts, steps_done=job.steps_done,
-                                           steps_total=job.steps_total, finished_at=job.finished_at))
+                                           steps_total=job.steps_total, finished_at=job.finished_at,
+                                           job=job if job.items is not None else None))
 
     def _event(self, name: str, data) -> str:
         self.cursor = self.cursor.next()

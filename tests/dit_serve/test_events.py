@@ -197,12 +197,18 @@ def test_a_finished_job_streams_its_items_and_end_at_once(api, http):
     events = list(_events(r))
     assert [(name, d.get("index")) for name, _, d in events] == [("item", 0), ("item", 1), ("end", None)]
     assert events[-1][2]["state"] == "done" and events[-1][2]["steps_done"] == events[-1][2]["steps_total"] == 8
+    ended = events[-1][2]["job"]  # a small job's end carries it, as GET /v1/jobs/{id} returns it
+    assert ended == http.get(f"/v1/jobs/{job_id}").json() and [it["state"] for it in ended["items"]] == ["done"] * 2
     again = list(_events(http.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": events[-1][1]})))
     assert [name for name, _, _ in again] == ["end"]  # resumed after everything: only the end
     cancelled = _submit(http, 3)
     http.delete(f"/v1/jobs/{cancelled}")
     events = list(_events(http.get(f"/v1/jobs/{cancelled}/events")))
     assert [d["state"] for _, _, d in events] == ["cancelled"] * 4
+    big = _submit(http, 101)
+    http.delete(f"/v1/jobs/{big}")
+    end = list(_events(http.get(f"/v1/jobs/{big}/events")))[-1][2]
+    assert end["state"] == "cancelled" and end["job"] is None  # past 100 items the end stays small
 
 
 def test_a_retried_item_ends_again_and_is_sent_again(api, http):
@@ -471,7 +477,7 @@ def test_wait_returns_as_the_job_ends_and_does_not_poll(svc):
     assert job.state == "done" and len(job.items) == 2
     assert returned_at - job.finished_at <= 1.0, returned_at - job.finished_at  # ~0.05 s on an idle machine
     assert calls.count(f"/v1/jobs/{job.id}/events") == 1
-    assert calls.count(f"/v1/jobs/{job.id}") == 1  # only the finished job, fetched once: no polls
+    assert calls.count(f"/v1/jobs/{job.id}") == 0  # no polls, and the end event carried the finished job
 
     async def three():
         async with AsyncClient(svc.url) as c:
