@@ -1,4 +1,4 @@
-"""Server-Sent Events of one job, ``GET /v1/jobs/{id}/events`` (the route is in ``dit_serve.server.api``).
+"""Server-Sent Events of one job, ``GET /v1/jobs/{id}/events`` (the route is in ``dit_serve.server.routes.jobs``).
 
 The stream (``text/event-stream``), in order::
 

@@ -66,7 +66,7 @@ def _pngs(svc: Service, job_id: str) -> list[str]:
 
 def test_submit_progress_images(svc, client):
     job = client.submit(labels=list(range(10)), num_per_label=2, seed=3)
-    assert job.state == "queued" and job.num_items == 20
+    assert job.state in ("queued", "running") and job.num_items == 20  # the scheduler may lease it at once
 
     def mid_step():  # a running item part-way through its steps, as GET /v1/jobs/{id} reports it
         j = client.get(job)

@@ -1,0 +1,155 @@
+"""Jobs: submit, read, list, cancel (and purge), retry, and a job's images, previews, archive and
+events. Callers are tenants (``dit_serve.server.keys``): each sees and acts on its own jobs only, and
+a job that another tenant owns is a 404."""
+
+from __future__ import annotations
+
+import zipfile
+from tempfile import SpooledTemporaryFile
+
+from fastapi import Header, Path, Query, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse, StreamingResponse
+
+from dit_serve.schemas import MAX_ITEMS, Job, JobList, JobRequest, clip
+from dit_serve.server.catalog import RequestError
+from dit_serve.server.events import Cursor, EventResponse, JobEvents
+from dit_serve.server.keys import Principal
+from dit_serve.server.routes import errors
+from dit_serve.server.routes.deps import AdmissionDep, Caller, CatalogDep, StoreDep, StreamsDep, v1_router
+from dit_serve.server.store import Store, dump_manifest
+
+MAX_OFFSET = 10**12
+JobId = Path(min_length=1, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$", description="a job id")
+IdempotencyKey = Header(None, min_length=1, max_length=200, pattern=r"^[!-~]+$",
+                        description="a retried submission with the same key gets the first one's job")
+LastEventId = Header(None, max_length=100, description="resume: the id of the last event received")
+EVENTS_DOC = {"description": "Server-Sent Events: `progress`, `item` (once per item ending), `end`, then the "
+                             "stream closes; a reconnect with Last-Event-ID resumes (docs/service.md, Events)",
+              "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+
+router = v1_router("jobs")
+
+
+def job_or_404(store: Store, job_id: str, who: Principal, with_items: bool = True) -> Job:
+    job = store.get_job(job_id, with_items, tenant=who.scope)
+    if job is None:
+        raise RequestError(f"no job with id {clip(job_id, 64)!r}", "job_id", status=404)
+    return job
+
+
+@router.post("/jobs", status_code=202, response_model=Job, responses=errors(403, 409, 429))
+def submit_job(req: JobRequest, response: Response, store: StoreDep, catalog: CatalogDep, admission: AdmissionDep,
+               who: Caller, idempotency_key: str | None = IdempotencyKey) -> Job:
+    """Queue a job; 202 once it is committed to the store (429 with Retry-After when the queue is full)."""
+    job_id, created = admission.submit(catalog.resolve_job(req), who, idempotency_key)
+    response.headers["Location"] = f"/v1/jobs/{job_id}"
+    if not created:
+        response.headers["Idempotent-Replayed"] = "true"
+    return store.get_job(job_id)
+
+
+@router.get("/jobs/{job_id}", response_model=Job, responses=errors(404))
+def get_job(store: StoreDep, who: Caller, job_id: str = JobId,
+            items: bool = Query(True, description="include per-item progress")) -> Job:
+    """State and per-item progress (each running item's current step)."""
+    return job_or_404(store, job_id, who, items)
+
+
+@router.get("/jobs/{job_id}/events", status_code=200, response_class=EventResponse,
+            responses={200: EVENTS_DOC, **errors(404, 429)})
+async def job_events(store: StoreDep, streams: StreamsDep, who: Caller, job_id: str = JobId,
+                     last_event_id: str | None = LastEventId) -> EventResponse:
+    """The job's events as they happen (Server-Sent Events), ending with ``end``. With ``Last-Event-ID``,
+    the items that ended since that event come first, and none sent before. 429 (Retry-After) past
+    the open streams allowed: poll ``GET /v1/jobs/{id}`` instead."""
+    try:
+        cursor = Cursor.parse(last_event_id)
+    except ValueError as e:
+        raise RequestError(str(e), "Last-Event-ID") from None
+    job = await run_in_threadpool(job_or_404, store, job_id, who, False)
+    if (why := streams.acquire(who.tenant)) is not None:
+        raise RequestError(why, status=429, retry_after=streams.limits.retry_after_s)
+    return EventResponse(JobEvents(store, job, cursor, streams).stream(), lambda: streams.release(who.tenant))
+
+
+@router.get("/jobs", response_model=JobList)
+def list_jobs(store: StoreDep, who: Caller, limit: int = Query(20, ge=1, le=100),
+              offset: int = Query(0, ge=0, le=MAX_OFFSET)) -> JobList:
+    """Your jobs (every tenant's for an admin key), newest first, without their items."""
+    jobs, total = store.list_jobs(limit, offset, tenant=who.scope)
+    return JobList(data=jobs, total=total, next_offset=offset + limit if offset + limit < total else None)
+
+
+@router.delete("/jobs/{job_id}", response_model=Job, responses=errors(404, 409))
+def cancel_job(store: StoreDep, who: Caller, job_id: str = JobId,
+               purge: bool = Query(False, description="also delete the job and its images "
+                                                      "(answers with the job as it was)")) -> Job:
+    """Queued items never run; running ones stop at their next step boundary. Finished items stay,
+    unless ``purge``: then the job's record and images are deleted too."""
+    if not store.cancel_job(job_id, tenant=who.scope):
+        job_or_404(store, job_id, who)
+    job = job_or_404(store, job_id, who)
+    if purge and not store.delete_job(job_id, tenant=who.scope):
+        job_or_404(store, job_id, who)  # deleted meanwhile by another request: 404
+        raise RequestError(f"job {job_id} still has running items", status=409)
+    return job
+
+
+@router.post("/jobs/{job_id}/retry", response_model=Job, responses=errors(404))
+def retry_job(store: StoreDep, who: Caller, job_id: str = JobId) -> Job:
+    """Queue the job's failed items again (their failure counters reset); the others are untouched."""
+    if store.retry_failed(job_id, tenant=who.scope) is None:
+        job_or_404(store, job_id, who)
+    return job_or_404(store, job_id, who)
+
+
+@router.get("/jobs/{job_id}/images/{index}", response_class=FileResponse,
+            responses={200: {"content": {"image/png": {}}}, **errors(404, 409)})
+def get_image(store: StoreDep, who: Caller, job_id: str = JobId, index: int = Path(ge=0, le=MAX_ITEMS)):
+    path = store.image_path(job_id, index, tenant=who.scope)
+    if path is None:
+        job = job_or_404(store, job_id, who)
+        if not 0 <= index < job.num_items:
+            raise RequestError(f"job {job_id} has {job.num_items} images (0..{job.num_items - 1}), "
+                               f"not {index}", "index", status=404)
+        state = job.items[index].state
+        raise RequestError(f"image {index} of job {job_id} is not ready (item state: {state})", "index",
+                           status=409)
+    return FileResponse(path, media_type="image/png")
+
+
+@router.get("/jobs/{job_id}/items/{index}/preview", response_class=Response,
+            responses={200: {"content": {"image/png": {}}}, **errors(404)})
+def get_preview(store: StoreDep, who: Caller, job_id: str = JobId, index: int = Path(ge=0, le=MAX_ITEMS)):
+    """The latest preview of a running item of a job with ``preview_every`` (a small PNG of its denoised
+    estimate); 404 when it has none (not started, ended, or no previews asked)."""
+    found = store.preview(job_id, index, tenant=who.scope)
+    if found is None:
+        job_or_404(store, job_id, who, with_items=False)
+        raise RequestError(f"item {index} of job {job_id} has no preview now (previews exist while an item "
+                           "runs, for jobs submitted with preview_every)", "index", status=404)
+    step, png = found
+    return Response(png, media_type="image/png", headers={"Cache-Control": "no-store", "X-Preview-Step": str(step)})
+
+
+@router.get("/jobs/{job_id}/archive", responses={200: {"content": {"application/zip": {}}}, **errors(404)})
+def get_archive(store: StoreDep, who: Caller, job_id: str = JobId):
+    """A zip of the finished images and a manifest.json describing every item."""
+    job = job_or_404(store, job_id, who)
+    return StreamingResponse(_zip(store, job), media_type="application/zip",
+                             headers={"Content-Disposition": f'attachment; filename="{job_id}.zip"'})
+
+
+def _zip(store: Store, job: Job, chunk: int = 1 << 20):
+    """Stream a zip built in a spooled temp file (in memory up to 64 MiB, then on disk)."""
+    with SpooledTemporaryFile(max_size=64 << 20) as f:
+        with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED) as z:  # PNGs are compressed already
+            for it in job.items:
+                path = store.image_path(job.id, it.index) if it.state == "done" else None
+                if path is not None:
+                    z.write(path, f"{it.index:05d}.png")
+            z.writestr("manifest.json", dump_manifest(job))
+        f.seek(0)
+        while data := f.read(chunk):
+            yield data
