@@ -35,7 +35,7 @@ def test_pixart_buckets_replay_what_eager_computes(pixart_cuda, backend):
     stats = next(iter(graphs.stats()["groups"].values()))
     assert sum(s["eager_fallbacks"] for s in stats["buckets"].values()) == 0
     replayed = {b for b, s in stats["buckets"].items() if s["replays"]}
-    assert replayed >= {4, 8} and replayed & {1, 2}  # 13 = 8 + 4 + 1 (or + 2, padded, when it times faster)
+    assert 8 in replayed and len(replayed) >= 2  # 13 = 8 + 4 + 1, or 8 + 8 padded when the splitter times that faster
 
 
 def test_mixed_sizes_share_one_pool_and_replay_what_eager_computes(pixart_cuda):
