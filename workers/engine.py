@@ -41,7 +41,7 @@ from graphs.compiled import CompiledStep, opaque_break, use_cache_dir
 from samplers import Plan, make_plan
 from workers.families import family_of
 from workers.loading import LoadedModel
-from workers.patches import AttentionScratch, attention_into, break_attention
+from workers.patches import attention_into, break_attention
 from workers.varlen import varlen_attention_into
 from workers.previews import preview_map_of, to_rgb
 from workers.spec import ItemSpec
@@ -153,8 +153,6 @@ class Engine:
                 break_attention(m.transformer)
             if hasattr(family, "set_cross_attention"):
                 family.set_cross_attention(m, config.cross_attention)
-            if config.compile != "off":
-                _traceable_scratch(m.transformer)
             self._group(m, tuple(m.latent_shape))
         self.real_rows = 0    # sample-steps served
         self.padded_rows = 0  # bucket rows replayed without a sample in them (padding waste)
@@ -403,31 +401,6 @@ def _prepare_compile(cache_dir: str) -> None:
     opaque_break(varlen_attention_into)
     if cache_dir:
         use_cache_dir(cache_dir)
-
-
-class _TracedScratch(AttentionScratch):
-    """The attention breaks' shared scratch (workers.patches), except while dynamo traces: then fresh q, k,
-    v and output tensors. An ``out=`` write into a slice of one fixed-size buffer makes dynamo specialise
-    the batch (functionalising a write into a view whose size depends on it; torch 2.13), so the step
-    would not compile with a dynamic batch; in a compiled step the tensors are Inductor's to place, and
-    it reuses their memory from layer to layer as the scratch does. Eager calls (an uncompiled step, a
-    fallback) still share the one buffer."""
-
-    def views(self, rows: int, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if torch.compiler.is_compiling():
-            return tuple(torch.empty(rows, dim, dtype=like.dtype, device=like.device) for _ in range(4))
-        return super().views(rows, dim, like)
-
-
-def _traceable_scratch(transformer: torch.nn.Module) -> None:
-    """Give every attention processor of ``transformer`` that has a scratch a ``_TracedScratch`` (one per
-    scratch they shared)."""
-    traced: dict[int, _TracedScratch] = {}
-    for module in transformer.modules():
-        proc = getattr(module, "processor", None)
-        scratch = getattr(proc, "scratch", None)
-        if isinstance(scratch, AttentionScratch) and not isinstance(scratch, _TracedScratch):
-            proc.scratch = traced.setdefault(id(scratch), _TracedScratch())
 
 
 def _upload(t: torch.Tensor, device) -> torch.Tensor:

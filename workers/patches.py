@@ -38,7 +38,12 @@ class AttentionScratch:
         self._retired: list[torch.Tensor] = []  # graphs captured on an older buffer still read it
 
     def views(self, rows: int, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Four (rows, dim) views: q, k, v, out."""
+        """Four (rows, dim) views: q, k, v, out. While dynamo traces a compiled step (``graphs.compiled``),
+        four fresh tensors instead: an ``out=`` write into a slice of one fixed-size buffer makes dynamo
+        specialise the batch (torch 2.13), so the step would not compile with a dynamic batch; there the
+        tensors are Inductor's to place. Eager calls, and a compiled step's fallback, share the buffer."""
+        if torch.compiler.is_compiling():
+            return tuple(torch.empty(rows, dim, dtype=like.dtype, device=like.device) for _ in range(4))
         n = 4 * rows * dim
         buf = self.buffer
         if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
