@@ -246,7 +246,7 @@ def service_single(c, s: dict) -> dict:
     done, png = [], []
     for i in range(WARMUP + s["single"]):
         if i == WARMUP:
-            before = step_totals(c.url)
+            before, phases_before = step_totals(c.url), phase_totals(c.url)
         t0 = time.perf_counter()
         job = finished(c, submit(c, s, 1))
         t1 = time.perf_counter()
@@ -256,10 +256,33 @@ def service_single(c, s: dict) -> dict:
             done.append(round((t1 - t0) * 1e3, 2))
             png.append(round((t2 - t0) * 1e3, 2))
     time.sleep(1.0)  # the last poll's step times reach the metrics at the scheduler's next heartbeat
-    after = step_totals(c.url)
+    after, phases_after = step_totals(c.url), phase_totals(c.url)
     steps = after[1] - before[1]
     return {"single_done_ms": done, "single_png_ms": png,
-            "worker_step_ms": round(1e3 * (after[0] - before[0]) / steps, 3) if steps else None}
+            "worker_step_ms": round(1e3 * (after[0] - before[0]) / steps, 3) if steps else None,
+            "phases_ms": phase_means(phases_before, phases_after)}
+
+
+def phase_totals(url: str) -> dict[str, tuple[float, float]]:
+    """Per phase of a finished image (``dit_serve_item_phase_seconds``): (seconds, count) so far."""
+    m = chaos.metrics(url, counters=False)
+    out: dict[str, list[float]] = {}
+    for key, value in m.items():
+        for part, slot in (("_sum{", 0), ("_count{", 1)):
+            if key.startswith("dit_serve_item_phase_seconds" + part):
+                out.setdefault(key.split('phase="', 1)[1].split('"', 1)[0], [0.0, 0.0])[slot] += value
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def phase_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean ms per phase over the images finished between two ``phase_totals`` (an older service without
+    the phases: empty)."""
+    out = {}
+    for phase, (total, n) in after.items():
+        t0, n0 = before.get(phase, (0.0, 0.0))
+        if n > n0:
+            out[phase] = round(1e3 * (total - t0) / (n - n0), 2)
+    return out
 
 
 def step_totals(url: str) -> tuple[float, float]:
@@ -372,8 +395,18 @@ def table(report: dict) -> str:
 
 
 def notes(report: dict) -> list[str]:
-    skipped = report["raw"]["service"]["2"].get("not_run")
-    return [f"2 GPUs: not run ({skipped})"] if skipped else []
+    """The 2-GPU row when skipped, and where one image's time went in the service (``phases_ms``: mean ms
+    per phase, the rest is the client's side: HTTP, the event stream)."""
+    out = []
+    if skipped := report["raw"]["service"]["2"].get("not_run"):
+        out.append(f"2 GPUs: not run ({skipped})")
+    phases = report["raw"]["service"]["1"].get("phases_ms") or {}
+    done = report["medians"].get("service_single_done_ms")
+    if phases and done is not None:
+        listed = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+        out.append(f"one image in the service, mean ms per phase: {listed}; outside them (HTTP, events, the "
+                   f"client): {done - sum(phases.values()):.2f}")
+    return out
 
 
 def markdown(report: dict) -> str:

@@ -10,7 +10,8 @@ never touch the engine, so the engine stays single-threaded:
   as PNG bytes, the latest preview of running items that asked for them (key, step, PNG bytes),
   failed items with their error (an error raised for that item), crashed items (a step they were in
   raised: the batch's fault until shown otherwise, so the scheduler requeues them), step durations,
-  seconds spent stepping out of the seconds since the last poll, and the engine's counters. A long
+  seconds spent stepping out of the seconds since the last poll, the engine's counters, and for each
+  finished item when the engine took it and when its PNG was ready (``time.time()``). A long
   poll: it answers at once when an item has ended, else when one ends or ``wait_s`` has passed.
 
 The worker keeps no durable state: the scheduler holds the leases, the store holds the truth. If
@@ -85,6 +86,8 @@ class Worker:
         self._progress: dict[str, tuple[int, int]] = {}
         self._finished: list[tuple[str, bytes]] = []
         self._previews: dict[str, tuple[int, bytes]] = {}  # item key -> its latest (step, PNG) not polled yet
+        self._admitted: dict[str, float] = {}  # item key -> when the engine took it (time.time())
+        self._timings: dict[str, tuple[float, float]] = {}  # finished item -> (admitted, PNG ready), not polled yet
         self._failed: list[tuple[str, str]] = []
         self._crashed: list[tuple[str, str]] = []
         self._step_seconds: list[float] = []
@@ -127,10 +130,12 @@ class Worker:
                 self._news.wait(wait_s)
             now = time.perf_counter()
             report = {"progress": dict(self._progress), "finished": self._finished, "failed": self._failed,
+                      "timings": self._timings,
                       "previews": [(k, step, png) for k, (step, png) in self._previews.items()],
                       "crashed": self._crashed, "step_seconds": self._step_seconds, "busy_s": self._busy_s,
                       "window_s": now - self._since, "stats": self.engine.stats()}
             self._finished, self._failed, self._crashed, self._step_seconds = [], [], [], []
+            self._timings = {}
             self._previews = {}
             self._busy_s, self._since = 0.0, now
         return report
@@ -174,6 +179,7 @@ class Worker:
         self.engine.cancel(item_id)
         with self._lock:
             self._progress.pop(item_id, None)
+            self._admitted.pop(item_id, None)
             self._previews.pop(item_id, None)
 
     def _add(self, items: list[ItemSpec]) -> None:
@@ -193,9 +199,12 @@ class Worker:
                     continue
                 with self._lock:
                     self._progress[it.id] = (0, it.steps)
+                    self._admitted[it.id] = time.time()
             return
+        now = time.time()
         with self._lock:
             self._progress.update({it.id: (0, it.steps) for it in items})
+            self._admitted.update({it.id: now for it in items})
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -207,6 +216,7 @@ class Worker:
             return
         dt = time.perf_counter() - t0
         pngs = [(r.request.id, _png(r.image)) for r in results]
+        ready = time.time()
         previews = {p.request_id: (p.step, _png(p.image)) for p in self.engine.take_previews()}  # latest per item
         with self._lock:
             self._step_seconds.append(dt)
@@ -216,6 +226,7 @@ class Worker:
             for item_id, _ in pngs:
                 self._progress.pop(item_id, None)
                 self._previews.pop(item_id, None)
+                self._timings[item_id] = (self._admitted.pop(item_id, ready), ready)
             if pngs:
                 self._news.notify_all()
 
@@ -232,6 +243,7 @@ class Worker:
             for i in ids:
                 self._progress.pop(i, None)
                 self._previews.pop(i, None)
+                self._admitted.pop(i, None)
             self._news.notify_all()
 
 

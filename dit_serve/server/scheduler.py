@@ -256,6 +256,7 @@ class Scheduler:
         for key, step, png in report.get("previews", ()):
             if key in w.leases:  # before the endings below: an ended item's preview is removed, not written
                 self.store.put_preview(w.leases[key], step, png)
+        received, timings = time.time(), report.get("timings", {})
         finished = [(w.leases.pop(key, None), png) for key, png in report["finished"]]
         failed = [(w.leases.pop(key, None), error) for key, error in report["failed"]]
         crashed = [(w.leases.pop(key, None), error) for key, error in report.get("crashed", ())]
@@ -264,6 +265,7 @@ class Scheduler:
         for lease, png in finished:
             if lease is not None and self.store.commit_result(lease, png):
                 self.metrics.item_finished("done")
+                self.metrics.item_phases(lease, timings.get(lease.key), received, time.time())
         for lease, error in failed:
             if lease is not None and self.store.fail_item(lease, error):
                 log.warning("item %s failed: %s", lease.key, error)

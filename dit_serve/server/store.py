@@ -77,6 +77,8 @@ class Lease:
     crashes: int = 0
     suspect: bool = False  # leased in an isolated group of items that crashed workers before
     solo: bool = False     # ... a group of one
+    created_at: float = 0.0  # when its job was submitted, and when it was leased (time.time(), for the
+    leased_at: float = 0.0   # latency phases in /metrics)
 
     @property
     def key(self) -> str:
@@ -459,7 +461,8 @@ class Store:
                 where, size = and_(leasable, items.c.crashes == level), max(1, limit >> (level - 1))
             rows = conn.execute(
                 select(items.c.job_id, items.c.idx, items.c.model, items.c.label, items.c.prompt, items.c.seed,
-                       items.c.state, items.c.requeues, items.c.crashes, jobs.c.params).join(jobs, jobs.c.id == items.c.job_id)
+                       items.c.state, items.c.requeues, items.c.crashes, items.c.created_at, jobs.c.params)
+                .join(jobs, jobs.c.id == items.c.job_id)
                 .where(where).order_by(items.c.priority.desc(), items.c.created_at, items.c.job_id, items.c.idx)
                 .limit(size).with_for_update(skip_locked=True, of=items)).all()
             rows = self._take_over_expired(conn, rows, now)
@@ -472,7 +475,8 @@ class Store:
                          error=f"the stored job cannot be read: {str(e)[:300]}")
                     continue
                 leases.append(Lease(r.job_id, r.idx, r.model, r.label, r.seed, params, token, prompt=r.prompt,
-                                    requeues=r.requeues, crashes=r.crashes, suspect=level is not None))
+                                    requeues=r.requeues, crashes=r.crashes, suspect=level is not None,
+                                    created_at=r.created_at, leased_at=now))
             if level is not None and len(leases) == 1:
                 leases[0].solo = True
             _set(conn, [(ls.job_id, ls.index) for ls in leases], state="running", step=0, lease_owner=owner,

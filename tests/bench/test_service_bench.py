@@ -149,3 +149,14 @@ def test_the_smoke_run_completes_on_a_cpu(tmp_path):
     assert all(v > 0 for k, v in report["medians"].items() if k != "service_2gpu_images_per_s")
     assert [t["met"] is None for t in report["targets"]] == [False, False, True, False, False]
     assert "images/s: engine -> service (server clock)" in out.stdout and not (tmp_path / "service.md").exists()
+
+
+def test_the_phases_of_one_image_and_what_is_left_to_the_client():
+    raw = _raw()
+    raw["service"]["1"]["phases_ms"] = {"wait": 2.0, "dispatch": 1.5, "run": 100.0, "handoff": 1.0, "commit": 2.5}
+    note = sb.notes(_report(raw))[-1]
+    assert note.startswith("one image in the service, mean ms per phase: wait 2.00, dispatch 1.50, run 100.00")
+    assert note.endswith("outside them (HTTP, events, the client): 3.00")  # 110 - 107
+    before = {"run": (1.0, 2.0), "wait": (0.5, 2.0)}
+    after = {"run": (1.3, 5.0), "wait": (0.5, 2.0), "commit": (0.01, 1.0)}
+    assert sb.phase_means(before, after) == {"run": 100.0, "commit": 10.0}  # wait: no new image

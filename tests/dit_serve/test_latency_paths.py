@@ -149,3 +149,29 @@ def test_a_worker_gets_its_next_items_before_the_finished_ones_are_committed(tmp
     assert calls[:first_commit] == ["lease", "lease"], f"the second pair was leased after the first commits: {calls}"
     assert calls.count("lease") == 3
     assert sched.store.get_job(job_id).counts == {"done": 6}
+
+
+@pytest.mark.slow
+def test_metrics_split_a_finished_images_time_into_phases(tmp_path, digits_model):
+    """/metrics' ``dit_serve_item_phase_seconds`` has the five phases of each committed image, and for a
+    one-image job they add up to its time in the service (submitted -> committed)."""
+    import httpx
+
+    from dit_serve.server.metrics import PHASES
+
+    cfg = service_config(tmp_path, digits_model)
+    with Service(cfg) as svc, Client(svc.url) as client:
+        assert svc.wait_ready(120)
+        job = client.wait(client.submit([3], steps=30), progress=False, timeout=60)
+        text = httpx.get(f"{svc.url}/metrics").text
+
+    def sample(name: str, phase: str) -> float:
+        line = next(ln for ln in text.splitlines() if ln.startswith(f'{name}{{phase="{phase}"}}'))
+        return float(line.rsplit(" ", 1)[1])
+
+    counts = {p: sample("dit_serve_item_phase_seconds_count", p) for p in PHASES}
+    sums = {p: sample("dit_serve_item_phase_seconds_sum", p) for p in PHASES}
+    assert counts == {p: 1.0 for p in PHASES}
+    assert sums["run"] > 0.0 and all(v >= 0.0 for v in sums.values())
+    total = job.finished_at - job.created_at
+    assert abs(sum(sums.values()) - total) < 0.05, (sums, total)
