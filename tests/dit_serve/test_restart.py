@@ -48,16 +48,27 @@ def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 12
     raise AssertionError(f"service not ready: {log.read_text()[-3000:]}")
 
 
-def test_restart_mid_job_loses_nothing(digits_model, tmp_path):
+def _started(tmp_path: Path, model: str, drain_seconds: int, store: str = "") -> tuple:
+    """`dit-serve serve` on a free port with its data under tmp_path: (proc, url, data dir, log, config),
+    once its worker is ready."""
     port, data, log = _free_port(), tmp_path / "data", tmp_path / "serve.log"
     config = tmp_path / "dit-serve.toml"
-    config.write_text(f'[server]\nport = {port}\n[store]\ndata_dir = "{data}"\nlease_seconds = 4\n'
-                      f'[ray]\nnum_cpus = 2\n[workers]\nmodels = ["{digits_model}"]\nmax_batch = 16\n'
-                      '[scheduler]\ndrain_seconds = 60\n')
+    config.write_text(f'[server]\nport = {port}\n[store]\ndata_dir = "{data}"\n{store}'
+                      f'[ray]\nnum_cpus = 2\n[workers]\nmodels = ["{model}"]\nmax_batch = 16\n'
+                      f'[scheduler]\ndrain_seconds = {drain_seconds}\n')
     url = f"http://127.0.0.1:{port}"
     proc = _serve(config, log)
     try:
         _wait_ready(url, proc, log)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc, url, data, log, config
+
+
+def test_restart_mid_job_loses_nothing(digits_model, tmp_path):
+    proc, url, data, log, config = _started(tmp_path, digits_model, 60, store="lease_seconds = 4\n")
+    try:
         client = Client(url)
         job = client.submit(labels=list(range(10)), num_per_label=2, steps=250, seed=21)
         deadline = time.monotonic() + 60
@@ -97,15 +108,8 @@ def test_sigterm_ends_event_streams_at_once_and_a_second_one_skips_the_drain(dig
     early, the process exits 0 and the unfinished items are back in the queue, not lost."""
     import threading
 
-    port, data, log = _free_port(), tmp_path / "data", tmp_path / "serve.log"
-    config = tmp_path / "dit-serve.toml"
-    config.write_text(f'[server]\nport = {port}\n[store]\ndata_dir = "{data}"\n'
-                      f'[ray]\nnum_cpus = 2\n[workers]\nmodels = ["{digits_model}"]\nmax_batch = 16\n'
-                      '[scheduler]\ndrain_seconds = 120\n')
-    url = f"http://127.0.0.1:{port}"
-    proc = _serve(config, log)
+    proc, url, data, log, _ = _started(tmp_path, digits_model, 120)
     try:
-        _wait_ready(url, proc, log)
         client = Client(url)
         job = client.submit(labels=list(range(8)), steps=1000, seed=1)
         while client.get(job, items=False).steps_done == 0:
