@@ -18,6 +18,15 @@ Contract
   fn a custom op that dynamo keeps as one opaque call: the step is traced once, and at run time the op
   calls fn, so under a breakable capture the segment ends there as before (the same segments and
   breaks as the uncompiled step). fn takes tensors only and writes its result into one of them.
+* Under a breakable capture the op hands fn *staged* copies of its tensors: persistent buffers, one
+  per op and argument, shared by every layer and bucket, as the uncompiled breaks share the attention
+  scratch. The copies in, and the copy of the result out, are kernels of the segments around the break.
+  A break keeps its arguments alive for the graph's life (pitfalls 1-2). Handed Inductor's own
+  buffers, every layer's q, k, v and output would stay allocated in every bucket's graph: 16.2 GB of
+  graph pool for DiT-XL/2 at 256 px on an H200, against 1.3 GB uncompiled. Staged, only the shared
+  buffers are kept, and Inductor's buffers go back to the pool after their last use in the segment.
+  The buffers are sized outside capture (warm-up runs every bucket before capturing it); a capture
+  that would need them larger raises, and that bucket runs eagerly.
 * When compilation happens: on the first call (the runner's warm-up runs every bucket eagerly before
   capturing it, largest first, so the compile sees the largest batch and every later bucket reuses
   it). A compile or run that raises logs a warning, and the step is the plain one from then on:
@@ -45,6 +54,38 @@ __all__ = ["CompiledStep", "opaque_break", "use_cache_dir"]
 logger = logging.getLogger(__name__)
 
 _OPAQUE: dict[Callable, str] = {}  # marked function -> its op's name
+
+
+class _Staging:
+    """Flat buffers, one per (op, argument), that staged break arguments are views of (see above)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, int], torch.Tensor] = {}
+
+    def reserve(self, name: str, args: tuple) -> None:
+        """Outside capture: grow the buffers to fit these arguments."""
+        for i, a in enumerate(args):
+            buf = self.buffers.get((name, i))
+            if isinstance(a, torch.Tensor) and (buf is None or buf.numel() < a.numel() or buf.dtype != a.dtype
+                                                or buf.device != a.device):
+                self.buffers[name, i] = torch.empty(a.numel(), dtype=a.dtype, device=a.device)
+
+    def views(self, name: str, args: tuple) -> list:
+        """Contiguous views shaped as ``args`` (non-tensors as they are)."""
+        out = []
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                out.append(a)
+                continue
+            buf = self.buffers.get((name, i))
+            if buf is None or buf.numel() < a.numel() or buf.dtype != a.dtype or buf.device != a.device:
+                raise RuntimeError(f"staging for {name} argument {i} is too small during capture: "
+                                   "warm up at the largest batch first")
+            out.append(buf[:a.numel()].view(a.shape))
+        return out
+
+
+_STAGING = _Staging()
 
 
 @functools.cache
@@ -84,12 +125,30 @@ def opaque_break(fn: Callable, out: str = "out") -> None:
     name = re.sub(r"\W", "_", f"{fn.__module__}_{fn.__qualname__}")
     args = ", ".join(f"Tensor(a!) {p}" if p == out else f"Tensor {p}" for p in params)
     _lib().define(f"{name}({args}) -> ()")
-    _lib().impl(name, fn, "CompositeExplicitAutograd")  # runs fn: a break under a breakable capture
+    _lib().impl(name, _staged(fn, name, params.index(out)), "CompositeExplicitAutograd")  # a break under capture
     torch.library.register_fake(f"graphs::{name}", lambda *args, **kwargs: None, lib=_lib())
     op = getattr(torch.ops.graphs, name)
     # dynamo calls the op where it would have inlined fn; eager callers still call fn itself
     torch.compiler.substitute_in_graph(fn, skip_signature_check=True)(lambda *a, **kw: op(*a, **kw))
     _OPAQUE[fn] = name
+
+
+def _staged(fn: Callable, name: str, out: int) -> Callable:
+    """The op's body: fn itself, or under a breakable capture fn on staged copies (see above)."""
+    from .breakable import _local
+
+    def body(*args):
+        if getattr(_local, "capture", None) is None:
+            _STAGING.reserve(name, args)
+            return fn(*args)
+        staged = _STAGING.views(name, args)
+        for i, (a, s) in enumerate(zip(args, staged)):
+            if i != out and isinstance(a, torch.Tensor):
+                s.copy_(a)
+        fn(*staged)
+        args[out].copy_(staged[out])
+
+    return body
 
 
 def _two_rows(t: torch.Tensor) -> torch.Tensor:

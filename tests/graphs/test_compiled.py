@@ -244,3 +244,41 @@ def test_unknown_compile_mode_is_refused():
 
     with pytest.raises(ValueError, match="compile must be one of"):
         EngineConfig(compile="max-autotune")
+
+
+class PointerRecording(Recording):
+    """Also records the addresses of each break's tensor arguments (what a real capture keeps alive)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pointers = []
+
+    def break_on(self, fn, args, kwargs):
+        self.pointers.append(tuple(a.data_ptr() for a in args if isinstance(a, torch.Tensor)))
+        return super().break_on(fn, args, kwargs)
+
+
+def test_under_capture_a_compiled_steps_breaks_share_staged_buffers(digits):
+    """Every layer's break, in every bucket, gets the same staged buffers (as uncompiled breaks share the
+    attention scratch), not Inductor's per-layer buffers, which a capture would keep for the graph's life;
+    and the step still computes what the uncompiled one does."""
+    from workers.engine import Engine, EngineConfig
+    from workers.loading import load_model
+
+    compiled = Engine(digits, EngineConfig(backend="breakable", max_batch=8, compile="inductor"))
+    compiled.warmup()  # every bucket once, outside capture: the staging is sized here
+    plain = Engine(load_model("digits"), EngineConfig(backend="breakable", max_batch=8))
+    layers, seen = len(digits.transformer.transformer_blocks), set()
+    for n in (8, 4):
+        live = _step_inputs(digits, n)
+        rec = PointerRecording()
+        breakable._local.capture = rec
+        try:
+            got = next(iter(compiled.groups.values())).runner.run(**live)
+        finally:
+            breakable._local.capture = None
+        want = next(iter(plain.groups.values())).runner.run(**live)
+        assert_close(got, want)
+        assert len(rec.pointers) == layers
+        seen |= set(rec.pointers)
+    assert len(seen) == 1, f"{len(seen)} sets of break buffers: Inductor's buffers reached the breaks"
