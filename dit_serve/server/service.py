@@ -39,6 +39,11 @@ from dit_serve.server.store import Store
 
 log = logging.getLogger(__name__)
 
+# The local Ray the service starts runs worker actors only (one per GPU), never tasks: Ray's pool of
+# prestarted idle workers (up to one per CPU core, each a Python process of tens of MB) is of no use to
+# it, and on a GPU host with many cores it is many processes doing nothing.
+LOCAL_RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
+
 
 class ServiceError(RuntimeError):
     """The service could not start (bad model, port in use, unreachable database or cluster)."""
@@ -177,7 +182,8 @@ class Service:
             if rc.address:
                 ray.init(address=rc.address, **kwargs)
             else:
-                ray.init(address="local", num_cpus=rc.num_cpus, **kwargs)  # never join a stray local cluster
+                ray.init(address="local", num_cpus=rc.num_cpus, _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+                         **kwargs)  # never join a stray local cluster
                 watch_local_ray(self.config.store.data_dir)  # nothing of our Ray may outlive this process
         except Exception as e:
             raise ServiceError(f"cannot start or join Ray{f' at {rc.address}' if rc.address else ''}: {e}") from None

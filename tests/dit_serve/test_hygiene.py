@@ -144,3 +144,39 @@ def test_leftovers_of_a_running_dit_serve_are_not_touched(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_local_ray_keeps_no_idle_worker_processes(digits_model, tmp_path):
+    """The service's local Ray runs its worker actors and nothing else: no pool of prestarted idle
+    Python workers (Ray starts up to one per core by default)."""
+    from dit_serve.server.service import Service
+
+    from .conftest import service_config
+
+    with Service(service_config(tmp_path, digits_model, ray={"num_cpus": 8})) as svc:
+        assert svc.wait_ready(120)
+        time.sleep(5.0)  # Ray prestarts its pool within a second or two of the driver's start
+        idle = [pid for pid, cmd in _my_descendants() if cmd.startswith("ray::IDLE")]
+    assert idle == [], f"{len(idle)} idle Ray workers"
+
+
+def _my_descendants() -> list[tuple[int, str]]:
+    """(pid, command line) of every process below this one, from /proc."""
+    parent, cmd = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+                raw = open(f"/proc/{entry}/cmdline", "rb").read()
+            except OSError:
+                continue
+            parent[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
+            cmd[int(entry)] = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+    me, out = os.getpid(), []
+    for pid in parent:
+        p = parent.get(pid)
+        while p and p != me:
+            p = parent.get(p)
+        if p == me:
+            out.append((pid, cmd[pid]))
+    return out
