@@ -108,7 +108,8 @@ class Worker:
     # -- the actor's methods (called by the scheduler) ---------------------------------------------
     def info(self) -> dict:
         """Returns once the worker is ready (Ray runs methods after ``__init__``)."""
-        return {"models": sorted(self.engine.models), "device": self.device, "backend": self.backend}
+        return {"models": sorted(self.engine.models), "device": self.device, "backend": self.backend,
+                "attention": dict(self.engine.attention)}
 
     def submit(self, items: list[ItemSpec]) -> list[bool]:
         for item in items:

@@ -145,6 +145,7 @@ class Engine:
         self._pools: dict[torch.device, tuple] = {}  # one graph pool and stream per device, for every shape
         self._warm = False
         self.steps_run = 0
+        self.attention: dict[str, str] = {}  # model -> the attention kernel its steps run, where a family says
         if config.compile != "off":
             _prepare_compile(config.compile_cache)
         for m in models:
@@ -153,6 +154,9 @@ class Engine:
                 break_attention(m.transformer)
             if hasattr(family, "set_cross_attention"):
                 family.set_cross_attention(m, config.cross_attention)
+            if hasattr(family, "attention_kernel"):
+                self.attention[m.name] = family.attention_kernel(m)
+                log.info("%s: %s", m.name, self.attention[m.name])
             self._group(m, tuple(m.latent_shape))
         self.real_rows = 0    # sample-steps served
         self.padded_rows = 0  # bucket rows replayed without a sample in them (padding waste)
@@ -383,7 +387,7 @@ class Engine:
 
     def stats(self) -> dict:
         return {"steps": self.steps_run, "real_rows": self.real_rows, "padded_rows": self.padded_rows,
-                "previews": self.previews_made,
+                "previews": self.previews_made, "attention": self.attention,
                 "groups": {f"{k.model}:{'x'.join(map(str, k.latent_shape))}:{k.dtype}:{k.backend}":
                            _group_stats(g) for k, g in self.groups.items()}}
 

@@ -101,9 +101,25 @@ def _masked_into(q, k, v, used, out) -> None:
 
 
 def _flash_usable(q: torch.Tensor) -> bool:
-    d = q.shape[-1]
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
-            and _flash_takes_seqused() and torch.cuda.get_device_capability(q.device)[0] >= 8)
+    return _flash_ok(q.device, q.dtype, q.shape[-1])
+
+
+def _flash_ok(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+            and head_dim <= 256 and _flash_takes_seqused() and torch.cuda.get_device_capability(device)[0] >= 8)
+
+
+def kernel_name(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> str:
+    """Which kernel ``varlen_attention_into`` runs for these queries when served (outside a ``full``
+    capture): logged and reported per model at start-up, since the fallback reads the key counts on the
+    host, a synchronisation per layer on CUDA."""
+    device = torch.device(device)
+    if _flash_ok(device, dtype, head_dim):
+        return "flash varlen (seqused_k; no host read)"
+    why = "" if device.type != "cuda" else (
+        "; this torch's flash attention takes no seqused_k" if not _flash_takes_seqused() else
+        f"; flash needs fp16/bf16, a head dim that is a multiple of 8 up to 256, sm80+")
+    return f"SDPA per key length (one host read per layer{why})"
 
 
 @functools.cache

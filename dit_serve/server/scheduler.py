@@ -245,6 +245,8 @@ class Scheduler:
             w.ready_ref, w.models = None, list(value["models"])
             self._backoff.pop(w.key, None)
             log.info("%s ready: %s on %s (%s)", w.name, ", ".join(w.models), value["device"], value["backend"])
+            for model, kernel in value.get("attention", {}).items():
+                log.info("%s: %s runs %s", w.name, model, kernel)
             return
         w.poll_ref = None
         self._apply_report(w, value)

@@ -139,3 +139,15 @@ def test_varlen_cross_attention_equals_the_pipeline_too(model):
         ref = _reference(model, spec.prompt, spec.negative_prompt, spec.seed, spec.steps, spec.guidance)
         err = (r.latents - ref).abs().max().item()
         assert err <= 1e-4 * max(1.0, ref.abs().max().item()), (spec.id, err)
+
+
+def test_the_engine_reports_which_cross_attention_kernel_runs(model):
+    """Said per model at start-up (and in the worker's info): on a CPU, varlen cross-attention reads the
+    key counts on the host (the grouped SDPA fallback); padded is diffusers' masked SDPA."""
+    from workers.engine import Engine, EngineConfig
+
+    varlen = Engine(model, EngineConfig(backend="eager", max_batch=2, cross_attention="varlen"))
+    assert varlen.attention == {model.name: "cross-attention: SDPA per key length (one host read per layer)"}
+    assert varlen.stats()["attention"] == varlen.attention
+    padded = Engine(model, EngineConfig(backend="eager", max_batch=2, cross_attention="padded"))
+    assert padded.attention[model.name].startswith("cross-attention: padded")

@@ -65,6 +65,16 @@ def set_cross_attention(model, mode: str) -> None:
     (varlen_cross_attention if mode == "varlen" else restore_cross_attention)(model.transformer)
 
 
+def attention_kernel(model) -> str:
+    """The cross-attention kernel this model's steps run (reported by the engine at start-up)."""
+    from workers.varlen import VarlenCrossAttention, kernel_name
+
+    blocks = model.transformer.transformer_blocks
+    if blocks and isinstance(getattr(blocks[0].attn2, "processor", None), VarlenCrossAttention):
+        return "cross-attention: " + kernel_name(model.device, model.dtype, model.transformer.config.attention_head_dim)
+    return "cross-attention: padded to the token limit, masked (SDPA)"
+
+
 def make_step(model, shape=None):
     """One whole denoising step for latents of ``shape`` (C, H, W; the native one by default): both CFG
     halves in one forward (prompt rows, then negative rows), guidance, sampler update. A learned-sigma
