@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
+import select
+import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -52,3 +56,28 @@ def postgres_url() -> str:
     meta.drop_all(engine)
     engine.dispose()
     return url
+
+
+@contextmanager
+def running_service(data_dir: Path, model: str):
+    """A Service with the digits worker ready, on a Ray of its own (2 CPUs) that ends with it."""
+    import ray
+
+    from dit_serve.server.service import Service
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with Service(service_config(data_dir, model)) as service:
+            assert service.wait_ready(120), "the worker did not start"
+            yield service
+    finally:
+        ray.shutdown()
+
+
+def serving_url(proc: subprocess.Popen, log: Path, timeout: float = 120) -> str:
+    """The URL in the line `dit-serve serve` prints on stdout once it listens."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    m = re.search(r"at (http://127\.0\.0\.1:\d+);", line)
+    assert m, f"no serving line ({line!r}): {log.read_text()[-3000:]}"
+    return m.group(1)

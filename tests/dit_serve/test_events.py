@@ -27,7 +27,7 @@ from dit_serve.server.metrics import Metrics
 from dit_serve.server.service import Service, build_catalog
 from dit_serve.server.store import Store
 
-from .conftest import service_config
+from .conftest import running_service, service_config
 
 ADMIN = "events-admin-key"  # a configured key: admin of the tenant 'default'
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -436,15 +436,8 @@ def test_wait_resumes_a_dropped_stream_with_last_event_id(api, http):
 # -- the whole service: real Ray, a worker with the digits model ---------------------------------------
 @pytest.fixture(scope="module")
 def svc(digits_model, tmp_path_factory):
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        with Service(service_config(tmp_path_factory.mktemp("events-svc"), digits_model)) as service:
-            assert service.wait_ready(120), "the worker did not start"
-            yield service
-    finally:
-        ray.shutdown()
+    with running_service(tmp_path_factory.mktemp("events-svc"), digits_model) as service:
+        yield service
 
 
 @pytest.mark.slow

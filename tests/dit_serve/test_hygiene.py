@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import select
 import signal
 import subprocess
 import sys
@@ -19,6 +17,8 @@ import httpx
 import pytest
 
 from dit_serve.server import reaper
+
+from .conftest import serving_url
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -55,14 +55,6 @@ def _alive(procs: dict[tuple[int, int], str]) -> dict[tuple[int, int], str]:
     return {(pid, start): name for (pid, start), name in procs.items() if (info := _proc(pid)) and info[2] == start}
 
 
-def _serving_url(proc: subprocess.Popen, log: Path, timeout: float = 120) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if ready else ""
-    m = re.search(r"at (http://127\.0\.0\.1:\d+);", line)
-    assert m, f"no serving line ({line!r}): {log.read_text()[-3000:]}"
-    return m.group(1)
-
-
 def _wait_for_worker(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -85,7 +77,7 @@ def test_sigkill_of_serve_leaves_no_process_behind(digits_model, tmp_path):
     # "local": a Ray of its own; without an address ray.init() joins the cluster another test may have started
     started = {}
     try:
-        _wait_for_worker(_serving_url(proc, log), proc, log)
+        _wait_for_worker(serving_url(proc, log), proc, log)
         started = _family(proc.pid)
         names = set(started.values())
         # the snapshot holds Ray's processes (an actor's title names the method it runs: ray::Worker.poll)
@@ -156,27 +148,6 @@ def test_the_local_ray_keeps_no_idle_worker_processes(digits_model, tmp_path):
     with Service(service_config(tmp_path, digits_model, ray={"num_cpus": 8})) as svc:
         assert svc.wait_ready(120)
         time.sleep(5.0)  # Ray prestarts its pool within a second or two of the driver's start
-        idle = [pid for pid, cmd in _my_descendants() if cmd.startswith("ray::IDLE")]
+        idle = [pid for (pid, _), name in _family(os.getpid()).items() if name.startswith("ray::IDLE")]
     assert idle == [], f"{len(idle)} idle Ray workers"
 
-
-def _my_descendants() -> list[tuple[int, str]]:
-    """(pid, command line) of every process below this one, from /proc."""
-    parent, cmd = {}, {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-                raw = open(f"/proc/{entry}/cmdline", "rb").read()
-            except OSError:
-                continue
-            parent[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
-            cmd[int(entry)] = raw.replace(b"\0", b" ").decode(errors="replace").strip()
-    me, out = os.getpid(), []
-    for pid in parent:
-        p = parent.get(pid)
-        while p and p != me:
-            p = parent.get(p)
-        if p == me:
-            out.append((pid, cmd[pid]))
-    return out

@@ -12,8 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
-import select
 import shutil
 import signal
 import subprocess
@@ -25,6 +23,8 @@ import pytest
 from PIL import Image
 
 from dit_serve.cli import SERVICE_MODULES, build_parser, main, server_modules
+
+from .conftest import serving_url
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_ONLY = ("torch", "ray", "diffusers", "transformers", "safetensors", "fastapi", "uvicorn", "sqlalchemy",
@@ -73,14 +73,6 @@ def _start_service(data_dir: Path, log: Path) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "dit_serve.cli", "serve", "--port", "0", "--data-dir",
                                  str(data_dir), "--model", "digits"], stdout=subprocess.PIPE, stderr=err,
                                 text=True, cwd=ROOT, start_new_session=True)
-
-
-def _serving_url(proc: subprocess.Popen, log: Path, timeout: float = 120) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    line = proc.stdout.readline() if ready else ""
-    m = re.search(r"at (http://127\.0\.0\.1:\d+);", line)
-    assert m, f"no serving line ({line!r}): {log.read_text()[-3000:]}"
-    return m.group(1)
 
 
 class FreshClient:
@@ -159,7 +151,7 @@ def test_the_base_install_is_the_client_only(digits_model, tmp_path):
         _check_nothing_server_side(fresh)
         _check_server_commands_name_the_extra(fresh)
         try:
-            _check_submit_status_list_fetch(fresh, _serving_url(server, log), tmp_path / "fetched")
+            _check_submit_status_list_fetch(fresh, serving_url(server, log), tmp_path / "fetched")
         except AssertionError as e:
             raise AssertionError(f"{e}\nservice log: {log.read_text()[-3000:]}") from None
         server.send_signal(signal.SIGTERM)

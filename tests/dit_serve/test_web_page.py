@@ -21,7 +21,7 @@ import pytest
 
 from dit_serve.server.service import Service
 
-from .conftest import service_config
+from .conftest import running_service, service_config
 
 KEY = "web-page-admin-key"
 DESKTOP = (1100, 760)
@@ -88,15 +88,8 @@ def browser(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def svc(digits_model, tmp_path_factory, browser):  # the browser first: no Ray started for a test that skips
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        with Service(service_config(tmp_path_factory.mktemp("web-svc"), digits_model)) as service:
-            assert service.wait_ready(120), "the worker did not start"
-            yield service
-    finally:
-        ray.shutdown()
+    with running_service(tmp_path_factory.mktemp("web-svc"), digits_model) as service:
+        yield service
 
 
 def _viewport(drv, size: tuple[int, int], mobile: bool = False) -> None:
