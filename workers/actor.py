@@ -24,11 +24,16 @@ from __future__ import annotations
 import io
 import logging
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
 
 from workers.spec import ItemSpec
+
+# The worker's thread switch interval (Python's default: 5 ms): a long poll woken when an image ends, or a
+# submit arriving, waits at most this long for the step loop's thread to hand the interpreter lock over.
+SWITCH_INTERVAL_S = 0.001
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,7 @@ class Worker:
 
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         cuda = torch.cuda.is_available()
         self.device = ("cuda" if cuda else "cpu") if spec.device == "auto" else spec.device
         on_cuda = self.device.startswith("cuda")
@@ -86,8 +92,9 @@ class Worker:
         self._progress: dict[str, tuple[int, int]] = {}
         self._finished: list[tuple[str, bytes]] = []
         self._previews: dict[str, tuple[int, bytes]] = {}  # item key -> its latest (step, PNG) not polled yet
-        self._admitted: dict[str, float] = {}  # item key -> when the engine took it (time.time())
-        self._timings: dict[str, tuple[float, float]] = {}  # finished item -> (admitted, PNG ready), not polled yet
+        self._admitted: dict[str, tuple[float, float]] = {}  # item key -> (submit received, engine took it), time.time()
+        self._timings: dict[str, tuple[float, float, float]] = {}  # finished item -> (received, admitted, PNG
+        # ready), not polled yet
         self._failed: list[tuple[str, str]] = []
         self._crashed: list[tuple[str, str]] = []
         self._step_seconds: list[float] = []
@@ -112,8 +119,9 @@ class Worker:
                 "attention": dict(self.engine.attention)}
 
     def submit(self, items: list[ItemSpec]) -> list[bool]:
+        now = time.time()
         for item in items:
-            self._inbox.put(("add", item))
+            self._inbox.put(("add", (item, now)))
         return [True] * len(items)
 
     def cancel(self, ids: list[str]) -> list[bool]:
@@ -183,10 +191,11 @@ class Worker:
             self._admitted.pop(item_id, None)
             self._previews.pop(item_id, None)
 
-    def _add(self, items: list[ItemSpec]) -> None:
+    def _add(self, received: list[tuple[ItemSpec, float]]) -> None:
         """Admit items together; if that fails, one by one, so a bad item fails alone."""
-        if not items:
+        if not received:
             return
+        items, arrived = [it for it, _ in received], {it.id: t for it, t in received}
         try:
             self.engine.add_many(items)
         except (KeyError, ValueError):
@@ -200,12 +209,12 @@ class Worker:
                     continue
                 with self._lock:
                     self._progress[it.id] = (0, it.steps)
-                    self._admitted[it.id] = time.time()
+                    self._admitted[it.id] = (arrived[it.id], time.time())
             return
         now = time.time()
         with self._lock:
             self._progress.update({it.id: (0, it.steps) for it in items})
-            self._admitted.update({it.id: now for it in items})
+            self._admitted.update({it.id: (arrived[it.id], now) for it in items})
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -227,7 +236,7 @@ class Worker:
             for item_id, _ in pngs:
                 self._progress.pop(item_id, None)
                 self._previews.pop(item_id, None)
-                self._timings[item_id] = (self._admitted.pop(item_id, ready), ready)
+                self._timings[item_id] = (*self._admitted.pop(item_id, (ready, ready)), ready)
             if pngs:
                 self._news.notify_all()
 

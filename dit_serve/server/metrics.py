@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
                  300.0, 1800.0)
-PHASES = ("wait", "dispatch", "run", "handoff", "commit")
+PHASES = ("wait", "dispatch", "admit", "run", "handoff", "commit")
 
 
 class Metrics:
@@ -46,7 +46,7 @@ class Metrics:
                                       registry=r)
         self.phase_seconds = Histogram(
             "dit_serve_item_phase_seconds", "where a finished image's time went: wait (submitted -> leased), "
-            "dispatch (leased -> its worker's engine took it), run (-> its PNG was ready in the worker), handoff "
+            "dispatch (leased -> its worker received it), admit (-> its worker's engine took it), run (-> its PNG was ready in the worker), handoff "
             "(-> the scheduler had it), commit (-> stored and announced); clocks of the hosts involved",
             ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.rejected = Counter("dit_serve_submissions_rejected", "submissions refused with a 429 (queue full)",
@@ -55,13 +55,14 @@ class Metrics:
         self._done_times: deque[float] = deque()
         self._busy: dict[str, tuple[float, float]] = {}  # worker -> decayed (busy s, wall s)
 
-    def item_phases(self, lease, timing: tuple[float, float] | None, received: float, committed: float) -> None:
-        """The phases of one committed item (``PHASES``); ``timing``: the worker's (admitted, PNG ready), absent
-        from a worker that does not report it (then only wait and commit)."""
+    def item_phases(self, lease, timing: tuple[float, ...] | None, received: float, committed: float) -> None:
+        """The phases of one committed item (``PHASES``); ``timing``: the worker's (received, admitted, PNG
+        ready), absent from a worker that does not report it (then only wait and commit)."""
         self.phase_seconds.labels("wait").observe(max(0.0, lease.leased_at - lease.created_at))
         if timing is not None:
-            admitted, ready = timing
-            self.phase_seconds.labels("dispatch").observe(max(0.0, admitted - lease.leased_at))
+            arrived, admitted, ready = timing
+            self.phase_seconds.labels("dispatch").observe(max(0.0, arrived - lease.leased_at))
+            self.phase_seconds.labels("admit").observe(max(0.0, admitted - arrived))
             self.phase_seconds.labels("run").observe(max(0.0, ready - admitted))
             self.phase_seconds.labels("handoff").observe(max(0.0, received - ready))
         self.phase_seconds.labels("commit").observe(max(0.0, committed - received))

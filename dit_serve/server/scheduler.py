@@ -315,12 +315,14 @@ class Scheduler:
         room = self.cfg.inflight() - len(w.leases)
         if self.draining or room <= 0 or (w.reserved and w.leases):
             return
-        leases = self.store.lease(f"{self.owner}/{w.key}", w.models, room, self.lease_seconds, isolate=w.reserved)
+        leases = self.store.lease(f"{self.owner}/{w.key}", w.models, room, self.lease_seconds, isolate=w.reserved,
+                                  announce=False)
         w.reserved = bool(leases) and leases[0].suspect  # stays reserved while its isolated group runs
         w.queue_left = len(leases) == room
         if leases:
             w.handle.submit.remote([ls.spec for ls in leases])
             w.leases.update({ls.key: ls for ls in leases})
+            self.store.changes.notify(sorted({ls.job_id for ls in leases}))  # after the sending: see Store.lease
 
     def shutdown(self) -> None:
         """Give every lease back (not counted as an attempt) and stop the workers."""

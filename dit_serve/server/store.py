@@ -441,12 +441,16 @@ class Store:
         return n / window_s
 
     # -- leases ------------------------------------------------------------------------------------
-    def lease(self, owner: str, models: list[str], limit: int, ttl: float, isolate: bool = False) -> list[Lease]:
+    def lease(self, owner: str, models: list[str], limit: int, ttl: float, isolate: bool = False,
+              announce: bool = True) -> list[Lease]:
         """Lease up to ``limit`` queued or lease-expired items of ``models``: highest priority first, then
         oldest job first. Items that crashed workers twice or more (suspects) are leased only with
         ``isolate`` (the caller's worker holds nothing else), in groups that halve with each further crash
         (``limit >> (crashes - 1)``, down to one), so the batch that crashes is split until its poison item
-        is alone. A lease is committed only once everything the worker needs from the row was read."""
+        is alone. A lease is committed only once everything the worker needs from the row was read.
+        ``announce=False``: the caller calls ``changes.notify`` for the leased jobs itself (the scheduler does,
+        once the items are on their way to a worker, so that the event streams woken by it do not compete
+        with the sending)."""
         now = time.time()
         leasable = and_(items.c.model.in_(models), items.c.not_before <= now, or_(
             items.c.state == "queued", and_(items.c.state == "running", items.c.lease_expires < now)))
@@ -481,7 +485,8 @@ class Store:
                 leases[0].solo = True
             _set(conn, [(ls.job_id, ls.index) for ls in leases], state="running", step=0, lease_owner=owner,
                  lease_token=token, lease_expires=now + ttl, attempts=items.c.attempts + 1)
-        self.changes.notify(sorted({ls.job_id for ls in leases}))
+        if announce:
+            self.changes.notify(sorted({ls.job_id for ls in leases}))
         return leases
 
     def _take_over_expired(self, conn, rows, now: float) -> list:

@@ -140,13 +140,28 @@ def test_leftovers_of_a_running_dit_serve_are_not_touched(tmp_path):
 
 def test_the_local_ray_keeps_no_idle_worker_processes(digits_model, tmp_path):
     """The service's local Ray runs its worker actors and nothing else: no pool of prestarted idle
-    Python workers (Ray starts up to one per core by default)."""
-    from dit_serve.server.service import Service
+    Python workers (Ray starts up to one per core by default). An answer the size of a worker's poll with
+    one 256 px PNG (300 KB) comes back inline, not through the object store (no node holds it), and the
+    service's interpreter switches threads every SWITCH_INTERVAL_S."""
+    import sys
+
+    import ray
+
+    from dit_serve.server.service import SWITCH_INTERVAL_S, Service
 
     from .conftest import service_config
 
+    @ray.remote(num_cpus=0)
+    class Answer:
+        def png_sized(self) -> bytes:
+            return b"\x89" * 300_000
+
     with Service(service_config(tmp_path, digits_model, ray={"num_cpus": 8})) as svc:
         assert svc.wait_ready(120)
+        assert sys.getswitchinterval() == SWITCH_INTERVAL_S
+        ref = Answer.remote().png_sized.remote()
+        assert len(ray.get(ref)) == 300_000
+        assert ray.experimental.get_object_locations([ref])[ref]["node_ids"] == []
         time.sleep(5.0)  # Ray prestarts its pool within a second or two of the driver's start
         idle = [pid for (pid, _), name in _family(os.getpid()).items() if name.startswith("ray::IDLE")]
     assert idle == [], f"{len(idle)} idle Ray workers"

@@ -99,10 +99,11 @@ def test_a_worker_gets_its_next_items_before_the_finished_ones_are_committed(tmp
     endings, and commits the PNGs after: the worker's next batch does not wait for the store writes."""
     import ray
 
+    from dit_serve.server.store import Changes
     from dit_serve.server.store import Store as RealStore
 
     calls: list[str] = []
-    real_lease, real_commit = RealStore.lease, RealStore.commit_result
+    real_lease, real_commit, real_notify = RealStore.lease, RealStore.commit_result, Changes.notify
 
     def lease(self, *a, **k):
         got = real_lease(self, *a, **k)
@@ -113,6 +114,7 @@ def test_a_worker_gets_its_next_items_before_the_finished_ones_are_committed(tmp
     monkeypatch.setattr(RealStore, "lease", lease)
     monkeypatch.setattr(RealStore, "commit_result",
                         lambda self, *a, **k: calls.append("commit") or real_commit(self, *a, **k))
+    monkeypatch.setattr(Changes, "notify", lambda self, *a, **k: calls.append("notify") or real_notify(self, *a, **k))
 
     class BatchWorker:  # finishes what it holds 0.3 s after it got it
         def __init__(self, spec):
@@ -145,6 +147,9 @@ def test_a_worker_gets_its_next_items_before_the_finished_ones_are_committed(tmp
         while not sched.store.get_job(job_id).finished:
             assert time.monotonic() < deadline, "the job did not finish"
             time.sleep(0.05)
+    # the scheduler announces a lease once its items are on their way (Store.lease itself does not)
+    assert all(calls[i + 1] == "notify" for i, c in enumerate(calls) if c == "lease"), calls
+    calls = [c for c in calls if c != "notify"]
     first_commit = calls.index("commit")
     assert calls[:first_commit] == ["lease", "lease"], f"the second pair was leased after the first commits: {calls}"
     assert calls.count("lease") == 3
@@ -153,7 +158,7 @@ def test_a_worker_gets_its_next_items_before_the_finished_ones_are_committed(tmp
 
 @pytest.mark.slow
 def test_metrics_split_a_finished_images_time_into_phases(tmp_path, digits_model):
-    """/metrics' ``dit_serve_item_phase_seconds`` has the five phases of each committed image, and for a
+    """/metrics' ``dit_serve_item_phase_seconds`` has the six phases of each committed image, and for a
     one-image job they add up to its time in the service (submitted -> committed)."""
     import httpx
 

@@ -533,3 +533,16 @@ def test_postgres_notifies_other_processes_of_changes(tmp_path):
         scheduler.close()
         api.close()
     assert not listener.is_alive()
+
+
+def test_a_lease_announces_its_jobs_unless_the_caller_will(store):
+    """``Store.lease`` wakes the leased jobs' waiters; with ``announce=False`` it leaves that to the caller
+    (the scheduler, after sending the items)."""
+    seen: list[list[str]] = []
+    store.changes.notify = lambda job_ids, local=False: seen.append(list(job_ids))
+    first, second = _job(store, 1), _job(store, 1)
+    seen.clear()  # the submissions' own
+    assert [ls.job_id for ls in store.lease("w", ["digits"], 1, ttl=30, announce=False)] == [first]
+    assert seen == []
+    assert [ls.job_id for ls in store.lease("w", ["digits"], 1, ttl=30)] == [second]
+    assert seen == [[second]]

@@ -125,3 +125,22 @@ def test_a_worker_with_compile_inductor_runs_compiled_steps(tmp_path):
         assert any((tmp_path / "inductor").iterdir())
     finally:
         w.stop()
+
+
+def test_timings_split_an_items_time_at_the_worker_and_the_lock_switches_fast(worker):
+    """Each finished item's timing is (submit received, engine took it, PNG ready), in that order, and
+    within the poll's wall time; the worker's interpreter switches threads every SWITCH_INTERVAL_S."""
+    import sys
+
+    from workers.actor import SWITCH_INTERVAL_S
+
+    assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S) and SWITCH_INTERVAL_S < 0.005
+    before = time.time()
+    worker.submit([_item(90, steps=3)])
+    timings = {}
+    deadline = time.monotonic() + 60
+    while "job/90" not in timings:
+        assert time.monotonic() < deadline
+        timings.update(worker.poll(wait_s=0.5)["timings"])
+    received, admitted, ready = timings["job/90"]
+    assert before <= received <= admitted < ready <= time.time()
