@@ -243,24 +243,27 @@ def finished(c, job):
 def service_single(c, s: dict) -> dict:
     """Also the worker's own mean step time over the measured jobs (its step histogram in /metrics), to
     tell time spent in the worker's steps from time spent around them."""
-    done, png = [], []
+    done, png, ends = [], [], {"submit_ms": [], "end_ms": []}
     for i in range(WARMUP + s["single"]):
         if i == WARMUP:
             before, phases_before = step_totals(c.url), phase_totals(c.url)
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), time.time()
         job = finished(c, submit(c, s, 1))
-        t1 = time.perf_counter()
+        t1, w1 = time.perf_counter(), time.time()
         c.image_bytes(job, 0)
         t2 = time.perf_counter()
         if i >= WARMUP:
             done.append(round((t1 - t0) * 1e3, 2))
             png.append(round((t2 - t0) * 1e3, 2))
+            ends["submit_ms"].append(round((job.created_at - w0) * 1e3, 2))  # the client's call -> stored
+            ends["end_ms"].append(round((w1 - job.finished_at) * 1e3, 2))   # stored -> the client has it
     time.sleep(1.0)  # the last poll's step times reach the metrics at the scheduler's next heartbeat
     after, phases_after = step_totals(c.url), phase_totals(c.url)
     steps = after[1] - before[1]
     return {"single_done_ms": done, "single_png_ms": png,
             "worker_step_ms": round(1e3 * (after[0] - before[0]) / steps, 3) if steps else None,
-            "phases_ms": phase_means(phases_before, phases_after)}
+            "phases_ms": phase_means(phases_before, phases_after),
+            "client_ms": {k: statistics.median(v) for k, v in ends.items() if v}}
 
 
 def phase_totals(url: str) -> dict[str, tuple[float, float]]:
@@ -404,8 +407,10 @@ def notes(report: dict) -> list[str]:
     done = report["medians"].get("service_single_done_ms")
     if phases and done is not None:
         listed = ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+        outside = report["raw"]["service"]["1"].get("client_ms") or {}
+        split = f" (median: submit {outside['submit_ms']:.2f}, end {outside['end_ms']:.2f})" if outside else ""
         out.append(f"one image in the service, mean ms per phase: {listed}; outside them (HTTP, events, the "
-                   f"client): {done - sum(phases.values()):.2f}")
+                   f"client): {done - sum(phases.values()):.2f}{split}")
     return out
 
 

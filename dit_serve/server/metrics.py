@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
                  300.0, 1800.0)
-PHASES = ("wait", "dispatch", "admit", "run", "handoff", "commit")
+PHASES = ("wait", "lease", "dispatch", "admit", "run", "handoff", "commit")
 
 
 class Metrics:
@@ -46,8 +46,9 @@ class Metrics:
                                       registry=r)
         self.phase_seconds = Histogram(
             "dit_serve_item_phase_seconds", "where a finished image's time went: wait (submitted -> leased), "
-            "dispatch (leased -> its worker received it), admit (-> its worker's engine took it), run (-> its PNG was ready in the worker), handoff "
-            "(-> the scheduler had it), commit (-> stored and announced); clocks of the hosts involved",
+            "lease (-> leased and sent: the lease's transaction and the actor call), dispatch (-> its worker "
+            "received it), admit (-> its worker's engine took it), run (-> its PNG was ready in the worker), "
+            "handoff (-> the scheduler had it), commit (-> stored and announced); clocks of the hosts involved",
             ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.rejected = Counter("dit_serve_submissions_rejected", "submissions refused with a 429 (queue full)",
                                 registry=r)
@@ -61,7 +62,9 @@ class Metrics:
         self.phase_seconds.labels("wait").observe(max(0.0, lease.leased_at - lease.created_at))
         if timing is not None:
             arrived, admitted, ready = timing
-            self.phase_seconds.labels("dispatch").observe(max(0.0, arrived - lease.leased_at))
+            sent = lease.sent_at or lease.leased_at
+            self.phase_seconds.labels("lease").observe(max(0.0, sent - lease.leased_at))
+            self.phase_seconds.labels("dispatch").observe(max(0.0, arrived - sent))
             self.phase_seconds.labels("admit").observe(max(0.0, admitted - arrived))
             self.phase_seconds.labels("run").observe(max(0.0, ready - admitted))
             self.phase_seconds.labels("handoff").observe(max(0.0, received - ready))

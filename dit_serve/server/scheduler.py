@@ -321,6 +321,9 @@ class Scheduler:
         w.queue_left = len(leases) == room
         if leases:
             w.handle.submit.remote([ls.spec for ls in leases])
+            sent = time.time()
+            for ls in leases:
+                ls.sent_at = sent
             w.leases.update({ls.key: ls for ls in leases})
             self.store.changes.notify(sorted({ls.job_id for ls in leases}))  # after the sending: see Store.lease
 

@@ -77,8 +77,9 @@ class Lease:
     crashes: int = 0
     suspect: bool = False  # leased in an isolated group of items that crashed workers before
     solo: bool = False     # ... a group of one
-    created_at: float = 0.0  # when its job was submitted, and when it was leased (time.time(), for the
-    leased_at: float = 0.0   # latency phases in /metrics)
+    created_at: float = 0.0  # when its job was submitted, when it was leased, and when its scheduler sent
+    leased_at: float = 0.0   # it to a worker (time.time(), for the latency phases in /metrics)
+    sent_at: float = 0.0
 
     @property
     def key(self) -> str:

@@ -158,7 +158,7 @@ def test_a_worker_gets_its_next_items_before_the_finished_ones_are_committed(tmp
 
 @pytest.mark.slow
 def test_metrics_split_a_finished_images_time_into_phases(tmp_path, digits_model):
-    """/metrics' ``dit_serve_item_phase_seconds`` has the six phases of each committed image, and for a
+    """/metrics' ``dit_serve_item_phase_seconds`` has the seven phases of each committed image, and for a
     one-image job they add up to its time in the service (submitted -> committed)."""
     import httpx
 
