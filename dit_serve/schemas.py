@@ -153,6 +153,7 @@ class ItemStatus(_Response):
                                          "(a worker or node died, a lease expired); not charged to it")
     crashes: int = Field(0, description="times a worker died (or its step raised) while holding it")
     error: str | None = None
+    finished_at: float | None = Field(None, description="when it ended (done, failed or cancelled; Unix seconds)")
 
 
 class WebhookStatus(_Response):

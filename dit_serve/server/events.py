@@ -53,9 +53,10 @@ up to ``read_burst`` (a batch of commits is one read, and a single image's endin
 of its lease is not held back), and at least every ``poll_s`` (in case a notification is lost; with PostgreSQL, notifications cross
 processes by LISTEN/NOTIFY). Progress is
 sent when it changed, at most every ``progress_interval_s``: a change inside that time goes out at its
-end, as the latest state. Items and the end go out at the read that finds them. A read is two queries
-in this order: the job's counts, then its ended items; counts that say the job ended therefore come with
-all its ended items, so no item event follows the end event. A client that hangs up cancels the
+end, as the latest state. Items and the end go out at the read that finds them. A read queries, in
+this order, the job's counts, then its ended items (for a job of up to ``END_EVENT_ITEMS`` items: all its
+items, with when each ended, in the same read); counts that say the job ended therefore come with all its
+ended items, so no item event follows the end event. A client that hangs up cancels the
 response (Starlette listens for the disconnect), which ends the generator at its await; its ``finally``
 stops watching the job, and the response gives its stream slot back.
 """
@@ -69,7 +70,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, NamedTuple
 
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
@@ -80,6 +81,15 @@ log = logging.getLogger(__name__)
 END_EVENT_ITEMS = 100  # the end event of a job of up to this many items carries the job and its items, so a
                        # client's wait returns without another request (a single image: a few ms sooner)
 _ID = re.compile(r"^(\d{1,12})\.(\d{1,15})(?:\.(-?\d{1,18})\.(\d{1,9}))?$")
+
+
+class _Ended(NamedTuple):
+    """An ended item as the stream needs it (the columns of ``Store.finished_items``)."""
+
+    idx: int
+    state: str
+    error: str | None
+    finished_at: float
 
 
 @dataclass(frozen=True)
@@ -181,7 +191,7 @@ class JobEvents:
     """One connection's stream of one job's events (the module docstring is its contract)."""
 
     def __init__(self, store, job: Job, cursor: Cursor, streams: Streams):
-        self.store, self.job_id, self.created_at = store, job.id, job.created_at
+        self.store, self.job_id, self.created_at, self.num_items = store, job.id, job.created_at, job.num_items
         self.streams, self.limits = streams, streams.limits
         self.cursor, self.since = cursor, cursor.key  # items at or before ``since``: sent on an earlier connection
         self.sent: set[tuple[int, int]] = set()       # item keys sent on this connection
@@ -253,15 +263,19 @@ class JobEvents:
 
     def _read(self) -> tuple[Job | None, list, dict[int, int]]:
         """The job's counts, then its ended items, then its running items' previews (in this order: see
-        the module docstring)."""
-        job = self.store.get_job(self.job_id, with_items=False)
-        if job is None:
-            return None, [], {}
-        if job.finished and job.num_items <= END_EVENT_ITEMS:  # the end event carries it whole
-            job = self.store.get_job(self.job_id, with_items=True) or job
+        the module docstring). A job of up to END_EVENT_ITEMS items is read with its items, in one read:
+        their endings are the ended items, and the end event carries the job whole."""
         key = self.cursor.key
         since = None if key is None else self.created_at + key[0] / 1e6 - self.limits.slack_s
-        rows = self.store.finished_items(self.job_id, since)
+        small = self.num_items <= END_EVENT_ITEMS
+        job = self.store.get_job(self.job_id, with_items=small)
+        if job is None:
+            return None, [], {}
+        if small:
+            rows = [_Ended(it.index, it.state, it.error, it.finished_at) for it in job.items
+                    if it.finished_at is not None and (since is None or it.finished_at >= since)]
+        else:
+            rows = self.store.finished_items(self.job_id, since)
         return job, rows, ({} if job.finished else self.store.preview_steps(self.job_id))
 
     def _previews(self, latest: dict[int, int]) -> list[str]:

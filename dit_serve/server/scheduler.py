@@ -137,10 +137,11 @@ class Scheduler:
             self._last_reconcile = now
             self.reconcile()
         self._collect()
+        self._dispatch()  # first: work that woke this turn is not held up by a heartbeat's writes
+        now = time.monotonic()
         if now - self._last_heartbeat >= self.sched.heartbeat_seconds:
             self._last_heartbeat = now
             self._heartbeat()
-        self._dispatch()
 
     # -- workers -----------------------------------------------------------------------------------
     def reconcile(self) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import and_, bindparam, case, create_engine, event, func, or_, select, update
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
 from dit_serve.schemas import TERMINAL_STATES, ItemStatus, Job, JobParams, WebhookStatus
@@ -114,7 +115,10 @@ class Store:
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.max_requeues, self.poison_crashes = max_requeues, poison_crashes
-        self.engine = create_engine(_driver_url(url), pool_pre_ping=True)
+        sqlite = make_url(_driver_url(url)).get_backend_name() == "sqlite"
+        # a database server's connections can drop (restarts, idle timeouts): each is pinged before use;
+        # an SQLite file's cannot, and the ping would be one more statement in every transaction
+        self.engine = create_engine(_driver_url(url), pool_pre_ping=not sqlite)
         if self.engine.dialect.name == "sqlite":
             _sqlite_setup(self.engine)
         postgres = self.engine.dialect.name == "postgresql"
@@ -806,7 +810,8 @@ def _job(row, stats: dict, item_rows) -> Job:
                    ItemStatus(index=r.idx, label=None if r.prompt is not None else r.label, prompt=r.prompt,
                               seed=r.seed, state=r.state, step=r.step,
                               total_steps=r.total_steps, attempts=r.attempts, requeues=r.requeues, crashes=r.crashes,
-                              error=r.error) for r in item_rows])
+                              error=r.error, finished_at=r.finished_at if r.state in TERMINAL_STATES else None)
+                   for r in item_rows])
 
 
 def _driver_url(url: str) -> str:

@@ -481,3 +481,30 @@ def test_wait_returns_as_the_job_ends_and_does_not_poll(svc):
     done, returned_at = asyncio.run(three())
     assert [j.state for j in done] == ["done"] * 3
     assert returned_at - max(j.finished_at for j in done) <= 1.0
+
+
+def test_a_small_jobs_stream_reads_the_job_once_and_finds_the_same_endings(api, http, monkeypatch):
+    """A job of up to END_EVENT_ITEMS items is read with its items in one ``get_job`` per wake-up, and
+    the endings taken from its items (``ItemStatus.finished_at``) are the ones ``finished_items`` gives."""
+    from dit_serve.server import events as ev
+
+    job_id = _submit(http, 3)
+    leases = _lease(api.store, job_id, 3)
+    api.store.commit_result(leases[0], b"png")
+    api.store.fail_item(leases[2], "boom")
+    job = api.store.get_job(job_id, with_items=False)
+    ended = {it["index"]: it["finished_at"] for it in http.get(f"/v1/jobs/{job_id}").json()["items"]}
+    assert ended[1] is None and ended[0] > job.created_at and ended[2] >= ended[0]
+    calls: list[str] = []
+    for name in ("get_job", "finished_items"):
+        real = getattr(Store, name)
+        monkeypatch.setattr(Store, name, lambda self, *a, _n=name, _r=real, **k: calls.append(_n) or _r(self, *a, **k))
+    streams = ev.Streams(StreamLimits())
+    small = ev.JobEvents(api.store, job, ev.Cursor(), streams)._read()
+    assert calls == ["get_job"] and small[0].items is not None
+    calls.clear()
+    monkeypatch.setattr(ev, "END_EVENT_ITEMS", 2)  # the same job read as a large one
+    large = ev.JobEvents(api.store, job, ev.Cursor(), streams)._read()
+    assert calls == ["get_job", "finished_items"] and large[0].items is None
+    as_rows = lambda rows: sorted((r.idx, r.state, r.error, r.finished_at) for r in rows)
+    assert as_rows(small[1]) == as_rows(large[1]) == [(0, "done", None, ended[0]), (2, "failed", "boom", ended[2])]

@@ -546,3 +546,9 @@ def test_a_lease_announces_its_jobs_unless_the_caller_will(store):
     assert seen == []
     assert [ls.job_id for ls in store.lease("w", ["digits"], 1, ttl=30)] == [second]
     assert seen == [[second]]
+
+
+def test_connections_are_pinged_before_use_on_a_database_server_only(store, kind):
+    """A server's connections can drop between uses, so PostgreSQL's are pinged at checkout; an SQLite
+    file's cannot, and there a ping would only add a statement to every transaction."""
+    assert store.engine.pool._pre_ping is (kind == "postgresql")
