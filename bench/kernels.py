@@ -7,8 +7,11 @@ body), synchronised:
   breakable+inductor   the same with ``EngineConfig(compile="inductor")``: the step compiled once with a
                        dynamic batch, Inductor's kernels captured between the breaks (graphs.compiled)
   full+inductor        the compiled step captured whole, one CUDA graph per bucket (attention inside)
+  breakable+fp8        breakable with the model loaded in ``precision="fp8"`` (workers/fp8.py: the block
+  full+inductor+fp8    linears as FP8 matrix products, the same seeded weights); skipped where the GPU has
+                       no FP8 (compute capability below 8.9)
 plus the graph pool and the segments per bucket of each; the largest |x_next| difference of each compiled
-system from `breakable` on the same inputs (full+inductor also runs diffusers' attention inside the graph
+system from `breakable` on the same inputs and its relative norm (full+inductor also runs diffusers' attention inside the graph
 instead of the break); the seconds each engine took to warm (full+inductor compiles its own graph, cold);
 and the start of a breakable+inductor worker in a fresh process, before anything else runs: cold (an
 empty cache directory) and warm (the same directory again): seconds to a warmed engine, seconds spent in
@@ -18,6 +21,7 @@ with --smoke) under --out after each part.
 
     python bench/kernels.py                                   # on a GPU (~5 min on an H200)
     python bench/kernels.py --model pixart-sigma-1024 --images 1 8 --max-batch 8
+    python bench/kernels.py --systems breakable breakable+fp8 full+inductor+fp8 --no-start
     python bench/kernels.py --smoke                           # the digits model on a CPU (~1 min)
 """
 
@@ -49,10 +53,12 @@ def _bench_module(name: str):
     return sys.modules[name]
 
 
-SYSTEMS = {  # name -> (backend, compile)
-    "breakable": ("breakable", "off"),
-    "breakable+inductor": ("breakable", "inductor"),
-    "full+inductor": ("full", "inductor"),
+SYSTEMS = {  # name -> (backend, compile, precision)
+    "breakable": ("breakable", "off", "bf16"),
+    "breakable+inductor": ("breakable", "inductor", "bf16"),
+    "full+inductor": ("full", "inductor", "bf16"),
+    "breakable+fp8": ("breakable", "off", "fp8"),
+    "full+inductor+fp8": ("full", "inductor", "fp8"),
 }
 
 
@@ -120,15 +126,16 @@ def build_engine(model, backend: str, compile_mode: str, max_batch: int, cache: 
 
 def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     """Median ms at each image count, pool, warm-up and compile stats; `breakable` fills ``reference``
-    (x_next per image count), the others report their largest difference from it."""
+    (x_next per image count), the others report their largest difference from it (and its norm relative
+    to the reference's: the error FP8 adds)."""
     from workers.patches import restore_attention
 
-    backend, compile_mode = SYSTEMS[name]
+    backend, compile_mode, _ = SYSTEMS[name]
     if backend != "breakable" and model.card.family == "dit":
         restore_attention(model.transformer)  # diffusers' own attention inside the graph, as `full` serves it
     engine, runner, warm_s = build_engine(model, backend, compile_mode, args.max_batch, str(args.cache))
     stats = engine.stats()["groups"]
-    block = {"warmup_s": round(warm_s, 2), "ms": {}, "max_abs_diff": {},
+    block = {"warmup_s": round(warm_s, 2), "ms": {}, "max_abs_diff": {}, "rel_diff": {},
              "pool_mib": round(runner.stats()["pool_reserved_bytes"] / 2**20, 1),
              "compile": next(iter(stats.values())).get("compile"),
              "segments_per_bucket": {b: s["segments"] for b, s in runner.stats()["buckets"].items()}}
@@ -140,6 +147,7 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
                 reference[n] = x_next
             elif n in reference:
                 block["max_abs_diff"][n] = (x_next - reference[n]).abs().max().item()
+                block["rel_diff"][n] = ((x_next - reference[n]).norm() / reference[n].norm()).item()
     engine = runner = None  # its graphs and pool go before the next system's
     free()
     return block
@@ -181,10 +189,13 @@ def start(args, kind: str) -> dict:
 def run(args, result: dict, save) -> None:
     from workers.loading import load_model
 
-    for kind in ("cold", "warm"):  # first, while this process holds no GPU memory
+    from workers.fp8 import unsupported_reason
+
+    for kind in ("cold", "warm") if args.start else ():  # first, while this process holds no GPU memory
         attempt(result, f"start/{kind}", lambda: result["start"].__setitem__(kind, start(args, kind)), save)
     device, dtype = device_setup(args.smoke)
     model = load_model(args.model, device=device, dtype=dtype)
+    models = {"bf16": model}
     inputs = {n: step_inputs(model, n) for n in args.images}
     reference: dict = {}
 
@@ -198,10 +209,19 @@ def run(args, result: dict, save) -> None:
                     return
                 block["ms"][n] = round(median_ms(body, iters(args, n)), 3)
 
-    attempt(result, "diffusers", diffusers, save)
-    for name in SYSTEMS:
-        attempt(result, name, lambda: result["systems"].__setitem__(
-            name, bench_system(model, name, args, inputs, reference)), save)
+    def system(name: str) -> None:
+        precision = SYSTEMS[name][2]
+        if precision == "fp8" and (why := unsupported_reason(device)) is not None:
+            result["systems"][name] = {"skipped": why}
+            return
+        if precision not in models:  # the same seeded weights, its block linears in FP8
+            models[precision] = load_model(args.model, device=device, dtype=dtype, precision=precision)
+        result["systems"][name] = bench_system(models[precision], name, args, inputs, reference)
+
+    if "diffusers" in args.systems:
+        attempt(result, "diffusers", diffusers, save)
+    for name in [s for s in SYSTEMS if s in args.systems]:
+        attempt(result, name, lambda: system(name), save)
 
 
 def attempt(result: dict, part: str, fn, save) -> None:
@@ -223,14 +243,15 @@ def markdown(result: dict) -> str:
              f"{result['hardware']}; torch {result['torch']}, triton {result['triton']}, diffusers "
              f"{result['diffusers']}; buckets up to {result['max_batch']}.", "",
              "| system | " + " | ".join(f"{n} image{'s' * (n > 1)} ({2 * n} rows)" for n in images)
-             + " | graph pool MiB | max abs diff x_next vs breakable | warm-up s | compiling s (graphs) |",
-             "|---|" + "---|" * (len(images) + 4)]
+             + " | graph pool MiB | max abs diff x_next vs breakable | relative diff | warm-up s | compiling s (graphs) |",
+             "|---|" + "---|" * (len(images) + 5)]
     for name, block in result["systems"].items():
         ms = [f"{block['ms'][n]:.2f}" if n in block.get("ms", {}) else "-" for n in images]
         diff = ", ".join(f"{d:.2e}" for d in block.get("max_abs_diff", {}).values())
+        rel = ", ".join(f"{d:.2e}" for d in block.get("rel_diff", {}).values())
         c = block.get("compile")
         compiling = f"{c['compile_s']} ({c['graphs']})" if c else ""
-        lines.append(f"| {name} | " + " | ".join(ms) + f" | {block.get('pool_mib', '')} | {diff} | "
+        lines.append(f"| {name} | " + " | ".join(ms) + f" | {block.get('pool_mib', '')} | {diff} | {rel} | "
                      f"{block.get('warmup_s', '')} | {compiling} |")
     lines += [f"\n{name} skipped: {block['skipped']}" for name, block in result["systems"].items() if "skipped" in block]
     lines += ["", "Worker start with compile=\"inductor\" (breakable), a fresh process each:", "",
@@ -253,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     p.add_argument("--child-timeout", type=float, default=420.0, help="seconds a worker start may take")
     p.add_argument("--smoke", action="store_true", help="the digits model on a CPU, small batches")
+    p.add_argument("--systems", nargs="+", default=["diffusers", *SYSTEMS], choices=["diffusers", *SYSTEMS],
+                   help="which systems to run (default: all; breakable is the reference of the differences)")
+    p.add_argument("--no-start", dest="start", action="store_false", help="skip the cold and warm worker starts")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a worker start, for the parent
     args = p.parse_args(argv)
     if args.smoke and args.model == "dit-xl-2-256":

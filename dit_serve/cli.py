@@ -80,6 +80,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "eager", "full", "breakable"])
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
+                   help="fp8: the transformer blocks' linears as FP8 matrix products (GPUs of compute capability "
+                        "8.9+, or the CPU); bf16: the model's dtype")
 
 
 def _add_serve(sub) -> None:
@@ -170,7 +173,8 @@ def _cmd_generate(args) -> int:
                      num_per_prompt=args.num_per_prompt or 1, width=args.width, height=args.height,
                      exact_size=args.exact_size,
                      sampler=args.sampler, steps=args.steps, guidance=args.guidance, seed=args.seed,
-                     eta=args.eta, out=args.out, device=args.device, backend=args.backend)
+                     eta=args.eta, out=args.out, device=args.device, backend=args.backend,
+                     precision=args.precision)
     manifest = run_generate(a, progress=sys.stderr.isatty())
     print(f"wrote {manifest}")
     return 0

@@ -52,6 +52,7 @@ class WorkerSpec:
     max_shapes: int = 8               # sizes of one model kept captured at once (EngineConfig)
     compile: str = "off"              # "inductor": compiled steps inside the graphs (EngineConfig)
     compile_cache: str = ""           # Inductor's cache directory (EngineConfig)
+    precision: tuple[tuple[str, str], ...] = ()  # (model, "bf16" | "fp8"); unlisted: the model's dtype
 
 
 class Worker:
@@ -74,8 +75,9 @@ class Worker:
             check_fits(list(spec.models), [str(d).removeprefix("torch.") for d in dtypes],
                        torch.cuda.mem_get_info(torch.device(self.device))[0], self.device,
                        encoders_here=spec.text_encoder_device in ("", self.device))
-        models = [load_model(m, device=self.device, dtype=d, encoder_device=spec.text_encoder_device or None)
-                  for m, d in zip(spec.models, dtypes)]
+        precision = dict(spec.precision)
+        models = [load_model(m, device=self.device, dtype=d, encoder_device=spec.text_encoder_device or None,
+                             precision=precision.get(m, "bf16")) for m, d in zip(spec.models, dtypes)]
         self.backend = ("breakable" if on_cuda else "eager") if spec.backend == "auto" else spec.backend
         from workers.sizes import parse_size
 
@@ -116,7 +118,8 @@ class Worker:
     def info(self) -> dict:
         """Returns once the worker is ready (Ray runs methods after ``__init__``)."""
         return {"models": sorted(self.engine.models), "device": self.device, "backend": self.backend,
-                "attention": dict(self.engine.attention)}
+                "attention": dict(self.engine.attention),
+                "precision": {name: m.precision for name, m in self.engine.models.items()}}
 
     def submit(self, items: list[ItemSpec]) -> list[bool]:
         now = time.time()

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from samplers import NoiseSchedule
+from workers import fp8
 from workers.cards import DIT_SCHEDULER, FALLBACK_DEFAULTS, CardError, ModelCard, read_card, read_json
 from workers.encoders import encoders_on, load_text_encoder, place_encoder
 from workers.labels import resolve_label
@@ -60,6 +61,8 @@ class LoadedModel:
     id2label: dict[int, str] = field(default_factory=dict)
     defaults: dict = field(default_factory=lambda: dict(FALLBACK_DEFAULTS))
     card: ModelCard | None = None  # what it was loaded from (workers.cards)
+    precision: str = "bf16"        # "fp8": its blocks' linears are FP8 matrix products (workers.fp8)
+    fp8_linears: int = 0
     text_encoder: torch.nn.Module | None = None  # text models: the prompt encoder and its tokenizer
     tokenizer: object = None
     cache: OrderedDict = field(default_factory=OrderedDict)  # the family's encodings, by text (LRU)
@@ -91,12 +94,23 @@ def run_dtype(card: ModelCard, device: str | torch.device) -> torch.dtype:
 
 
 def load_model(spec: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, encoder_device: str | None = None) -> LoadedModel:
+               dtype: torch.dtype = torch.float32, encoder_device: str | None = None,
+               precision: str = "bf16") -> LoadedModel:
     """Load ``digits``, a built-in architecture name, or a local model directory: the model its card
     (``workers.cards.read_card``, the same reader the API uses) describes. Text encoders load on
-    ``encoder_device`` when given (offload: "cpu", another GPU), once per distinct weights."""
+    ``encoder_device`` when given (offload: "cpu", another GPU), once per distinct weights.
+    ``precision="fp8"``: the transformer blocks' linears become FP8 matrix products (``workers.fp8``);
+    a device without FP8 is refused (ModelError) before anything loads."""
+    if precision not in ("bf16", "fp8"):
+        raise ModelError(f"unknown precision {precision!r}: 'bf16' (the model's dtype) or 'fp8'")
+    if precision == "fp8" and (why := fp8.unsupported_reason(device)) is not None:
+        raise ModelError(f"cannot run {spec} in fp8: {why}")
     with encoders_on(encoder_device):
-        return _load_model(spec, device, dtype)
+        model = _load_model(spec, device, dtype)
+    if precision == "fp8":
+        model.precision, model.fp8_linears = "fp8", len(fp8.quantize_linears(model.transformer))
+        log.info("%s: %d linears of its blocks in fp8", model.name, model.fp8_linears)
+    return model
 
 
 def _load_model(spec, device, dtype) -> LoadedModel:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from graphs import eager_on_graph
+from workers.fp8 import linear_into
 
 
 @eager_on_graph
@@ -68,20 +69,12 @@ class BreakableSelfAttention:
         inner = attn.to_q.out_features
         h2d = hidden_states.reshape(b * t, -1)                                  # (B*T, D)
         q, k, v, o = self.scratch.views(b * t, inner, h2d)                      # (B*T, inner) x4
-        for proj, dst in ((attn.to_q, q), (attn.to_k, k), (attn.to_v, v)):
-            _linear_into(h2d, proj, dst)
+        linear_into(h2d, [(attn.to_q, q), (attn.to_k, k), (attn.to_v, v)])
         heads, d = attn.heads, inner // attn.heads
         split = lambda y: y.view(b, t, heads, d).transpose(1, 2)                # (B, h, T, d)
         attention_into(split(q), split(k), split(v), split(o))
         out = attn.to_out[1](attn.to_out[0](o.view(b, t, inner)))              # proj + dropout
         return out / attn.rescale_output_factor
-
-
-def _linear_into(x: torch.Tensor, proj: torch.nn.Linear, out: torch.Tensor) -> None:
-    if proj.bias is None:
-        torch.mm(x, proj.weight.t(), out=out)
-    else:
-        torch.addmm(proj.bias, x, proj.weight.t(), out=out)
 
 
 def break_attention(transformer: torch.nn.Module) -> int:

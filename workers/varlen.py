@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from graphs import eager_on_graph
-from workers.patches import AttentionScratch, _linear_into
+from workers.fp8 import linear_into
+from workers.patches import AttentionScratch
 
 
 def key_lengths(mask: torch.Tensor | None, rows: int, keys: int, device: torch.device) -> torch.Tensor:
@@ -145,9 +146,8 @@ class VarlenCrossAttention:
         l, inner, heads = ctx.shape[1], attn.to_q.out_features, attn.heads      # ctx (B, L, C)
         slots = self.scratch.views(b * max(t, l), inner, hidden_states)         # (B*max(T, L), inner) x4
         q, k, v, o = slots[0][:b * t], slots[1][:b * l], slots[2][:b * l], slots[3][:b * t]
-        _linear_into(hidden_states.reshape(b * t, -1), attn.to_q, q)
-        for proj, dst in ((attn.to_k, k), (attn.to_v, v)):
-            _linear_into(ctx.reshape(b * l, -1), proj, dst)
+        linear_into(hidden_states.reshape(b * t, -1), [(attn.to_q, q)])
+        linear_into(ctx.reshape(b * l, -1), [(attn.to_k, k), (attn.to_v, v)])
         used = key_lengths(attention_mask, b, l, hidden_states.device)         # (B,) int32, in the segment
         split = lambda y, n: y.view(b, n, heads, inner // heads)               # (B, n, h, d)
         varlen_attention_into(split(q, t), split(k, l), split(v, l), used, split(o, t))

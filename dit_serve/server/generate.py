@@ -47,6 +47,7 @@ class GenerateArgs:
     out: Path = Path("out")
     device: str = "auto"
     backend: str = "auto"
+    precision: str = "bf16"
 
 
 def check_args(a: GenerateArgs) -> None:
@@ -108,7 +109,8 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     try:
         card = read_card(a.model or DEFAULT_MODEL)
         text = _check_conditioning(card, a)
-        model = load_model(a.model or DEFAULT_MODEL, device=device, dtype=run_dtype(card, device))
+        model = load_model(a.model or DEFAULT_MODEL, device=device, dtype=run_dtype(card, device),
+                           precision=a.precision)
         conds = [{"prompt": p, "negative_prompt": a.negative_prompt} for p in a.prompts for _ in range(a.num_per_prompt)] \
             if text else [{"label": model.label_id(lb)} for lb in a.labels for _ in range(a.num_per_label)]
         size = _size(card, a)

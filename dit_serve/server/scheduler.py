@@ -169,7 +169,8 @@ class Scheduler:
                           backend=self.cfg.backend, max_batch=self.cfg.max_batch, torch_threads=self.cfg.torch_threads,
                           cross_attention=self.cfg.cross_attention, warm_sizes=tuple(self.cfg.warm_sizes),
                           text_encoder_device=self.cfg.text_encoder_device, max_shapes=self.cfg.max_shapes,
-                          compile=self.cfg.compile, compile_cache=self.cfg.compile_cache)
+                          compile=self.cfg.compile, compile_cache=self.cfg.compile_cache,
+                          precision=tuple(sorted(self.cfg.precision.items())))
         handle = _actor_class().options(**opts).remote(spec)
         self.workers[key] = _Worker(key, plan, handle, handle.info.remote())
         log.info("starting worker %s (%s%s)", key, plan.resource, f" on node {plan.node_id[:12]}" if plan.node_id else "")
@@ -248,6 +249,8 @@ class Scheduler:
             log.info("%s ready: %s on %s (%s)", w.name, ", ".join(w.models), value["device"], value["backend"])
             for model, kernel in value.get("attention", {}).items():
                 log.info("%s: %s runs %s", w.name, model, kernel)
+            for model in [m for m, p in value.get("precision", {}).items() if p == "fp8"]:
+                log.info("%s: %s runs its blocks' linears in fp8", w.name, model)
             return
         w.poll_ref = None
         self._apply_report(w, value)

@@ -66,6 +66,9 @@ def build_catalog(config: Config) -> Catalog:
             catalog.params(info, None, None, None, 0.0)
     except (ValueError, KeyError) as e:
         raise ServiceError(f"cannot serve the configured models: {getattr(e, 'message', e)}") from None
+    if unknown := sorted(set(config.workers.precision) - set(config.workers.models)):
+        raise ServiceError(f"[workers.precision] names {', '.join(map(repr, unknown))}, not among the served models "
+                           f"({', '.join(config.workers.models)})")
     return catalog
 
 

@@ -68,3 +68,16 @@ def test_openai_prompt_names_the_class(catalog):
     assert new.labels == [8, 8] and new.seeds == [4, 5]
     with pytest.raises(RequestError, match="must name one class"):
         catalog.resolve_images(ImageGenerationRequest(prompt="a cat"))
+
+
+def test_precision_is_per_served_model_and_a_name_not_served_is_refused():
+    from dit_serve.errors import ConfigError
+    from dit_serve.server.config import Config
+    from dit_serve.server.service import ServiceError, build_catalog
+
+    ok = Config().with_overrides(workers={"models": ("digits", "digits-text"), "precision": {"digits-text": "fp8"}})
+    assert ok.workers.precision == {"digits-text": "fp8"} and build_catalog(ok)
+    with pytest.raises(ServiceError, match=r"\[workers.precision\] names 'digits-flow', not among the served models"):
+        build_catalog(Config().with_overrides(workers={"models": ("digits",), "precision": {"digits-flow": "fp8"}}))
+    with pytest.raises(ConfigError, match="workers.precision.digits: Input should be 'bf16' or 'fp8'"):
+        Config().with_overrides(workers={"precision": {"digits": "fp4"}})

@@ -144,3 +144,21 @@ def test_timings_split_an_items_time_at_the_worker_and_the_lock_switches_fast(wo
         timings.update(worker.poll(wait_s=0.5)["timings"])
     received, admitted, ready = timings["job/90"]
     assert before <= received <= admitted < ready <= time.time()
+
+
+def test_a_model_listed_in_fp8_runs_its_block_linears_in_fp8_and_says_so():
+    from workers.fp8 import Fp8Linear
+
+    w = Worker(WorkerSpec(models=("digits", "digits-text"), max_batch=4, torch_threads=1,
+                          precision=(("digits-text", "fp8"),)))
+    try:
+        assert w.info()["precision"] == {"digits": "bf16", "digits-text": "fp8"}
+        linears = {name: [isinstance(m, Fp8Linear) for m in model.transformer.modules()]
+                   for name, model in w.engine.models.items()}
+        assert not any(linears["digits"]) and sum(linears["digits-text"]) == w.engine.models["digits-text"].fp8_linears > 0
+        w.submit([ItemSpec(id="t/0", model="digits-text", prompt="a handwritten seven", seed=0, sampler="ddim",
+                           steps=4, guidance=2.0)])
+        finished, failed, _ = _drain(w, {"t/0"})
+        assert failed == {} and Image.open(io.BytesIO(finished["t/0"])).size == (8, 8)
+    finally:
+        w.stop()

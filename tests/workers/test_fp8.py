@@ -1,0 +1,141 @@
+"""FP8 linears (workers/fp8.py) on the CPU: the arithmetic, which linears are taken, the devices that are
+refused, and the shipped text model's oracle through FP8 against its own dtype."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from workers import fp8
+from workers.fp8 import Fp8Linear, linear_into, quantize_linears, quantize_rows
+
+
+def _linear(k: int, n: int, bias: bool = True, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(k, n, bias=bias)
+
+
+def test_rows_quantize_within_e4m3s_relative_step_and_zero_rows_stay_zero():
+    x = torch.randn(64, 128) * torch.logspace(-3, 3, 64)[:, None]  # rows of very different magnitudes
+    x[5] = 0.0
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 1) and scale.dtype == torch.float32
+    back = q.float() * scale
+    assert torch.equal(back[5], torch.zeros(128))
+    rel = (back - x).abs() / x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+    assert rel.max() <= 2 ** -4  # e4m3: 3 mantissa bits, so half a step of 2**-3 at the row's largest value
+    assert q.float().abs().amax(dim=1)[torch.arange(64) != 5].min() == fp8.FP8_MAX  # each row uses the full range
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_an_fp8_linear_is_the_product_of_its_quantized_operands_and_close_to_the_original(bias):
+    lin = _linear(256, 384, bias)
+    x = torch.randn(3, 50, 256)
+    got = Fp8Linear(lin)(x)
+    assert got.shape == (3, 50, 384) and got.dtype == x.dtype
+    xq, xs = quantize_rows(x.reshape(-1, 256))
+    wq, ws = quantize_rows(lin.weight.detach())
+    emulated = (xq.float() * xs) @ (wq.float() * ws).t() + (lin.bias.detach() if bias else 0.0)
+    torch.testing.assert_close(got.reshape(-1, 384), emulated, rtol=1e-4, atol=1e-4)
+    want = lin(x).detach()
+    rel = (got - want).norm() / want.norm()
+    assert rel < 0.05, f"relative error {rel:.4f}"
+
+
+def test_projections_into_slices_share_one_quantization_and_match_forward(monkeypatch):
+    x = torch.randn(40, 128)
+    fp = [Fp8Linear(_linear(128, 64, seed=s)) for s in range(3)]
+    plain = _linear(128, 64, seed=9)
+    out = torch.empty(40, 4 * 64)  # q, k, v, and a plain linear's output as column slices of one buffer
+    slots = [out[:, i * 64:(i + 1) * 64] for i in range(4)]
+    calls = []
+    real = fp8.quantize_rows
+    monkeypatch.setattr(fp8, "quantize_rows", lambda t: calls.append(1) or real(t))
+    with torch.no_grad():
+        linear_into(x, [*zip(fp, slots[:3]), (plain, slots[3])])
+    assert len(calls) == 1  # one quantization of x for the three fp8 projections
+    for layer, slot in zip([*fp, plain], slots):
+        torch.testing.assert_close(slot, layer(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_block_linears_are_taken_and_modulation_embedders_and_odd_sizes_are_not():
+    from diffusers import DiTTransformer2DModel
+
+    torch.manual_seed(0)
+    dit = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=8,
+                                num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10)
+    dit.transformer_blocks[1].ff.net[2] = nn.Linear(dit.transformer_blocks[1].ff.net[2].in_features, 40)  # 40 % 16 != 0
+    linears = {n for n, m in dit.named_modules() if isinstance(m, nn.Linear)}
+    taken = quantize_linears(dit)
+    assert set(taken) < linears
+    assert {n.split(".", 2)[2] for n in taken} == {"attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
+                                                  "ff.net.0.proj", "ff.net.2"}
+    assert "transformer_blocks.1.ff.net.2" not in taken and "transformer_blocks.0.ff.net.2" in taken
+    assert all(not n.startswith("transformer_blocks") or "norm" in n or n == "transformer_blocks.1.ff.net.2"
+               for n in linears - set(taken))  # besides the odd one, only modulation linears are left in blocks
+    assert isinstance(dit.transformer_blocks[0].attn1.to_out[0], Fp8Linear)
+    assert isinstance(dit.transformer_blocks[0].norm1.linear, nn.Linear)
+
+
+def test_mmdit_blocks_and_flux_single_blocks_are_taken_and_the_latents_stay_close(tmp_path):
+    """The tiny FLUX.1-dev layout: its double blocks' joint projections and its single blocks' linears
+    are taken; the final latents of a 5-step image stay within a few percent of float32's."""
+    from workers.engine import Engine, EngineConfig
+    from workers.loading import load_model
+    from workers.models.tiny_flux import make_tiny_flux
+    from workers.spec import ItemSpec
+
+    folder = make_tiny_flux(tmp_path / "flux")
+    model = load_model(folder, precision="fp8")
+    names = [n for n, m in model.transformer.named_modules() if isinstance(m, Fp8Linear)]
+    assert model.precision == "fp8" and model.fp8_linears == len(names) > 0
+    assert any(n.startswith("single_transformer_blocks.") and n.endswith("proj_mlp") for n in names)
+    assert any(n.endswith("attn.add_q_proj") for n in names) and not any("norm" in n for n in names)
+    spec = ItemSpec(id="a", seed=1, sampler="flow_euler", steps=5, guidance=3.5, prompt="a red cat")
+    got, want = (Engine(m, EngineConfig(backend="eager", max_batch=1)).generate([spec])[0].latents
+                 for m in (model, load_model(folder)))
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 0.0 < rel < 0.05, rel
+
+
+def test_devices_without_fp8_are_refused_with_the_reason(monkeypatch):
+    assert fp8.unsupported_reason("cpu") is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    why = fp8.unsupported_reason("cuda:0")
+    assert "A100" in why and "8.0" in why and "8.9" in why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert fp8.unsupported_reason("cuda:0") is None
+    from workers.loading import ModelError, load_model
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    with pytest.raises(ModelError, match="cannot run digits in fp8: .*A100"):
+        load_model("digits", device="cuda:0", precision="fp8")
+    with pytest.raises(ModelError, match="unknown precision"):
+        load_model("digits", precision="fp4")
+
+
+@pytest.mark.slow
+def test_the_text_oracle_through_fp8_is_within_two_points_of_the_models_dtype():
+    """The shipped digits-text model, 200 prompts of the training grammar, through the engine: FP8 linears
+    against the model's own dtype (float32 on a CPU), the same seeds."""
+    from workers.digits import oracle_accuracy
+    from workers.engine import Engine, EngineConfig
+    from workers.loading import load_model
+    from workers.models import train_digits_text as recipe
+    from workers.spec import ItemSpec
+
+    prompts, labels = recipe.oracle_prompts(20, held_out=False, seed=3)
+    acc = {}
+    for precision in ("bf16", "fp8"):
+        model = load_model("digits-text", precision=precision)
+        engine = Engine(model, EngineConfig(backend="eager", max_batch=64))
+        d = model.defaults
+        reqs = [ItemSpec(id=str(i), model="digits-text", prompt=p, seed=100 + i, sampler=d["sampler"],
+                         steps=d["steps"], guidance=d["guidance"]) for i, p in enumerate(prompts)]
+        images = np.stack([r.image.astype(np.float32) / 127.5 - 1.0 for r in engine.generate(reqs, max_active=64)])
+        acc[precision] = oracle_accuracy(images.reshape(len(prompts), 8, 8), labels)
+    assert model.fp8_linears > 0
+    assert acc["bf16"] >= 0.9 and acc["fp8"] >= acc["bf16"] - 0.02, acc

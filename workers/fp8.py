@@ -1,0 +1,137 @@
+"""FP8 matrix products for a transformer's linears: opt-in per model (``[workers.precision]``).
+
+What changes
+------------
+Each ``nn.Linear`` inside the transformer's blocks (``transformer_blocks``, and FLUX's
+``single_transformer_blocks``): the attention projections and the feed-forward layers. Not the adaLN
+modulation linears (``norm`` in their name), the embedders, the time and caption projections or the final
+projection: they are small, and the image is most sensitive to them. Nor a linear with a dimension
+that is not a multiple of 16 (the FP8 GEMM's constraint): it keeps the model's dtype.
+
+How
+---
+* Weights: float8 e4m3 with one scale per output row (its largest magnitude / 448), made once at load.
+* Activations: quantized per row (per token) at run time from each row's own largest magnitude
+  (dynamic scaling). On the device, with no host synchronisation, so it captures into CUDA graphs and
+  compiles like any other step code.
+* The product: ``torch._scaled_mm``, which applies both scales and the bias in its epilogue and writes
+  the model's dtype (bfloat16 on a GPU).
+* Inputs shared by several projections (q, k and v read the same hidden states) are quantized once
+  (``quantize_rows``, then ``Fp8Linear.mm_into``; ``workers.patches`` does this).
+
+Where
+-----
+CUDA devices of compute capability 8.9 or newer (Ada, Hopper, Blackwell). An A100 (8.0) has no FP8
+tensor cores: asking for fp8 there is refused with the reason (``unsupported_reason``). On a CPU it
+runs on PyTorch's CPU kernel, which is what the tests use; it is not faster there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+_ALIGN = 16  # the FP8 GEMM needs both dimensions of the weight to be multiples of this
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
+
+
+def unsupported_reason(device: str | torch.device) -> str | None:
+    """Why FP8 cannot run on ``device``, or None when it can."""
+    device = torch.device(device)
+    if not hasattr(torch, "_scaled_mm"):
+        return f"this PyTorch ({torch.__version__}) has no FP8 matrix product (torch._scaled_mm)"
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"FP8 runs on CUDA GPUs and CPUs, not on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no FP8 tensor cores; "
+                "FP8 needs 8.9 or newer (Ada, Hopper, Blackwell): use precision 'bf16' for this model")
+    return None
+
+
+def _row_scales(x: torch.Tensor) -> torch.Tensor:
+    """(M, 1) float32: each row's largest magnitude over FP8's largest value (a zero row gets a tiny scale)."""
+    return (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_(min=1e-12)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) -> (M, K) float8 e4m3 and its (M, 1) float32 scales, so that x ~ q * scale row by row."""
+    scale = _row_scales(x)
+    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class Fp8Linear(nn.Module):
+    """``nn.Linear`` with float8 weights (a scale per output row) and per-row dynamic activation scales."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, self.dtype = linear.weight.detach(), linear.weight.dtype
+        q, scale = quantize_rows(weight)
+        self.register_buffer("weight_fp8", q)                        # (N, K): its .t() is the column-major operand
+        self.register_buffer("weight_scale", scale.t().contiguous())  # (1, N)
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, row scales"
+
+    def mm_into(self, xq: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (M, N) <- the product of quantized rows (``quantize_rows``) with this weight, plus bias."""
+        return torch._scaled_mm(xq, self.weight_fp8.t(), x_scale, self.weight_scale, bias=self._bias(out.dtype),
+                                out_dtype=out.dtype, out=out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, rows = x.shape[:-1], x.reshape(-1, self.in_features)
+        xq, scale = quantize_rows(rows)
+        out = torch._scaled_mm(xq, self.weight_fp8.t(), scale, self.weight_scale, bias=self._bias(x.dtype),
+                               out_dtype=x.dtype)
+        return out.view(*lead, self.out_features)
+
+    def _bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        if self.bias is None or self.bias.dtype == dtype:
+            return self.bias
+        return self.bias.to(dtype)
+
+
+def quantizable(name: str, module: nn.Module) -> bool:
+    """A linear of a block that FP8 takes: not a modulation linear, both dimensions multiples of 16."""
+    return (isinstance(module, nn.Linear) and "norm" not in name
+            and module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0)
+
+
+def quantize_linears(transformer: nn.Module) -> list[str]:
+    """Replace the block linears of ``transformer`` (see the module docstring) by ``Fp8Linear``, in place;
+    returns their names. The original weights are released."""
+    done = []
+    for list_name in BLOCK_LISTS:
+        blocks = getattr(transformer, list_name, None)
+        if blocks is None:
+            continue
+        for name, module in list(blocks.named_modules()):
+            if not quantizable(name, module):
+                continue
+            parent_name, _, child = name.rpartition(".")
+            parent = blocks.get_submodule(parent_name) if parent_name else blocks
+            parent._modules[child] = Fp8Linear(module)
+            done.append(f"{list_name}.{name}")
+    return done
+
+
+def linear_into(x: torch.Tensor, projections: list[tuple[nn.Module, torch.Tensor]]) -> None:
+    """Each ``out`` <- ``proj(x)`` for (proj, out) in ``projections``, written in place: an ``nn.Linear`` by
+    one (add)mm; ``Fp8Linear`` ones share one quantization of ``x``."""
+    quantized = None
+    for proj, out in projections:
+        if isinstance(proj, Fp8Linear):
+            if quantized is None:
+                quantized = quantize_rows(x)
+            proj.mm_into(*quantized, out)
+        elif proj.bias is None:
+            torch.mm(x, proj.weight.t(), out=out)
+        else:
+            torch.addmm(proj.bias, x, proj.weight.t(), out=out)
