@@ -93,3 +93,21 @@ def test_console_script_has_no_traceback(tmp_path):
                            "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+def test_generate_in_fp8_writes_digits_close_to_the_models_dtype(tmp_path, monkeypatch, capsys):
+    """--precision fp8 goes through the same loader as the service; on a GPU without FP8 it is a one-line
+    error naming the reason (faked here: an A100's capability)."""
+    args = ("--labels", "3,8", "--steps", "10", "--seed", "2", "--device", "cpu")
+    assert _run(tmp_path, *args, out="plain") == 0 and _run(tmp_path, *args, "--precision", "fp8", out="fp8") == 0
+    for name in ("00000_label3.png", "00001_label8.png"):
+        a, b = (np.asarray(Image.open(tmp_path / d / name), dtype=np.float32) for d in ("plain", "fp8"))
+        assert 0.0 < np.abs(a - b).mean() < 8.0  # of 255: FP8 changes the pixels a little, not the digit
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-80GB")
+    capsys.readouterr()
+    assert _run(tmp_path, *args[:-1], "cuda", "--precision", "fp8", out="a100") != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "A100-SXM4-80GB (compute capability 8.0) has no FP8 tensor cores" in err
