@@ -5,10 +5,10 @@ Tolerances: replay against eager at the same shape runs the same kernels (at mos
 bf16 graphs); FP8 against bf16 on the same inputs, DiT-XL/2 with random weights: x_next within 5%
 (relative norm of the difference), the quantization error of e4m3 with per-row scales."""
 
-import numpy as np
 import pytest
 import torch
 
+from .test_fp8 import text_oracle
 from .test_graphs_on_models_gpu import _inputs, _rel, _runner
 
 pytestmark = pytest.mark.gpu
@@ -65,21 +65,6 @@ def test_an_fp8_step_is_close_to_bf16(dit_fp8):
 
 
 def test_the_text_oracle_through_fp8_graphs_is_within_two_points():
-    from workers.digits import oracle_accuracy
-    from workers.engine import Engine, EngineConfig
-    from workers.loading import load_model
-    from workers.models import train_digits_text as recipe
-    from workers.spec import ItemSpec
-
-    prompts, labels = recipe.oracle_prompts(20, held_out=False, seed=3)
-    acc = {}
-    for precision in ("bf16", "fp8"):
-        model = load_model("digits-text", device="cuda", dtype=torch.float32, precision=precision)
-        engine = Engine(model, EngineConfig(backend="breakable", max_batch=64))
-        d = model.defaults
-        reqs = [ItemSpec(id=str(i), model="digits-text", prompt=p, seed=100 + i, sampler=d["sampler"],
-                         steps=d["steps"], guidance=d["guidance"]) for i, p in enumerate(prompts)]
-        images = np.stack([r.image.astype(np.float32) / 127.5 - 1.0 for r in engine.generate(reqs, max_active=64)])
-        acc[precision] = oracle_accuracy(images.reshape(len(prompts), 8, 8), labels)
-    print(f"digits-text oracle: {acc}")
+    acc = text_oracle("cuda", "breakable")
+    print(f"digits-text oracle on the GPU (breakable graphs): {acc}")
     assert acc["bf16"] >= 0.9 and acc["fp8"] >= acc["bf16"] - 0.02, acc
