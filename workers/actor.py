@@ -35,6 +35,8 @@ from workers.spec import ItemSpec
 # submit arriving, waits at most this long for the step loop's thread to hand the interpreter lock over.
 SWITCH_INTERVAL_S = 0.001
 
+KERNELS = {"eager": "off", "fused": "inductor"}  # [workers.kernels] -> the engine's compile mode
+
 log = logging.getLogger(__name__)
 
 
@@ -53,6 +55,7 @@ class WorkerSpec:
     compile: str = "off"              # "inductor": compiled steps inside the graphs (EngineConfig)
     compile_cache: str = ""           # Inductor's cache directory (EngineConfig)
     precision: tuple[tuple[str, str], ...] = ()  # (model, "bf16" | "fp8"); unlisted: the model's dtype
+    kernels: tuple[tuple[str, str], ...] = ()    # (model, "eager" | "fused"); unlisted: ``compile``
 
 
 class Worker:
@@ -83,7 +86,8 @@ class Worker:
 
         self.engine = Engine(models, EngineConfig(backend=self.backend, max_batch=spec.max_batch,
                                                   cross_attention=spec.cross_attention, max_shapes=spec.max_shapes,
-                                                  compile=spec.compile, compile_cache=spec.compile_cache))
+                                                  compile=spec.compile, compile_cache=spec.compile_cache,
+                                                  compile_models=tuple((m, KERNELS[k]) for m, k in spec.kernels)))
         t0 = time.perf_counter()
         self.engine.warmup(sizes=[parse_size(s) for s in spec.warm_sizes])
         log.info("worker ready: %s on %s (%s), warm-up %.1f s", ", ".join(self.engine.models), self.device,
@@ -119,7 +123,9 @@ class Worker:
         """Returns once the worker is ready (Ray runs methods after ``__init__``)."""
         return {"models": sorted(self.engine.models), "device": self.device, "backend": self.backend,
                 "attention": dict(self.engine.attention),
-                "precision": {name: m.precision for name, m in self.engine.models.items()}}
+                "precision": {name: m.precision for name, m in self.engine.models.items()},
+                "kernels": {name: "fused" if self.engine.config.compile_mode(name) != "off" else "eager"
+                            for name in self.engine.models}}
 
     def submit(self, items: list[ItemSpec]) -> list[bool]:
         now = time.time()

@@ -87,10 +87,16 @@ class EngineConfig:
                                   # (dynamic batch), then captured as before (graphs.compiled) | "off"
     compile_cache: str = ""       # Inductor's cache directory, kept across restarts ("": Inductor's default,
                                   # under the temp directory)
+    compile_models: tuple[tuple[str, str], ...] = ()  # (model, mode): a model's own compile mode, over ``compile``
 
     def __post_init__(self) -> None:
-        if self.compile not in COMPILE_MODES:
-            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
+        for mode in (self.compile, *dict(self.compile_models).values()):
+            if mode not in COMPILE_MODES:
+                raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
+
+    def compile_mode(self, model: str) -> str:
+        """How ``model``'s steps run: its own mode if listed in ``compile_models``, else ``compile``."""
+        return dict(self.compile_models).get(model, self.compile)
 
 
 COMPILE_MODES = ("off", "inductor")
@@ -146,7 +152,7 @@ class Engine:
         self._warm = False
         self.steps_run = 0
         self.attention: dict[str, str] = {}  # model -> the attention kernel its steps run, where a family says
-        if config.compile != "off":
+        if any(config.compile_mode(m.name) != "off" for m in models):
             _prepare_compile(config.compile_cache)
         for m in models:
             family = family_of(m)
@@ -178,7 +184,7 @@ class Engine:
         pool, stream = self._pools.get(device, (None, None))
         inputs, outputs = step_specs(model, shape)
         step = family_of(model).make_step(model, shape)
-        compiled = None if self.config.compile == "off" else \
+        compiled = None if self.config.compile_mode(model.name) == "off" else \
             CompiledStep(step, f"{model.name} at {'x'.join(map(str, shape))}")
         runner = GraphRunner(compiled or step, inputs, outputs,
                              max_batch=self.config.max_batch, backend=self.config.backend, device=device,

@@ -127,6 +127,9 @@ class WorkerConfig(_Section):
                                                 "kernels.md)")
     compile_cache: str = Field("", max_length=500, description="a directory for Inductor's compiled kernels, kept "
                                                                "across restarts ('': Inductor's default under /tmp)")
+    kernels: dict[str, Literal["eager", "fused"]] = Field(
+        default_factory=dict, description="per model, over `compile`: 'fused' compiles its steps with Inductor "
+        "inside the graphs (compile = 'inductor' for it alone), 'eager' runs the uncompiled kernels in the graphs")
     precision: dict[str, Literal["bf16", "fp8"]] = Field(
         default_factory=dict, description="per model: 'fp8' runs its transformer blocks' linears as FP8 matrix "
         "products (GPUs of compute capability 8.9+: Ada, Hopper; refused on others such as the A100); 'bf16' or "

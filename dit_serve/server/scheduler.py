@@ -170,7 +170,8 @@ class Scheduler:
                           cross_attention=self.cfg.cross_attention, warm_sizes=tuple(self.cfg.warm_sizes),
                           text_encoder_device=self.cfg.text_encoder_device, max_shapes=self.cfg.max_shapes,
                           compile=self.cfg.compile, compile_cache=self.cfg.compile_cache,
-                          precision=tuple(sorted(self.cfg.precision.items())))
+                          precision=tuple(sorted(self.cfg.precision.items())),
+                          kernels=tuple(sorted(self.cfg.kernels.items())))
         handle = _actor_class().options(**opts).remote(spec)
         self.workers[key] = _Worker(key, plan, handle, handle.info.remote())
         log.info("starting worker %s (%s%s)", key, plan.resource, f" on node {plan.node_id[:12]}" if plan.node_id else "")
@@ -251,6 +252,8 @@ class Scheduler:
                 log.info("%s: %s runs %s", w.name, model, kernel)
             for model in [m for m, p in value.get("precision", {}).items() if p == "fp8"]:
                 log.info("%s: %s runs its blocks' linears in fp8", w.name, model)
+            for model in [m for m, k in value.get("kernels", {}).items() if k == "fused"]:
+                log.info("%s: %s runs compiled (fused) steps", w.name, model)
             return
         w.poll_ref = None
         self._apply_report(w, value)

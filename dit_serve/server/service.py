@@ -66,9 +66,10 @@ def build_catalog(config: Config) -> Catalog:
             catalog.params(info, None, None, None, 0.0)
     except (ValueError, KeyError) as e:
         raise ServiceError(f"cannot serve the configured models: {getattr(e, 'message', e)}") from None
-    if unknown := sorted(set(config.workers.precision) - set(config.workers.models)):
-        raise ServiceError(f"[workers.precision] names {', '.join(map(repr, unknown))}, not among the served models "
-                           f"({', '.join(config.workers.models)})")
+    for table in ("kernels", "precision"):
+        if unknown := sorted(set(getattr(config.workers, table)) - set(config.workers.models)):
+            raise ServiceError(f"[workers.{table}] names {', '.join(map(repr, unknown))}, not among the served "
+                               f"models ({', '.join(config.workers.models)})")
     return catalog
 
 

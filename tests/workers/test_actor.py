@@ -150,9 +150,10 @@ def test_a_model_listed_in_fp8_runs_its_block_linears_in_fp8_and_says_so():
     from workers.fp8 import Fp8Linear
 
     w = Worker(WorkerSpec(models=("digits", "digits-text"), max_batch=4, torch_threads=1,
-                          precision=(("digits-text", "fp8"),)))
+                          precision=(("digits-text", "fp8"),), kernels=(("digits", "eager"),)))
     try:
         assert w.info()["precision"] == {"digits": "bf16", "digits-text": "fp8"}
+        assert w.info()["kernels"] == {"digits": "eager", "digits-text": "eager"}
         linears = {name: [isinstance(m, Fp8Linear) for m in model.transformer.modules()]
                    for name, model in w.engine.models.items()}
         assert not any(linears["digits"]) and sum(linears["digits-text"]) == w.engine.models["digits-text"].fp8_linears > 0

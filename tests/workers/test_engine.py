@@ -149,3 +149,16 @@ def test_a_preview_is_the_denoised_estimate(model):
     (p,) = eng.take_previews(wait=True)
     expected = ((hist[0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).numpy()
     assert p.step == 1 and (p.image == expected).all()
+
+
+def test_a_models_own_compile_mode_overrides_the_engines(model):
+    """``compile_models`` gives one model compiled steps (``[workers.kernels]`` "fused") while another runs
+    the engine-wide mode, and the other way round; an unknown mode is refused."""
+    text = load_model("digits-text")
+    for default, own in (("off", "inductor"), ("inductor", "off")):
+        cfg = EngineConfig(backend="eager", max_batch=4, compile=default, compile_models=(("digits-text", own),))
+        eng = Engine([model, text], cfg)  # compiles lazily: nothing is compiled until a step runs
+        compiled = {g.model.name: g.compiled is not None for g in eng.groups.values()}
+        assert compiled == {"digits": default == "inductor", "digits-text": own == "inductor"}
+    with pytest.raises(ValueError, match="compile must be one of"):
+        EngineConfig(compile_models=(("digits", "max-autotune"),))
