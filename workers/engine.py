@@ -88,6 +88,8 @@ class EngineConfig:
     compile_cache: str = ""       # Inductor's cache directory, kept across restarts ("": Inductor's default,
                                   # under the temp directory)
     compile_models: tuple[tuple[str, str], ...] = ()  # (model, mode): a model's own compile mode, over ``compile``
+    decode_graphs: bool = False   # the VAE decode of each group captured too (backend "full", power-of-two
+                                  # batches up to DECODE_PIXELS of output, the step's pool); off until measured
 
     def __post_init__(self) -> None:
         for mode in (self.compile, *dict(self.compile_models).values()):
@@ -123,6 +125,7 @@ class _Group:
     active: list[_Active] = field(default_factory=list)
     last_used: int = 0           # the engine's step count when it last ran or admitted
     compiled: CompiledStep | None = None  # the runner's step, when config.compile is on
+    decoder: GraphRunner | None = None    # the VAE decode at this shape, when config.decode_graphs is on
 
 
 BASE_INPUTS = ("x", "t", "guidance", "coeffs", "hist", "noise")
@@ -190,11 +193,15 @@ class Engine:
                              max_batch=self.config.max_batch, backend=self.config.backend, device=device,
                              pool=pool, stream=stream)
         key = GraphKey(model.name, shape, str(model.dtype).removeprefix("torch."), runner.backend)
-        self.groups[key] = _Group(model, runner, shape, last_used=self.steps_run, compiled=compiled)
+        decoder = decode_runner(model, shape, pool, stream) if self.config.decode_graphs and model.vae is not None \
+            else None
+        self.groups[key] = _Group(model, runner, shape, last_used=self.steps_run, compiled=compiled, decoder=decoder)
         self._keys[model.name, shape] = key
         if self._warm:  # a size first asked for while serving: captured now, once (logged)
             log.info("capturing %s at latent shape %s on first use", model.name, "x".join(map(str, shape)))
             runner.warmup()
+            if decoder is not None:
+                decoder.warmup()
         return key
 
     def _evict(self, model: LoadedModel) -> None:
@@ -220,8 +227,9 @@ class Engine:
                 if m.card is not None and (w, h) in m.card.made_sizes():
                     self._group(m, m.card.latent_shape(w, h))
         for group in self.groups.values():
-            if not group.runner.warmed:
-                group.runner.warmup()
+            for runner in (group.runner, group.decoder):
+                if runner is not None and not runner.warmed:
+                    runner.warmup()
         self._warm = True
 
     # -- admission and cancellation -------------------------------------------------------------
@@ -308,7 +316,7 @@ class Engine:
         if not done:
             return []
         group.active = [a for a in active if a.step < a.plan.num_steps]
-        return self._finish(group.model, done)
+        return self._finish(group, done)
 
     def _preview(self, group: _Group, active: list[_Active], denoised: torch.Tensor) -> None:
         """Start the previews due at this step (rows of ``denoised``, (B, C, H, W)) on their way to the host."""
@@ -357,9 +365,10 @@ class Engine:
                             else torch.zeros(shape) for a in active])  # (B, C, H, W)
         return _upload(rows, device)
 
-    def _finish(self, model: LoadedModel, done: list[_Active]) -> list[ImageResult]:
+    def _finish(self, group: _Group, done: list[_Active]) -> list[ImageResult]:
         latents = torch.stack([a.x for a in done])  # (B, C, H, W)
-        images = decode(model, latents, [(a.req.out_width, a.req.out_height) for a in done])
+        pixels = None if group.decoder is None else group.decoder.run(latents=latents)["pixels"]
+        images = decode(group.model, latents, [(a.req.out_width, a.req.out_height) for a in done], pixels)
         cpu = latents.float().cpu()
         return [ImageResult(a.req, images[i], cpu[i]) for i, a in enumerate(done)]
 
@@ -422,15 +431,37 @@ def _upload(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+DECODE_PIXELS = 1 << 20  # a captured decode's largest batch makes at most this many output pixels (16 images
+                         # at 256 px, 4 at 512, 1 at 1024): a VAE's activations at full size are large
+
+
+def _vae_pixels(model: LoadedModel, latents: torch.Tensor) -> torch.Tensor:
+    """The VAE's decode of latents (B, C, h, w) as float32 pixels (B, c, H, W) in [-1, 1] (not clamped)."""
+    return model.vae.decode(latents.to(model.vae.dtype) / model.vae_scale + model.vae_shift).sample.float()
+
+
+def decode_runner(model: LoadedModel, shape: tuple[int, int, int], pool=None, stream=None) -> GraphRunner:
+    """``model``'s VAE decode at latent ``shape`` as a GraphRunner: backend "full" (a VAE needs no eager
+    breaks) on CUDA, eager elsewhere, in the step's pool; batches up to DECODE_PIXELS of output, larger
+    ones in chunks of that."""
+    c, h, w = shape
+    factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
+    out = (model.vae.config.out_channels, h * factor, w * factor)
+    largest = max(1, min(64, DECODE_PIXELS // (out[1] * out[2])))
+    return GraphRunner(lambda latents: {"pixels": _vae_pixels(model, latents)},
+                       {"latents": TensorSpec(tuple(shape), torch.float32)}, {"pixels": TensorSpec(out, torch.float32)},
+                       max_batch=1 << (largest.bit_length() - 1), backend="full", device=model.device,
+                       pool=pool, stream=stream)
+
+
 @torch.no_grad()
-def decode(model: LoadedModel, latents: torch.Tensor,
-           out_sizes: list[tuple[int, int]] | None = None) -> list[np.ndarray]:
+def decode(model: LoadedModel, latents: torch.Tensor, out_sizes: list[tuple[int, int]] | None = None,
+           pixels: torch.Tensor | None = None) -> list[np.ndarray]:
     """Latents (B, C, h, w) -> uint8 images; pixel-space models are their own image. ``out_sizes`` (width,
-    height per image; (0, 0) keeps the size) resizes and centre-crops, as the reference pipelines do."""
-    if model.vae is None:
-        pixels = latents.float()
-    else:
-        pixels = model.vae.decode(latents.to(model.vae.dtype) / model.vae_scale + model.vae_shift).sample.float()
+    height per image; (0, 0) keeps the size) resizes and centre-crops, as the reference pipelines do.
+    ``pixels``: the VAE's decode of ``latents`` made already (a captured decode), else it is made here."""
+    if pixels is None:
+        pixels = latents.float() if model.vae is None else _vae_pixels(model, latents)
     images = []
     for i, (w, h) in enumerate(out_sizes or [(0, 0)] * len(pixels)):
         img = pixels[i:i + 1] if not w else resize_and_crop(pixels[i:i + 1], w, h)  # (1, c, H, W)

@@ -91,3 +91,35 @@ def test_digits_through_graphs_match_eager_and_pass_the_oracle(digits_cuda, back
     stats = next(iter(graph_engine.stats()["groups"].values()))
     assert sum(s["replays"] for s in stats["buckets"].values()) >= 50 * 8  # 500 = 7x64 + 32+16+4 per step
     assert sum(s["eager_fallbacks"] for s in stats["buckets"].values()) == 0
+
+
+def test_dit_xl_captured_decode_makes_the_plain_decodes_images(dit_xl):
+    """``decode_graphs``: the VAE decode replayed from graphs (batches of 1..16 at 256 px) gives the images
+    the plain decode gives (uint8, at most 1 apart: a convolution may pick another algorithm at another
+    batch size), and says how long each decode of one image takes."""
+    import time
+
+    from workers.engine import Engine, EngineConfig, decode
+    from workers.spec import ItemSpec
+
+    specs = [ItemSpec(id=str(i), label=i, seed=i, sampler="ddim", steps=5, guidance=4.0) for i in range(3)]
+    plain = Engine(dit_xl, EngineConfig(backend="breakable", max_batch=4)).generate(specs)
+    eng = Engine(dit_xl, EngineConfig(backend="breakable", max_batch=4, decode_graphs=True))
+    eng.warmup()
+    got = eng.generate(specs)
+    for a, b in zip(got, plain):
+        assert np.abs(a.image.astype(int) - b.image.astype(int)).max() <= 1
+    (group,) = eng.groups.values()
+    assert all(s["captures"] == 1 for s in group.decoder.stats()["buckets"].values())
+    latents = torch.stack([r.latents for r in got[:1]]).cuda()
+    times = {}
+    for name, fn in (("plain", lambda: decode(dit_xl, latents)),
+                     ("captured", lambda: decode(dit_xl, latents, pixels=group.decoder.run(latents=latents)["pixels"]))):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        times[name] = (time.perf_counter() - t0) * 100  # ms per decode
+    print(f"decode of one 256 px image, ms: {times}")

@@ -4,6 +4,7 @@ offline; the same initial latents; float32 on the CPU."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -151,3 +152,26 @@ def test_the_engine_reports_which_cross_attention_kernel_runs(model):
     assert varlen.stats()["attention"] == varlen.attention
     padded = Engine(model, EngineConfig(backend="eager", max_batch=2, cross_attention="padded"))
     assert padded.attention[model.name].startswith("cross-attention: padded")
+
+
+def test_a_captured_decode_makes_the_images_the_plain_decode_makes(model, monkeypatch):
+    """``EngineConfig(decode_graphs=True)``: each group's VAE decode is a GraphRunner of its own (eager on a
+    CPU, the same code a capture records on a GPU), batched up to DECODE_PIXELS of output and chunked past
+    that; the images equal the plain decode's, in order, including resized sizes."""
+    from workers import engine as eng
+
+    specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=3, guidance=2.0, prompt=f"a cat number {i}")
+             for i in range(5)]
+    plain = Engine(model, EngineConfig(backend="eager", max_batch=8)).generate(specs)
+    out_px = model.image_size ** 2
+    monkeypatch.setattr(eng, "DECODE_PIXELS", 2 * out_px)  # a largest decode batch of 2: 5 images in 2 + 2 + 1
+    captured = Engine(model, EngineConfig(backend="eager", max_batch=8, decode_graphs=True))
+    (group,) = captured.groups.values()
+    assert group.decoder is not None and group.decoder.max_batch == 2
+    got = captured.generate(specs)
+    assert [r.request.id for r in got] == [r.request.id for r in plain]
+    for a, b in zip(got, plain):
+        assert a.image.shape == b.image.shape and np.array_equal(a.image, b.image)
+    runs = {b: s["eager_fallbacks"] + s["replays"] for b, s in group.decoder.stats()["buckets"].items()}
+    assert sum(runs.values()) >= 3 and runs[2] >= 2  # the five images went through it, in chunks of two
+    assert Engine(model, EngineConfig(backend="eager", max_batch=8)).groups.popitem()[1].decoder is None  # off by default
