@@ -135,3 +135,46 @@ def linear_into(x: torch.Tensor, projections: list[tuple[nn.Module, torch.Tensor
             torch.mm(x, proj.weight.t(), out=out)
         else:
             torch.addmm(proj.bias, x, proj.weight.t(), out=out)
+
+
+def fuse_linears(parts: list[nn.Module]) -> nn.Module:
+    """One linear computing ``parts`` (linears of one input) side by side: ``cat([p(x) for p in parts], -1)``,
+    one matrix product instead of several (q, k and v: one wide GEMM fills a GPU that three narrow ones
+    leave partly idle at small batches). The parts' weights become views of the fused ones, so no memory
+    is added. ``nn.Linear`` parts give an ``nn.Linear``, ``Fp8Linear`` parts an ``Fp8Linear`` (their
+    per-row scales concatenate exactly); a mix, or parts of different inputs, is refused (ValueError)."""
+    dims, ins = [p.out_features for p in parts], {p.in_features for p in parts}
+    if len(ins) != 1 or not (all(type(p) is nn.Linear for p in parts) or all(type(p) is Fp8Linear for p in parts)):
+        raise ValueError(f"cannot fuse {[type(p).__name__ for p in parts]} of inputs {sorted(ins)}")
+    if type(parts[0]) is nn.Linear:
+        fused = nn.Linear(ins.pop(), sum(dims), bias=False, device="meta")  # its tensors are set below
+        _fuse(parts, fused, "weight", 0, dims, parameter=True)
+    else:
+        fused = Fp8Linear.__new__(Fp8Linear)
+        nn.Module.__init__(fused)
+        fused.in_features, fused.out_features, fused.dtype = ins.pop(), sum(dims), parts[0].dtype
+        _fuse(parts, fused, "weight_fp8", 0, dims)
+        _fuse(parts, fused, "weight_scale", 1, dims)  # (1, N): the output rows' scales side by side
+        fused.register_buffer("bias", None)
+    if any(p.bias is not None for p in parts):
+        ref = parts[0].weight if type(parts[0]) is nn.Linear else parts[0].weight_scale
+        for p, d in zip(parts, dims):
+            if p.bias is None:  # a part without bias adds zeros
+                setattr(p, "bias", nn.Parameter(ref.new_zeros(d, dtype=_bias_dtype(parts)), requires_grad=False)
+                        if type(p) is nn.Linear else ref.new_zeros(d, dtype=_bias_dtype(parts)))
+        _fuse(parts, fused, "bias", 0, dims, parameter=type(parts[0]) is nn.Linear)
+    return fused
+
+
+def _bias_dtype(parts: list[nn.Module]) -> torch.dtype:
+    return next(p.bias.dtype for p in parts if p.bias is not None)
+
+
+def _fuse(parts: list[nn.Module], fused: nn.Module, name: str, axis: int, dims: list[int],
+          parameter: bool = False) -> None:
+    """``fused.<name>`` <- the parts' tensors concatenated along ``axis``; each part's becomes its view."""
+    whole = torch.cat([getattr(p, name).detach() for p in parts], dim=axis)
+    wrap = (lambda t: nn.Parameter(t, requires_grad=False)) if parameter else (lambda t: t)
+    setattr(fused, name, wrap(whole))
+    for p, view in zip(parts, whole.split(dims, dim=axis)):
+        setattr(p, name, wrap(view))

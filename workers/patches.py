@@ -13,7 +13,8 @@ the attention output of every layer live in ONE scratch allocation per transform
 capture (warm-up runs the largest bucket first) and shared by all layers and all buckets: layers
 run one after another and buckets never replay concurrently (one runner lock), so sharing is safe.
 The break reads q, k, v from it and writes its fresh result into the output slot in place.
-Consequence: a patched transformer must be served by one runner at a time.
+Consequence: a patched transformer must be served by one runner at a time. With the q, k, v projections
+fused (the default), their three slots are one (rows, 3 x inner) block written by one matrix product.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from graphs import eager_on_graph
-from workers.fp8 import linear_into
+from workers.fp8 import fuse_linears, linear_into
 
 
 @eager_on_graph
@@ -55,21 +56,35 @@ class AttentionScratch:
             buf = self.buffer = torch.empty(n, dtype=like.dtype, device=like.device)
         return tuple(buf[:n].view(4, rows, dim).unbind(0))
 
+    def fused_views(self, rows: int, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same scratch as (rows, 3 * dim) for a fused q|k|v projection, and (rows, dim) for the output."""
+        o = self.views(rows, dim, like)[3]  # sizes the buffer
+        if torch.compiler.is_compiling():
+            return torch.empty(rows, 3 * dim, dtype=like.dtype, device=like.device), o
+        return self.buffer[:3 * rows * dim].view(rows, 3 * dim), o  # the slots of q, k and v, side by side
+
 
 class BreakableSelfAttention:
     """Self-attention for DiT blocks (no mask, no cross-attention), as diffusers' AttnProcessor2_0,
-    with q, k, v and the output in the shared scratch."""
+    with q, k, v and the output in the shared scratch. With ``qkv`` (``fuse_linears`` of to_q, to_k and
+    to_v), the three projections are one matrix product into a (rows, 3 * inner) slot, and q, k, v are its
+    column blocks (strided views: attention kernels take any row stride)."""
 
-    def __init__(self, scratch: AttentionScratch) -> None:
-        self.scratch = scratch
+    def __init__(self, scratch: AttentionScratch, qkv: torch.nn.Module | None = None) -> None:
+        self.scratch, self.qkv = scratch, qkv
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states=None,
                  attention_mask=None, temb=None, **kwargs) -> torch.Tensor:
         b, t, _ = hidden_states.shape                                           # (B, T, D)
         inner = attn.to_q.out_features
         h2d = hidden_states.reshape(b * t, -1)                                  # (B*T, D)
-        q, k, v, o = self.scratch.views(b * t, inner, h2d)                      # (B*T, inner) x4
-        linear_into(h2d, [(attn.to_q, q), (attn.to_k, k), (attn.to_v, v)])
+        if self.qkv is not None:
+            qkv, o = self.scratch.fused_views(b * t, inner, h2d)                # (B*T, 3*inner), (B*T, inner)
+            linear_into(h2d, [(self.qkv, qkv)])
+            q, k, v = qkv.split(inner, dim=1)                                   # (B*T, inner) x3, row stride 3*inner
+        else:
+            q, k, v, o = self.scratch.views(b * t, inner, h2d)                  # (B*T, inner) x4
+            linear_into(h2d, [(attn.to_q, q), (attn.to_k, k), (attn.to_v, v)])
         heads, d = attn.heads, inner // attn.heads
         split = lambda y: y.view(b, t, heads, d).transpose(1, 2)                # (B, h, T, d)
         attention_into(split(q), split(k), split(v), split(o))
@@ -77,11 +92,19 @@ class BreakableSelfAttention:
         return out / attn.rescale_output_factor
 
 
-def break_attention(transformer: torch.nn.Module) -> int:
-    """Route every self-attention of ``transformer`` through the eager break; returns how many."""
+def break_attention(transformer: torch.nn.Module, fuse_qkv: bool = True) -> int:
+    """Route every self-attention of ``transformer`` through the eager break, its q, k and v projections
+    fused into one (``fuse_qkv``; where they cannot be, e.g. FP8 took some and not others, separate);
+    returns how many."""
     scratch = AttentionScratch()
     for block in transformer.transformer_blocks:
-        block.attn1.set_processor(BreakableSelfAttention(scratch))
+        attn, qkv = block.attn1, None
+        if fuse_qkv:
+            try:
+                qkv = fuse_linears([attn.to_q, attn.to_k, attn.to_v])
+            except ValueError:
+                qkv = None
+        attn.set_processor(BreakableSelfAttention(scratch, qkv))
     return len(transformer.transformer_blocks)
 
 

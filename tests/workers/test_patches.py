@@ -26,3 +26,27 @@ def test_patched_attention_matches_diffusers_and_shares_one_scratch():
     assert procs[0].scratch.buffer is buf
     restore_attention(m.transformer)
     assert torch.equal(_forward(m, x, t, y), want)
+
+
+def test_fused_qkv_matches_separate_projections_and_adds_no_weights():
+    """``break_attention`` fuses each block's q, k, v projections into one product (its weights are the
+    same memory as to_q, to_k, to_v); the model computes what it computes with them separate, in float32
+    and with FP8 linears."""
+    from workers.fp8 import quantize_linears
+
+    g = torch.Generator().manual_seed(1)
+    x, t, y = torch.randn(5, 1, 8, 8, generator=g), torch.tensor([3, 90, 400, 800, 999]), torch.arange(5)
+    for fp8 in (False, True):
+        m = load_model("digits")
+        if fp8:
+            quantize_linears(m.transformer)
+        break_attention(m.transformer, fuse_qkv=False)
+        want = _forward(m, x, t, y)
+        break_attention(m.transformer)
+        procs = [blk.attn1.processor for blk in m.transformer.transformer_blocks]
+        assert all(p.qkv is not None for p in procs)
+        attn, qkv = m.transformer.transformer_blocks[0].attn1, procs[0].qkv
+        first = (lambda mod: mod.weight) if not fp8 else (lambda mod: mod.weight_fp8)
+        assert first(attn.to_q).data_ptr() == first(qkv).data_ptr()  # views of the fused weight, not copies
+        assert first(attn.to_k).data_ptr() == first(qkv).data_ptr() + first(attn.to_q).nbytes
+        torch.testing.assert_close(_forward(m, x, t, y), want, rtol=1e-5, atol=1e-5)
