@@ -42,6 +42,7 @@ from samplers import Plan, make_plan
 from workers.families import family_of
 from workers.loading import LoadedModel
 from workers.patches import attention_into, break_attention
+from workers.sdpa import CHOOSER
 from workers.varlen import varlen_attention_into
 from workers.previews import preview_map_of, to_rgb
 from workers.spec import ItemSpec
@@ -227,9 +228,12 @@ class Engine:
                 if m.card is not None and (w, h) in m.card.made_sizes():
                     self._group(m, m.card.latent_shape(w, h))
         for group in self.groups.values():
+            known = len(CHOOSER.choices)
             for runner in (group.runner, group.decoder):
                 if runner is not None and not runner.warmed:
                     runner.warmup()
+            for line in CHOOSER.summary()[known:]:  # the attention shapes this group's warm-up measured
+                log.info("%s at %s: attention %s", group.model.name, "x".join(map(str, group.shape)), line)
         self._warm = True
 
     # -- admission and cancellation -------------------------------------------------------------
@@ -402,7 +406,7 @@ class Engine:
 
     def stats(self) -> dict:
         return {"steps": self.steps_run, "real_rows": self.real_rows, "padded_rows": self.padded_rows,
-                "previews": self.previews_made, "attention": self.attention,
+                "previews": self.previews_made, "attention": self.attention, "attention_kernels": CHOOSER.summary(),
                 "groups": {f"{k.model}:{'x'.join(map(str, k.latent_shape))}:{k.dtype}:{k.backend}":
                            _group_stats(g) for k, g in self.groups.items()}}
 

@@ -20,16 +20,17 @@ fused (the default), their three slots are one (rows, 3 x inner) block written b
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from graphs import eager_on_graph
 from workers.fp8 import fuse_linears, linear_into
+from workers.sdpa import attention
 
 
 @eager_on_graph
 def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-    """(B, heads, T, d) x3 -> written into out (B, heads, T, d); runs eagerly between segments."""
-    out.copy_(F.scaled_dot_product_attention(q, k, v))
+    """(B, heads, T, d) x3 -> written into out (B, heads, T, d); runs eagerly between segments, by the
+    kernel measured fastest for the shape on this GPU (``workers.sdpa``)."""
+    out.copy_(attention(q, k, v))
 
 
 class AttentionScratch:

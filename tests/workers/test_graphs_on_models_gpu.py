@@ -123,3 +123,19 @@ def test_dit_xl_captured_decode_makes_the_plain_decodes_images(dit_xl):
         torch.cuda.synchronize()
         times[name] = (time.perf_counter() - t0) * 100  # ms per decode
     print(f"decode of one 256 px image, ms: {times}")
+
+
+def test_dit_xl_attention_kernels_are_measured_per_bucket_at_warmup(dit_xl):
+    """The breakable warm-up meets each bucket's attention shape eagerly before capturing it: each gets a
+    measured kernel (flash, cuDNN or memory-efficient, whichever is fastest and matches math), and the
+    captured steps still equal eager."""
+    from workers.sdpa import CHOOSER
+
+    graphs = _runner(dit_xl, "breakable", max_batch=8)
+    graphs.warmup()
+    shapes = {key[0][0][0]: c for key, c in CHOOSER.choices.items() if key[0][0][1:] == (16, 256, 72)}
+    assert {2, 4, 8, 16} <= set(shapes), CHOOSER.summary()  # rows: 2 per image (CFG), buckets 1..8
+    assert all(c.kernel in ("flash", "cudnn", "efficient") and c.kernel in c.ms for c in shapes.values())
+    print("\n".join(CHOOSER.summary()))
+    inp = _inputs(dit_xl, 3, seed=3)
+    assert _rel(graphs.run(**inp)["x_next"], _runner(dit_xl, "eager").run(**inp)["x_next"]) <= 2e-2
