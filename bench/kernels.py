@@ -15,7 +15,10 @@ system from `breakable` on the same inputs and its relative norm (full+inductor 
 instead of the break); the seconds each engine took to warm (full+inductor compiles its own graph, cold);
 and the start of a breakable+inductor worker in a fresh process, before anything else runs: cold (an
 empty cache directory) and warm (the same directory again): seconds to a warmed engine, seconds spent in
-calls that compiled, Inductor's FX-graph cache hits and misses. Each part runs in its own try: a failure
+calls that compiled, Inductor's FX-graph cache hits and misses. Also the step's FLOPs (torch's
+FlopCounterMode on the uncompiled step) and the bf16 and FP8 matrix-product peaks measured in the same
+run (8192^3), so each system's TFLOP/s and share of the peak are in the report, and in
+kernels_tflops.png when matplotlib is installed. Each part runs in its own try: a failure
 is recorded in the report and the rest still runs. Writes kernels.json and kernels.md (kernels_smoke.*
 with --smoke) under --out after each part.
 
@@ -153,6 +156,88 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     return block
 
 
+def step_flops(model, inputs: dict) -> dict[int, int]:
+    """FLOPs of one uncompiled step per image count (torch's FlopCounterMode: matrix products and
+    attention), the work every system does."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from workers.families import family_of
+
+    step, out = family_of(model).make_step(model, tuple(model.latent_shape)), {}
+    for n, inp in inputs.items():
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            step(**inp)
+        out[n] = counter.get_total_flops()
+    return out
+
+
+def matmul_peak(device: str, fp8: bool = False, n: int = 8192) -> float | None:
+    """TFLOP/s of an n x n x n bf16 matrix product on this GPU (FP8 with per-row scales: ``fp8``), the
+    ceiling the steps are compared with; None on a CPU."""
+    if device != "cuda":
+        return None
+    a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    if fp8:
+        from workers.fp8 import quantize_rows
+
+        (aq, sa), (bq, sb) = quantize_rows(a), quantize_rows(b)
+        fn = lambda: torch._scaled_mm(aq, bq.t(), sa, sb.t().contiguous(), out_dtype=torch.bfloat16)
+    else:
+        fn = lambda: a @ b
+    ms = _bench_module("step_latency").cuda_ms(fn, 20)
+    return round(2 * n ** 3 / (ms * 1e-3) / 1e12, 1)
+
+
+def tflops_table(result: dict) -> list[str]:
+    """TFLOP/s of each system at each image count, and its share of the bf16 matmul peak."""
+    flops, peak = result.get("flops") or {}, result.get("matmul_peak_tflops") or {}
+    if not flops:
+        return []
+    images = result["images"]
+    lines = ["", f"TFLOP/s of a step (its FLOPs: {', '.join(f'{flops[n] / 1e12:.2f} T at {n}' for n in images if n in flops)}); "
+             f"measured matmul peak {peak.get('bf16')} TFLOP/s bf16, {peak.get('fp8')} fp8:", "",
+             "| system | " + " | ".join(f"{n} image{'s' * (n > 1)}" for n in images) + " |", "|---|" + "---|" * len(images)]
+    for name, block in result["systems"].items():
+        cells = []
+        for n in images:
+            ms = block.get("ms", {}).get(n)
+            if ms is None or n not in flops:
+                cells.append("-")
+                continue
+            t = flops[n] / (ms * 1e-3) / 1e12
+            cells.append(f"{t:.0f}" + (f" ({t / peak['bf16']:.0%})" if peak.get("bf16") else ""))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot_tflops(result: dict, path: Path) -> Path | None:
+    """TFLOP/s against rows per system, with the measured peaks as lines (matplotlib, when installed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    flops, peak = result.get("flops") or {}, result.get("matmul_peak_tflops") or {}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, block in result["systems"].items():
+        pts = [(2 * n, flops[n] / (ms * 1e-3) / 1e12) for n, ms in block.get("ms", {}).items() if n in flops]
+        if pts:
+            ax.plot(*zip(*sorted(pts)), marker="o", label=name)
+    for kind, value in peak.items():
+        if value:
+            ax.axhline(value, linestyle="--", linewidth=1, color="grey")
+            ax.annotate(f"{kind} matmul peak", (1, value), textcoords="offset points", xytext=(2, 2), fontsize=8)
+    ax.set(xscale="log", xlabel="transformer rows (2 per image)", ylabel="TFLOP/s",
+           title=f"{result['model']}: one step on {result['hardware']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def free() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -198,6 +283,10 @@ def run(args, result: dict, save) -> None:
     models = {"bf16": model}
     inputs = {n: step_inputs(model, n) for n in args.images}
     reference: dict = {}
+    attempt(result, "flops", lambda: result.__setitem__("flops", step_flops(model, inputs)), save)
+    attempt(result, "matmul peak", lambda: result.__setitem__("matmul_peak_tflops", {
+        "bf16": matmul_peak(device), "fp8": matmul_peak(device, fp8=True) if unsupported_reason(device) is None else None}),
+        save)
 
     def diffusers() -> None:
         block = result["systems"]["diffusers"] = {"ms": {}}
@@ -254,6 +343,7 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(ms) + f" | {block.get('pool_mib', '')} | {diff} | {rel} | "
                      f"{block.get('warmup_s', '')} | {compiling} |")
     lines += [f"\n{name} skipped: {block['skipped']}" for name, block in result["systems"].items() if "skipped" in block]
+    lines += tflops_table(result)
     lines += ["", "Worker start with compile=\"inductor\" (breakable), a fresh process each:", "",
               "| cache | process s | model load s | engine ready s | in compiling calls s | FX cache hits / misses |",
               "|---|---|---|---|---|---|"]
@@ -296,6 +386,8 @@ def main(argv: list[str] | None = None) -> None:
     def save() -> None:
         (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
         (args.out / f"{name}.md").write_text(markdown(result))
+        if result.get("flops"):
+            plot_tflops(result, args.out / f"{name}_tflops.png")
 
     t0 = time.perf_counter()
     run(args, result, save)
