@@ -27,6 +27,15 @@ Contract
   buffers are kept, and Inductor's buffers go back to the pool after their last use in the segment.
   The buffers are sized outside capture (warm-up runs every bucket before capturing it); a capture
   that would need them larger raises, and that bucket runs eagerly.
+* ``set_break_args("aliased")`` (opt-in, until measured on a GPU) removes those copies: the break gets
+  *non-owning* aliases of Inductor's buffers (same address, shape and strides; the storage does not hold
+  the memory), so the buffers go back to the pool once the compiled code is done with them, as the
+  uncompiled ones would. Why that is safe: graphs of one pool never replay concurrently (one runner
+  lock, pitfall 10), and a graph's segments and breaks replay in capture order; a break's inputs are
+  read by the break and by nothing after it that does not hold them (the compiled code keeps a
+  reference until their last use), and its output keeps its owner until the next segment's last read.
+  Memory that a later segment or capture reuses is therefore only written after the break has read
+  it. This is the reasoning PyTorch's own CUDA-graph trees rely on for their non-owning outputs.
 * When compilation happens: on the first call (the runner's warm-up runs every bucket eagerly before
   capturing it, largest first, so the compile sees the largest batch and every later bucket reuses
   it). A compile or run that raises logs a warning, and the step is the plain one from then on:
@@ -49,7 +58,7 @@ from typing import Callable, Mapping
 
 import torch
 
-__all__ = ["CompiledStep", "opaque_break", "use_cache_dir"]
+__all__ = ["CompiledStep", "opaque_break", "set_break_args", "use_cache_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +95,23 @@ class _Staging:
 
 
 _STAGING = _Staging()
+BREAK_ARGS = ("staged", "aliased")
+_break_args = ["staged"]
+
+
+def set_break_args(mode: str) -> None:
+    """How compiled breaks get their tensors under a breakable capture: "staged" copies (the default) or
+    "aliased" non-owning views of Inductor's buffers (see the module docstring). For the whole process."""
+    if mode not in BREAK_ARGS:
+        raise ValueError(f"break args must be one of {BREAK_ARGS}, got {mode!r}")
+    _break_args[0] = mode
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``t``'s memory (same address, shape, strides) whose storage does not own it."""
+    storage = t.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty((), dtype=t.dtype, device=t.device).set_(alias, t.storage_offset(), t.shape, t.stride())
 
 
 @functools.cache
@@ -139,8 +165,11 @@ def _staged(fn: Callable, name: str, out: int) -> Callable:
 
     def body(*args):
         if getattr(_local, "capture", None) is None:
-            _STAGING.reserve(name, args)
+            if _break_args[0] == "staged":
+                _STAGING.reserve(name, args)
             return fn(*args)
+        if _break_args[0] == "aliased":
+            return fn(*[_alias(a) if isinstance(a, torch.Tensor) else a for a in args])
         staged = _STAGING.views(name, args)
         for i, (a, s) in enumerate(zip(args, staged)):
             if i != out and isinstance(a, torch.Tensor):

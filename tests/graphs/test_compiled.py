@@ -282,3 +282,41 @@ def test_under_capture_a_compiled_steps_breaks_share_staged_buffers(digits):
         assert len(rec.pointers) == layers
         seen |= set(rec.pointers)
     assert len(seen) == 1, f"{len(seen)} sets of break buffers: Inductor's buffers reached the breaks"
+
+
+def test_aliased_break_args_are_inductors_own_memory_without_owning_it(digits, monkeypatch):
+    """``set_break_args("aliased")``: under capture each break gets non-owning aliases of the compiled
+    step's own buffers (no staging buffer is made or used), and the step still computes what the
+    uncompiled one does."""
+    from graphs import compiled as comp
+    from workers.engine import Engine, EngineConfig
+    from workers.loading import load_model
+
+    monkeypatch.setattr(comp, "_STAGING", comp._Staging())  # empty: anything staged would show here
+    comp.set_break_args("aliased")
+    aliases = []
+    real_alias = comp._alias
+    monkeypatch.setattr(comp, "_alias", lambda t: aliases.append((t, real_alias(t))) or aliases[-1][1])
+    try:
+        engine = Engine(digits, EngineConfig(backend="breakable", max_batch=8, compile="inductor"))
+        engine.warmup()
+        plain = Engine(load_model("digits"), EngineConfig(backend="breakable", max_batch=8))
+        live = _step_inputs(digits, 8)
+        rec = PointerRecording()
+        breakable._local.capture = rec
+        try:
+            got = next(iter(engine.groups.values())).runner.run(**live)
+        finally:
+            breakable._local.capture = None
+        assert_close(got, next(iter(plain.groups.values())).runner.run(**live))
+    finally:
+        comp.set_break_args("staged")
+    layers = len(digits.transformer.transformer_blocks)
+    assert len(rec.pointers) == layers and comp._STAGING.buffers == {}
+    assert len(aliases) == 4 * layers  # q, k, v and the output of each layer
+    for owner, alias in aliases:
+        assert alias.data_ptr() == owner.data_ptr() and alias.stride() == owner.stride()
+        assert alias.untyped_storage()._cdata != owner.untyped_storage()._cdata  # a storage of its own ...
+        assert torch.equal(alias, owner)  # ... on the same memory
+    with pytest.raises(ValueError, match="break args must be one of"):
+        comp.set_break_args("copied")
