@@ -1,0 +1,158 @@
+"""Where one denoising step's time goes: the GPU kernels of one step, grouped by what they do.
+
+For a model (a built-in with random weights, or a model directory) and an image count, each system's
+engine is built and warmed as a worker builds it, then one step of its runner is profiled (torch.profiler,
+CUDA activity, after warm-up; the median of --iters steps' totals). Kernels are grouped by name into
+matrix products, attention, normalisation, fused/elementwise (Inductor's Triton kernels among them),
+copies and the rest; the report has each group's ms per step and share, and the heaviest kernels.
+
+Systems: ``plain`` (breakable graphs, the model's dtype), ``fused`` (compiled by Inductor inside the
+graphs: ``compile="inductor"``, backend ``full`` for DiT, ``breakable`` otherwise), ``fp8`` (plain with
+FP8 linears), ``fused+fp8``. Writes profile_<model>.json and .md under --out.
+
+    python bench/profile_step.py --model dit-xl-2-256 --images 1 64
+    python bench/profile_step.py --model flux-dev-1024 --images 1 --systems plain fp8
+    python bench/profile_step.py --smoke          # digits on a CPU: operator names instead of kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+SYSTEMS = {"plain": ("off", "bf16"), "fused": ("inductor", "bf16"), "fp8": ("off", "fp8"), "fused+fp8": ("inductor", "fp8")}
+# kernel name -> group, first match wins (CUDA kernel names, and aten operator names on a CPU)
+GROUPS = [
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn.*(?:mha|sdpa)", re.I)),
+    ("matrix products", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|scaled_mm|\bmm\b|addmm|matmul|bmm|linear", re.I)),
+    ("normalisation", re.compile(r"norm", re.I)),
+    ("copies", re.compile(r"copy|memcpy|memset|\bcat\b|catarray|clone|contiguous", re.I)),
+    ("fused / elementwise", re.compile(r"triton|elementwise|vectorized|reduce|unrolled|gelu|silu|mul|add|div", re.I)),
+]
+
+
+def _bench_module(name: str):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def group_of(name: str) -> str:
+    return next((g for g, pattern in GROUPS if pattern.search(name)), "other")
+
+
+def summarise(kernels: dict[str, float], steps: int) -> dict:
+    """Per-step ms by group (descending) and the ten heaviest kernels, from total ms per kernel name."""
+    groups: dict[str, float] = {}
+    for name, ms in kernels.items():
+        groups[group_of(name)] = groups.get(group_of(name), 0.0) + ms / steps
+    total = sum(groups.values()) or 1.0
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
+    return {"total_ms": round(total, 3),
+            "groups": {g: {"ms": round(ms, 3), "share": round(ms / total, 4)}
+                       for g, ms in sorted(groups.items(), key=lambda kv: -kv[1])},
+            "top": [{"kernel": name[:160], "group": group_of(name), "ms": round(ms / steps, 3)} for name, ms in top]}
+
+
+def profile(runner, inputs: dict, iters: int, cuda: bool) -> dict[str, float]:
+    """Total device ms per kernel name (CPU: per operator, self time) over ``iters`` steps."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with torch.no_grad():
+        runner.run(**inputs)
+        with torch_profile(activities=activities) as prof:
+            for _ in range(iters):
+                runner.run(**inputs)
+            if cuda:
+                torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        ms = (ev.device_time_total if cuda else ev.self_cpu_time_total) / 1e3
+        if ms > 0 and (cuda or not ev.key.startswith(("ProfilerStep", "cuda"))):
+            out[ev.key] = out.get(ev.key, 0.0) + ms
+    return out
+
+
+def run_system(args, name: str, device: str, dtype, result: dict) -> None:
+    from workers.fp8 import unsupported_reason
+    from workers.loading import load_model
+
+    compile_mode, precision = SYSTEMS[name]
+    if precision == "fp8" and (why := unsupported_reason(device)) is not None:
+        result["systems"][name] = {"skipped": why}
+        return
+    kernels = _bench_module("kernels")
+    model = load_model(args.model, device=device, dtype=dtype, precision=precision)
+    backend = "full" if compile_mode == "inductor" and model.card.family == "dit" else "breakable"
+    engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "")
+    block = result["systems"][name] = {"backend": backend}
+    for n in args.images:
+        block[n] = summarise(profile(runner, kernels.step_inputs(model, n), args.iters, device == "cuda"), args.iters)
+    del engine, runner, model
+    kernels.free()
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Where a step's time goes: {result['model']} on {result['hardware']}", "",
+             f"torch {result['torch']}; {result['iters']} profiled steps per row, after warm-up. ms per step by "
+             "kernel group (share of the step's kernel time).", ""]
+    for name, block in result["systems"].items():
+        if "skipped" in block:
+            lines += [f"## {name}: skipped ({block['skipped']})", ""]
+            continue
+        for n in result["images"]:
+            s = block.get(n) or block.get(str(n))
+            if s is None:
+                continue
+            lines += [f"## {name} ({block['backend']}), {n} image{'s' * (n > 1)}: {s['total_ms']:.2f} ms of kernels", "",
+                      "| group | ms | share |", "|---|---|---|"]
+            lines += [f"| {g} | {v['ms']:.3f} | {v['share']:.0%} |" for g, v in s["groups"].items()]
+            lines += ["", "| heaviest kernels | group | ms |", "|---|---|---|"]
+            lines += [f"| `{t['kernel'][:90]}` | {t['group']} | {t['ms']:.3f} |" for t in s["top"]]
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="dit-xl-2-256")
+    p.add_argument("--images", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    p.add_argument("--smoke", action="store_true", help="digits on a CPU, 1 and 4 images, plain and fp8")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.images, args.iters = "digits", [1, 4], 2
+        args.systems = [s for s in args.systems if s in ("plain", "fp8")]
+    cuda = torch.cuda.is_available() and not args.smoke
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    result = {"model": args.model, "images": args.images, "iters": args.iters, "torch": torch.__version__,
+              "hardware": torch.cuda.get_device_name() if cuda else "CPU", "systems": {}, "errors": {}}
+    for name in args.systems:
+        try:
+            run_system(args, name, device, dtype, result)
+        except Exception as exc:  # one system failing is a result, not a reason to stop
+            result["errors"][name] = f"{type(exc).__name__}: {exc}"[:2000]
+            print(f"{name} failed: {result['errors'][name][:300]}", flush=True)
+    stem = f"profile_{Path(args.model).name}" + ("_smoke" if args.smoke else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

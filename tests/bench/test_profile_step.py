@@ -1,0 +1,59 @@
+"""bench/profile_step.py's grouping of kernel names and its per-step summary (pure functions), and its
+smoke run on a CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def prof():
+    spec = importlib.util.spec_from_file_location("profile_step", BENCH / "profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["profile_step"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name, group", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matrix products"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTT", "matrix products"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>", "matrix products"),
+    ("flash_fwd_kernel<Flash_fwd_kernel_traits<72, 128, 64, 4>>", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention"),
+    ("triton_per_fused_native_layer_norm_0", "normalisation"),
+    ("triton_poi_fused_add_mul_1", "fused / elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "fused / elementwise"),
+    ("Memcpy DtoD (Device -> Device)", "copies"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float>", "copies"),
+    ("void at::native::im2col_kernel<float>", "other"),
+])
+def test_kernel_names_fall_into_their_groups(prof, name, group):
+    assert prof.group_of(name) == group
+
+
+def test_a_summary_is_per_step_sorted_and_shares_add_up(prof):
+    s = prof.summarise({"sm90_gemm": 30.0, "flash_fwd_kernel": 10.0, "triton_poi_fused_add_0": 8.0,
+                        "Memcpy DtoD": 2.0}, steps=2)
+    assert s["total_ms"] == 25.0 and list(s["groups"]) == ["matrix products", "attention", "fused / elementwise", "copies"]
+    assert s["groups"]["matrix products"] == {"ms": 15.0, "share": 0.6}
+    assert sum(g["share"] for g in s["groups"].values()) == pytest.approx(1.0)
+    assert [t["kernel"] for t in s["top"]][:2] == ["sm90_gemm", "flash_fwd_kernel"] and s["top"][0]["ms"] == 15.0
+
+
+def test_the_smoke_run_profiles_digits_plain_and_fp8_on_a_cpu(prof, tmp_path):
+    prof.main(["--smoke", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "profile_digits_smoke.json").read_text())
+    assert set(report["systems"]) == {"plain", "fp8"} and report["errors"] == {}
+    for block in report["systems"].values():
+        for n in ("1", "4"):
+            assert block[n]["total_ms"] > 0 and "matrix products" in block[n]["groups"]
+    assert "## fp8 (breakable), 4 images" in (tmp_path / "profile_digits_smoke.md").read_text()
