@@ -103,6 +103,8 @@ class Setup:
     drain_s: float = 4.0
     loads: tuple = (0.3, 0.6)        # offered images/s: ~2 and ~3 requests in the window; ~0.6 saturates a (est.)
     backlog_stop_s: float = 120.0
+    compile: str = "off"             # our engines' steps: "inductor" compiles them inside the graphs
+    precision: str = "bf16"          # "fp8": the models' block linears as FP8 products (workers/fp8.py)
 
 
 def smoke() -> Setup:
@@ -358,7 +360,7 @@ def warm_engine(model, s: Setup, prompts: list[str]) -> tuple[object, dict]:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.engine_batch))
+    engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.engine_batch, compile=s.compile))
     engine.warmup()
     pb.sync()
     warmup_s = time.perf_counter() - t0
@@ -474,7 +476,7 @@ def bench_mixed(model, s: Setup, prompts: list[str], save) -> dict:
              "steps": s.steps, "guidance": guidance_of(model, s), "max_batch": s.max_batch, "wait_s": s.wait_s,
              "window_s": s.window_s, "drain_s": s.drain_s, "backlog_images": sum(j.n for j in backlog(made, 1)),
              "rows": [], "max_images_per_s": {}}
-    engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.max_batch))
+    engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.max_batch, compile=s.compile))
     try:
         t0 = time.perf_counter()
         engine.warmup(sizes=made)
@@ -600,13 +602,14 @@ def plan_models(sections: list[str], models: list[str]) -> list[tuple[str, list[
     return [(m, xs) for m, xs in out if xs]
 
 
-def loaders(smoke: bool):
+def loaders(smoke: bool, precision: str = "bf16"):
     """name -> a function loading it: the built-ins on the GPU in bf16, or (smoke) tiny directories made
-    offline in a temporary folder, float32 on the CPU (tiny SD3 for sd35-*, tiny FLUX-dev for flux-dev-*)."""
+    offline in a temporary folder, float32 on the CPU (tiny SD3 for sd35-*, tiny FLUX-dev for flux-dev-*);
+    ``precision="fp8"``: their block linears as FP8 products."""
     from workers.loading import load_model
 
     if not smoke:
-        return lambda name: load_model(name, device="cuda", dtype=torch.bfloat16)
+        return lambda name: load_model(name, device="cuda", dtype=torch.bfloat16, precision=precision)
     import tempfile
 
     from workers.models.tiny_flux import make_tiny_flux
@@ -618,7 +621,7 @@ def loaders(smoke: bool):
         kind = "sd3" if name.startswith("sd35") else "flux"
         if kind not in made:
             made[kind] = (make_tiny_sd3 if kind == "sd3" else make_tiny_flux)(tmp / f"tiny-{kind}")
-        return load_model(made[kind])
+        return load_model(made[kind], precision=precision)
 
     return load
 
@@ -636,6 +639,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--loads", type=float, nargs="+", help="mixed: offered loads in images/s (default 0.3 0.6)")
     p.add_argument("--window", type=float, help="mixed: seconds of arrivals per load (default 10)")
     p.add_argument("--fresh", action="store_true", help="start a new report instead of merging into the one in --out")
+    p.add_argument("--compile", choices=["off", "inductor"], default="off", help="our engines' steps compiled")
+    p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16", help="our models' block linears")
     args = p.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         p.error("the benchmark needs a CUDA GPU (or --smoke, which runs on a CPU)")
@@ -644,15 +649,16 @@ def main(argv: list[str] | None = None) -> None:
     s = smoke() if args.smoke else Setup()
     if args.smoke:  # one thread: on a shared CPU torch's threads wait on each other and tiny steps swing 100x
         torch.set_num_threads(1)
-    over = {"loads": tuple(args.loads) if args.loads else None, "window_s": args.window}
+    over = {"loads": tuple(args.loads) if args.loads else None, "window_s": args.window, "compile": args.compile,
+            "precision": args.precision}
     s = Setup(**{**s.__dict__, **{k: v for k, v in over.items() if v is not None}})
-    name = "mmdit_smoke" if args.smoke else "mmdit"
+    name = ("mmdit_smoke" if args.smoke else "mmdit") + pb.tuned_suffix(s.compile, s.precision)
     head = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
             "cuda": torch.version.cuda, "diffusers": diffusers.__version__, "transformers": transformers.__version__,
             "argv": argv}
     args.out.mkdir(parents=True, exist_ok=True)
     result = pb.previous(args.out / f"{name}.json", head, args.fresh)
-    prompts, load = pb.make_prompts(), loaders(args.smoke)
+    prompts, load = pb.make_prompts(), loaders(args.smoke, s.precision)
     t0 = time.perf_counter()
     for slot, sections in plan_models(args.sections, args.models):
         t1 = time.perf_counter()

@@ -93,6 +93,14 @@ class Setup:
     loads: tuple = (2.0, 4.0, 6.0)    # offered images/s
     backlog_stop_s: float = 150.0
     cross_attention: str = "padded"   # mixed: system a's cross-attention
+    compile: str = "off"              # our engines' steps: "inductor" compiles them inside the graphs
+    precision: str = "bf16"           # "fp8": the model's block linears as FP8 products (workers/fp8.py)
+
+
+def tuned_suffix(compile_mode: str, precision: str) -> str:
+    """The report's name suffix for a tuned run ("_inductor", "_fp8", "_inductor_fp8"; "" for the default),
+    so tuned and default figures never merge into one report."""
+    return "".join(f"_{x}" for x in (compile_mode, precision) if x not in ("off", "bf16"))
 
 
 def smoke() -> Setup:
@@ -381,7 +389,8 @@ def _ours_e2e(model, mode: str, s: Setup, fresh) -> list[float]:
     from workers.engine import Engine, EngineConfig
     from workers.spec import ItemSpec
 
-    engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.e2e_max_batch, cross_attention=mode))
+    engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.e2e_max_batch, cross_attention=mode,
+                                        compile=s.compile))
     engine.warmup()
 
     def one(i):
@@ -473,7 +482,8 @@ def bench_mixed(model, s: Setup, prompts: list[str], save) -> dict:
              "window_s": s.window_s, "drain_s": s.drain_s, "cross_attention": s.cross_attention,
              "backlog_images": sum(j.n for j in backlog(s.mixed_sizes, len(prompts))),
              "rows": [], "max_images_per_s": {}}
-    engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.max_batch, cross_attention=s.cross_attention))
+    engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.max_batch, cross_attention=s.cross_attention,
+                                        compile=s.compile))
     try:
         t0 = time.perf_counter()
         engine.warmup(sizes=made)
@@ -638,12 +648,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--window", type=float, help="mixed: seconds of arrivals per load (default 10)")
     p.add_argument("--cross-attention", choices=CROSS_ATTENTION, default="padded", help="mixed: system a's")
     p.add_argument("--fresh", action="store_true", help="start a new report instead of merging into the one in --out")
+    p.add_argument("--compile", choices=["off", "inductor"], default="off", help="our engines' steps compiled")
+    p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16", help="our model's block linears")
     args = p.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         p.error("the benchmark needs a CUDA GPU (or --smoke, which runs on a CPU)")
     s = smoke() if args.smoke else Setup()
     over = {"loads": tuple(args.loads) if args.loads else None, "window_s": args.window,
-            "cross_attention": args.cross_attention}
+            "cross_attention": args.cross_attention, "compile": args.compile, "precision": args.precision}
     s = Setup(**{**s.__dict__, **{k: v for k, v in over.items() if v is not None}})
     if args.smoke:
         import tempfile
@@ -651,11 +663,11 @@ def main(argv: list[str] | None = None) -> None:
         from workers.models.tiny_pixart import make_tiny_pixart
 
         tiny = make_tiny_pixart(Path(tempfile.mkdtemp()) / "tiny-pixart")
-        load, resolutions = (lambda res: load_model(tiny)), [s.mixed_res]
+        load, resolutions = (lambda res: load_model(tiny, precision=s.precision)), [s.mixed_res]
     else:
-        load = lambda res: load_model(f"pixart-sigma-{res}", device="cuda", dtype=torch.bfloat16)
+        load = lambda res: load_model(f"pixart-sigma-{res}", device="cuda", dtype=torch.bfloat16, precision=s.precision)
         resolutions = args.resolutions
-    name = "pixart_smoke" if args.smoke else "pixart"
+    name = ("pixart_smoke" if args.smoke else "pixart") + tuned_suffix(s.compile, s.precision)
     head = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "diffusers": diffusers.__version__, "argv": argv}
     args.out.mkdir(parents=True, exist_ok=True)
