@@ -258,6 +258,17 @@ class PointerRecording(Recording):
         return super().break_on(fn, args, kwargs)
 
 
+def _under_recorded_capture(engine, live: dict):
+    """The engine's runner on ``live`` as a breakable capture runs it (breaks recorded with their tensors'
+    addresses); (outputs, the recording)."""
+    rec = PointerRecording()
+    breakable._local.capture = rec
+    try:
+        return next(iter(engine.groups.values())).runner.run(**live), rec
+    finally:
+        breakable._local.capture = None
+
+
 def test_under_capture_a_compiled_steps_breaks_share_staged_buffers(digits):
     """Every layer's break, in every bucket, gets the same staged buffers (as uncompiled breaks share the
     attention scratch), not Inductor's per-layer buffers, which a capture would keep for the graph's life;
@@ -271,12 +282,7 @@ def test_under_capture_a_compiled_steps_breaks_share_staged_buffers(digits):
     layers, seen = len(digits.transformer.transformer_blocks), set()
     for n in (8, 4):
         live = _step_inputs(digits, n)
-        rec = PointerRecording()
-        breakable._local.capture = rec
-        try:
-            got = next(iter(compiled.groups.values())).runner.run(**live)
-        finally:
-            breakable._local.capture = None
+        got, rec = _under_recorded_capture(compiled, live)
         want = next(iter(plain.groups.values())).runner.run(**live)
         assert_close(got, want)
         assert len(rec.pointers) == layers
@@ -302,12 +308,7 @@ def test_aliased_break_args_are_inductors_own_memory_without_owning_it(digits, m
         engine.warmup()
         plain = Engine(load_model("digits"), EngineConfig(backend="breakable", max_batch=8))
         live = _step_inputs(digits, 8)
-        rec = PointerRecording()
-        breakable._local.capture = rec
-        try:
-            got = next(iter(engine.groups.values())).runner.run(**live)
-        finally:
-            breakable._local.capture = None
+        got, rec = _under_recorded_capture(engine, live)
         assert_close(got, next(iter(plain.groups.values())).runner.run(**live))
     finally:
         comp.set_break_args("staged")
