@@ -269,7 +269,7 @@ class Scheduler:
         finished = [(w.leases.pop(key, None), png) for key, png in report["finished"]]
         failed = [(w.leases.pop(key, None), error) for key, error in report["failed"]]
         crashed = [(w.leases.pop(key, None), error) for key, error in report.get("crashed", ())]
-        if (finished or failed) and not self._suspects and (w.queue_left or self.store.work.is_set()):
+        if (finished or failed) and not self._suspects and (w.queue_left or self.store.queued.is_set()):
             self._fill(w)  # the next items are on their way before the commits below: the GPU does not wait
         for lease, png in finished:
             if lease is not None and self.store.commit_result(lease, png):
@@ -308,7 +308,8 @@ class Scheduler:
                     del w.leases[k]
 
     def _dispatch(self) -> None:
-        self.store.work.clear()  # before leasing: a submission after the lease query sets it again
+        self.store.work.clear()  # before leasing: a submission after the lease query sets them again
+        self.store.queued.clear()
         if self.draining:
             return
         ready = [w for w in self.workers.values() if w.ready]

@@ -126,6 +126,9 @@ class Store:
         # set when items may have become queued (a submission, a retry, a release; on PostgreSQL any change
         # another process publishes): the scheduler waits on it instead of finding new work a tick later
         self.work = threading.Event()
+        # set with ``work`` by the store only (never by the scheduler's own wake-ups, its answers arriving):
+        # items may really have become queued, so leasing before committing finished images can pay off
+        self.queued = threading.Event()
         self._migrate()
 
     def _migrate(self) -> None:
@@ -188,11 +191,15 @@ class Store:
                     conn.execute(f"LISTEN {CHANNEL}")
                     while not stop.is_set():
                         for note in conn.notifies(timeout=1.0):
-                            self.work.set()
+                            self._new_work()
                             self.changes.notify(note.payload.split(","), local=True)
             except Exception as e:  # the database restarted, a network blip: waiters poll meanwhile
                 log.warning("change notifications lost (%s); reconnecting", e)
                 stop.wait(1.0)
+
+    def _new_work(self) -> None:
+        self.queued.set()
+        self.work.set()
 
     @contextmanager
     def _tx(self, write: bool = True):
@@ -244,7 +251,7 @@ class Store:
             if idempotency_key is None or (found := self._by_key(tenant, idempotency_key, digest)) is None:
                 raise
             return found, False
-        self.work.set()
+        self._new_work()
         self.changes.notify([job_id])  # on PostgreSQL: wakes the scheduler of another process
         return job_id, True
 
@@ -362,7 +369,7 @@ class Store:
                 conn.execute(update(jobs).where(jobs.c.id == job_id).values(
                     webhook_state="pending", webhook_attempts=0, webhook_next=0.0, webhook_error=None))
         if n:
-            self.work.set()
+            self._new_work()
             self.changes.notify([job_id])
         return n
 
@@ -562,7 +569,7 @@ class Store:
                 if why is not None:
                     _set(conn, [(ls.job_id, ls.index)], state="failed", error=why[:2000], finished_at=now)
                     failed.append(ls)
-        self.work.set()
+        self._new_work()
         self.changes.notify(sorted({ls.job_id for ls in leases}))
         return failed
 

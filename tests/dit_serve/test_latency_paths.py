@@ -45,14 +45,42 @@ def test_connections_accepted_on_the_service_socket_have_nagle_off():
 
 def test_the_store_signals_new_work_on_submit_retry_and_release(tmp_path):
     store = Store(f"sqlite:///{tmp_path}/s.db", tmp_path)
-    assert not store.work.is_set()
+    assert not store.work.is_set() and not store.queued.is_set()
     store.submit("digits", JobParams(sampler="ddim", steps=5, guidance=1.0), [1, 2], [0, 1])
-    assert store.work.is_set()
+    assert store.work.is_set() and store.queued.is_set()
     store.work.clear()
+    store.queued.clear()
     leases = store.lease("me", ["digits"], 2, 30.0)
-    assert len(leases) == 2 and not store.work.is_set()
+    assert len(leases) == 2 and not store.work.is_set() and not store.queued.is_set()
     store.release(leases[:1], "stop")
-    assert store.work.is_set()
+    assert store.work.is_set() and store.queued.is_set()
+
+
+def test_a_finished_image_is_committed_without_a_lease_first_when_nothing_new_is_queued(tmp_path):
+    """The scheduler's own wake-up (an answer arriving sets ``work``) is not new work: the early refill
+    before the commits happens only when the store says items may be queued (``queued``)."""
+    from types import SimpleNamespace
+
+    from dit_serve.server.config import SchedulerConfig, WorkerConfig
+    from dit_serve.server.scheduler import Scheduler, _Worker
+
+    store = Store(f"sqlite:///{tmp_path}/s.db", tmp_path)
+    calls: list[str] = []
+    real_lease, real_commit = store.lease, store.commit_result
+    store.lease = lambda *a, **k: calls.append("lease") or real_lease(*a, **k)
+    store.commit_result = lambda *a, **k: calls.append("commit") or real_commit(*a, **k)
+    sched = Scheduler(store, WorkerConfig(), SchedulerConfig(), 30.0)
+    for queued in (False, True):
+        store.submit("digits", JobParams(sampler="ddim", steps=5, guidance=1.0), [1], [0])
+        (lease,) = real_lease(f"{sched.owner}/w", ["digits"], 1, 30.0)
+        w = _Worker("w", None, SimpleNamespace(submit=SimpleNamespace(remote=lambda specs: None)), None,
+                    models=["digits"], leases={lease.key: lease})
+        store.work.set()  # as the answer's future sets it
+        store.queued.set() if queued else store.queued.clear()
+        calls.clear()
+        sched._apply_report(w, {"progress": {}, "finished": [(lease.key, b"png")], "failed": [], "step_seconds": [],
+                                "busy_s": 0.0, "window_s": 0.0, "stats": {}})
+        assert calls == (["lease", "commit"] if queued else ["commit"]), (queued, calls)
 
 
 @pytest.mark.slow
