@@ -109,6 +109,8 @@ class Scheduler:
         self._last_reconcile = self._last_heartbeat = 0.0
         self._suspects = False  # items wait to run in isolation (checked at heartbeats)
         self.draining = False
+        self._last_fill = 0.0    # when _dispatch last asked the store for work (monotonic)
+        self._fill_now = False   # a worker became ready: ask at the next turn
 
     @property
     def held(self) -> int:
@@ -245,7 +247,7 @@ class Scheduler:
                        "crash", failed_start=starting)
             return
         if starting:
-            w.ready_ref, w.models = None, list(value["models"])
+            w.ready_ref, w.models, self._fill_now = None, list(value["models"]), True
             self._backoff.pop(w.key, None)
             log.info("%s ready: %s on %s (%s)", w.name, ", ".join(w.models), value["device"], value["backend"])
             for model, kernel in value.get("attention", {}).items():
@@ -308,10 +310,19 @@ class Scheduler:
                     del w.leases[k]
 
     def _dispatch(self) -> None:
+        """Lease for every ready worker: at once when the store says items may be queued (``queued``: a
+        submission, retry or release, here or, on PostgreSQL, in another process) or a worker became
+        ready; else at most once a tick, for what comes due without a signal (backoffs ending, leases of
+        a dead scheduler expiring). A turn woken by an answer alone does not query the store again."""
+        signalled = self.store.queued.is_set() or self._fill_now
         self.store.work.clear()  # before leasing: a submission after the lease query sets them again
         self.store.queued.clear()
         if self.draining:
             return
+        now = time.monotonic()
+        if not signalled and now - self._last_fill < self.sched.tick_seconds:
+            return
+        self._last_fill, self._fill_now = now, False
         ready = [w for w in self.workers.values() if w.ready]
         if self._suspects and ready and not any(w.reserved for w in ready):
             min(ready, key=lambda w: len(w.leases)).reserved = True  # it empties, then runs suspects alone

@@ -208,3 +208,32 @@ def test_metrics_split_a_finished_images_time_into_phases(tmp_path, digits_model
     assert sums["run"] > 0.0 and all(v >= 0.0 for v in sums.values())
     total = job.finished_at - job.created_at
     assert abs(sum(sums.values()) - total) < 0.05, (sums, total)
+
+
+def test_a_turn_asks_the_store_for_work_when_signalled_or_once_a_tick(tmp_path):
+    """``_dispatch`` leases at once after a submission (``queued``) or when a worker became ready, and
+    otherwise at most once per tick, so a turn woken by a worker's answer does not query the store."""
+    from types import SimpleNamespace
+
+    from dit_serve.server.config import SchedulerConfig, WorkerConfig
+    from dit_serve.server.scheduler import Scheduler, _Worker
+
+    store = Store(f"sqlite:///{tmp_path}/s.db", tmp_path)
+    asked: list[int] = []
+    store.lease = lambda *a, **k: asked.append(1) or []
+    sched = Scheduler(store, WorkerConfig(), SchedulerConfig(tick_seconds=30.0), 30.0)
+    sched.workers["w"] = _Worker("w", None, SimpleNamespace(), None, models=["digits"])
+    sched._dispatch()  # the first turn: a tick has passed since the epoch
+    assert len(asked) == 1
+    store.work.set()  # an answer's wake-up alone
+    sched._dispatch()
+    assert len(asked) == 1 and not store.work.is_set()
+    store.submit("digits", JobParams(sampler="ddim", steps=5, guidance=1.0), [1], [0])
+    sched._dispatch()
+    assert len(asked) == 2 and not store.queued.is_set()
+    sched._fill_now = True  # a worker became ready
+    sched._dispatch()
+    assert len(asked) == 3 and not sched._fill_now
+    sched._last_fill -= 30.0  # a tick later
+    sched._dispatch()
+    assert len(asked) == 4
