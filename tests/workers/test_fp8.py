@@ -117,9 +117,10 @@ def test_devices_without_fp8_are_refused_with_the_reason(monkeypatch):
         load_model("digits", precision="fp4")
 
 
-def text_oracle(device: str, backend: str) -> dict[str, float]:
+def text_oracle(device: str, backend: str, compile_mode: str = "off") -> dict[str, float]:
     """The shipped digits-text model (float32), 200 prompts of the training grammar, through the engine on
-    ``device`` with ``backend``: oracle accuracy in its own dtype ("bf16") and with FP8 linears, same seeds."""
+    ``device`` with ``backend`` (and ``compile_mode``): oracle accuracy in its own dtype ("bf16") and with
+    FP8 linears, same seeds."""
     from workers.digits import oracle_accuracy
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
@@ -131,7 +132,7 @@ def text_oracle(device: str, backend: str) -> dict[str, float]:
     for precision in ("bf16", "fp8"):
         model = load_model("digits-text", device=device, dtype=torch.float32, precision=precision)
         assert (model.fp8_linears > 0) == (precision == "fp8")
-        engine = Engine(model, EngineConfig(backend=backend, max_batch=64))
+        engine = Engine(model, EngineConfig(backend=backend, max_batch=64, compile=compile_mode))
         d = model.defaults
         reqs = [ItemSpec(id=str(i), model="digits-text", prompt=p, seed=100 + i, sampler=d["sampler"],
                          steps=d["steps"], guidance=d["guidance"]) for i, p in enumerate(prompts)]
