@@ -292,9 +292,11 @@ class Store:
             row = conn.execute(select(jobs).where(jobs.c.id == job_id, *_of(tenant))).first()
             if row is None:
                 return None
-            stats = _item_stats(conn, [job_id])
-            rows = conn.execute(select(items).where(items.c.job_id == job_id).order_by(items.c.idx)).all() \
-                if with_items else None
+            if with_items:  # one read of the items gives both (one snapshot: counts and items agree)
+                rows = conn.execute(select(items).where(items.c.job_id == job_id).order_by(items.c.idx)).all()
+                stats = {job_id: _stats_of_rows(rows)}
+            else:
+                rows, stats = None, _item_stats(conn, [job_id])
         job = _job(row, stats.get(job_id, {}), rows)
         if job.error is not None and job.state != "failed":  # unreadable: it fails alone, once
             self.quarantine(job_id, job.error)
@@ -780,6 +782,18 @@ def _item_stats(conn, job_ids: list[str]) -> dict[str, dict]:
         if finished is not None:
             s["finished_at"] = max(finished, s["finished_at"] or 0.0)
     return out
+
+
+def _stats_of_rows(rows) -> dict:
+    """``_item_stats`` of one job, from its item rows already read."""
+    s = {"counts": {}, "steps_done": 0, "steps_total": 0, "finished_at": None}
+    for r in rows:
+        s["counts"][r.state] = s["counts"].get(r.state, 0) + 1
+        s["steps_done"] += r.step if r.state in ("running", "done") else 0
+        s["steps_total"] += r.total_steps if r.state != "cancelled" else 0
+        if r.finished_at is not None:
+            s["finished_at"] = max(r.finished_at, s["finished_at"] or 0.0)
+    return s
 
 
 def job_state(cancelled: bool, counts: dict[str, int]) -> str:

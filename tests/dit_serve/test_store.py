@@ -552,3 +552,25 @@ def test_connections_are_pinged_before_use_on_a_database_server_only(store, kind
     """A server's connections can drop between uses, so PostgreSQL's are pinged at checkout; an SQLite
     file's cannot, and there a ping would only add a statement to every transaction."""
     assert store.engine.pool._pre_ping is (kind == "postgresql")
+
+
+def test_a_job_read_with_its_items_has_the_counts_of_a_job_read_without(store):
+    """``get_job(with_items=True)`` takes counts, steps and the finish time from the items it read (one
+    statement); they equal the aggregate query's, in every mix of states."""
+    job_id = _job(store, 5)
+    leases = store.lease("w", ["digits"], 4, ttl=30)
+    leases[0].step = 3
+    store.heartbeat(leases, ttl=30)
+    store.commit_result(leases[1], b"png")
+    store.fail_item(leases[2], "boom")
+    for with_items in (True, False):
+        job = store.get_job(job_id, with_items=with_items)
+        got = (job.state, job.counts, job.steps_done, job.steps_total, job.finished_at)
+        if with_items:
+            want = got
+        assert got == want
+    assert want[1] == {"running": 2, "done": 1, "failed": 1, "queued": 1}
+    store.cancel_job(job_id)
+    full, bare = store.get_job(job_id), store.get_job(job_id, with_items=False)
+    assert (full.counts, full.steps_done, full.steps_total, full.finished_at) == \
+        (bare.counts, bare.steps_done, bare.steps_total, bare.finished_at)
