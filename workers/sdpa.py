@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 CANDIDATES = ("flash", "cudnn", "efficient")
+RULE = "rule"  # a shape that could not be measured: PyTorch's own pick, remembered so it is not tried again
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}  # of the output's largest magnitude
 
 
@@ -83,10 +84,17 @@ class AttentionChooser:
         if key not in self.choices:
             if not _may_measure(q):
                 return None
-            self.choices[key] = choice = self.measure(q, k, v)
+            try:
+                choice = self.measure(q, k, v)
+            except (RuntimeError, torch.OutOfMemoryError) as e:  # e.g. no memory for the reference: the rule
+                log.warning("attention %s: not measured (%s); PyTorch's rule picks the kernel",
+                            "x".join(map(str, q.shape)), str(e).splitlines()[0][:200])
+                choice = Choice(RULE, rejected={"all": f"not measured: {type(e).__name__}"})
+            self.choices[key] = choice
             log.info("attention %s %s: %s (ms %s%s)", "x".join(map(str, q.shape)), str(q.dtype).removeprefix("torch."),
                      choice.kernel, choice.ms, f"; not {choice.rejected}" if choice.rejected else "")
-        return self.choices[key].kernel
+        kernel = self.choices[key].kernel
+        return None if kernel == RULE else kernel
 
     def measure(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Choice:
         with torch.no_grad():  # the reference on the first row only: math attention holds every score

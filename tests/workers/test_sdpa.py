@@ -66,3 +66,19 @@ def test_the_patched_attention_goes_through_the_chooser(monkeypatch):
     attention_into(q, k, v, out)
     assert seen == [q.shape]
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+
+def test_a_shape_that_cannot_be_measured_keeps_the_rule_and_is_not_tried_again(monkeypatch):
+    chooser = AttentionChooser(timer=lambda fn: 1.0, devices=("cpu",))
+    tries = []
+
+    def no_memory(q, k, v):
+        tries.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(chooser, "measure", no_memory)
+    q, k, v = _qkv()
+    assert chooser.kernel(q, k, v) is None and chooser.kernel(q, k, v) is None and len(tries) == 1
+    assert "rule" in chooser.summary()[0]
+    out = sdpa.attention(q, k, v)  # the module's own chooser is untouched and the call still works
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
