@@ -92,6 +92,21 @@ def _check_specs(kind: str, specs: Mapping[str, TensorSpec]) -> dict[str, Tensor
     return dict(specs)
 
 
+def event_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    """Median milliseconds of ``fn`` on the current CUDA stream, by CUDA events, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 class GraphRunner:
     """Bucketed CUDA-graph replays of a row-wise step (see the module docstring)."""
 
@@ -254,18 +269,8 @@ class GraphRunner:
 
     def _time_bucket(self, b: int) -> float:
         """Median milliseconds of one replay (or eager step) of bucket b, by CUDA events."""
-        program, times = self._program(b), []
-        with torch.cuda.stream(self._stream):
-            program()  # untimed: the first launch of an instantiated graph uploads it
-            for _ in range(self._timing_reps):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                program()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        with torch.cuda.stream(self._stream):  # one untimed run: the first launch of a graph uploads it
+            return event_ms(self._program(b), self._timing_reps, warmup=1)
 
     # ----- serving ----------------------------------------------------------------------------
     def run(self, **live: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -449,7 +449,7 @@ def decode_runner(model: LoadedModel, shape: tuple[int, int, int], pool=None, st
     breaks) on CUDA, eager elsewhere, in the step's pool; batches up to DECODE_PIXELS of output, larger
     ones in chunks of that."""
     c, h, w = shape
-    factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
+    factor = model.image_size // model.latent_shape[1]  # the VAE's upsampling
     out = (model.vae.config.out_channels, h * factor, w * factor)
     largest = max(1, min(64, DECODE_PIXELS // (out[1] * out[2])))
     return GraphRunner(lambda latents: {"pixels": _vae_pixels(model, latents)},

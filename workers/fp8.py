@@ -156,18 +156,14 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
         _fuse(parts, fused, "weight_fp8", 0, dims)
         _fuse(parts, fused, "weight_scale", 1, dims)  # (1, N): the output rows' scales side by side
         fused.register_buffer("bias", None)
+    plain = type(parts[0]) is nn.Linear
     if any(p.bias is not None for p in parts):
-        ref = parts[0].weight if type(parts[0]) is nn.Linear else parts[0].weight_scale
+        ref = next(p.bias for p in parts if p.bias is not None)
         for p, d in zip(parts, dims):
             if p.bias is None:  # a part without bias adds zeros
-                setattr(p, "bias", nn.Parameter(ref.new_zeros(d, dtype=_bias_dtype(parts)), requires_grad=False)
-                        if type(p) is nn.Linear else ref.new_zeros(d, dtype=_bias_dtype(parts)))
-        _fuse(parts, fused, "bias", 0, dims, parameter=type(parts[0]) is nn.Linear)
+                p.bias = nn.Parameter(ref.new_zeros(d), requires_grad=False) if plain else ref.new_zeros(d)
+        _fuse(parts, fused, "bias", 0, dims, parameter=plain)
     return fused
-
-
-def _bias_dtype(parts: list[nn.Module]) -> torch.dtype:
-    return next(p.bias.dtype for p in parts if p.bias is not None)
 
 
 def _fuse(parts: list[nn.Module], fused: nn.Module, name: str, axis: int, dims: list[int],

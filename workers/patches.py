@@ -47,7 +47,19 @@ class AttentionScratch:
         tensors are Inductor's to place. Eager calls, and a compiled step's fallback, share the buffer."""
         if torch.compiler.is_compiling():
             return tuple(torch.empty(rows, dim, dtype=like.dtype, device=like.device) for _ in range(4))
-        n = 4 * rows * dim
+        return tuple(self._sized(4 * rows * dim, like).view(4, rows, dim).unbind(0))
+
+    def fused_views(self, rows: int, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same scratch as (rows, 3 * dim) for a fused q|k|v projection (the slots of q, k and v side
+        by side), and (rows, dim) for the output; fresh tensors while dynamo traces, as ``views``."""
+        if torch.compiler.is_compiling():
+            return (torch.empty(rows, 3 * dim, dtype=like.dtype, device=like.device),
+                    torch.empty(rows, dim, dtype=like.dtype, device=like.device))
+        qkv, o = self._sized(4 * rows * dim, like).split([3 * rows * dim, rows * dim])
+        return qkv.view(rows, 3 * dim), o.view(rows, dim)
+
+    def _sized(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        """The first ``n`` elements of the buffer, grown (outside capture) to hold them."""
         buf = self.buffer
         if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
             if like.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -55,14 +67,7 @@ class AttentionScratch:
             if buf is not None:
                 self._retired.append(buf)
             buf = self.buffer = torch.empty(n, dtype=like.dtype, device=like.device)
-        return tuple(buf[:n].view(4, rows, dim).unbind(0))
-
-    def fused_views(self, rows: int, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same scratch as (rows, 3 * dim) for a fused q|k|v projection, and (rows, dim) for the output."""
-        o = self.views(rows, dim, like)[3]  # sizes the buffer
-        if torch.compiler.is_compiling():
-            return torch.empty(rows, 3 * dim, dtype=like.dtype, device=like.device), o
-        return self.buffer[:3 * rows * dim].view(rows, 3 * dim), o  # the slots of q, k and v, side by side
+        return buf[:n]
 
 
 class BreakableSelfAttention:

@@ -17,13 +17,14 @@ batch sizes, and an image must not depend on its batch, to the last bit, in floa
 from __future__ import annotations
 
 import logging
-import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from graphs.runner import event_ms
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +45,9 @@ class Choice:
     rejected: dict[str, str] = field(default_factory=dict)
 
 
-def _cuda_ms(fn: Callable[[], object], reps: int = 7) -> float:
-    """Median ms of ``fn`` on the current CUDA stream, after two warm-up calls."""
-    fn(), fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _cuda_ms(fn: Callable[[], object]) -> float:
+    """Median ms of ``fn`` by CUDA events: 7 timed calls after 2 untimed ones."""
+    return event_ms(fn, reps=7, warmup=2)
 
 
 def run(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

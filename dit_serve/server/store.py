@@ -775,25 +775,30 @@ def _item_stats(conn, job_ids: list[str]) -> dict[str, dict]:
                         .where(items.c.job_id.in_(job_ids)).group_by(items.c.job_id, items.c.state)).all()
     out: dict[str, dict] = {}
     for job_id, state, n, steps, total, finished in rows:
-        s = out.setdefault(job_id, {"counts": {}, "steps_done": 0, "steps_total": 0, "finished_at": None})
-        s["counts"][state] = n
-        s["steps_done"] += int(steps or 0) if state in ("running", "done") else 0
-        s["steps_total"] += int(total or 0) if state != "cancelled" else 0
-        if finished is not None:
-            s["finished_at"] = max(finished, s["finished_at"] or 0.0)
+        _count(out.setdefault(job_id, _no_stats()), state, n, steps, total, finished)
     return out
 
 
 def _stats_of_rows(rows) -> dict:
     """``_item_stats`` of one job, from its item rows already read."""
-    s = {"counts": {}, "steps_done": 0, "steps_total": 0, "finished_at": None}
+    s = _no_stats()
     for r in rows:
-        s["counts"][r.state] = s["counts"].get(r.state, 0) + 1
-        s["steps_done"] += r.step if r.state in ("running", "done") else 0
-        s["steps_total"] += r.total_steps if r.state != "cancelled" else 0
-        if r.finished_at is not None:
-            s["finished_at"] = max(r.finished_at, s["finished_at"] or 0.0)
+        _count(s, r.state, 1, r.step, r.total_steps, r.finished_at)
     return s
+
+
+def _no_stats() -> dict:
+    return {"counts": {}, "steps_done": 0, "steps_total": 0, "finished_at": None}
+
+
+def _count(s: dict, state: str, n: int, steps, total, finished: float | None) -> None:
+    """Add ``n`` items in ``state`` (their summed steps and total steps, their last finish) to ``s``:
+    steps done count running and done items, steps total all but cancelled ones."""
+    s["counts"][state] = s["counts"].get(state, 0) + n
+    s["steps_done"] += int(steps or 0) if state in ("running", "done") else 0
+    s["steps_total"] += int(total or 0) if state != "cancelled" else 0
+    if finished is not None:
+        s["finished_at"] = max(finished, s["finished_at"] or 0.0)
 
 
 def job_state(cancelled: bool, counts: dict[str, int]) -> str:
