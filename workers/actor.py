@@ -121,8 +121,11 @@ class Worker:
     # -- the actor's methods (called by the scheduler) ---------------------------------------------
     def info(self) -> dict:
         """Returns once the worker is ready (Ray runs methods after ``__init__``)."""
+        from workers.sdpa import CHOOSER
+
         return {"models": sorted(self.engine.models), "device": self.device, "backend": self.backend,
                 "attention": dict(self.engine.attention),
+                "attention_kernels": CHOOSER.summary(),  # measured at warm-up: once, not in every poll's stats
                 "precision": {name: m.precision for name, m in self.engine.models.items()},
                 "kernels": {name: "fused" if self.engine.config.compile_mode(name) != "off" else "eager"
                             for name in self.engine.models}}

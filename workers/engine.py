@@ -406,7 +406,7 @@ class Engine:
 
     def stats(self) -> dict:
         return {"steps": self.steps_run, "real_rows": self.real_rows, "padded_rows": self.padded_rows,
-                "previews": self.previews_made, "attention": self.attention, "attention_kernels": CHOOSER.summary(),
+                "previews": self.previews_made, "attention": self.attention,
                 "groups": {f"{k.model}:{'x'.join(map(str, k.latent_shape))}:{k.dtype}:{k.backend}":
                            _group_stats(g) for k, g in self.groups.items()}}
 
