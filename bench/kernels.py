@@ -5,10 +5,12 @@ body), synchronised:
   diffusers            the loop body of diffusers' DiTPipeline, eager (bench/step_latency.py's)
   breakable            our engine's runner: breakable graphs, each layer's attention an eager break
   breakable+inductor   the same with ``EngineConfig(compile="inductor")``: the step compiled once with a
-                       dynamic batch, Inductor's kernels captured between the breaks (graphs.compiled)
+                       dynamic batch, Inductor's kernels captured between the breaks (graphs.compiled),
+                       the breaks given non-owning aliases of Inductor's buffers (the default)
+  breakable+inductor+staged  the same, its compiled breaks given staged copies instead
+                       (graphs.compiled.set_break_args; reports before 2026-12-01 called this one
+                       breakable+inductor, and the aliased one breakable+inductor+aliased)
   full+inductor        the compiled step captured whole, one CUDA graph per bucket (attention inside)
-  breakable+inductor+aliased  the same, its compiled breaks given non-owning aliases of Inductor's buffers
-                       instead of staged copies (graphs.compiled.set_break_args)
   breakable+fp8        breakable with the model loaded in ``precision="fp8"`` (workers/fp8.py: the block
   full+inductor+fp8    linears as FP8 matrix products, the same seeded weights); skipped where the GPU has
                        no FP8 (compute capability below 8.9)
@@ -60,11 +62,11 @@ def _bench_module(name: str):
 
 SYSTEMS = {  # name -> (backend, compile, precision, how compiled breaks get their tensors)
     "breakable": ("breakable", "off", "bf16", "staged"),
-    "breakable+inductor": ("breakable", "inductor", "bf16", "staged"),
-    "breakable+inductor+aliased": ("breakable", "inductor", "bf16", "aliased"),
-    "full+inductor": ("full", "inductor", "bf16", "staged"),
-    "breakable+fp8": ("breakable", "off", "fp8", "staged"),
-    "full+inductor+fp8": ("full", "inductor", "fp8", "staged"),
+    "breakable+inductor": ("breakable", "inductor", "bf16", "aliased"),
+    "breakable+inductor+staged": ("breakable", "inductor", "bf16", "staged"),
+    "full+inductor": ("full", "inductor", "bf16", "aliased"),
+    "breakable+fp8": ("breakable", "off", "fp8", "aliased"),
+    "full+inductor+fp8": ("full", "inductor", "fp8", "aliased"),
 }
 
 
@@ -136,16 +138,18 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     to the reference's: the error FP8 adds)."""
     from workers.patches import restore_attention
 
+    from graphs.compiled import break_args as current_break_args
     from graphs.compiled import set_break_args
 
     backend, compile_mode, _, break_args = SYSTEMS[name]
+    before = current_break_args()
     if backend != "breakable" and model.card.family == "dit":
         restore_attention(model.transformer)  # diffusers' own attention inside the graph, as `full` serves it
     set_break_args(break_args)
     try:
         engine, runner, warm_s = build_engine(model, backend, compile_mode, args.max_batch, str(args.cache))
     finally:
-        set_break_args("staged")
+        set_break_args(before)
     stats = engine.stats()["groups"]
     block = {"warmup_s": round(warm_s, 2), "ms": {}, "max_abs_diff": {}, "rel_diff": {},
              "pool_mib": round(runner.stats()["pool_reserved_bytes"] / 2**20, 1),

@@ -318,16 +318,20 @@ def iters_for(model, s: Setup, batch: int) -> int:
     return s.iters[0] if batch * rows_per_image(model) * h * w <= 128 * 128 else s.iters[1]
 
 
-def bench_step(model, s: Setup, batches: tuple, prompts: list[str]) -> dict:
-    """Section 1. The runners' max batch is the largest batch measured."""
+def bench_step(model, s: Setup, batches: tuple, prompts: list[str], ref=None) -> dict:
+    """Section 1. The runners' max batch is the largest batch measured; diffusers runs ``ref``
+    (``pb.baseline``) when given."""
     block = {"model": model.name, "size": list(model.card.native_size), "batches": list(batches),
              "rows_per_image": rows_per_image(model), "steps": s.steps, "rows": [], "capture_s": {}, "pool_mb": {},
              "totals": {}}
     inputs = {b: live_inputs(model, b, prompts, s) for b in batches}
+    base = ref() if ref else model
     with torch.no_grad():
         for b in batches:
-            ms = pb.timed_ms(DIFFUSERS_STEP[model.card.family](model, inputs[b], s), iters_for(model, s, b), warmup=2)
+            ms = pb.timed_ms(DIFFUSERS_STEP[model.card.family](base, inputs[b], s), iters_for(model, s, b), warmup=2)
             block["rows"].append(dict(batch=b, backend="diffusers", ms=round(ms, 3)))
+    del base
+    pb.free()
     for backend in BACKENDS:
         try:
             _time_runner(model, backend, inputs, block, s)
@@ -382,7 +386,7 @@ def bench_memory(model, s: Setup, prompts: list[str], state: dict) -> dict:
     return {"model": model.name, "weights_gib": weights_gib(model), **info}
 
 
-def bench_e2e(model, s: Setup, prompts: list[str], state: dict) -> dict:
+def bench_e2e(model, s: Setup, prompts: list[str], state: dict, ref=None) -> dict:
     """Section 3: ours (memory's engine, or one warmed here), then diffusers, each run on a prompt never
     seen before."""
     fresh = iter(prompts[len(prompts) // 2:])  # neither step's nor memory's
@@ -392,7 +396,7 @@ def bench_e2e(model, s: Setup, prompts: list[str], state: dict) -> dict:
     block["runs_ms"]["ours"] = _ours_e2e(engine, model, s, fresh)
     del engine  # its graphs, before the pipeline runs
     pb.free()
-    pipe = pipeline(model)
+    pipe = pipeline(ref() if ref else model)
     size = model.card.native_size
     block["runs_ms"]["diffusers"] = pb.repeat_ms(lambda i: call_pipeline(pipe, model, [next(fresh)], size, s, i),
                                                  s.e2e_reps)
@@ -466,7 +470,7 @@ def run_static(pipe, model, jobs: list, prompts: list[str], s: Setup, stop_s: fl
             j.finished = time.perf_counter() - start
 
 
-def bench_mixed(model, s: Setup, prompts: list[str], save) -> dict:
+def bench_mixed(model, s: Setup, prompts: list[str], save, ref=None) -> dict:
     """Section 4: system a's backlog and load points, then d's (the engine dropped first); ``save(block)``
     after each figure. The encoding cache is cleared before every run of a."""
     from workers.engine import Engine, EngineConfig
@@ -492,7 +496,7 @@ def bench_mixed(model, s: Setup, prompts: list[str], save) -> dict:
     finally:
         del engine
         pb.free()
-    pipe = pipeline(model)
+    pipe = pipeline(ref() if ref else model)
     for load, jobs, stop in _runs(s, made, len(prompts)):
         run_static(pipe, model, jobs, prompts, s, stop)
         _record(block, "d", load, jobs, stop, s, save)
@@ -609,7 +613,8 @@ def loaders(smoke: bool, precision: str = "bf16"):
     from workers.loading import load_model
 
     if not smoke:
-        return lambda name: load_model(name, device="cuda", dtype=torch.bfloat16, precision=precision)
+        return lambda name, precision=precision: load_model(name, device="cuda", dtype=torch.bfloat16,
+                                                            precision=precision)
     import tempfile
 
     from workers.models.tiny_flux import make_tiny_flux
@@ -617,7 +622,7 @@ def loaders(smoke: bool, precision: str = "bf16"):
 
     tmp, made = Path(tempfile.mkdtemp()), {}
 
-    def load(name):
+    def load(name, precision=precision):
         kind = "sd3" if name.startswith("sd35") else "flux"
         if kind not in made:
             made[kind] = (make_tiny_sd3 if kind == "sd3" else make_tiny_flux)(tmp / f"tiny-{kind}")
@@ -665,6 +670,7 @@ def main(argv: list[str] | None = None) -> None:
         model = load(slot)
         pb.sync()
         result.setdefault("load_s", {})[slot] = round(time.perf_counter() - t1, 1)
+        ref = pb.baseline(model, lambda slot=slot: load(slot, "bf16"))  # diffusers never runs our FP8 modules
         state: dict = {}
         for section in sections:
             def save(block, section=section, slot=slot):
@@ -678,17 +684,17 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{section} {slot} ({model.name}) ...", flush=True)
             t1 = time.perf_counter()
             if section == "step":
-                block = bench_step(model, s, s.batches[slot], prompts)
+                block = bench_step(model, s, s.batches[slot], prompts, ref)
             elif section == "memory":
                 block = bench_memory(model, s, prompts, state)
             elif section == "e2e":
-                block = bench_e2e(model, s, prompts, state)
+                block = bench_e2e(model, s, prompts, state, ref)
             else:
-                block = bench_mixed(model, s, prompts, save)
+                block = bench_mixed(model, s, prompts, save, ref)
             block["section_s"] = round(time.perf_counter() - t1, 1)
             save(block)
         state.clear()
-        del model
+        del model, ref
         pb.free()
     print(markdown(result))
     print(f"benchmark took {time.perf_counter() - t0:.0f} s", flush=True)

@@ -231,6 +231,25 @@ def repeat_ms(fn, reps: int) -> list[float]:
     return out
 
 
+def baseline(model, load_plain):
+    """What diffusers' side runs, as a zero-argument loader: None (``model`` itself) when ours is plain;
+    when ours runs FP8 linears (they replace the transformer's modules in place), a function returning the
+    same model with a plain bf16 transformer from ``load_plain()`` (the same seeded weights), so the
+    baseline is diffusers as users run it. Each section loads it when diffusers' turn comes and drops it
+    after, so neither our runs nor the memory section share the GPU with a second transformer."""
+    import copy
+
+    if getattr(model, "precision", "bf16") == "bf16":
+        return None
+
+    def load():
+        ref = copy.copy(model)  # the family's extra modules (SD3's and FLUX's further encoders) come along
+        ref.transformer, ref.precision, ref.fp8_linears = load_plain().transformer, "bf16", 0
+        return ref
+
+    return load
+
+
 def pipeline(model):
     """diffusers' PixArtSigmaPipeline over the loaded model's modules, with PixArt-Σ's scheduler."""
     from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline
@@ -317,9 +336,10 @@ def iters_for(s: Setup, batch: int, res: int) -> int:
     return s.iters[0] if batch * max(1, res // 512) ** 2 <= 4 else s.iters[1]
 
 
-def bench_step(model, res: int, s: Setup, prompts: list[str]) -> dict:
+def bench_step(model, res: int, s: Setup, prompts: list[str], ref=None) -> dict:
     """Section 1. The runners' max batch is the largest batch measured; the cross-attention mode is set
-    before a runner is built (its captures hold the processors) and "padded" restored after it."""
+    before a runner is built (its captures hold the processors) and "padded" restored after it. ``ref``:
+    the model diffusers runs (``baseline``), when it is not ``model``."""
     from workers.families import pixart
 
     batches = s.batches[res]
@@ -327,10 +347,14 @@ def bench_step(model, res: int, s: Setup, prompts: list[str]) -> dict:
              "totals": {}, "prompt_tokens": _token_counts(model, prompts[:max(batches)])}
     inputs = {b: live_inputs(model, b, prompts, s) for b in batches}
     pixart.set_cross_attention(model, "padded")
+    base = ref() if ref else model
     with torch.no_grad():
         for b in batches:
-            ms = timed_ms(diffusers_step(model, inputs[b], s), iters_for(s, b, res))
+            ms = timed_ms(diffusers_step(base, inputs[b], s), iters_for(s, b, res))
             block["rows"].append(dict(batch=b, backend="diffusers", cross_attention="padded", ms=round(ms, 3)))
+    del base
+    free()
+    with torch.no_grad():
         for mode in CROSS_ATTENTION:
             for backend in BACKENDS:
                 try:
@@ -362,7 +386,7 @@ def _token_counts(model, prompts: list[str]) -> dict:
 
 
 # -- section 2: one image end to end -----------------------------------------------------------------
-def bench_e2e(model, s: Setup, prompts: list[str]) -> dict:
+def bench_e2e(model, s: Setup, prompts: list[str], ref=None) -> dict:
     """Section 2: a prompt never seen before in every run (and the encoding cache cleared), so both
     systems encode the prompt and "" each time; ours warmed (graphs captured) before the first run."""
     from workers.families import pixart
@@ -376,7 +400,7 @@ def bench_e2e(model, s: Setup, prompts: list[str]) -> dict:
         finally:
             pixart.set_cross_attention(model, "padded")  # before any diffusers call
             free()
-    pipe = pipeline(model)
+    pipe = pipeline(ref() if ref else model)
     size = model.card.native_size
     block["runs_ms"]["diffusers"] = repeat_ms(lambda i: call_pipeline(pipe, model, [next(fresh)], size, s, i),
                                               s.e2e_reps)
@@ -469,7 +493,7 @@ def run_static(pipe, model, jobs: list[Job], prompts: list[str], s: Setup, stop_
             j.finished = time.perf_counter() - start
 
 
-def bench_mixed(model, s: Setup, prompts: list[str], save) -> dict:
+def bench_mixed(model, s: Setup, prompts: list[str], save, ref=None) -> dict:
     """Section 3: system a's backlog and load points, then d's (the engine is dropped and "padded" restored
     before any diffusers call); ``save(block)`` after each figure. The encoding cache is cleared before
     every run of a, so each run pays for the prompts it meets first."""
@@ -501,7 +525,7 @@ def bench_mixed(model, s: Setup, prompts: list[str], save) -> dict:
         del engine
         pixart.set_cross_attention(model, "padded")
         free()
-    pipe = pipeline(model)
+    pipe = pipeline(ref() if ref else model)
     for load, jobs, stop in _runs(s, len(prompts)):
         run_static(pipe, model, jobs, prompts, s, stop)
         _record(block, "d", load, jobs, stop, s, save)
@@ -663,9 +687,10 @@ def main(argv: list[str] | None = None) -> None:
         from workers.models.tiny_pixart import make_tiny_pixart
 
         tiny = make_tiny_pixart(Path(tempfile.mkdtemp()) / "tiny-pixart")
-        load, resolutions = (lambda res: load_model(tiny, precision=s.precision)), [s.mixed_res]
+        load, resolutions = (lambda res, precision=s.precision: load_model(tiny, precision=precision)), [s.mixed_res]
     else:
-        load = lambda res: load_model(f"pixart-sigma-{res}", device="cuda", dtype=torch.bfloat16, precision=s.precision)
+        load = lambda res, precision=s.precision: load_model(f"pixart-sigma-{res}", device="cuda",
+                                                             dtype=torch.bfloat16, precision=precision)
         resolutions = args.resolutions
     name = ("pixart_smoke" if args.smoke else "pixart") + tuned_suffix(s.compile, s.precision)
     head = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -676,6 +701,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     for res, sections in plan_models(args.sections, resolutions, s.mixed_res):
         model = load(res)
+        ref = baseline(model, lambda res=res: load(res, "bf16"))  # diffusers never runs our FP8 modules
         for section in sections:
             def save(block, section=section, res=res):
                 block["argv"] = argv
@@ -687,12 +713,12 @@ def main(argv: list[str] | None = None) -> None:
 
             print(f"{section} {model.name} ...", flush=True)
             if section == "step":
-                save(bench_step(model, res, s, prompts))
+                save(bench_step(model, res, s, prompts, ref))
             elif section == "e2e":
-                save(bench_e2e(model, s, prompts))
+                save(bench_e2e(model, s, prompts, ref))
             else:
-                save(bench_mixed(model, s, prompts, save))
-        del model
+                save(bench_mixed(model, s, prompts, save, ref))
+        del model, ref
         free()
     print(markdown(result))
     print(f"benchmark took {time.perf_counter() - t0:.0f} s", flush=True)

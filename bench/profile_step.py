@@ -31,8 +31,12 @@ BENCH = Path(__file__).resolve().parent
 SYSTEMS = {"plain": ("off", "bf16"), "fused": ("inductor", "bf16"), "fp8": ("off", "fp8"), "fused+fp8": ("inductor", "fp8")}
 # kernel name -> group, first match wins (CUDA kernel names, and aten operator names on a CPU)
 GROUPS = [
+    # Inductor's own kernels (pointwise, reduction, persistent reduction) are never matrix products, whatever
+    # their names list: "triton_red_fused__scaled_mm_..." is an FP8 quantization fused after a product
+    ("normalisation", re.compile(r"^triton_(?:poi|red|per)_\w*norm")),
+    ("fused / elementwise", re.compile(r"^triton_(?:poi|red|per)_")),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn.*(?:mha|sdpa)", re.I)),
-    ("matrix products", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|scaled_mm|\bmm\b|addmm|matmul|bmm|linear", re.I)),
+    ("matrix products", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|^triton_tem_|scaled_mm|\bmm\b|addmm|matmul|bmm|linear", re.I)),
     ("normalisation", re.compile(r"norm", re.I)),
     ("copies", re.compile(r"copy|memcpy|memset|\bcat\b|catarray|clone|contiguous", re.I)),
     ("fused / elementwise", re.compile(r"triton|elementwise|vectorized|reduce|unrolled|gelu|silu|mul|add|div", re.I)),

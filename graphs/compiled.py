@@ -18,24 +18,27 @@ Contract
   fn a custom op that dynamo keeps as one opaque call: the step is traced once, and at run time the op
   calls fn, so under a breakable capture the segment ends there as before (the same segments and
   breaks as the uncompiled step). fn takes tensors only and writes its result into one of them.
-* Under a breakable capture the op hands fn *staged* copies of its tensors: persistent buffers, one
-  per op and argument, shared by every layer and bucket, as the uncompiled breaks share the attention
-  scratch. The copies in, and the copy of the result out, are kernels of the segments around the break.
-  A break keeps its arguments alive for the graph's life (pitfalls 1-2). Handed Inductor's own
-  buffers, every layer's q, k, v and output would stay allocated in every bucket's graph: 16.2 GB of
-  graph pool for DiT-XL/2 at 256 px on an H200, against 1.3 GB uncompiled. Staged, only the shared
-  buffers are kept, and Inductor's buffers go back to the pool after their last use in the segment.
-  The buffers are sized outside capture (warm-up runs every bucket before capturing it); a capture
-  that would need them larger raises, and that bucket runs eagerly.
-* ``set_break_args("aliased")`` (opt-in, until measured on a GPU) removes those copies: the break gets
-  *non-owning* aliases of Inductor's buffers (same address, shape and strides; the storage does not hold
-  the memory), so the buffers go back to the pool once the compiled code is done with them, as the
-  uncompiled ones would. Why that is safe: graphs of one pool never replay concurrently (one runner
-  lock, pitfall 10), and a graph's segments and breaks replay in capture order; a break's inputs are
-  read by the break and by nothing after it that does not hold them (the compiled code keeps a
-  reference until their last use), and its output keeps its owner until the next segment's last read.
-  Memory that a later segment or capture reuses is therefore only written after the break has read
-  it. This is the reasoning PyTorch's own CUDA-graph trees rely on for their non-owning outputs.
+* Under a breakable capture the op hands fn *non-owning aliases* of its tensors (the default,
+  ``set_break_args("aliased")``): same address, shape and strides, but the storage does not hold the
+  memory, so Inductor's buffers go back to the pool after their last use in the compiled code, as the
+  uncompiled ones would. A break keeps its arguments alive for the graph's life (pitfalls 1-2): handed
+  Inductor's own tensors, every layer's q, k, v and output would stay allocated in every bucket's
+  graph (16.2 GB of graph pool for DiT-XL/2 at 256 px on an H200, against 1.3 GB uncompiled). Why the
+  aliases are safe: graphs of one pool never replay concurrently (one runner lock, pitfall 10), and a
+  graph's segments and breaks replay in capture order; a break's inputs are read by the break and by
+  nothing after it that does not hold them (the compiled code keeps a reference until their last use),
+  and its output keeps its owner until the next segment's last read. Memory that a later segment or
+  capture reuses is therefore only written after the break has read it. This is the reasoning
+  PyTorch's own CUDA-graph trees rely on for their non-owning outputs. On an H200 (DiT-XL/2 256,
+  ``bench/kernels.py``) aliased breaks step 128 rows in 62.8 ms with a 0.68 GB pool, as fast as
+  whole-step graphs.
+* ``set_break_args("staged")`` instead hands fn *staged* copies: persistent buffers, one per op and
+  argument, shared by every layer and bucket, as the uncompiled breaks share the attention scratch.
+  The copies in, and the copy of the result out, are kernels of the segments around the break; they
+  cost 9 of the 17 ms that compiling saved at 128 rows on an H200 (73.4 ms, 0.96 GB pool). Kept as
+  the conservative choice (no alias of memory the break does not own). The buffers are sized outside
+  capture (warm-up runs every bucket before capturing it); a capture that would need them larger
+  raises, and that bucket runs eagerly.
 * When compilation happens: on the first call (the runner's warm-up runs every bucket eagerly before
   capturing it, largest first, so the compile sees the largest batch and every later bucket reuses
   it). A compile or run that raises logs a warning, and the step is the plain one from then on:
@@ -58,7 +61,7 @@ from typing import Callable, Mapping
 
 import torch
 
-__all__ = ["CompiledStep", "opaque_break", "set_break_args", "use_cache_dir"]
+__all__ = ["CompiledStep", "break_args", "opaque_break", "set_break_args", "use_cache_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +99,17 @@ class _Staging:
 
 _STAGING = _Staging()
 BREAK_ARGS = ("staged", "aliased")
-_break_args = ["staged"]
+_break_args = ["aliased"]
+
+
+def break_args() -> str:
+    """The current mode of ``set_break_args``."""
+    return _break_args[0]
 
 
 def set_break_args(mode: str) -> None:
-    """How compiled breaks get their tensors under a breakable capture: "staged" copies (the default) or
-    "aliased" non-owning views of Inductor's buffers (see the module docstring). For the whole process."""
+    """How compiled breaks get their tensors under a breakable capture: "aliased" non-owning views of
+    Inductor's buffers (the default) or "staged" copies (see the module docstring). For the whole process."""
     if mode not in BREAK_ARGS:
         raise ValueError(f"break args must be one of {BREAK_ARGS}, got {mode!r}")
     _break_args[0] = mode

@@ -82,15 +82,30 @@ class Fp8Linear(nn.Module):
 
     def mm_into(self, xq: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (M, N) <- the product of quantized rows (``quantize_rows``) with this weight, plus bias."""
-        return torch._scaled_mm(xq, self.weight_fp8.t(), x_scale, self.weight_scale, bias=self._bias(out.dtype),
-                                out_dtype=out.dtype, out=out)
+        return self._mm(xq, x_scale, out.dtype, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, rows = x.shape[:-1], x.reshape(-1, self.in_features)
         xq, scale = quantize_rows(rows)
-        out = torch._scaled_mm(xq, self.weight_fp8.t(), scale, self.weight_scale, bias=self._bias(x.dtype),
-                               out_dtype=x.dtype)
-        return out.view(*lead, self.out_features)
+        return self._mm(xq, scale, x.dtype).view(*lead, self.out_features)
+
+    def _mm(self, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """The scaled product in ``dtype`` (into ``out`` when given). The bias goes in the GEMM's epilogue,
+        except for float32 results, where the kernel takes none (CUDA refuses it): added after. While dynamo
+        traces (a compiled step), the functional op and a copy: ``_scaled_mm.out`` has no fake kernel, and
+        Inductor places the result itself."""
+        bias = self._bias(dtype)
+        fused = bias if dtype != torch.float32 else None
+        if out is None or torch.compiler.is_compiling():
+            y = torch._scaled_mm(xq, self.weight_fp8.t(), x_scale, self.weight_scale, bias=fused, out_dtype=dtype)
+            if bias is not None and fused is None:
+                y = y + bias
+            return y if out is None else out.copy_(y)
+        torch._scaled_mm(xq, self.weight_fp8.t(), x_scale, self.weight_scale, bias=fused, out_dtype=dtype, out=out)
+        if bias is not None and fused is None:
+            out.add_(bias)
+        return out
 
     def _bias(self, dtype: torch.dtype) -> torch.Tensor | None:
         if self.bias is None or self.bias.dtype == dtype:
@@ -142,7 +157,14 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
     one matrix product instead of several (q, k and v: one wide GEMM fills a GPU that three narrow ones
     leave partly idle at small batches). The parts' weights become views of the fused ones, so no memory
     is added. ``nn.Linear`` parts give an ``nn.Linear``, ``Fp8Linear`` parts an ``Fp8Linear`` (their
-    per-row scales concatenate exactly); a mix, or parts of different inputs, is refused (ValueError)."""
+    per-row scales concatenate exactly); a mix, or parts of different inputs, is refused (ValueError).
+
+    Fusing the same parts again returns the same fused module (``_fused_before``): a second engine on one
+    model (the worker's, a benchmark's) must not re-fuse, which would move the parts' weights into a new
+    tensor and free the one the first engine's captured graphs read. Each part keeps its fused module
+    alive (they share one storage, so that costs no memory)."""
+    if (fused := _fused_before(parts)) is not None:
+        return fused
     dims, ins = [p.out_features for p in parts], {p.in_features for p in parts}
     if len(ins) != 1 or not (all(type(p) is nn.Linear for p in parts) or all(type(p) is Fp8Linear for p in parts)):
         raise ValueError(f"cannot fuse {[type(p).__name__ for p in parts]} of inputs {sorted(ins)}")
@@ -163,6 +185,27 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
             if p.bias is None:  # a part without bias adds zeros
                 p.bias = nn.Parameter(ref.new_zeros(d), requires_grad=False) if plain else ref.new_zeros(d)
         _fuse(parts, fused, "bias", 0, dims, parameter=plain)
+    record = (tuple(id(p) for p in parts), fused)
+    for p in parts:  # not a submodule (no state-dict key, no second visit by module walks): a plain reference
+        object.__setattr__(p, "_fused_into", record)
+    return fused
+
+
+def _fused_before(parts: list[nn.Module]) -> nn.Module | None:
+    """The module ``fuse_linears`` made of exactly these parts, if their tensors are still views of it."""
+    records = [getattr(p, "_fused_into", None) for p in parts]
+    record = records[0]
+    if record is None or any(r is not record for r in records) or record[0] != tuple(id(p) for p in parts):
+        return None
+    fused = record[1]
+    names = ("weight",) if isinstance(fused, nn.Linear) else ("weight_fp8", "weight_scale")
+    for name in (*names, "bias"):
+        whole = getattr(fused, name, None)
+        for p in parts:
+            mine = getattr(p, name, None)
+            if (whole is None) != (mine is None) or (
+                    whole is not None and mine.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()):
+                return None  # a part was changed since (replaced, reloaded): fuse afresh
     return fused
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,3 +211,25 @@ def test_every_section_runs_end_to_end(tmp_path):
     assert mixed["groups"] == 3 and mixed["pool_mb"] >= 0 and mixed["ratio_max"] > 0
     assert [t["target"] for t in result["targets"]] == ["mixed: max sustained a >= 2.0x d"]
     assert "## Targets" in (tmp_path / "pixart_smoke.md").read_text()
+
+
+def test_a_tuned_run_gives_diffusers_a_plain_transformer_loaded_when_its_turn_comes(tmp_path):
+    """``--precision fp8`` replaces our transformer's linears in place: diffusers' side must run a plain
+    transformer (the same weights), loaded only when asked, or the baseline would measure our FP8 modules."""
+    from workers.fp8 import Fp8Linear
+    from workers.loading import load_model
+    from workers.models.tiny_pixart import make_tiny_pixart
+
+    tiny = make_tiny_pixart(tmp_path / "tiny-pixart")
+    plain = load_model(tiny)
+    assert pb.baseline(plain, lambda: pytest.fail("a plain run loads no second model")) is None
+    fp8 = load_model(tiny, precision="fp8")
+    loads = []
+    ref = pb.baseline(fp8, lambda: loads.append(1) or load_model(tiny))
+    assert loads == []  # nothing loaded until diffusers' turn
+    base = ref()
+    assert loads == [1] and base.transformer is not fp8.transformer and base.card is fp8.card
+    assert any(isinstance(m, Fp8Linear) for m in fp8.transformer.modules())
+    assert not any(isinstance(m, Fp8Linear) for m in base.transformer.modules())
+    for (name, a), b in zip(plain.transformer.state_dict().items(), base.transformer.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -269,12 +269,15 @@ def _under_recorded_capture(engine, live: dict):
         breakable._local.capture = None
 
 
-def test_under_capture_a_compiled_steps_breaks_share_staged_buffers(digits):
-    """Every layer's break, in every bucket, gets the same staged buffers (as uncompiled breaks share the
-    attention scratch), not Inductor's per-layer buffers, which a capture would keep for the graph's life;
-    and the step still computes what the uncompiled one does."""
+def test_under_capture_a_compiled_steps_breaks_share_staged_buffers(digits, monkeypatch):
+    """``set_break_args("staged")``: every layer's break, in every bucket, gets the same staged buffers (as
+    uncompiled breaks share the attention scratch), not Inductor's per-layer buffers, which a capture would
+    keep for the graph's life; and the step still computes what the uncompiled one does."""
+    from graphs import compiled as comp
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
+
+    monkeypatch.setattr(comp, "_break_args", ["staged"])
 
     compiled = Engine(digits, EngineConfig(backend="breakable", max_batch=8, compile="inductor"))
     compiled.warmup()  # every bucket once, outside capture: the staging is sized here
@@ -299,7 +302,8 @@ def test_aliased_break_args_are_inductors_own_memory_without_owning_it(digits, m
     from workers.loading import load_model
 
     monkeypatch.setattr(comp, "_STAGING", comp._Staging())  # empty: anything staged would show here
-    comp.set_break_args("aliased")
+    assert comp.break_args() == "aliased"  # the default
+    monkeypatch.setattr(comp, "_break_args", ["aliased"])  # restored after the test, whatever it sets
     aliases = []
     real_alias = comp._alias
     monkeypatch.setattr(comp, "_alias", lambda t: aliases.append((t, real_alias(t))) or aliases[-1][1])
@@ -311,7 +315,7 @@ def test_aliased_break_args_are_inductors_own_memory_without_owning_it(digits, m
         got, rec = _under_recorded_capture(engine, live)
         assert_close(got, next(iter(plain.groups.values())).runner.run(**live))
     finally:
-        comp.set_break_args("staged")
+        comp.set_break_args("aliased")
     layers = len(digits.transformer.transformer_blocks)
     assert len(rec.pointers) == layers and comp._STAGING.buffers == {}
     assert len(aliases) == 4 * layers  # q, k, v and the output of each layer

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from workers import fp8
+from workers.loading import load_model
 from workers.fp8 import Fp8Linear, linear_into, quantize_linears, quantize_rows
 
 
@@ -42,6 +43,49 @@ def test_an_fp8_linear_is_the_product_of_its_quantized_operands_and_close_to_the
     want = lin(x).detach()
     rel = (got - want).norm() / want.norm()
     assert rel < 0.05, f"relative error {rel:.4f}"
+
+
+def test_float32_results_take_the_bias_after_the_product_and_others_in_its_epilogue(monkeypatch):
+    """CUDA's scaled product refuses a bias with a float32 result (the float32 text model through FP8 on
+    a GPU): there the bias is added after it, in both ``forward`` and ``mm_into``; bf16 keeps it fused."""
+    lin = _linear(64, 32)
+    layer, x = Fp8Linear(lin), torch.randn(6, 64)
+    real, seen = torch._scaled_mm, []
+
+    def scaled_mm(*args, bias=None, out_dtype=None, **kw):
+        seen.append((out_dtype, bias is not None))
+        if out_dtype == torch.float32 and bias is not None:
+            raise RuntimeError("Bias is not supported when out_dtype is set to Float32")
+        return real(*args, bias=bias, out_dtype=out_dtype, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    with torch.no_grad():
+        want = lin(x)
+        torch.testing.assert_close(layer(x), want, rtol=0.05, atol=0.05)
+        out = torch.empty(6, 32)
+        torch.testing.assert_close(linear_into(x, [(layer, out)]) or out, want, rtol=0.05, atol=0.05)
+        layer_bf16 = Fp8Linear(_linear(64, 32).to(torch.bfloat16))
+        layer_bf16(x.to(torch.bfloat16))
+    assert seen == [(torch.float32, False)] * 2 + [(torch.bfloat16, True)]
+
+
+def test_a_compiled_fp8_step_compiles_once_and_computes_what_the_uncompiled_one_does():
+    """Inductor traces the FP8 products (``_scaled_mm.out`` has no fake kernel: the compiled path takes the
+    functional op), so ``kernels = "fused"`` with ``precision = "fp8"`` really compiles instead of falling
+    back to the uncompiled step."""
+    from workers.engine import Engine, EngineConfig
+    from workers.spec import ItemSpec
+
+    compiled = Engine(load_model("digits", precision="fp8"), EngineConfig(backend="breakable", max_batch=4,
+                                                                           compile="inductor"))
+    compiled.warmup()
+    stats = next(iter(compiled.stats()["groups"].values()))["compile"]
+    assert stats["compiled"] and stats["graphs"] == 1 and stats["fallback_reason"] is None
+    plain = Engine(load_model("digits"), EngineConfig(backend="breakable", max_batch=4))
+    reqs = [ItemSpec(id=f"r{i}", label=i, seed=i, sampler="ddim", steps=4, guidance=2.0) for i in range(5)]
+    for a, b in zip(compiled.generate(reqs), plain.generate(reqs)):
+        rel = ((a.latents - b.latents).norm() / b.latents.norm()).item()
+        assert 0.0 < rel < 0.1, rel  # FP8 against float32, over 4 steps
 
 
 def test_projections_into_slices_share_one_quantization_and_match_forward(monkeypatch):

@@ -95,8 +95,9 @@ def test_digits_through_graphs_match_eager_and_pass_the_oracle(digits_cuda, back
 
 def test_dit_xl_captured_decode_makes_the_plain_decodes_images(dit_xl):
     """``decode_graphs``: the VAE decode replayed from graphs (batches of 1..16 at 256 px) gives the images
-    the plain decode gives (uint8, at most 1 apart: a convolution may pick another algorithm at another
-    batch size), and says how long each decode of one image takes."""
+    the plain decode gives (bf16: a convolution may pick another algorithm at another batch size, the
+    captured bucket being a padded one; on an H200 pixels differed by at most 2 levels), and says how long
+    each decode of one image takes."""
     import time
 
     from workers.engine import Engine, EngineConfig, decode
@@ -108,7 +109,8 @@ def test_dit_xl_captured_decode_makes_the_plain_decodes_images(dit_xl):
     eng.warmup()
     got = eng.generate(specs)
     for a, b in zip(got, plain):
-        assert np.abs(a.image.astype(int) - b.image.astype(int)).max() <= 1
+        diff = np.abs(a.image.astype(int) - b.image.astype(int))
+        assert diff.max() <= 3 and diff.mean() <= 0.05, (diff.max(), diff.mean())
     (group,) = eng.groups.values()
     assert all(s["captures"] == 1 for s in group.decoder.stats()["buckets"].values())
     latents = torch.stack([r.latents for r in got[:1]]).cuda()

@@ -50,3 +50,31 @@ def test_fused_qkv_matches_separate_projections_and_adds_no_weights():
         assert first(attn.to_q).data_ptr() == first(qkv).data_ptr()  # views of the fused weight, not copies
         assert first(attn.to_k).data_ptr() == first(qkv).data_ptr() + first(attn.to_q).nbytes
         torch.testing.assert_close(_forward(m, x, t, y), want, rtol=1e-5, atol=1e-5)
+
+
+def test_patching_a_model_again_keeps_the_fused_weights_the_first_patch_made():
+    """A second engine on one model patches it again: the fused q|k|v modules must be the first patch's
+    (same memory), or the first engine's captured graphs would read a freed weight (seen on a GPU as NaN
+    images from the engine built first). A part replaced since (FP8 after fusing) is fused afresh."""
+    from workers.fp8 import fuse_linears, quantize_linears
+
+    m = load_model("digits")
+    g = torch.Generator().manual_seed(2)
+    x, t, y = torch.randn(3, 1, 8, 8, generator=g), torch.tensor([5, 500, 900]), torch.arange(3)
+    break_attention(m.transformer)
+    first = [blk.attn1.processor.qkv for blk in m.transformer.transformer_blocks]
+    ptrs = [q.weight.data_ptr() for q in first]
+    want = _forward(m, x, t, y)
+    restore_attention(m.transformer)
+    break_attention(m.transformer)
+    again = [blk.attn1.processor.qkv for blk in m.transformer.transformer_blocks]
+    assert all(a is b for a, b in zip(again, first))
+    assert [q.weight.data_ptr() for q in again] == ptrs
+    assert torch.equal(_forward(m, x, t, y), want)
+    attn = m.transformer.transformer_blocks[0].attn1
+    assert "_fused_into" not in dict(attn.to_q.named_modules()) and not any(
+        "fused" in k for k in m.transformer.state_dict())  # a plain reference, not a submodule
+    assert fuse_linears([attn.to_k, attn.to_q, attn.to_v]) is not first[0]  # other parts (order): a new fusion
+    quantize_linears(m.transformer)  # the block linears replaced: their fusion is new
+    break_attention(m.transformer)
+    assert m.transformer.transformer_blocks[0].attn1.processor.qkv is not first[0]

@@ -35,7 +35,9 @@ def test_pixart_buckets_replay_what_eager_computes(pixart_cuda, backend):
     stats = next(iter(graphs.stats()["groups"].values()))
     assert sum(s["eager_fallbacks"] for s in stats["buckets"].values()) == 0
     replayed = {b for b, s in stats["buckets"].items() if s["replays"]}
-    assert 8 in replayed and len(replayed) >= 2  # 13 = 8 + 4 + 1, or 8 + 8 padded when the splitter times that faster
+    # 13 active = 8 + 4 + 1, or 8 + 8 padded when the splitter's timings say that is faster; as requests of
+    # fewer steps end, smaller buckets may replay or be padded into 8 again: which, the timings decide
+    assert 8 in replayed and replayed <= {1, 2, 4, 8}
 
 
 def test_mixed_sizes_share_one_pool_and_replay_what_eager_computes(pixart_cuda):
