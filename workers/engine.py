@@ -79,7 +79,9 @@ class _PendingPreviews:
 class EngineConfig:
     backend: str = "eager"        # eager | full | breakable
     max_batch: int = 64           # largest graph bucket (a power of two)
-    attention_break: bool = True  # under `breakable`, each layer's attention is an eager break
+    attention_patch: bool = True  # families with BREAK_ATTENTION (DiT): self-attention through workers.patches
+                                  # (q, k, v one product, the kernel measured fastest per shape): an eager
+                                  # break under `breakable`, captured inside the graph under `full`
     max_shapes: int = 8           # latent shapes of one model kept captured at once (least recently used
                                   # idle ones beyond it are dropped, and captured again when asked for)
     cross_attention: str = "auto"  # text families: "padded" (to max_tokens, masked) | "varlen" (real lengths)
@@ -160,7 +162,7 @@ class Engine:
             _prepare_compile(config.compile_cache)
         for m in models:
             family = family_of(m)
-            if config.backend == "breakable" and config.attention_break and family.BREAK_ATTENTION:
+            if config.backend in ("breakable", "full") and config.attention_patch and family.BREAK_ATTENTION:
                 break_attention(m.transformer)
             if hasattr(family, "set_cross_attention"):
                 family.set_cross_attention(m, config.cross_attention)

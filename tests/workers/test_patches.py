@@ -78,3 +78,26 @@ def test_patching_a_model_again_keeps_the_fused_weights_the_first_patch_made():
     quantize_linears(m.transformer)  # the block linears replaced: their fusion is new
     break_attention(m.transformer)
     assert m.transformer.transformer_blocks[0].attn1.processor.qkv is not first[0]
+
+
+def test_graph_backends_run_the_patched_attention_and_eager_and_the_switch_keep_diffusers():
+    """``full`` captures the same patched self-attention that ``breakable`` breaks at (fused q, k, v, the
+    kernel per shape), and computes what eager diffusers attention computes; ``eager`` and
+    ``attention_patch=False`` keep diffusers' processor."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    from workers.engine import Engine, EngineConfig
+    from workers.patches import BreakableSelfAttention
+    from workers.spec import ItemSpec
+
+    reqs = [ItemSpec(id=f"r{i}", label=i, seed=i, sampler="ddim", steps=3, guidance=2.0) for i in range(3)]
+    want = Engine(load_model("digits"), EngineConfig(backend="eager", max_batch=4)).generate(reqs)
+    for backend, patch, kind in (("full", True, BreakableSelfAttention), ("breakable", True, BreakableSelfAttention),
+                                 ("full", False, AttnProcessor2_0), ("eager", True, AttnProcessor2_0)):
+        m = load_model("digits")
+        got = Engine(m, EngineConfig(backend=backend, max_batch=4, attention_patch=patch)).generate(reqs)
+        procs = [blk.attn1.processor for blk in m.transformer.transformer_blocks]
+        assert all(type(p) is kind for p in procs), (backend, patch)
+        assert kind is AttnProcessor2_0 or all(p.qkv is not None for p in procs)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.latents, b.latents, rtol=1e-5, atol=1e-5)

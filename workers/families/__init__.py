@@ -8,7 +8,9 @@ A family is a module with:
                                                  (class labels -> ids; prompts -> text encoder, batched)
     make_step(model) -> step(x, t, guidance, coeffs, hist, noise, **cond) -> {"x_next", "hist_next"}
                                                  one whole denoising step: CFG, transformer, sampler update
-    BREAK_ATTENTION                              whether the breakable backend may make attention a break
+    BREAK_ATTENTION                              whether the graph backends patch its self-attention
+                                                 (workers.patches: an eager break under breakable, fused
+                                                 q, k, v and the kernel per shape under both)
     plan_kwargs(model, shape) -> dict            optional: extra arguments of make_plan for latents of
                                                  this shape (FLUX's resolution-dependent shift ``mu``)
     load(card, device, dtype) -> LoadedModel     optional: families that load themselves (not dit/pixart)
