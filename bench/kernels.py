@@ -10,16 +10,17 @@ body), synchronised:
   breakable+inductor+staged  the same, its compiled breaks given staged copies instead
                        (graphs.compiled.set_break_args; reports before 2026-12-01 called this one
                        breakable+inductor, and the aliased one breakable+inductor+aliased)
-  full+inductor        the compiled step captured whole, one CUDA graph per bucket, the attention inside it
-                       as the engine serves DiT: q, k, v one product and the kernel measured per shape
-  full+inductor+sdpa   the same with diffusers' own attention processor (q, k, v three products, PyTorch's
-                       kernel rule): what ``full`` ran before 2026-12-01, and what torch.compile of
-                       diffusers' model gets
+  full+inductor        the compiled step captured whole, one CUDA graph per bucket, the model patched as
+                       the engine serves DiT: q, k, v one product, the attention kernel measured per shape,
+                       every block's modulation computed at once (workers.patches)
+  full+inductor+unpatched  the same on diffusers' model as it is (its attention processor, q, k, v three
+                       products, PyTorch's kernel rule, each block's own modulation): what ``full`` ran
+                       before 2026-12-01, and what torch.compile of diffusers' model gets
   breakable+fp8        breakable with the model loaded in ``precision="fp8"`` (workers/fp8.py: the block
   full+inductor+fp8    linears as FP8 matrix products, the same seeded weights); skipped where the GPU has
                        no FP8 (compute capability below 8.9)
 plus the graph pool and the segments per bucket of each; the largest |x_next| difference of each compiled
-system from `breakable` on the same inputs and its relative norm (full+inductor+sdpa also runs diffusers' attention); the seconds each engine took to warm (full+inductor compiles its own graph, cold);
+system from `breakable` on the same inputs and its relative norm (full+inductor+unpatched runs diffusers' own model); the seconds each engine took to warm (full+inductor compiles its own graph, cold);
 and the start of a breakable+inductor worker in a fresh process, before anything else runs: cold (an
 empty cache directory) and warm (the same directory again): seconds to a warmed engine, seconds spent in
 calls that compiled, Inductor's FX-graph cache hits and misses. Also the step's FLOPs (torch's
@@ -63,12 +64,12 @@ def _bench_module(name: str):
     return sys.modules[name]
 
 
-SYSTEMS = {  # name -> (backend, compile, precision, how compiled breaks get their tensors, attention patched)
+SYSTEMS = {  # name -> (backend, compile, precision, how compiled breaks get their tensors, model patched)
     "breakable": ("breakable", "off", "bf16", "staged", True),
     "breakable+inductor": ("breakable", "inductor", "bf16", "aliased", True),
     "breakable+inductor+staged": ("breakable", "inductor", "bf16", "staged", True),
     "full+inductor": ("full", "inductor", "bf16", "aliased", True),
-    "full+inductor+sdpa": ("full", "inductor", "bf16", "aliased", False),
+    "full+inductor+unpatched": ("full", "inductor", "bf16", "aliased", False),
     "breakable+fp8": ("breakable", "off", "fp8", "aliased", True),
     "full+inductor+fp8": ("full", "inductor", "fp8", "aliased", True),
 }
@@ -123,13 +124,13 @@ def diffusers_loop_body(model, images: int, inputs: dict):
 
 
 # -- systems ------------------------------------------------------------------------------------------
-def build_engine(model, backend: str, compile_mode: str, max_batch: int, cache: str, attention_patch: bool = True):
+def build_engine(model, backend: str, compile_mode: str, max_batch: int, cache: str, patched: bool = True):
     """A warmed engine as a worker builds it; returns (engine, its runner, seconds to warm)."""
     from workers.engine import Engine, EngineConfig
 
     t0 = time.perf_counter()
     engine = Engine(model, EngineConfig(backend=backend, max_batch=max_batch, compile=compile_mode,
-                                        compile_cache=cache, attention_patch=attention_patch))
+                                        compile_cache=cache, attention_patch=patched, hoist_modulation=patched))
     engine.warmup()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -140,19 +141,20 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     """Median ms at each image count, pool, warm-up and compile stats; `breakable` fills ``reference``
     (x_next per image count), the others report their largest difference from it (and its norm relative
     to the reference's: the error FP8 adds)."""
-    from workers.patches import restore_attention
+    from workers.patches import restore_attention, restore_modulation
 
     from graphs.compiled import break_args as current_break_args
     from graphs.compiled import set_break_args
 
     backend, compile_mode, _, break_args, patched = SYSTEMS[name]
     before = current_break_args()
-    if not patched and model.card.family == "dit":
-        restore_attention(model.transformer)  # diffusers' own attention (an earlier system patched the model)
+    if not patched and model.card.family == "dit":  # diffusers' own model (an earlier system patched it)
+        restore_attention(model.transformer)
+        restore_modulation(model.transformer)
     set_break_args(break_args)
     try:
         engine, runner, warm_s = build_engine(model, backend, compile_mode, args.max_batch, str(args.cache),
-                                              attention_patch=patched)
+                                              patched=patched)
     finally:
         set_break_args(before)
     stats = engine.stats()["groups"]

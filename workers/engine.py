@@ -41,7 +41,7 @@ from graphs.compiled import CompiledStep, opaque_break, use_cache_dir
 from samplers import Plan, make_plan
 from workers.families import family_of
 from workers.loading import LoadedModel
-from workers.patches import attention_into, break_attention
+from workers.patches import attention_into, break_attention, hoist_modulation
 from workers.sdpa import CHOOSER
 from workers.varlen import varlen_attention_into
 from workers.previews import preview_map_of, to_rgb
@@ -82,6 +82,8 @@ class EngineConfig:
     attention_patch: bool = True  # families with BREAK_ATTENTION (DiT): self-attention through workers.patches
                                   # (q, k, v one product, the kernel measured fastest per shape): an eager
                                   # break under `breakable`, captured inside the graph under `full`
+    hoist_modulation: bool = True  # the same families under both graph backends: every block's adaLN
+                                   # modulation computed at once by the first (workers.patches.HoistedModulation)
     max_shapes: int = 8           # latent shapes of one model kept captured at once (least recently used
                                   # idle ones beyond it are dropped, and captured again when asked for)
     cross_attention: str = "auto"  # text families: "padded" (to max_tokens, masked) | "varlen" (real lengths)
@@ -162,8 +164,11 @@ class Engine:
             _prepare_compile(config.compile_cache)
         for m in models:
             family = family_of(m)
-            if config.backend in ("breakable", "full") and config.attention_patch and family.BREAK_ATTENTION:
-                break_attention(m.transformer)
+            if config.backend in ("breakable", "full") and family.BREAK_ATTENTION:
+                if config.attention_patch:
+                    break_attention(m.transformer)
+                if config.hoist_modulation:
+                    hoist_modulation(m.transformer)
             if hasattr(family, "set_cross_attention"):
                 family.set_cross_attention(m, config.cross_attention)
             if hasattr(family, "attention_kernel"):

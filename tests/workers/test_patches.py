@@ -101,3 +101,65 @@ def test_graph_backends_run_the_patched_attention_and_eager_and_the_switch_keep_
         assert kind is AttnProcessor2_0 or all(p.qkv is not None for p in procs)
         for a, b in zip(got, want):
             torch.testing.assert_close(a.latents, b.latents, rtol=1e-5, atol=1e-5)
+
+
+def _inputs(m, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    c, h, w = m.latent_shape
+    x = torch.randn(n, c, h, w, generator=g)
+    t = torch.randint(0, 1000, (n,), generator=g)
+    y = torch.randint(0, m.num_classes + 1, (n,), generator=g)  # the null class (CFG) included
+    return x, t, y
+
+
+def test_hoisted_modulation_computes_what_each_block_computes_in_views_of_the_same_weights(tmp_path):
+    """Every block's adaLN-Zero modulation computed at once (stacked timestep MLPs, class tables and
+    modulation linears) gives the transformer's own output, for the digits model and DiT-XL/2's layout
+    (tiny), with the blocks' weights as views of the stacks (no memory added); restoring brings the blocks'
+    own path back; patching again reuses the stacks."""
+    from workers.models.tiny_dit import write_tiny_dit
+    from workers.patches import hoist_modulation, restore_modulation
+
+    write_tiny_dit(tmp_path / "tiny-dit")
+    for m in (load_model("digits"), load_model(tmp_path / "tiny-dit")):
+        x, t, y = _inputs(m, 5, 3)
+        want = _forward(m, x, t, y)
+        weights = sum(p.numel() for p in m.transformer.parameters())
+        assert hoist_modulation(m.transformer)
+        cache = m.transformer._hoisted_modulation
+        torch.testing.assert_close(_forward(m, x, t, y), want, rtol=1e-5, atol=1e-5)
+        blocks = m.transformer.transformer_blocks
+        assert cache.value.shape == (len(blocks), 5, 6 * blocks[0].norm1.linear.in_features)
+        for i, blk in enumerate(blocks):  # views of the stacks: the same memory
+            assert blk.norm1.linear.weight.data_ptr() == cache.wm[i].data_ptr()
+            assert blk.norm1.emb.timestep_embedder.linear_2.weight.data_ptr() == cache.w2[i].data_ptr()
+            assert blk.norm1.emb.class_embedder.embedding_table.weight.data_ptr() == cache.tables[i].data_ptr()
+        assert sum(p.numel() for p in m.transformer.parameters()) == weights
+        assert not any("hoisted" in k for k in m.transformer.state_dict())
+        assert hoist_modulation(m.transformer) and m.transformer._hoisted_modulation is cache
+        restore_modulation(m.transformer)
+        cache.value = None
+        torch.testing.assert_close(_forward(m, x, t, y), want, rtol=1e-5, atol=1e-5)
+        assert cache.value is None  # the blocks' own path again
+
+
+def test_hoisting_leaves_other_families_alone_and_the_engine_hoists_under_graph_backends(tmp_path):
+    from workers.engine import Engine, EngineConfig
+    from workers.models.tiny_pixart import make_tiny_pixart
+    from workers.patches import hoist_modulation
+    from workers.spec import ItemSpec
+
+    pixart = load_model(make_tiny_pixart(tmp_path / "tiny-pixart"))
+    before = {k: v.clone() for k, v in pixart.transformer.state_dict().items()}
+    assert not hoist_modulation(pixart.transformer)
+    assert all(torch.equal(v, before[k]) for k, v in pixart.transformer.state_dict().items())
+    reqs = [ItemSpec(id=f"r{i}", label=i, seed=i, sampler="ddim", steps=3, guidance=2.0) for i in range(3)]
+    want = Engine(load_model("digits"), EngineConfig(backend="eager", max_batch=4)).generate(reqs)
+    for backend, hoist, hoisted in (("full", True, True), ("breakable", True, True), ("eager", True, False),
+                                    ("breakable", False, False)):
+        m = load_model("digits", precision="fp8" if backend == "full" else "bf16")  # FP8 leaves these linears
+        got = Engine(m, EngineConfig(backend=backend, max_batch=4, hoist_modulation=hoist)).generate(reqs)
+        assert ("forward" in vars(m.transformer.transformer_blocks[0].norm1)) == hoisted, (backend, hoist)
+        if m.precision == "bf16":
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a.latents, b.latents, rtol=1e-5, atol=1e-5)
