@@ -247,6 +247,7 @@ def service_single(c, s: dict) -> dict:
     for i in range(WARMUP + s["single"]):
         if i == WARMUP:
             before, phases_before = step_totals(c.url), phase_totals(c.url)
+            subs_before = phase_totals(c.url, "dit_serve_item_subphase_seconds")
         t0, w0 = time.perf_counter(), time.time()
         job = finished(c, submit(c, s, 1))
         t1, w1 = time.perf_counter(), time.time()
@@ -259,20 +260,23 @@ def service_single(c, s: dict) -> dict:
             ends["end_ms"].append(round((w1 - job.finished_at) * 1e3, 2))   # stored -> the client has it
     time.sleep(1.0)  # the last poll's step times reach the metrics at the scheduler's next heartbeat
     after, phases_after = step_totals(c.url), phase_totals(c.url)
+    subs_after = phase_totals(c.url, "dit_serve_item_subphase_seconds")
     steps = after[1] - before[1]
     return {"single_done_ms": done, "single_png_ms": png,
             "worker_step_ms": round(1e3 * (after[0] - before[0]) / steps, 3) if steps else None,
             "phases_ms": phase_means(phases_before, phases_after),
+            "subphases_ms": phase_means(subs_before, subs_after),
             "client_ms": {k: statistics.median(v) for k, v in ends.items() if v}}
 
 
-def phase_totals(url: str) -> dict[str, tuple[float, float]]:
-    """Per phase of a finished image (``dit_serve_item_phase_seconds``): (seconds, count) so far."""
+def phase_totals(url: str, metric: str = "dit_serve_item_phase_seconds") -> dict[str, tuple[float, float]]:
+    """Per phase of a finished image (``metric``: the phases, or ``dit_serve_item_subphase_seconds``, the
+    finer cuts of two of them): (seconds, count) so far."""
     m = chaos.metrics(url, counters=False)
     out: dict[str, list[float]] = {}
     for key, value in m.items():
         for part, slot in (("_sum{", 0), ("_count{", 1)):
-            if key.startswith("dit_serve_item_phase_seconds" + part):
+            if key.startswith(metric + part):
                 out.setdefault(key.split('phase="', 1)[1].split('"', 1)[0], [0.0, 0.0])[slot] += value
     return {k: (v[0], v[1]) for k, v in out.items()}
 
@@ -411,6 +415,9 @@ def notes(report: dict) -> list[str]:
         split = f" (median: submit {outside['submit_ms']:.2f}, end {outside['end_ms']:.2f})" if outside else ""
         out.append(f"one image in the service, mean ms per phase: {listed}; outside them (HTTP, events, the "
                    f"client): {done - sum(phases.values()):.2f}{split}")
+        if subs := report["raw"]["service"]["1"].get("subphases_ms"):
+            out.append("finer: " + ", ".join(f"{k} {v:.2f}" for k, v in subs.items())
+                       + " (lease = lease_txn + send; handoff = reply + transport + pickup)")
     return out
 
 

@@ -154,7 +154,7 @@ class Worker:
                       "timings": self._timings,
                       "previews": [(k, step, png) for k, (step, png) in self._previews.items()],
                       "crashed": self._crashed, "step_seconds": self._step_seconds, "busy_s": self._busy_s,
-                      "window_s": now - self._since, "stats": self.engine.stats()}
+                      "window_s": now - self._since, "stats": self.engine.stats(), "answered": time.time()}
             self._finished, self._failed, self._crashed, self._step_seconds = [], [], [], []
             self._timings = {}
             self._previews = {}

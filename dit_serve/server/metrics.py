@@ -18,6 +18,8 @@ STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 
 PHASE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
                  300.0, 1800.0)
 PHASES = ("wait", "lease", "dispatch", "admit", "run", "handoff", "commit")
+# finer cuts of two phases: lease = lease_txn + send; handoff = reply + transport + pickup
+SUBPHASES = ("lease_txn", "send", "reply", "transport", "pickup")
 
 
 class Metrics:
@@ -50,15 +52,23 @@ class Metrics:
             "received it), admit (-> its worker's engine took it), run (-> its PNG was ready in the worker), "
             "handoff (-> the scheduler had it), commit (-> stored and announced); clocks of the hosts involved",
             ["phase"], buckets=PHASE_BUCKETS, registry=r)
+        self.subphase_seconds = Histogram(
+            "dit_serve_item_subphase_seconds", "two phases cut finer: lease_txn (leased -> the lease's "
+            "transaction returned) and send (-> the actor call made) make lease; reply (PNG ready -> the "
+            "worker's poll answered), transport (-> the answer reached the scheduler's process) and pickup "
+            "(-> the scheduler had it) make handoff", ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.rejected = Counter("dit_serve_submissions_rejected", "submissions refused with a 429 (queue full)",
                                 registry=r)
         self._window_s = window_s
         self._done_times: deque[float] = deque()
         self._busy: dict[str, tuple[float, float]] = {}  # worker -> decayed (busy s, wall s)
 
-    def item_phases(self, lease, timing: tuple[float, ...] | None, received: float, committed: float) -> None:
+    def item_phases(self, lease, timing: tuple[float, ...] | None, received: float, committed: float,
+                    answered: float | None = None, reply_at: float = 0.0) -> None:
         """The phases of one committed item (``PHASES``); ``timing``: the worker's (received, admitted, PNG
-        ready), absent from a worker that does not report it (then only wait and commit)."""
+        ready), absent from a worker that does not report it (then only wait and commit). ``answered``
+        (the worker's clock when its poll answered) and ``reply_at`` (when the answer reached this process)
+        give the ``SUBPHASES`` where known."""
         self.phase_seconds.labels("wait").observe(max(0.0, lease.leased_at - lease.created_at))
         if timing is not None:
             arrived, admitted, ready = timing
@@ -68,6 +78,14 @@ class Metrics:
             self.phase_seconds.labels("admit").observe(max(0.0, admitted - arrived))
             self.phase_seconds.labels("run").observe(max(0.0, ready - admitted))
             self.phase_seconds.labels("handoff").observe(max(0.0, received - ready))
+            sub = self.subphase_seconds.labels
+            if lease.returned_at:
+                sub("lease_txn").observe(max(0.0, lease.returned_at - lease.leased_at))
+                sub("send").observe(max(0.0, sent - lease.returned_at))
+            if answered is not None and reply_at:
+                sub("reply").observe(max(0.0, answered - ready))
+                sub("transport").observe(max(0.0, reply_at - answered))
+                sub("pickup").observe(max(0.0, received - reply_at))
         self.phase_seconds.labels("commit").observe(max(0.0, committed - received))
 
     def item_finished(self, state: str, n: int = 1) -> None:

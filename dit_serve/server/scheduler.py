@@ -80,6 +80,7 @@ class _Worker:
     leases: dict[str, Lease] = field(default_factory=dict)
     poll_ref: Any = None
     poll_sent: float = 0.0
+    reply_at: float = 0.0  # time.time() when its last poll's answer reached this process (sub-phases)
     reserved: bool = False  # for suspects: takes no new work until empty, then runs an isolated group
     queue_left: bool = False  # its last lease got all it asked for: more may be queued
 
@@ -217,7 +218,7 @@ class Scheduler:
             elif now - w.poll_sent >= self.sched.tick_seconds:
                 w.poll_ref = w.handle.poll.options(concurrency_group="poll").remote(self._poll_wait_s())
                 w.poll_sent = now
-                w.poll_ref.future().add_done_callback(lambda _: wake.set())
+                w.poll_ref.future().add_done_callback(lambda _, w=w: _replied(w, wake))
                 refs[w.poll_ref] = w
         if not refs:
             wake.wait(self.sched.tick_seconds / 2)
@@ -272,11 +273,12 @@ class Scheduler:
         failed = [(w.leases.pop(key, None), error) for key, error in report["failed"]]
         crashed = [(w.leases.pop(key, None), error) for key, error in report.get("crashed", ())]
         if (finished or failed) and not self._suspects and (w.queue_left or self.store.queued.is_set()):
-            self._fill(w)  # the next items are on their way before the commits below: the GPU does not wait
+            self._fill(w, expect=True)  # the next items are on their way before the commits: the GPU does not wait
         for lease, png in finished:
             if lease is not None and self.store.commit_result(lease, png):
                 self.metrics.item_finished("done")
-                self.metrics.item_phases(lease, timings.get(lease.key), received, time.time())
+                self.metrics.item_phases(lease, timings.get(lease.key), received, time.time(),
+                                         answered=report.get("answered"), reply_at=w.reply_at)
         for lease, error in failed:
             if lease is not None and self.store.fail_item(lease, error):
                 log.warning("item %s failed: %s", lease.key, error)
@@ -329,22 +331,24 @@ class Scheduler:
         if self._suspects and ready and not any(w.reserved for w in ready):
             min(ready, key=lambda w: len(w.leases)).reserved = True  # it empties, then runs suspects alone
         for w in ready:
-            self._fill(w)
+            self._fill(w, expect=signalled)
 
-    def _fill(self, w: _Worker) -> None:
-        """Lease queued items for ``w`` up to its room (``max_inflight``) and send them."""
+    def _fill(self, w: _Worker, expect: bool = False) -> None:
+        """Lease queued items for ``w`` up to its room (``max_inflight``) and send them; ``expect``: items
+        are known to be queued (``Store.lease``)."""
         room = self.cfg.inflight() - len(w.leases)
         if self.draining or room <= 0 or (w.reserved and w.leases):
             return
         leases = self.store.lease(f"{self.owner}/{w.key}", w.models, room, self.lease_seconds, isolate=w.reserved,
-                                  announce=False)
+                                  announce=False, expect=expect)
+        returned = time.time()
         w.reserved = bool(leases) and leases[0].suspect  # stays reserved while its isolated group runs
         w.queue_left = len(leases) == room
         if leases:
             w.handle.submit.remote([ls.spec for ls in leases])
             sent = time.time()
             for ls in leases:
-                ls.sent_at = sent
+                ls.returned_at, ls.sent_at = returned, sent
             w.leases.update({ls.key: ls for ls in leases})
             self.store.changes.notify(sorted({ls.job_id for ls in leases}))  # after the sending: see Store.lease
 
@@ -362,6 +366,12 @@ class Scheduler:
             except Exception:
                 pass
         self.workers.clear()
+
+
+def _replied(w: _Worker, wake: threading.Event) -> None:
+    """A poll's answer arrived (Ray's callback thread): stamp it for the sub-phases and wake the loop."""
+    w.reply_at = time.time()
+    wake.set()
 
 
 def _first_line(e: BaseException) -> str:

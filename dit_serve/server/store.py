@@ -20,6 +20,7 @@ of the writing host: schedulers on several hosts need synchronised clocks (NTP) 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -81,6 +82,7 @@ class Lease:
     created_at: float = 0.0  # when its job was submitted, when it was leased, and when its scheduler sent
     leased_at: float = 0.0   # it to a worker (time.time(), for the latency phases in /metrics)
     sent_at: float = 0.0
+    returned_at: float = 0.0  # when the lease's transaction had returned to the scheduler (sub-phases)
 
     @property
     def key(self) -> str:
@@ -456,7 +458,7 @@ class Store:
 
     # -- leases ------------------------------------------------------------------------------------
     def lease(self, owner: str, models: list[str], limit: int, ttl: float, isolate: bool = False,
-              announce: bool = True) -> list[Lease]:
+              announce: bool = True, expect: bool = False) -> list[Lease]:
         """Lease up to ``limit`` queued or lease-expired items of ``models``: highest priority first, then
         oldest job first. Items that crashed workers twice or more (suspects) are leased only with
         ``isolate`` (the caller's worker holds nothing else), in groups that halve with each further crash
@@ -464,30 +466,26 @@ class Store:
         is alone. A lease is committed only once everything the worker needs from the row was read.
         ``announce=False``: the caller calls ``changes.notify`` for the leased jobs itself (the scheduler does,
         once the items are on their way to a worker, so that the event streams woken by it do not compete
-        with the sending)."""
+        with the sending). ``expect``: the caller knows items were just queued (a submission's signal), so
+        the read-only check that spares an idle poll the write lock is skipped."""
         now = time.time()
-        leasable = and_(items.c.model.in_(models), items.c.not_before <= now, or_(
-            items.c.state == "queued", and_(items.c.state == "running", items.c.lease_expires < now)))
-        if limit <= 0 or not self._any(leasable):
+        if limit <= 0:
+            return []
+        args = {"models": list(models), "now": now}
+        if not expect and not self._any(_LEASABLE, args):  # an idle poll: a read, no write lock
             return []
         with self._tx() as conn:
-            level = conn.execute(select(func.max(items.c.crashes)).where(leasable, items.c.crashes >= 2)).scalar() \
-                if isolate else None
+            level = conn.execute(_LEASE_LEVEL, args).scalar() if isolate else None
             if level is None:
-                where, size = and_(leasable, items.c.crashes < 2), limit
+                rows = conn.execute(_LEASE_FRESH, {**args, "size": limit}).all()
             else:
-                where, size = and_(leasable, items.c.crashes == level), max(1, limit >> (level - 1))
-            rows = conn.execute(
-                select(items.c.job_id, items.c.idx, items.c.model, items.c.label, items.c.prompt, items.c.seed,
-                       items.c.state, items.c.requeues, items.c.crashes, items.c.created_at, jobs.c.params)
-                .join(jobs, jobs.c.id == items.c.job_id)
-                .where(where).order_by(items.c.priority.desc(), items.c.created_at, items.c.job_id, items.c.idx)
-                .limit(size).with_for_update(skip_locked=True, of=items)).all()
+                rows = conn.execute(_LEASE_AT_LEVEL, {**args, "size": max(1, limit >> (level - 1)),
+                                                      "level": level}).all()
             rows = self._take_over_expired(conn, rows, now)
             leases, token = [], uuid.uuid4().hex
             for r in rows:
                 try:
-                    params = JobParams.model_validate_json(r.params)
+                    params = _params(r.params)
                 except ValueError as e:
                     _set(conn, [(r.job_id, r.idx)], state="failed", finished_at=now, **_NO_LEASE,
                          error=f"the stored job cannot be read: {str(e)[:300]}")
@@ -497,8 +495,9 @@ class Store:
                                     created_at=r.created_at, leased_at=now))
             if level is not None and len(leases) == 1:
                 leases[0].solo = True
-            _set(conn, [(ls.job_id, ls.index) for ls in leases], state="running", step=0, lease_owner=owner,
-                 lease_token=token, lease_expires=now + ttl, attempts=items.c.attempts + 1)
+            if leases:
+                conn.execute(_SET_RUNNING, [dict(j=ls.job_id, i=ls.index, owner=owner, token=token,
+                                                 expires=now + ttl) for ls in leases])
         if announce:
             self.changes.notify(sorted({ls.job_id for ls in leases}))
         return leases
@@ -517,10 +516,10 @@ class Store:
                        "its scheduler or worker gone)")
         return [r for r in rows if (r.job_id, r.idx) not in spent]
 
-    def _any(self, where) -> bool:
+    def _any(self, where, params: dict | None = None) -> bool:
         """A cheap read before taking the write lock: an idle scheduler polls this often."""
         with self._tx(write=False) as conn:
-            return conn.execute(select(items.c.idx).where(where).limit(1)).first() is not None
+            return conn.execute(select(items.c.idx).where(where).limit(1), params or {}).first() is not None
 
     def has_suspects(self, models: list[str]) -> bool:
         """Whether items that crashed workers repeatedly wait to be run in isolation."""
@@ -599,9 +598,8 @@ class Store:
                 f.flush()
                 os.fsync(f.fileno())
             with self._tx() as conn:
-                won = conn.execute(update(items).where(*_held(lease)).values(
-                    state="done", step=items.c.total_steps, path=str(rel), finished_at=time.time(),
-                    **_NO_LEASE)).rowcount == 1
+                won = conn.execute(_COMMIT_DONE, dict(_held_params(lease), path=str(rel),
+                                                      finished_at=time.time())).rowcount == 1
                 if won:
                     os.replace(tmp, final)  # before commit: a failed commit leaves an orphan a re-run replaces
             if won:
@@ -741,6 +739,45 @@ class Changes:
 
 _NO_LEASE = dict(lease_owner=None, lease_token=None, lease_expires=None)
 
+# The lease's statements, built once: building SQLAlchemy expressions on every call cost about 90% of a
+# lease's time (its SQL takes some tens of microseconds), and a lease is on every image's path.
+_LEASABLE = and_(items.c.model.in_(bindparam("models", expanding=True)), items.c.not_before <= bindparam("now"),
+                 or_(items.c.state == "queued",
+                     and_(items.c.state == "running", items.c.lease_expires < bindparam("now"))))
+_LEASE_LEVEL = select(func.max(items.c.crashes)).where(_LEASABLE, items.c.crashes >= 2)
+
+
+def _lease_rows(condition):
+    return (select(items.c.job_id, items.c.idx, items.c.model, items.c.label, items.c.prompt, items.c.seed,
+                   items.c.state, items.c.requeues, items.c.crashes, items.c.created_at, jobs.c.params)
+            .join(jobs, jobs.c.id == items.c.job_id)
+            .where(_LEASABLE, condition).order_by(items.c.priority.desc(), items.c.created_at, items.c.job_id,
+                                                  items.c.idx)
+            .limit(bindparam("size")).with_for_update(skip_locked=True, of=items))
+
+
+_LEASE_FRESH = _lease_rows(items.c.crashes < 2)
+_LEASE_AT_LEVEL = _lease_rows(items.c.crashes == bindparam("level"))
+_SET_RUNNING = (update(items).where(items.c.job_id == bindparam("j"), items.c.idx == bindparam("i"))
+                .values(state="running", step=0, lease_owner=bindparam("owner"), lease_token=bindparam("token"),
+                        lease_expires=bindparam("expires"), attempts=items.c.attempts + 1))
+
+
+def _params(stored: str) -> JobParams:
+    """A job's stored parameters: parsed once per distinct text (a job's items share it), a copy each."""
+    return _parsed_params(stored).model_copy()
+
+
+_HELD = (items.c.job_id == bindparam("held_job"), items.c.idx == bindparam("held_idx"), items.c.state == "running",
+         items.c.lease_token == bindparam("held_token"))  # ``_held`` as parameters: the lease still holds the item
+_COMMIT_DONE = update(items).where(*_HELD).values(state="done", step=items.c.total_steps, path=bindparam("path"),
+                                                  finished_at=bindparam("finished_at"), **_NO_LEASE)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_params(stored: str) -> JobParams:
+    return JobParams.model_validate_json(stored)
+
 
 def _preview_key(name: str) -> tuple[int, int] | None:
     """(index, step) of a preview file's name ``<index>.<step>.png``; None for other files."""
@@ -748,6 +785,11 @@ def _preview_key(name: str) -> tuple[int, int] | None:
     if len(parts) != 3 or parts[2] != "png" or not (parts[0].isdigit() and parts[1].isdigit()):
         return None
     return int(parts[0]), int(parts[1])
+
+
+def _held_params(lease: Lease) -> dict:
+    """``_HELD``'s parameters for ``lease``."""
+    return {"held_job": lease.job_id, "held_idx": lease.index, "held_token": lease.token}
 
 
 def _held(lease: Lease):

@@ -208,6 +208,14 @@ def test_metrics_split_a_finished_images_time_into_phases(tmp_path, digits_model
     assert sums["run"] > 0.0 and all(v >= 0.0 for v in sums.values())
     total = job.finished_at - job.created_at
     assert abs(sum(sums.values()) - total) < 0.05, (sums, total)
+    # the finer cuts of lease and handoff add up to them (one host: one clock)
+    from dit_serve.server.metrics import SUBPHASES
+
+    subs = {p: sample("dit_serve_item_subphase_seconds_sum", p) for p in SUBPHASES}
+    assert {p: sample("dit_serve_item_subphase_seconds_count", p) for p in SUBPHASES} == {p: 1.0 for p in SUBPHASES}
+    assert all(v >= 0.0 for v in subs.values())
+    assert abs(subs["lease_txn"] + subs["send"] - sums["lease"]) < 1e-3, (subs, sums)
+    assert abs(subs["reply"] + subs["transport"] + subs["pickup"] - sums["handoff"]) < 1e-3, (subs, sums)
 
 
 def test_a_turn_asks_the_store_for_work_when_signalled_or_once_a_tick(tmp_path):

@@ -574,3 +574,21 @@ def test_a_job_read_with_its_items_has_the_counts_of_a_job_read_without(store):
     full, bare = store.get_job(job_id), store.get_job(job_id, with_items=False)
     assert (full.counts, full.steps_done, full.steps_total, full.finished_at) == \
         (bare.counts, bare.steps_done, bare.steps_total, bare.finished_at)
+
+
+def test_an_expected_lease_skips_the_idle_check_and_every_lease_gets_its_own_params(store, monkeypatch):
+    """``lease(expect=True)`` (the scheduler was signalled that items were queued) goes straight to the
+    write transaction; an idle poll reads first and leases nothing without the write lock. Leases of one
+    job parse its stored parameters once but never share them: a change to one lease's is its own."""
+    reads = []
+    real = store._any
+    monkeypatch.setattr(store, "_any", lambda *a, **k: reads.append(1) or real(*a, **k))
+    assert store.lease("w", ["digits"], 4, ttl=30) == [] and reads == [1]  # nothing queued: read only
+    _job(store, 3)
+    leases = store.lease("w", ["digits"], 2, ttl=30, expect=True)
+    assert [ls.index for ls in leases] == [0, 1] and reads == [1]
+    assert leases[0].params == leases[1].params == PARAMS and leases[0].params is not leases[1].params
+    leases[0].params.steps = 99
+    (last,) = store.lease("w", ["digits"], 2, ttl=30)
+    assert last.index == 2 and last.params == PARAMS and reads == [1, 1]
+    assert store.lease("w", ["digits"], 2, ttl=30, expect=True) == []  # expected, but none left: nothing leased
