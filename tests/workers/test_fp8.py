@@ -45,6 +45,33 @@ def test_an_fp8_linear_is_the_product_of_its_quantized_operands_and_close_to_the
     assert rel < 0.05, f"relative error {rel:.4f}"
 
 
+def test_quantizing_bf16_rows_never_widens_them_to_float32():
+    """Every full-size intermediate of quantizing bf16 activations stays in 2 bytes per value or less (on a
+    GPU each pass over them is memory-bound; a float32 copy doubles it), and the scales are float32."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Outputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor):
+                    self.seen.append((str(func), tuple(t.shape), t.dtype))
+            return out
+
+    x = torch.randn(64, 256).to(torch.bfloat16)
+    with Outputs() as mode:
+        q, scale = quantize_rows(x)
+    full = [(f, d) for f, shape, d in mode.seen if shape == (64, 256)]
+    assert full and all(d in (torch.bfloat16, fp8.FP8) for _, d in full), full
+    assert q.dtype == fp8.FP8 and scale.dtype == torch.float32 and scale.shape == (64, 1)
+    back = q.float() * scale
+    assert ((back - x.float()).abs() <= x.float().abs().amax(1, keepdim=True) / 16 + 1e-6).all()
+
+
 def test_float32_results_take_the_bias_after_the_product_and_others_in_its_epilogue(monkeypatch):
     """CUDA's scaled product refuses a bias with a float32 result (the float32 text model through FP8 on
     a GPU): there the bias is added after it, in both ``forward`` and ``mm_into``; bf16 keeps it fused."""
