@@ -9,7 +9,8 @@ to its last image decoded):
   b  our engine with request-level batching only (queued requests start together when it is idle)
   c  diffusers DiTPipeline, one call per request, first come first served
   d  diffusers DiTPipeline with static batching (queued requests up to 64 images or a wait limit)
-  e  our engine as a, tuned: steps compiled by Inductor inside whole-step graphs (backend full), bf16
+  e  our engine as a, tuned: steps compiled by Inductor inside whole-step graphs (backend full), bf16,
+     the VAE decode captured too (``decode_graphs``)
   f  e with FP8 linears where the GPU has them (compute capability 8.9+; skipped elsewhere). Until
      2026-12-01 e was this system (reports of that day's run were renamed)
 For each system: images/s and p50/p99 latency at each offered load (every system sees the same
@@ -223,7 +224,7 @@ def bench(s: Setup, workloads: dict, save) -> dict:
     for k in [k for k in ("e", "f") if k in systems]:
         engines[k] = Engine(tuned_models(s, "fp8" if k == "f" else "bf16"),
                             EngineConfig(backend="full" if backend != "eager" else "eager", max_batch=s.max_batch,
-                                         compile="inductor"))
+                                         compile="inductor", decode_graphs=True))
     for e in engines.values():
         e.warmup()
     pipes = pipelines(s) if {"c", "d"} & set(systems) else {}
@@ -340,7 +341,7 @@ def markdown(result: dict) -> str:
              ("Systems: a = dit-serve, step-level batching through CUDA graphs; b = dit-serve, request-level "
              "batching; c = diffusers DiTPipeline, one call per request; d = DiTPipeline, static batching "
              "(queued requests up to 64 images, waiting at most 0.1 s); e = dit-serve as a, compiled by Inductor "
-             "inside whole-step graphs; f = e with FP8 linears. DiT-XL/2 (random weights, bf16), "
+             "inside whole-step graphs, its VAE decode captured too; f = e with FP8 linears. DiT-XL/2 (random weights, bf16), "
              "DDIM 50 steps, guidance 4, VAE decode. Every system sees the same arrivals at a given load; "
              "`arrived` is what they really offered. A point is sustained when every request finished and "
              "completions kept within 20% of arrivals."), "",
