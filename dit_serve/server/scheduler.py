@@ -225,6 +225,8 @@ class Scheduler:
             return
         done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         if not done and wake.wait(self.sched.tick_seconds):
+            if self.store.queued.is_set():  # a submission woke the loop: lease it first; any answer that came
+                return                      # too is taken at the next turn's first look (ray.wait above)
             done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         for ref in done:
             self._receive(refs[ref], ref)
