@@ -8,10 +8,13 @@ copies and the rest; the report has each group's ms per step and share, and the 
 
 Systems: ``plain`` (breakable graphs, the model's dtype), ``fused`` (compiled by Inductor inside the
 graphs: ``compile="inductor"``, backend ``full`` for DiT, ``breakable`` otherwise), ``fp8`` (plain with
-FP8 linears), ``fused+fp8``. Writes profile_<model>.json and .md under --out.
+FP8 linears), ``fused+fp8``. Writes profile_<model>.json and .md under --out. ``--kernel-source N``
+also copies the source of each row's N heaviest Inductor kernels (Triton, found by name in Inductor's
+cache directory) to profile_<model>_kernels/, to read why a fused kernel is slow.
 
     python bench/profile_step.py --model dit-xl-2-256 --images 1 64
     python bench/profile_step.py --model flux-dev-1024 --images 1 --systems plain fp8
+    python bench/profile_step.py --systems fused+fp8 --kernel-source 3
     python bench/profile_step.py --smoke          # digits on a CPU: operator names instead of kernels
 """
 
@@ -109,6 +112,47 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
     kernels.free()
 
 
+def inductor_cache_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+def kernel_sources(names: list[str], root: Path) -> dict[str, str]:
+    """Inductor kernel name -> the source file under ``root`` that defines it (``def <name>(``), for the
+    names found; a kernel compiled in several files (several graphs) gives the first."""
+    wanted, out = set(names), {}
+    if not wanted:
+        return out
+    for path in sorted(root.rglob("*.py")):
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for name in [n for n in wanted if f"def {n}(" in text]:
+            out[name] = text
+            wanted.discard(name)
+        if not wanted:
+            break
+    return out
+
+
+def save_kernel_sources(result: dict, n: int, out: Path, root: Path) -> list[str]:
+    """The ``n`` heaviest Inductor (``triton_``) kernels of every profiled row, their sources written to
+    ``out``; returns the names found."""
+    names = []
+    for block in result["systems"].values():
+        for key, s in block.items():
+            if isinstance(s, dict) and "top" in s:
+                names += [t["kernel"] for t in s["top"] if t["kernel"].startswith("triton_")][:n]
+    found = kernel_sources(list(dict.fromkeys(names)), root)
+    if found:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in found.items():
+            (out / f"{name[:120]}.py").write_text(text)
+    return sorted(found)
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Where a step's time goes: {result['model']} on {result['hardware']}", "",
              f"torch {result['torch']}; {result['iters']} profiled steps per row, after warm-up. ms per step by "
@@ -138,6 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     p.add_argument("--smoke", action="store_true", help="digits on a CPU, 1 and 4 images, plain and fp8")
+    p.add_argument("--kernel-source", type=int, default=0, metavar="N",
+                   help="copy the sources of each row's N heaviest Inductor kernels next to the report")
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.images, args.iters = "digits", [1, 4], 2
@@ -155,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     stem = f"profile_{Path(args.model).name}" + ("_smoke" if args.smoke else "")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    if args.kernel_source:
+        found = save_kernel_sources(result, args.kernel_source, args.out / f"{stem}_kernels", inductor_cache_dir())
+        print(f"kernel sources saved: {found or 'none found'}", flush=True)
     (args.out / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))
 

@@ -60,3 +60,23 @@ def test_the_smoke_run_profiles_digits_plain_and_fp8_on_a_cpu(prof, tmp_path):
         for n in ("1", "4"):
             assert block[n]["total_ms"] > 0 and "matrix products" in block[n]["groups"]
     assert "## fp8 (breakable), 4 images" in (tmp_path / "profile_digits_smoke.md").read_text()
+
+
+def test_the_heaviest_inductor_kernels_sources_are_found_by_name_and_saved(prof, tmp_path):
+    """``--kernel-source N``: each row's N heaviest Inductor kernels (by name, ``triton_``), their defining
+    files found in Inductor's cache directory and copied next to the report; library kernels are not
+    looked for, and a name no file defines is left out."""
+    cache = tmp_path / "cache"
+    (cache / "ab").mkdir(parents=True)
+    (cache / "ab" / "cab1.py").write_text("import triton\n@triton.jit\ndef triton_red_fused_gelu_8(in_ptr0):\n    pass\n")
+    (cache / "cd").mkdir()
+    (cache / "cd" / "ccd2.py").write_text("def triton_poi_fused_add_1(in_ptr0):\n    pass\n")
+    top = lambda *names: {"top": [{"kernel": n, "group": "x", "ms": 1.0} for n in names]}
+    result = {"systems": {"fused+fp8": {"backend": "full",
+                                         64: top("nvjet_sm90_qqtst", "triton_red_fused_gelu_8", "triton_missing_3",
+                                                 "triton_poi_fused_add_1")}}}
+    found = prof.save_kernel_sources(result, 2, tmp_path / "out", cache)
+    assert found == ["triton_red_fused_gelu_8"]  # of the two heaviest triton_ kernels, the one a file defines
+    assert (tmp_path / "out" / "triton_red_fused_gelu_8.py").read_text().startswith("import triton")
+    assert prof.save_kernel_sources(result, 3, tmp_path / "out3", cache) == ["triton_poi_fused_add_1",
+                                                                              "triton_red_fused_gelu_8"]
