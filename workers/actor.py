@@ -54,6 +54,7 @@ class WorkerSpec:
     max_shapes: int = 8               # sizes of one model kept captured at once (EngineConfig)
     compile: str = "off"              # "inductor": compiled steps inside the graphs (EngineConfig)
     compile_cache: str = ""           # Inductor's cache directory (EngineConfig)
+    decode_graphs: bool = False       # the VAE decode captured too (EngineConfig)
     precision: tuple[tuple[str, str], ...] = ()  # (model, "bf16" | "fp8"); unlisted: the model's dtype
     kernels: tuple[tuple[str, str], ...] = ()    # (model, "eager" | "fused"); unlisted: ``compile``
 
@@ -87,6 +88,7 @@ class Worker:
         self.engine = Engine(models, EngineConfig(backend=self.backend, max_batch=spec.max_batch,
                                                   cross_attention=spec.cross_attention, max_shapes=spec.max_shapes,
                                                   compile=spec.compile, compile_cache=spec.compile_cache,
+                                                  decode_graphs=spec.decode_graphs,
                                                   compile_models=tuple((m, KERNELS[k]) for m, k in spec.kernels)))
         t0 = time.perf_counter()
         self.engine.warmup(sizes=[parse_size(s) for s in spec.warm_sizes])
@@ -128,7 +130,8 @@ class Worker:
                 "attention_kernels": CHOOSER.summary(),  # measured at warm-up: once, not in every poll's stats
                 "precision": {name: m.precision for name, m in self.engine.models.items()},
                 "kernels": {name: "fused" if self.engine.config.compile_mode(name) != "off" else "eager"
-                            for name in self.engine.models}}
+                            for name in self.engine.models},
+                "decode_graphs": self.engine.config.decode_graphs}
 
     def submit(self, items: list[ItemSpec]) -> list[bool]:
         now = time.time()

@@ -127,6 +127,9 @@ class WorkerConfig(_Section):
                                                 "kernels.md)")
     compile_cache: str = Field("", max_length=500, description="a directory for Inductor's compiled kernels, kept "
                                                                "across restarts ('': Inductor's default under /tmp)")
+    decode_graphs: bool = Field(False, description="the VAE decode captured in graphs too, at power-of-two "
+                                "batches (a single small image's decode is mostly kernel launches); off until "
+                                "measured on a GPU (docs/design.md)")
     kernels: dict[str, Literal["eager", "fused"]] = Field(
         default_factory=dict, description="per model, over `compile`: 'fused' compiles its steps with Inductor "
         "inside the graphs (compile = 'inductor' for it alone), 'eager' runs the uncompiled kernels in the graphs")

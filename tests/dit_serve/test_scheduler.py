@@ -25,3 +25,31 @@ def test_custom_resource_per_unit():
     nodes = [_node("n1", dit_worker=1.0), _node("n2"), _node("n3", dit_worker=2.0)]
     slots = plan_slots(nodes, WorkerConfig(resource="dit_worker"))
     assert sorted(slots) == ["n1-0", "n3-0", "n3-1"] and slots["n3-1"] == SlotPlan("n3", "dit_worker")
+
+
+def test_a_started_worker_gets_the_engine_switches_of_the_config(tmp_path, monkeypatch):
+    """``[workers]``'s engine switches (compile, kernels, precision, decode_graphs) reach the WorkerSpec
+    the scheduler starts its actors with."""
+    from types import SimpleNamespace
+
+    from dit_serve.server import scheduler as sched_mod
+    from dit_serve.server.config import SchedulerConfig
+    from dit_serve.server.store import Store
+
+    specs = []
+
+    class FakeActor:
+        @staticmethod
+        def options(**opts):
+            return SimpleNamespace(remote=lambda spec: specs.append(spec) or SimpleNamespace(
+                info=SimpleNamespace(remote=lambda: "ready-ref")))
+
+    monkeypatch.setattr(sched_mod, "_actor_class", lambda: FakeActor)
+    cfg = WorkerConfig(models=("digits",), compile="inductor", decode_graphs=True, precision={"digits": "fp8"},
+                       kernels={"digits": "eager"})
+    s = sched_mod.Scheduler(Store(f"sqlite:///{tmp_path}/s.db", tmp_path), cfg, SchedulerConfig(), 30.0)
+    s._start("cpu-0", SlotPlan(None, "CPU"))
+    (spec,) = specs
+    assert (spec.compile, spec.decode_graphs, spec.precision, spec.kernels) == (
+        "inductor", True, (("digits", "fp8"),), (("digits", "eager"),))
+    assert WorkerConfig().decode_graphs is False  # off until measured

@@ -127,6 +127,28 @@ def test_a_worker_with_compile_inductor_runs_compiled_steps(tmp_path):
         w.stop()
 
 
+def test_a_worker_with_decode_graphs_decodes_through_its_decode_runner(tmp_path):
+    """``[workers] decode_graphs = true`` reaches the worker's engine: a latent model's group gets a decode
+    runner, the worker says so at start-up, and its images come back as PNGs of the model's size."""
+    from workers.models.tiny_dit import write_tiny_dit
+
+    write_tiny_dit(tmp_path / "tiny-dit")
+    w = Worker(WorkerSpec(models=(str(tmp_path / "tiny-dit"),), max_batch=4, torch_threads=1, decode_graphs=True))
+    try:
+        assert w.info()["decode_graphs"] is True
+        group = next(iter(w.engine.groups.values()))
+        assert group.decoder is not None
+        runs = group.decoder.stats()["totals"]
+        name = next(iter(w.engine.models))
+        w.submit([ItemSpec(id="job/60", model=name, label=1, seed=0, sampler="ddim", steps=3, guidance=2.0)])
+        finished, failed, _ = _drain(w, {"job/60"})
+        side = next(iter(w.engine.models.values())).image_size
+        assert failed == {} and Image.open(io.BytesIO(finished["job/60"])).size == (side, side)
+        assert group.decoder.stats()["totals"] != runs  # the decode went through the runner
+    finally:
+        w.stop()
+
+
 def test_timings_split_an_items_time_at_the_worker_and_the_lock_switches_fast(worker):
     """Each finished item's timing is (submit received, engine took it, PNG ready), in that order, and
     within the poll's wall time; the worker's interpreter switches threads every SWITCH_INTERVAL_S."""
