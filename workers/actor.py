@@ -14,6 +14,11 @@ never touch the engine, so the engine stays single-threaded:
   finished item when the engine took it and when its PNG was ready (``time.time()``). A long
   poll: it answers at once when an item has ended, else when one ends or ``wait_s`` has passed.
 
+Finished images are encoded to PNG off the step loop, by a few encoder threads (Pillow releases the
+interpreter lock while it compresses), so the GPU's next step does not wait for the last one's PNGs; an
+item counts as finished once its PNG is ready. ``png_compress_level`` trades size for time: zlib level 1
+encodes a 1024 px image about 6x faster than Pillow's default 6, for files about 15% larger.
+
 The worker keeps no durable state: the scheduler holds the leases, the store holds the truth. If
 the actor dies, its items return to the queue. Heavy imports (torch, the engine) happen inside
 the actor process, so importing this module is cheap.
@@ -23,10 +28,12 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import queue
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from workers.spec import ItemSpec
@@ -34,6 +41,9 @@ from workers.spec import ItemSpec
 # The worker's thread switch interval (Python's default: 5 ms): a long poll woken when an image ends, or a
 # submit arriving, waits at most this long for the step loop's thread to hand the interpreter lock over.
 SWITCH_INTERVAL_S = 0.001
+# zlib level of the PNGs (0-9; Pillow's default is 6). Measured on a 2-core development machine: a 256 px
+# image 23 ms at 6, 3.7 ms at 1 (files +20%); a 1024 px one 358 ms at 6, 53 ms at 1 (+16%)
+PNG_COMPRESS_LEVEL = 1
 
 KERNELS = {"eager": "off", "fused": "inductor"}  # [workers.kernels] -> the engine's compile mode
 
@@ -55,6 +65,8 @@ class WorkerSpec:
     compile: str = "off"              # "inductor": compiled steps inside the graphs (EngineConfig)
     compile_cache: str = ""           # Inductor's cache directory (EngineConfig)
     decode_graphs: bool = False       # the VAE decode captured too (EngineConfig)
+    png_compress_level: int = PNG_COMPRESS_LEVEL  # zlib level of the finished images' PNGs (0-9)
+    png_threads: int = 0              # threads encoding PNGs off the step loop (0: up to 4, one per core)
     precision: tuple[tuple[str, str], ...] = ()  # (model, "bf16" | "fp8"); unlisted: the model's dtype
     kernels: tuple[tuple[str, str], ...] = ()    # (model, "eager" | "fused"); unlisted: ``compile``
 
@@ -107,6 +119,9 @@ class Worker:
         self._crashed: list[tuple[str, str]] = []
         self._step_seconds: list[float] = []
         self._busy_s, self._since = 0.0, time.perf_counter()
+        self._png_level = spec.png_compress_level
+        self._encoder = ThreadPoolExecutor(max_workers=spec.png_threads or max(1, min(4, os.cpu_count() or 1)),
+                                           thread_name_prefix="png")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
@@ -169,6 +184,7 @@ class Worker:
         with self._lock:
             self._news.notify_all()
         self._thread.join(timeout=10)
+        self._encoder.shutdown(wait=False, cancel_futures=True)  # unreported items go back with their leases
 
     # -- the step loop (its own thread) -------------------------------------------------------------
     def _loop(self) -> None:
@@ -240,20 +256,33 @@ class Worker:
             self._drop_all(f"engine step failed: {type(e).__name__}: {str(e)[:500]}")
             return
         dt = time.perf_counter() - t0
-        pngs = [(r.request.id, _png(r.image)) for r in results]
-        ready = time.time()
-        previews = {p.request_id: (p.step, _png(p.image)) for p in self.engine.take_previews()}  # latest per item
+        previews = {p.request_id: (p.step, _png(p.image, self._png_level))
+                    for p in self.engine.take_previews()}  # latest per item
         with self._lock:
             self._step_seconds.append(dt)
             self._busy_s += dt
             self._previews.update(previews)
-            self._finished += pngs
-            for item_id, _ in pngs:
-                self._progress.pop(item_id, None)
-                self._previews.pop(item_id, None)
+        for r in results:  # encoded off this thread: the next step starts now
+            self._encoder.submit(self._deliver, r.request.id, r.image)
+
+    def _deliver(self, item_id: str, image) -> None:
+        """An encoder thread: the item's PNG, then it counts as finished (or failed, if it cannot be encoded)."""
+        try:
+            png, error = _png(image, self._png_level), None
+        except Exception as e:  # the item's own failure, not the worker's
+            log.exception("encoding item %s failed", item_id)
+            png, error = None, f"the image could not be encoded: {type(e).__name__}: {str(e)[:300]}"
+        ready = time.time()
+        with self._lock:
+            if error is None:
+                self._finished.append((item_id, png))
                 self._timings[item_id] = (*self._admitted.pop(item_id, (ready, ready)), ready)
-            if pngs:
-                self._news.notify_all()
+            else:
+                self._failed.append((item_id, error))
+                self._admitted.pop(item_id, None)
+            self._progress.pop(item_id, None)
+            self._previews.pop(item_id, None)
+            self._news.notify_all()
 
     def _on_progress(self, item_id: str, done: int, total: int) -> None:
         with self._lock:
@@ -274,11 +303,11 @@ class Worker:
 
 
 
-def _png(image) -> bytes:
+def _png(image, level: int = PNG_COMPRESS_LEVEL) -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.fromarray(image).save(buf, format="PNG")
+    Image.fromarray(image).save(buf, format="PNG", compress_level=level)
     return buf.getvalue()
 
 

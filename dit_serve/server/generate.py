@@ -82,10 +82,12 @@ def prepare_out(out: Path) -> Path:
 def write_outputs(out: Path, staging: Path, model_name: str, entries: list[dict],
                   images: list[np.ndarray], cols: int) -> Path:
     """Write PNGs and the grid into staging, then publish them and the manifest into DIR."""
+    from workers.actor import PNG_COMPRESS_LEVEL
+
     try:
         pils = [Image.fromarray(img) for img in images]
         for entry, img in zip(entries, pils):
-            img.save(staging / entry["file"])
+            img.save(staging / entry["file"], compress_level=PNG_COMPRESS_LEVEL)  # as a worker encodes them
         grid(pils, cols).save(staging / "grid.png")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

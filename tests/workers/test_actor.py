@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import numpy as np
 from PIL import Image
 
 from workers.actor import Worker, WorkerSpec
@@ -184,4 +185,47 @@ def test_a_model_listed_in_fp8_runs_its_block_linears_in_fp8_and_says_so():
         finished, failed, _ = _drain(w, {"t/0"})
         assert failed == {} and Image.open(io.BytesIO(finished["t/0"])).size == (8, 8)
     finally:
+        w.stop()
+
+
+def test_pngs_are_encoded_off_the_step_loop_and_an_encoding_failure_fails_only_its_item(monkeypatch):
+    """A finished image's PNG is encoded by an encoder thread: while one is held up, the engine keeps
+    stepping the other items (the GPU does not wait for PNGs), the item counts as finished only once its
+    PNG is ready, and an image that cannot be encoded fails that item alone."""
+    import threading
+
+    from workers import actor
+
+    gate, real = threading.Event(), actor._png
+    held = []
+
+    def png(image, level=actor.PNG_COMPRESS_LEVEL):
+        if not held:  # the first finished image waits for the test
+            held.append(1)
+            assert gate.wait(30)
+        return real(image, level)
+
+    monkeypatch.setattr(actor, "_png", png)
+    w = Worker(WorkerSpec(models=("digits",), max_batch=8, torch_threads=1, png_compress_level=0))
+    try:
+        w.submit([_item(1, steps=2), _item(2, steps=40)])
+        deadline, steps_while_held = time.monotonic() + 60, 0
+        while steps_while_held < 5:  # the long item advances while the short one's PNG is held
+            assert time.monotonic() < deadline, "the step loop waited for a PNG"
+            report = w.poll()
+            assert report["finished"] == []  # not finished until its PNG is ready
+            steps_while_held = report["progress"].get("job/2", (0, 40))[0] if held else 0
+            time.sleep(0.02)
+        gate.set()
+        finished, failed, _ = _drain(w, {"job/1", "job/2"})
+        assert failed == {} and set(finished) == {"job/1", "job/2"}
+        raw = Image.open(io.BytesIO(finished["job/1"]))
+        assert raw.size == (8, 8) and len(finished["job/1"]) >= len(real(np.asarray(raw), 9))  # level 0: stored
+
+        monkeypatch.setattr(actor, "_png", lambda image, level=1: (_ for _ in ()).throw(OSError("disk says no")))
+        w.submit([_item(3, steps=2)])
+        finished, failed, _ = _drain(w, {"job/3"})
+        assert finished == {} and "could not be encoded: OSError: disk says no" in failed["job/3"]
+    finally:
+        gate.set()
         w.stop()
