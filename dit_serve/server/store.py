@@ -472,7 +472,7 @@ class Store:
         if limit <= 0:
             return []
         args = {"models": list(models), "now": now}
-        if not expect and not self._any(_LEASABLE, args):  # an idle poll: a read, no write lock
+        if not expect and not self._any(_ANY_LEASABLE, args):  # an idle poll: a read, no write lock
             return []
         with self._tx() as conn:
             level = conn.execute(_LEASE_LEVEL, args).scalar() if isolate else None
@@ -516,14 +516,16 @@ class Store:
                        "its scheduler or worker gone)")
         return [r for r in rows if (r.job_id, r.idx) not in spent]
 
-    def _any(self, where, params: dict | None = None) -> bool:
-        """A cheap read before taking the write lock: an idle scheduler polls this often."""
+    def _any(self, query, params: dict | None = None) -> bool:
+        """Whether ``query`` (a select of at most one row) finds a row: a cheap read before taking the write
+        lock, which an idle scheduler makes often."""
         with self._tx(write=False) as conn:
-            return conn.execute(select(items.c.idx).where(where).limit(1), params or {}).first() is not None
+            return conn.execute(query, params or {}).first() is not None
 
     def has_suspects(self, models: list[str]) -> bool:
         """Whether items that crashed workers repeatedly wait to be run in isolation."""
-        return self._any(and_(items.c.model.in_(models), items.c.state == "queued", items.c.crashes >= 2))
+        return self._any(select(items.c.idx).where(items.c.model.in_(models), items.c.state == "queued",
+                                                   items.c.crashes >= 2).limit(1))
 
     def heartbeat(self, leases: list[Lease], ttl: float) -> list[Lease]:
         """Renew leases and record progress; returns the leases no longer held (cancelled, or
@@ -563,7 +565,7 @@ class Store:
                 else:
                     values.update(requeues=items.c.requeues + 1, not_before=now + requeue_backoff(ls.requeues + 1),
                                   crashes=items.c.crashes + int(crash), solo_crashes=items.c.solo_crashes + int(crash and ls.solo))
-                if conn.execute(update(items).where(*_held(ls)).values(**values)).rowcount != 1:
+                if conn.execute(update(items).where(*_HELD).values(**values), _held_params(ls)).rowcount != 1:
                     continue
                 self._drop_preview(ls.job_id, ls.index)
                 why = self._give_up(conn, ls, error)
@@ -627,8 +629,9 @@ class Store:
     def fail_item(self, lease: Lease, error: str) -> bool:
         """An error raised for this item: it fails (a user may retry it, POST /v1/jobs/{id}/retry)."""
         with self._tx() as conn:
-            won = conn.execute(update(items).where(*_held(lease)).values(
-                state="failed", error=error[:2000], finished_at=time.time(), **_NO_LEASE)).rowcount == 1
+            won = conn.execute(update(items).where(*_HELD).values(
+                state="failed", error=error[:2000], finished_at=time.time(), **_NO_LEASE),
+                _held_params(lease)).rowcount == 1
         self._drop_preview(lease.job_id, lease.index)
         self.changes.notify([lease.job_id])
         return won
@@ -744,6 +747,7 @@ _NO_LEASE = dict(lease_owner=None, lease_token=None, lease_expires=None)
 _LEASABLE = and_(items.c.model.in_(bindparam("models", expanding=True)), items.c.not_before <= bindparam("now"),
                  or_(items.c.state == "queued",
                      and_(items.c.state == "running", items.c.lease_expires < bindparam("now"))))
+_ANY_LEASABLE = select(items.c.idx).where(_LEASABLE).limit(1)
 _LEASE_LEVEL = select(func.max(items.c.crashes)).where(_LEASABLE, items.c.crashes >= 2)
 
 
@@ -769,7 +773,7 @@ def _params(stored: str) -> JobParams:
 
 
 _HELD = (items.c.job_id == bindparam("held_job"), items.c.idx == bindparam("held_idx"), items.c.state == "running",
-         items.c.lease_token == bindparam("held_token"))  # ``_held`` as parameters: the lease still holds the item
+         items.c.lease_token == bindparam("held_token"))  # the lease still holds the item (``_held_params``)
 _COMMIT_DONE = update(items).where(*_HELD).values(state="done", step=items.c.total_steps, path=bindparam("path"),
                                                   finished_at=bindparam("finished_at"), **_NO_LEASE)
 
@@ -790,11 +794,6 @@ def _preview_key(name: str) -> tuple[int, int] | None:
 def _held_params(lease: Lease) -> dict:
     """``_HELD``'s parameters for ``lease``."""
     return {"held_job": lease.job_id, "held_idx": lease.index, "held_token": lease.token}
-
-
-def _held(lease: Lease):
-    return (items.c.job_id == lease.job_id, items.c.idx == lease.index, items.c.state == "running",
-            items.c.lease_token == lease.token)
 
 
 def _of(tenant: str | None) -> tuple:
