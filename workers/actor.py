@@ -7,7 +7,8 @@ never touch the engine, so the engine stays single-threaded:
 - ``submit(items)`` / ``cancel(ids)`` queue work; the loop admits or drops it at the next step
   boundary (a cancelled item stops before its next step). Each returns a list as long as its input.
 - ``poll(wait_s)`` hands over what happened since the last poll: per-item progress, finished items
-  as PNG bytes, the latest preview of running items that asked for them (key, step, PNG bytes),
+  as PNG bytes, the latest preview of running items that asked for them (key, step, PNG bytes; encoded
+  by the poll, only the latest of each item, never by the step loop),
   failed items with their error (an error raised for that item), crashed items (a step they were in
   raised: the batch's fault until shown otherwise, so the scheduler requeues them), step durations,
   seconds spent stepping out of the seconds since the last poll, the engine's counters, and for each
@@ -111,7 +112,8 @@ class Worker:
         self._news = threading.Condition(self._lock)  # notified when an item ends: wakes a long poll
         self._progress: dict[str, tuple[int, int]] = {}
         self._finished: list[tuple[str, bytes]] = []
-        self._previews: dict[str, tuple[int, bytes]] = {}  # item key -> its latest (step, PNG) not polled yet
+        self._previews: dict[str, tuple[int, object]] = {}  # item key -> its latest (step, uint8 image) not
+        # polled yet: encoded by the poll that takes it, so the step loop never encodes one
         self._admitted: dict[str, tuple[float, float]] = {}  # item key -> (submit received, engine took it), time.time()
         self._timings: dict[str, tuple[float, float, float]] = {}  # finished item -> (received, admitted, PNG
         # ready), not polled yet
@@ -168,15 +170,16 @@ class Worker:
             if wait_s > 0 and not (self._finished or self._failed or self._crashed or self._stop.is_set()):
                 self._news.wait(wait_s)
             now = time.perf_counter()
+            previews = self._previews
             report = {"progress": dict(self._progress), "finished": self._finished, "failed": self._failed,
                       "timings": self._timings,
-                      "previews": [(k, step, png) for k, (step, png) in self._previews.items()],
                       "crashed": self._crashed, "step_seconds": self._step_seconds, "busy_s": self._busy_s,
                       "window_s": now - self._since, "stats": self.engine.stats(), "answered": time.time()}
             self._finished, self._failed, self._crashed, self._step_seconds = [], [], [], []
             self._timings = {}
             self._previews = {}
             self._busy_s, self._since = 0.0, now
+        report["previews"] = [(k, step, _png(image, self._png_level)) for k, (step, image) in previews.items()]
         return report
 
     def stop(self) -> None:
@@ -256,8 +259,7 @@ class Worker:
             self._drop_all(f"engine step failed: {type(e).__name__}: {str(e)[:500]}")
             return
         dt = time.perf_counter() - t0
-        previews = {p.request_id: (p.step, _png(p.image, self._png_level))
-                    for p in self.engine.take_previews()}  # latest per item
+        previews = {p.request_id: (p.step, p.image) for p in self.engine.take_previews()}  # latest per item
         with self._lock:
             self._step_seconds.append(dt)
             self._busy_s += dt

@@ -229,3 +229,42 @@ def test_pngs_are_encoded_off_the_step_loop_and_an_encoding_failure_fails_only_i
     finally:
         gate.set()
         w.stop()
+
+
+def test_previews_are_encoded_by_the_poll_that_takes_them_never_by_the_step_loop(monkeypatch):
+    """A preview at every step costs the step loop no PNG: it keeps each item's latest raw preview, and the
+    poll encodes only those it hands over (one per item, however many steps ran since the last poll)."""
+    import threading
+
+    from workers import actor
+
+    real, encoded_on = actor._png, []
+
+    def png(image, level=actor.PNG_COMPRESS_LEVEL):
+        encoded_on.append((threading.current_thread().name, image.shape))
+        return real(image, level)
+
+    monkeypatch.setattr(actor, "_png", png)
+    w = Worker(WorkerSpec(models=("digits",), max_batch=8, torch_threads=1))
+    try:
+        w.submit([_item(1, steps=300, preview_every=1), _item(2, steps=300, preview_every=1)])
+        deadline = time.monotonic() + 30
+        while not w._previews:  # several steps, each leaving a preview, and no poll in between
+            assert time.monotonic() < deadline, "no preview"
+            time.sleep(0.05)
+        time.sleep(0.1)
+        first = w.poll()
+        assert first["previews"], "previews of running items ride along with a poll"
+        assert sorted(k for k, _, _ in first["previews"]) == sorted({k for k, _, _ in first["previews"]})
+        assert all(Image.open(io.BytesIO(data)).size == (8, 8) for _, _, data in first["previews"])
+        finished, failed, reports = _drain(w, {"job/1", "job/2"})
+        assert failed == {} and set(finished) == {"job/1", "job/2"}
+        steps = sum(len(r["step_seconds"]) for r in [first, *reports])
+        preview_pngs = [shape for name, shape in encoded_on if shape == (8, 8)]
+        sent = sum(len(r["previews"]) for r in [first, *reports])
+        assert len(preview_pngs) - 2 == sent  # the two finished images are the other (8, 8) PNGs
+        assert sent < 2 * steps  # not one per item and step: the latest per poll
+        loop_names = {name for name, _ in encoded_on if name == "engine-loop"}
+        assert not loop_names, "the step loop encoded a PNG"
+    finally:
+        w.stop()

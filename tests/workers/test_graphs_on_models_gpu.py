@@ -104,12 +104,14 @@ def test_dit_xl_captured_decode_makes_the_plain_decodes_images(dit_xl):
     from workers.spec import ItemSpec
 
     specs = [ItemSpec(id=str(i), label=i, seed=i, sampler="ddim", steps=5, guidance=4.0) for i in range(3)]
-    plain = Engine(dit_xl, EngineConfig(backend="breakable", max_batch=4)).generate(specs)
     eng = Engine(dit_xl, EngineConfig(backend="breakable", max_batch=4, decode_graphs=True))
     eng.warmup()
     got = eng.generate(specs)
+    # the plain decode of the very latents the engine decoded: only the decode differs (an engine of its own
+    # would also step another batch size, whose bf16 GEMMs round differently: a mean of ~0.5 levels on an H200)
+    plain = decode(dit_xl, torch.stack([r.latents for r in got]).cuda())
     for a, b in zip(got, plain):
-        diff = np.abs(a.image.astype(int) - b.image.astype(int))
+        diff = np.abs(a.image.astype(int) - b.astype(int))
         assert diff.max() <= 3 and diff.mean() <= 0.05, (diff.max(), diff.mean())
     (group,) = eng.groups.values()
     assert all(s["captures"] == 1 for s in group.decoder.stats()["buckets"].values())
