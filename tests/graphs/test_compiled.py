@@ -100,11 +100,38 @@ def test_one_compile_at_warmup_serves_every_bucket():
     runner = GraphRunner(step, INPUTS, OUTPUTS, max_batch=8, device="cpu")
     runner.warmup()  # eager backend: still calls the compiled step once per bucket, largest first
     assert step.graphs == 1 and step.compile_s > 0
-    for n in range(10):  # 9 = 8 + 1: the one-row bucket runs as two rows of the same static buffers
+    assert step.one_row_graphs == 1  # the one-row bucket: a graph of its own (dynamo specialises size 1)
+    for n in range(10):  # 9 = 8 + 1
         live = make_inputs(n, seed=n)
         assert_close(runner.run(**live), plain(**live))
     assert step.stats() == {**step.stats(), "compiled": True, "graphs": 1, "fallback_reason": None}
-    assert counters["stats"]["unique_graphs"] - graphs0 == 1  # dynamo's own count agrees: no recompile
+    assert step.one_row_graphs == 1  # no bucket compiled again when it ran
+    assert counters["stats"]["unique_graphs"] - graphs0 == 2  # dynamo's own count agrees: no recompile
+
+
+def test_a_one_row_call_computes_one_row_in_a_graph_of_its_own():
+    """Not two rows with one dropped: the break inside the compiled step sees one row, and the one-row
+    graph is compiled once, beside the batch's (which later calls of any other size reuse)."""
+    plain = make_step()
+    step = CompiledStep(plain, "mlp")
+    step(**make_inputs(8))
+    rows_seen = []
+
+    class Rows(Recording):
+        def break_on(self, fn, args, kwargs):
+            rows_seen.append(args[0].shape[0])
+            return super().break_on(fn, args, kwargs)
+
+    wants = {n: plain(**make_inputs(n, seed=n)) for n in (1, 3)}
+    rec = breakable._local.capture = Rows()
+    try:
+        for n in (1, 1, 3, 1):
+            assert_close(step(**make_inputs(n, seed=n)), wants[n])
+    finally:
+        breakable._local.capture = None
+    assert rows_seen == [1, 1, 3, 1] and len(rec.breaks) == 4
+    assert (step.graphs, step.one_row_graphs) == (1, 1)
+    assert step.stats()["one_row_graphs"] == 1
 
 
 def test_a_break_stays_a_call_in_the_compiled_step():
