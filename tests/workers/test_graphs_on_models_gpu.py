@@ -100,7 +100,7 @@ def test_dit_xl_captured_decode_makes_the_plain_decodes_images(dit_xl):
     each decode of one image takes."""
     import time
 
-    from workers.engine import Engine, EngineConfig, decode
+    from workers.engine import Engine, EngineConfig, _vae_pixels, decode
     from workers.spec import ItemSpec
 
     specs = [ItemSpec(id=str(i), label=i, seed=i, sampler="ddim", steps=5, guidance=4.0) for i in range(3)]
@@ -110,10 +110,14 @@ def test_dit_xl_captured_decode_makes_the_plain_decodes_images(dit_xl):
     # the plain decode of the very latents the engine decoded: only the decode differs (an engine of its own
     # would also step another batch size, whose bf16 GEMMs round differently: a mean of ~0.5 levels on an H200)
     plain = decode(dit_xl, torch.stack([r.latents for r in got]).cuda())
-    for a, b in zip(got, plain):
-        diff = np.abs(a.image.astype(int) - b.astype(int))
-        assert diff.max() <= 3 and diff.mean() <= 0.05, (diff.max(), diff.mean())
+    for a, b in zip(got, plain):  # 3 images through bucket 4 (padded) against a plain batch of 3: on an
+        diff = np.abs(a.image.astype(int) - b.astype(int))  # H200 at most 1 level, in 16% of the pixels
+        assert diff.max() <= 3 and diff.mean() <= 0.5, (diff.max(), diff.mean())
     (group,) = eng.groups.values()
+    # at the bucket's own batch size the replay is the plain decode's arithmetic: within rounding
+    four = torch.stack([r.latents for r in got] + [got[0].latents]).cuda()
+    replayed = group.decoder.run(latents=four)["pixels"].float()
+    assert (replayed - _vae_pixels(dit_xl, four).float()).abs().max().item() <= 1 / 127.5
     assert all(s["captures"] == 1 for s in group.decoder.stats()["buckets"].values())
     latents = torch.stack([r.latents for r in got[:1]]).cuda()
     times = {}
