@@ -105,9 +105,9 @@ def to_rgb(denoised, pmap: PreviewMap, max_side: int = MAX_SIDE):
 @functools.cache
 def _factors(pmap: PreviewMap, device):
     """``pmap``'s weight and bias as float32 tensors on ``device``, scaled from [-1, 1] to uint8 levels
-    (``(v + 1) * 127.5``), made once: building them per call
-    copied from pageable host memory, which on a GPU waits for every step queued before it (the host
-    could no longer run ahead of the GPU: +25-33% step time with a preview at every step on an H200)."""
+    (``(v + 1) * 127.5``), made once: building them per call copied from pageable host memory, which on a
+    GPU waits for every step queued before it (the host could no longer run ahead of the GPU: +25-33% step
+    time with a preview at every step on an H200)."""
     import torch
 
     weight = torch.tensor(pmap.weight, dtype=torch.float64) * 127.5
