@@ -72,7 +72,11 @@ SYSTEMS = {  # name -> (backend, compile, precision, how compiled breaks get the
     "full+inductor+unpatched": ("full", "inductor", "bf16", "aliased", False),
     "breakable+fp8": ("breakable", "off", "fp8", "aliased", True),
     "full+inductor+fp8": ("full", "inductor", "fp8", "aliased", True),
+    "breakable+fp8+torchquant": ("breakable", "off", "fp8", "aliased", True),
+    "full+inductor+fp8+torchquant": ("full", "inductor", "fp8", "aliased", True),
 }
+# +torchquant: the FP8 systems with the activations quantized by PyTorch operations (what Inductor fuses
+# them into when compiled, the GELU with them) instead of workers.quant_kernel's Triton kernel
 
 
 def device_setup(smoke: bool) -> tuple[str, torch.dtype]:
@@ -141,12 +145,22 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     """Median ms at each image count, pool, warm-up and compile stats; `breakable` fills ``reference``
     (x_next per image count), the others report their largest difference from it (and its norm relative
     to the reference's: the error FP8 adds)."""
+    from workers import fp8
+
+    backend, compile_mode, _, break_args, patched = SYSTEMS[name]
+    fp8.ROW_KERNEL = not name.endswith("+torchquant")
+    try:
+        return _bench_system(model, name, args, inputs, reference, backend, compile_mode, break_args, patched)
+    finally:
+        fp8.ROW_KERNEL = True
+
+
+def _bench_system(model, name, args, inputs, reference, backend, compile_mode, break_args, patched) -> dict:
     from workers.patches import restore_attention, restore_modulation
 
     from graphs.compiled import break_args as current_break_args
     from graphs.compiled import set_break_args
 
-    backend, compile_mode, _, break_args, patched = SYSTEMS[name]
     before = current_break_args()
     if not patched and model.card.family == "dit":  # diffusers' own model (an earlier system patched it)
         restore_attention(model.transformer)

@@ -18,6 +18,10 @@ How
   the model's dtype (bfloat16 on a GPU).
 * Inputs shared by several projections (q, k and v read the same hidden states) are quantized once
   (``quantize_rows``, then ``Fp8Linear.mm_into``; ``workers.patches`` does this).
+* On CUDA the quantization is one Triton kernel (``workers.quant_kernel``: one read of the rows, one
+  write), and a feed-forward's GELU moves into it: the first linear writes its bf16 product and the
+  second linear's quantization applies the GELU as it reads it (``fold_gelus``), so the activation costs
+  no pass of its own. Elsewhere the same arithmetic runs as PyTorch operations.
 
 Where
 -----
@@ -29,7 +33,10 @@ runs on PyTorch's CPU kernel, which is what the tests use; it is not faster ther
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from workers import quant_kernel
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -60,13 +67,21 @@ def _row_scales(x: torch.Tensor) -> torch.Tensor:
     return (peak.float() / FP8_MAX).clamp_(min=1e-12)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) -> (M, K) float8 e4m3 and its (M, 1) float32 scales, so that x ~ q * scale row by row.
+ROW_KERNEL = True  # CUDA rows go through workers.quant_kernel (a benchmark turns it off to compare)
 
-    The rows are multiplied by the scales' reciprocals in x's own dtype: on a GPU (bf16) that keeps the
-    passes over the activations in 2 bytes per value instead of promoting them to float32 (on an H200 the
-    float32 division was the largest single kernel of an uncompiled FP8 step); bf16's rounding (2^-9) is far
-    below e4m3's (2^-4)."""
+
+def quantize_rows(x: torch.Tensor, gelu: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) -> (M, K) float8 e4m3 and its (M, 1) float32 scales, so that gelu(x) ~ q * scale row by row
+    (``gelu``: "none", or F.gelu's "tanh" / "erf" form, applied first).
+
+    On CUDA one Triton kernel (``workers.quant_kernel``) does all of it in float32. Otherwise the rows
+    are multiplied by the scales' reciprocals in x's own dtype: on a GPU (bf16) that keeps the passes over
+    the activations in 2 bytes per value instead of promoting them to float32; bf16's rounding (2^-9) is
+    far below e4m3's (2^-4)."""
+    if ROW_KERNEL and quant_kernel.available(x):
+        return torch.ops.dit_serve.quantize_rows(x, gelu)
+    if gelu != "none":
+        x = F.gelu(x, approximate="tanh" if gelu == "tanh" else "none")
     scale = _row_scales(x)
     return (x * scale.reciprocal().to(x.dtype)).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
@@ -83,9 +98,11 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", scale.t().contiguous())  # (1, N)
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.gelu = "none"  # an activation applied to the input first (fold_gelus), in its quantization
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, row scales"
+        act = "" if self.gelu == "none" else f", gelu({self.gelu}) of the input first"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, row scales{act}"
 
     def mm_into(self, xq: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (M, N) <- the product of quantized rows (``quantize_rows``) with this weight, plus bias."""
@@ -93,7 +110,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, rows = x.shape[:-1], x.reshape(-1, self.in_features)
-        xq, scale = quantize_rows(rows)
+        xq, scale = quantize_rows(rows, self.gelu)
         return self._mm(xq, scale, x.dtype).view(*lead, self.out_features)
 
     def _mm(self, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype,
@@ -141,7 +158,43 @@ def quantize_linears(transformer: nn.Module) -> list[str]:
             parent = blocks.get_submodule(parent_name) if parent_name else blocks
             parent._modules[child] = Fp8Linear(module)
             done.append(f"{list_name}.{name}")
+    fold_gelus(transformer)
     return done
+
+
+class Projection(nn.Module):
+    """What is left of diffusers' ``GELU`` once its activation moved into the next linear: the product."""
+
+    def __init__(self, proj: nn.Module) -> None:
+        super().__init__()
+        self.proj = proj  # the same attribute name, so state-dict keys stay ``net.0.proj.*``
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def fold_gelus(transformer: nn.Module) -> int:
+    """In each feed-forward ``net`` of GELU(proj) -> [Dropout] -> linear where both linears are FP8, move
+    the GELU into the second linear's input quantization (``Fp8Linear.gelu``); the result is the same
+    function (dropout is the identity in inference). Returns how many were folded."""
+    from diffusers.models.activations import GELU
+
+    folded = 0
+    for module in transformer.modules():
+        net = getattr(module, "net", None)
+        if not isinstance(net, nn.ModuleList):
+            continue
+        for i, act in enumerate(net):
+            if not (type(act) is GELU and isinstance(act.proj, Fp8Linear)):
+                continue
+            j = i + 1
+            while j < len(net) and isinstance(net[j], nn.Dropout):
+                j += 1
+            if j < len(net) and isinstance(net[j], Fp8Linear) and net[j].gelu == "none":
+                net[j].gelu = "tanh" if act.approximate == "tanh" else "erf"
+                net[i] = Projection(act.proj)
+                folded += 1
+    return folded
 
 
 def linear_into(x: torch.Tensor, projections: list[tuple[nn.Module, torch.Tensor]]) -> None:
@@ -182,6 +235,7 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
         fused = Fp8Linear.__new__(Fp8Linear)
         nn.Module.__init__(fused)
         fused.in_features, fused.out_features, fused.dtype = ins.pop(), sum(dims), parts[0].dtype
+        fused.gelu = "none"
         _fuse(parts, fused, "weight_fp8", 0, dims)
         _fuse(parts, fused, "weight_scale", 1, dims)  # (1, N): the output rows' scales side by side
         fused.register_buffer("bias", None)

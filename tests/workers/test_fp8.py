@@ -123,7 +123,7 @@ def test_projections_into_slices_share_one_quantization_and_match_forward(monkey
     slots = [out[:, i * 64:(i + 1) * 64] for i in range(4)]
     calls = []
     real = fp8.quantize_rows
-    monkeypatch.setattr(fp8, "quantize_rows", lambda t: calls.append(1) or real(t))
+    monkeypatch.setattr(fp8, "quantize_rows", lambda t, gelu="none": calls.append(1) or real(t, gelu))
     with torch.no_grad():
         linear_into(x, [*zip(fp, slots[:3]), (plain, slots[3])])
     assert len(calls) == 1  # one quantization of x for the three fp8 projections
@@ -148,6 +148,47 @@ def test_the_block_linears_are_taken_and_modulation_embedders_and_odd_sizes_are_
                for n in linears - set(taken))  # besides the odd one, only modulation linears are left in blocks
     assert isinstance(dit.transformer_blocks[0].attn1.to_out[0], Fp8Linear)
     assert isinstance(dit.transformer_blocks[0].norm1.linear, nn.Linear)
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_a_feed_forwards_gelu_moves_into_its_second_linears_quantization_and_computes_the_same(approximate):
+    """quantize_linears folds GELU(proj) -> Dropout -> linear: the first linear keeps only its product, the
+    second applies the GELU as it quantizes its input; the block's output is what the unfolded FP8
+    feed-forward gives (the same operations on a CPU), and a net already folded is left alone."""
+    import copy
+
+    from diffusers.models.activations import GELU
+    from diffusers.models.attention import FeedForward
+
+    torch.manual_seed(0)
+    ff = FeedForward(64, activation_fn="gelu-approximate" if approximate == "tanh" else "gelu")
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer_blocks = nn.ModuleList([nn.ModuleDict({"ff": ff})])
+
+    folded, unfolded = Blocks(), None
+    unfolded = copy.deepcopy(folded)
+    monkey = fp8.fold_gelus
+    try:
+        fp8.fold_gelus = lambda transformer: 0
+        quantize_linears(unfolded)
+    finally:
+        fp8.fold_gelus = monkey
+    quantize_linears(folded)
+    net = folded.transformer_blocks[0]["ff"].net
+    assert isinstance(net[0], fp8.Projection) and isinstance(net[0].proj, Fp8Linear)
+    assert net[2].gelu == ("tanh" if approximate == "tanh" else "erf")
+    assert type(unfolded.transformer_blocks[0]["ff"].net[0]) is GELU
+    assert fp8.fold_gelus(folded) == 0  # nothing left to fold
+    keys = set(folded.state_dict())
+    assert keys == set(unfolded.state_dict()) and "transformer_blocks.0.ff.net.0.proj.weight_fp8" in keys
+    x = torch.randn(3, 10, 64)
+    with torch.no_grad():
+        got, want = folded.transformer_blocks[0]["ff"](x), unfolded.transformer_blocks[0]["ff"](x)
+    assert torch.equal(got, want)
+    assert "gelu(tanh)" in repr(net[2]) or "gelu(erf)" in repr(net[2])
 
 
 def test_mmdit_blocks_and_flux_single_blocks_are_taken_and_the_latents_stay_close(tmp_path):

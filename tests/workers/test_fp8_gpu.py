@@ -84,3 +84,57 @@ def test_the_text_oracle_through_compiled_fp8_graphs_is_within_two_points():
     engine.warmup()
     (group,) = engine.stats()["groups"].values()
     assert group["compile"]["compiled"] and group["compile"]["graphs"] == 1  # every bucket from one compile
+
+
+@pytest.mark.parametrize("k", [1152, 4608, 15360])
+@pytest.mark.parametrize("gelu", ["none", "tanh", "erf"])
+def test_the_row_kernel_quantizes_as_the_pytorch_reference_does(k, gelu):
+    """workers.quant_kernel against the PyTorch path in float32 on the same bf16 rows (a zero row among
+    them): the same scales, and codes that differ only where the two GELU formulas round a value across a
+    code boundary (at most one code step, on at most 0.1% of the values)."""
+    from workers import fp8
+
+    torch.manual_seed(k)
+    x = (torch.randn(333, k, device="cuda") * torch.logspace(-2, 2, 333, device="cuda")[:, None]).bfloat16()
+    x[7] = 0
+    q, scale = fp8.quantize_rows(x, gelu)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (333, k) and scale.shape == (333, 1)
+    fp8.ROW_KERNEL = False
+    try:
+        rq, rscale = fp8.quantize_rows(x.float(), gelu)
+    finally:
+        fp8.ROW_KERNEL = True
+    torch.testing.assert_close(scale, rscale, rtol=1e-5, atol=0)
+    got, want = q.float(), rq.float()
+    assert torch.equal(got[7], torch.zeros(k, device="cuda"))
+    differ = got != want
+    assert differ.float().mean().item() <= 1e-3
+    step = (want.abs().clamp(min=2 ** -6).log2().floor() - 3).exp2()  # e4m3's spacing at each value
+    assert ((got - want).abs() <= step * 1.0001 + 2 ** -9)[differ].all()
+
+
+def test_the_row_kernel_compiles_once_for_a_dynamic_batch_and_captures_into_a_graph():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from workers import fp8
+
+    def fn(x):
+        q, s = fp8.quantize_rows(x, "tanh")
+        return q.float() * s
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(fn, dynamic=True, backend=counter)
+    for m in (2, 6, 130):
+        x = torch.randn(m, 1152, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(compiled(x), fn(x), rtol=0, atol=0)
+    assert counter.frame_count == 1  # one graph for every batch
+    x = torch.randn(64, 4608, device="cuda", dtype=torch.bfloat16)
+    fn(x)  # the kernel compiled before capture
+    out = torch.empty(64, 4608, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(fn(x))
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, fn(x), rtol=0, atol=0)
