@@ -98,7 +98,7 @@ def worker_threads(environ: dict) -> int:
     return int(environ.get("OMP_NUM_THREADS") or max(1, math.floor(WorkerConfig().num_cpus)))
 
 
-def build_engine(model: str):
+def build_engine(model: str, backend: str = "breakable"):
     """An engine as a worker builds one (workers/actor.py), on GPU 0 or the CPU, with the worker's
     threads (on a CPU, two threads against the worker's one would not compare the service), warmed up."""
     import torch
@@ -109,7 +109,7 @@ def build_engine(model: str):
     torch.set_num_threads(worker_threads(dict(os.environ)))
     cuda = torch.cuda.is_available()
     loaded = load_model(model, device="cuda" if cuda else "cpu", dtype=chaos.worker_dtype(model, cuda))
-    engine = Engine(loaded, EngineConfig(backend="breakable" if cuda else "eager", max_batch=MAX_BATCH))
+    engine = Engine(loaded, EngineConfig(backend=backend if cuda else "eager", max_batch=MAX_BATCH))
     engine.warmup()
     return engine
 
@@ -196,7 +196,7 @@ def engine_previews(engine, s: dict) -> dict:
 def measure_engine(s: dict) -> dict:
     import torch
 
-    engine = build_engine(s["model"])
+    engine = build_engine(s["model"], s["backend"])
     single = [generate_s(engine, specs(s, 1)) * 1e3 for _ in range(WARMUP + s["single"])][WARMUP:]
     generate_s(engine, specs(s, min(s["images"], MAX_BATCH)))  # warm-up batch
     rates = [s["images"] / generate_s(engine, specs(s, s["images"])) for _ in range(s["repeats"])]
@@ -234,7 +234,8 @@ def service_phase(s: dict, gpus: int, tmp: Path, drive) -> dict:
 
     cuda = torch.cuda.is_available()
     run = Path(tempfile.mkdtemp(prefix=f"serve-{gpus}gpu-", dir=tmp))
-    (run / "dit-serve.toml").write_text(f"[workers]\nmax_batch = {MAX_BATCH}\n")
+    backend = f'backend = "{s["backend"]}"\n' if cuda else ""
+    (run / "dit-serve.toml").write_text(f"[workers]\nmax_batch = {MAX_BATCH}\n{backend}")
     env = {"CUDA_VISIBLE_DEVICES": visible_devices(gpus, dict(os.environ))} if cuda else {}
     t0 = time.monotonic()
     served = chaos.start_serve(run / "data", run / "serve.log", config=run / "dit-serve.toml",
@@ -508,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, choices=(1, 2), help="2: also a service on GPUs 0 and 1 (scaling)")
     p.add_argument("--steps", type=positive, help="denoising steps (default: the model card's)")
     p.add_argument("--sampler", choices=sorted(RULES), help="the sampler (default: the model card's)")
+    p.add_argument("--backend", choices=("breakable", "full"), default="breakable",
+                   help="the graph backend of the engine and of the service's workers on a GPU (default breakable)")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     p.add_argument("--smoke", action="store_true", help="tiny sizes on any device: " + json.dumps(SMOKE))
     return p
@@ -523,7 +526,7 @@ def settings(args: argparse.Namespace) -> dict:
         raise ValueError(f"{s['model']} is a {card.conditioning} model: the benchmark submits class labels")
     s.update(sampler=args.sampler or card.defaults["sampler"], steps=args.steps or card.defaults["steps"],
              guidance=card.defaults["guidance"], classes=min(10, card.num_classes), max_batch=MAX_BATCH,
-             warmup=WARMUP, smoke=args.smoke)
+             warmup=WARMUP, smoke=args.smoke, backend=args.backend)
     check_settings(s["sampler"], s["steps"], 0.0, card.prediction_type, card.num_train_timesteps)
     return s
 
