@@ -1,7 +1,7 @@
 """Service overhead: the real `dit-serve serve` against the engine it runs, in one run on one machine.
 
 First the engine alone, in this process on GPU 0, built as a worker builds it (`workers/actor.py`: the
-model card's dtype on CUDA, float32 on a CPU; breakable graphs on CUDA, eager on a CPU; buckets up to 64;
+model card's dtype on CUDA, float32 on a CPU; the "graphs" backend on CUDA (--backend), eager on a CPU; buckets up to 64;
 the worker actor's torch threads; warmed up); then it is freed, and the service starts as a subprocess
 (`dit-serve serve --model M`, a fresh data folder, `[workers] max_batch = 64`, GPU 0 alone; then GPUs 0
 and 1 if asked) and is driven through the Python SDK. Both sides make PNG bytes: the engine's times
@@ -98,7 +98,7 @@ def worker_threads(environ: dict) -> int:
     return int(environ.get("OMP_NUM_THREADS") or max(1, math.floor(WorkerConfig().num_cpus)))
 
 
-def build_engine(model: str, backend: str = "breakable"):
+def build_engine(model: str, backend: str = "graphs"):
     """An engine as a worker builds one (workers/actor.py), on GPU 0 or the CPU, with the worker's
     threads (on a CPU, two threads against the worker's one would not compare the service), warmed up."""
     import torch
@@ -234,7 +234,7 @@ def service_phase(s: dict, gpus: int, tmp: Path, drive) -> dict:
 
     cuda = torch.cuda.is_available()
     run = Path(tempfile.mkdtemp(prefix=f"serve-{gpus}gpu-", dir=tmp))
-    backend = f'backend = "{s["backend"]}"\n' if cuda else ""
+    backend = f'backend = "{s["backend"]}"\n' if cuda and s["backend"] != "graphs" else ""  # graphs: the default
     (run / "dit-serve.toml").write_text(f"[workers]\nmax_batch = {MAX_BATCH}\n{backend}")
     env = {"CUDA_VISIBLE_DEVICES": visible_devices(gpus, dict(os.environ))} if cuda else {}
     t0 = time.monotonic()
@@ -509,8 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, choices=(1, 2), help="2: also a service on GPUs 0 and 1 (scaling)")
     p.add_argument("--steps", type=positive, help="denoising steps (default: the model card's)")
     p.add_argument("--sampler", choices=sorted(RULES), help="the sampler (default: the model card's)")
-    p.add_argument("--backend", choices=("breakable", "full"), default="breakable",
-                   help="the graph backend of the engine and of the service's workers on a GPU (default breakable)")
+    p.add_argument("--backend", choices=("graphs", "breakable", "full"), default="graphs",
+                   help="the graph backend of the engine and of the service's workers on a GPU (default graphs, "
+                        "the workers' own default there)")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     p.add_argument("--smoke", action="store_true", help="tiny sizes on any device: " + json.dumps(SMOKE))
     return p

@@ -79,7 +79,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
-    p.add_argument("--backend", default="auto", choices=["auto", "eager", "full", "breakable"])
+    p.add_argument("--backend", default="auto", choices=["auto", "eager", "full", "breakable", "graphs"],
+                   help="auto: graphs on CUDA (whole-step graphs per model, breakable ones where a step has eager "
+                        "breaks), eager on the CPU")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
                    help="fp8: the transformer blocks' linears as FP8 matrix products (GPUs of compute capability "
                         "8.9+, or the CPU); bf16: the model's dtype")

@@ -56,7 +56,8 @@ class WorkerSpec:
     models: tuple[str, ...] = ("digits", "digits-text")
     device: str = "auto"   # auto: CUDA when present (Ray sets CUDA_VISIBLE_DEVICES per actor)
     dtype: str = "auto"    # auto: the model card's on CUDA (bfloat16 unless it says float32), else float32
-    backend: str = "auto"  # auto: breakable on CUDA, eager on the CPU
+    backend: str = "auto"  # auto: on CUDA the engine's "graphs" (per model: whole-step graphs, or breakable
+                           # ones where its step has eager breaks), eager on the CPU
     max_batch: int = 64
     torch_threads: int | None = None
     cross_attention: str = "auto"  # text models: "auto" | "padded" | "varlen" (EngineConfig)
@@ -76,7 +77,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec):
         import torch
 
-        from workers.engine import Engine, EngineConfig
+        from workers.engine import Engine, EngineConfig, auto_backend
         from workers.loading import load_model
 
         if spec.torch_threads:
@@ -95,7 +96,7 @@ class Worker:
         precision = dict(spec.precision)
         models = [load_model(m, device=self.device, dtype=d, encoder_device=spec.text_encoder_device or None,
                              precision=precision.get(m, "bf16")) for m, d in zip(spec.models, dtypes)]
-        self.backend = ("breakable" if on_cuda else "eager") if spec.backend == "auto" else spec.backend
+        self.backend = auto_backend(self.device) if spec.backend == "auto" else spec.backend
         from workers.sizes import parse_size
 
         self.engine = Engine(models, EngineConfig(backend=self.backend, max_batch=spec.max_batch,
@@ -143,6 +144,7 @@ class Worker:
         from workers.sdpa import CHOOSER
 
         return {"models": sorted(self.engine.models), "device": self.device, "backend": self.backend,
+                "backends": {name: self.engine.config.backend_for(m) for name, m in self.engine.models.items()},
                 "attention": dict(self.engine.attention),
                 "attention_kernels": CHOOSER.summary(),  # measured at warm-up: once, not in every poll's stats
                 "precision": {name: m.precision for name, m in self.engine.models.items()},

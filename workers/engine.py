@@ -77,7 +77,8 @@ class _PendingPreviews:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    backend: str = "eager"        # eager | full | breakable
+    backend: str = "eager"        # eager | full | breakable | graphs: per model, full where its step has no
+                                  # eager break (the family's needs_breaks), else breakable (backend_for)
     max_batch: int = 64           # largest graph bucket (a power of two)
     attention_patch: bool = True  # families with BREAK_ATTENTION (DiT): self-attention through workers.patches
                                   # (q, k, v one product, the kernel measured fastest per shape): an eager
@@ -101,12 +102,28 @@ class EngineConfig:
             if mode not in COMPILE_MODES:
                 raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
 
+    def backend_for(self, model) -> str:
+        """The graph backend of ``model``'s groups: ``backend``, except that "graphs" picks whole-step graphs
+        (one replay per step, no host work between kernels) for a step without eager breaks, and breakable
+        graphs for one whose family breaks it (PixArt's varlen cross-attention). DiT's self-attention
+        patch is a break only under breakable: under full the same kernel is captured in the graph."""
+        if self.backend != "graphs":
+            return self.backend
+        needs = getattr(family_of(model), "needs_breaks", None)
+        return "breakable" if needs is not None and needs(model) else "full"
+
     def compile_mode(self, model: str) -> str:
         """How ``model``'s steps run: its own mode if listed in ``compile_models``, else ``compile``."""
         return dict(self.compile_models).get(model, self.compile)
 
 
 COMPILE_MODES = ("off", "inductor")
+
+
+def auto_backend(device: str) -> str:
+    """The backend "auto" means for a worker or ``dit-serve generate`` on ``device``: "graphs" on CUDA
+    (whole-step graphs per model, breakable ones where its step has eager breaks), "eager" elsewhere."""
+    return "graphs" if str(device).startswith("cuda") else "eager"
 
 
 @dataclass
@@ -164,7 +181,7 @@ class Engine:
             _prepare_compile(config.compile_cache)
         for m in models:
             family = family_of(m)
-            if config.backend in ("breakable", "full") and family.BREAK_ATTENTION:
+            if config.backend in ("breakable", "full", "graphs") and family.BREAK_ATTENTION:
                 if config.attention_patch:
                     break_attention(m.transformer)
                 if config.hoist_modulation:
@@ -198,7 +215,7 @@ class Engine:
         compiled = None if self.config.compile_mode(model.name) == "off" else \
             CompiledStep(step, f"{model.name} at {'x'.join(map(str, shape))}")
         runner = GraphRunner(compiled or step, inputs, outputs,
-                             max_batch=self.config.max_batch, backend=self.config.backend, device=device,
+                             max_batch=self.config.max_batch, backend=self.config.backend_for(model), device=device,
                              pool=pool, stream=stream)
         key = GraphKey(model.name, shape, str(model.dtype).removeprefix("torch."), runner.backend)
         decoder = decode_runner(model, shape, pool, stream) if self.config.decode_graphs and model.vae is not None \

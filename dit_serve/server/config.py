@@ -107,7 +107,7 @@ class WorkerConfig(_Section):
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved by each worker actor")
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    backend: Literal["auto", "eager", "full", "breakable"] = "auto"
+    backend: Literal["auto", "eager", "full", "breakable", "graphs"] = "auto"  # auto: graphs on CUDA, else eager
     max_batch: int = Field(64, ge=1, description="largest graph bucket, a power of two")
     max_inflight: int = Field(0, ge=0, description="items leased to one worker at once; 0: max_batch")
     torch_threads: int | None = Field(None, ge=1)

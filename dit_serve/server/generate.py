@@ -101,7 +101,7 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     import torch
     from tqdm import tqdm
 
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine, EngineConfig, auto_backend
     from workers.spec import ItemSpec
     from workers.cards import DEFAULT_MODEL, CardError, read_card
     from workers.loading import load_model, run_dtype
@@ -125,7 +125,7 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     n = len(conds)
     reqs = [ItemSpec(id=str(i), seed=a.seed + i, sampler=sampler, steps=steps, guidance=guidance, eta=a.eta,
                      **size, **c) for i, c in enumerate(conds)]
-    backend = ("breakable" if device.startswith("cuda") else "eager") if a.backend == "auto" else a.backend
+    backend = auto_backend(device) if a.backend == "auto" else a.backend
     max_batch = min(64, 1 << (n - 1).bit_length())
     engine = Engine(model, EngineConfig(backend=backend, max_batch=max_batch))
     try:

@@ -34,7 +34,8 @@ def test_a_gpu_worker_serves_a_job_through_graphs(digits_model, tmp_path):
         workers = list(svc.scheduler.workers.values())
         assert len(workers) == torch.cuda.device_count() and {w.plan.resource for w in workers} == {"GPU"}
         info = ray.get(workers[0].handle.info.remote())
-        assert info["device"].startswith("cuda") and info["backend"] == "breakable"
+        assert info["device"].startswith("cuda") and info["backend"] == "graphs"
+        assert set(info["backends"].values()) == {"full"}  # class-conditional DiTs: whole-step graphs
 
         job = client.submit(list(range(10)), num_per_label=10, seed=5, steps=50)
         job = client.wait(job, progress=False, timeout=300)

@@ -162,3 +162,25 @@ def test_a_models_own_compile_mode_overrides_the_engines(model):
         assert compiled == {"digits": default == "inductor", "digits-text": own == "inductor"}
     with pytest.raises(ValueError, match="compile must be one of"):
         EngineConfig(compile_models=(("digits", "max-autotune"),))
+
+
+def test_the_graphs_backend_captures_a_step_without_breaks_whole_and_keeps_breaks_where_a_family_has_them(model):
+    """backend "graphs": a class-conditional DiT's step is one whole-step graph (full); PixArt with varlen
+    cross-attention (an eager break per layer) keeps breakable graphs, padded cross-attention goes whole.
+    The workers' and ``generate``'s "auto" is "graphs" on CUDA and eager on a CPU."""
+    from workers.engine import auto_backend
+    from workers.families import pixart
+
+    graphs = EngineConfig(backend="graphs")
+    assert graphs.backend_for(model) == "full"
+    assert EngineConfig(backend="breakable").backend_for(model) == "breakable"
+    text = load_model("digits-text")
+    pixart.set_cross_attention(text, "varlen")
+    assert graphs.backend_for(text) == "breakable"
+    pixart.set_cross_attention(text, "padded")
+    assert graphs.backend_for(text) == "full"
+    assert auto_backend("cuda:1") == "graphs" and auto_backend("cpu") == "eager"
+    # on a CPU the runner runs the step eagerly, whatever the backend: the images are the eager engine's
+    r, own = req(3), load_model("digits")  # its own copy: the graph backends patch the model they run
+    got = Engine(own, EngineConfig(backend="graphs", max_batch=4)).generate([r])[0].latents
+    assert close(got, alone(model, r))

@@ -11,6 +11,9 @@ A family is a module with:
     BREAK_ATTENTION                              whether the graph backends patch its self-attention
                                                  (workers.patches: an eager break under breakable, fused
                                                  q, k, v and the kernel per shape under both)
+    needs_breaks(model) -> bool                  optional: whether the step has eager breaks (PixArt's varlen
+                                                 cross-attention); the engine's "graphs" backend captures a
+                                                 step without them whole (backend full), else breakable
     plan_kwargs(model, shape) -> dict            optional: extra arguments of make_plan for latents of
                                                  this shape (FLUX's resolution-dependent shift ``mu``)
     load(card, device, dtype) -> LoadedModel     optional: families that load themselves (not dit/pixart)

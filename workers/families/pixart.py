@@ -65,12 +65,20 @@ def set_cross_attention(model, mode: str) -> None:
     (varlen_cross_attention if mode == "varlen" else restore_cross_attention)(model.transformer)
 
 
-def attention_kernel(model) -> str:
-    """The cross-attention kernel this model's steps run (reported by the engine at start-up)."""
-    from workers.varlen import VarlenCrossAttention, kernel_name
+def needs_breaks(model) -> bool:
+    """Whether this model's step has eager breaks: varlen cross-attention (its kernel plans from each row's
+    real prompt length) is one; padded cross-attention captures whole."""
+    from workers.varlen import VarlenCrossAttention
 
     blocks = model.transformer.transformer_blocks
-    if blocks and isinstance(getattr(blocks[0].attn2, "processor", None), VarlenCrossAttention):
+    return bool(blocks) and isinstance(getattr(blocks[0].attn2, "processor", None), VarlenCrossAttention)
+
+
+def attention_kernel(model) -> str:
+    """The cross-attention kernel this model's steps run (reported by the engine at start-up)."""
+    from workers.varlen import kernel_name
+
+    if needs_breaks(model):
         return "cross-attention: " + kernel_name(model.device, model.dtype, model.transformer.config.attention_head_dim)
     return "cross-attention: padded to the token limit, masked (SDPA)"
 
