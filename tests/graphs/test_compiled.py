@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow
 
 INPUTS = {"x": TensorSpec((16,), torch.float32), "t": TensorSpec((), torch.float32)}
 OUTPUTS = {"y": TensorSpec((16,), torch.float32), "m": TensorSpec((), torch.float32)}
-TOL = 1e-5  # float32, Inductor's fused kernels against eager's: rounding only
+TOL = 1e-5  # float32, Inductor's fused kernels against eager's: rounding only (absolute and relative: it grows with
+            # the value; the vectorised CPU kernels of one machine differed by 1.05e-5 at |y| ~ 0.35)
 
 
 @eager_on_graph
@@ -64,7 +65,7 @@ def make_inputs(n, seed=0):
 def assert_close(got, want):
     assert set(got) == set(want)
     for k in want:
-        torch.testing.assert_close(got[k], want[k], atol=TOL, rtol=0)
+        torch.testing.assert_close(got[k], want[k], atol=TOL, rtol=TOL)
 
 
 @pytest.fixture(scope="module", autouse=True)
