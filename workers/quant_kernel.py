@@ -35,9 +35,13 @@ GELUS = ("none", "tanh", "erf")  # "none": no activation; the other two are F.ge
 _CODES = {"none": 0, "tanh": 1, "erf": 2}
 
 
+MAX_K = 32768  # a row is held in registers: wider rows (none of the families here) take the PyTorch path
+
+
 def available(x: torch.Tensor) -> bool:
-    """Whether the kernel serves ``x``: a CUDA tensor of two dimensions, and Triton present."""
-    return triton is not None and x.is_cuda and x.dim() == 2
+    """Whether the kernel serves ``x``: a CUDA tensor of two dimensions, rows of at most MAX_K values, and
+    Triton present."""
+    return triton is not None and x.is_cuda and x.dim() == 2 and x.shape[-1] <= MAX_K
 
 
 if triton is not None:
