@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -145,22 +146,12 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     """Median ms at each image count, pool, warm-up and compile stats; `breakable` fills ``reference``
     (x_next per image count), the others report their largest difference from it (and its norm relative
     to the reference's: the error FP8 adds)."""
-    from workers import fp8
-
-    backend, compile_mode, _, break_args, patched = SYSTEMS[name]
-    fp8.ROW_KERNEL = not name.endswith("+torchquant")
-    try:
-        return _bench_system(model, name, args, inputs, reference, backend, compile_mode, break_args, patched)
-    finally:
-        fp8.ROW_KERNEL = True
-
-
-def _bench_system(model, name, args, inputs, reference, backend, compile_mode, break_args, patched) -> dict:
     from workers.patches import restore_attention, restore_modulation
 
     from graphs.compiled import break_args as current_break_args
     from graphs.compiled import set_break_args
 
+    backend, compile_mode, _, break_args, patched = SYSTEMS[name]
     before = current_break_args()
     if not patched and model.card.family == "dit":  # diffusers' own model (an earlier system patched it)
         restore_attention(model.transformer)
@@ -308,6 +299,7 @@ def start(args, kind: str) -> dict:
 def run(args, result: dict, save) -> None:
     from workers.loading import load_model
 
+    from workers import fp8
     from workers.fp8 import unsupported_reason
 
     for kind in ("cold", "warm") if args.start else ():  # first, while this process holds no GPU memory
@@ -339,7 +331,8 @@ def run(args, result: dict, save) -> None:
             return
         if precision not in models:  # the same seeded weights, its block linears in FP8
             models[precision] = load_model(args.model, device=device, dtype=dtype, precision=precision)
-        result["systems"][name] = bench_system(models[precision], name, args, inputs, reference)
+        with mock.patch.object(fp8, "ROW_KERNEL", not name.endswith("+torchquant")):
+            result["systems"][name] = bench_system(models[precision], name, args, inputs, reference)
 
     if "diffusers" in args.systems:
         attempt(result, "diffusers", diffusers, save)

@@ -181,7 +181,7 @@ class Engine:
             _prepare_compile(config.compile_cache)
         for m in models:
             family = family_of(m)
-            if config.backend in ("breakable", "full", "graphs") and family.BREAK_ATTENTION:
+            if config.backend != "eager" and family.BREAK_ATTENTION:
                 if config.attention_patch:
                     break_attention(m.transformer)
                 if config.hoist_modulation:

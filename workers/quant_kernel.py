@@ -31,8 +31,7 @@ except ImportError:  # pragma: no cover - exercised on CPU-only installs
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-GELUS = ("none", "tanh", "erf")  # "none": no activation; the other two are F.gelu's approximate= values
-_CODES = {"none": 0, "tanh": 1, "erf": 2}
+_CODES = {"none": 0, "tanh": 1, "erf": 2}  # "none": no activation; "tanh" and "erf": F.gelu's two forms
 
 
 MAX_K = 32768  # a row is held in registers: wider rows (none of the families here) take the PyTorch path
@@ -72,7 +71,7 @@ def _warps(block: int) -> int:
 
 @torch.library.custom_op("dit_serve::quantize_rows", mutates_args=())
 def quantize_rows_cuda(x: torch.Tensor, gelu: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) CUDA -> (M, K) float8 e4m3 and (M, 1) float32 scales of ``gelu(x)`` (``gelu`` one of GELUS)."""
+    """(M, K) CUDA -> (M, K) float8 e4m3 and (M, 1) float32 scales of ``gelu(x)`` (``gelu`` a key of _CODES)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape

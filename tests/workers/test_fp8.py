@@ -151,7 +151,8 @@ def test_the_block_linears_are_taken_and_modulation_embedders_and_odd_sizes_are_
 
 
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
-def test_a_feed_forwards_gelu_moves_into_its_second_linears_quantization_and_computes_the_same(approximate):
+def test_a_feed_forwards_gelu_moves_into_its_second_linears_quantization_and_computes_the_same(approximate,
+                                                                                              monkeypatch):
     """quantize_linears folds GELU(proj) -> Dropout -> linear: the first linear keeps only its product, the
     second applies the GELU as it quantizes its input; the block's output is what the unfolded FP8
     feed-forward gives (the same operations on a CPU), and a net already folded is left alone."""
@@ -168,14 +169,11 @@ def test_a_feed_forwards_gelu_moves_into_its_second_linears_quantization_and_com
             super().__init__()
             self.transformer_blocks = nn.ModuleList([nn.ModuleDict({"ff": ff})])
 
-    folded, unfolded = Blocks(), None
+    folded = Blocks()
     unfolded = copy.deepcopy(folded)
-    monkey = fp8.fold_gelus
-    try:
-        fp8.fold_gelus = lambda transformer: 0
+    with monkeypatch.context() as m:
+        m.setattr(fp8, "fold_gelus", lambda transformer: 0)
         quantize_linears(unfolded)
-    finally:
-        fp8.fold_gelus = monkey
     quantize_linears(folded)
     net = folded.transformer_blocks[0]["ff"].net
     assert isinstance(net[0], fp8.Projection) and isinstance(net[0].proj, Fp8Linear)

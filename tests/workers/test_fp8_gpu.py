@@ -88,7 +88,7 @@ def test_the_text_oracle_through_compiled_fp8_graphs_is_within_two_points():
 
 @pytest.mark.parametrize("k", [1152, 4608, 15360])
 @pytest.mark.parametrize("gelu", ["none", "tanh", "erf"])
-def test_the_row_kernel_quantizes_as_the_pytorch_reference_does(k, gelu):
+def test_the_row_kernel_quantizes_as_the_pytorch_reference_does(k, gelu, monkeypatch):
     """workers.quant_kernel against the PyTorch path in float32 on the same bf16 rows (a zero row among
     them): the same scales, and codes that differ only where the two GELU formulas round a value across a
     code boundary (at most one code step, on at most 0.1% of the values)."""
@@ -99,11 +99,9 @@ def test_the_row_kernel_quantizes_as_the_pytorch_reference_does(k, gelu):
     x[7] = 0
     q, scale = fp8.quantize_rows(x, gelu)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (333, k) and scale.shape == (333, 1)
-    fp8.ROW_KERNEL = False
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(fp8, "ROW_KERNEL", False)
         rq, rscale = fp8.quantize_rows(x.float(), gelu)
-    finally:
-        fp8.ROW_KERNEL = True
     torch.testing.assert_close(scale, rscale, rtol=1e-5, atol=0)
     got, want = q.float(), rq.float()
     assert torch.equal(got[7], torch.zeros(k, device="cuda"))
