@@ -175,3 +175,17 @@ def test_a_captured_decode_makes_the_images_the_plain_decode_makes(model, monkey
     runs = {b: s["eager_fallbacks"] + s["replays"] for b, s in group.decoder.stats()["buckets"].items()}
     assert sum(runs.values()) >= 3 and runs[2] >= 2  # the five images went through it, in chunks of two
     assert Engine(model, EngineConfig(backend="eager", max_batch=8)).groups.popitem()[1].decoder is None  # off by default
+
+
+def test_the_padded_steps_head_bias_is_the_one_diffusers_builds(model):
+    """Padded cross-attention takes its (rows * heads, 1, L) bias from ``head_bias``, made by expanding (a
+    compiled step kept a dynamic batch that way on CUDA); the values and their order are those of
+    PixArtTransformer2DModel's conversion followed by the processor's ``prepare_attention_mask``."""
+    from workers.families.pixart import head_bias
+
+    attn = model.transformer.transformer_blocks[0].attn2
+    mask = (torch.arange(MAX_TOKENS)[None] < torch.tensor([[3], [MAX_TOKENS], [1]])).long()  # (3, L)
+    want = attn.prepare_attention_mask(((1 - mask.float()) * -10000.0).unsqueeze(1), MAX_TOKENS, 3)
+    got = head_bias(mask, attn.heads, torch.float32)
+    assert got.shape == (3 * attn.heads, 1, MAX_TOKENS) and torch.equal(got, want)
+    assert attn.prepare_attention_mask(got, MAX_TOKENS, 3) is got  # already as long: not repeated again

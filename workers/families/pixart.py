@@ -83,6 +83,17 @@ def attention_kernel(model) -> str:
     return "cross-attention: padded to the token limit, masked (SDPA)"
 
 
+def head_bias(mask: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """A (R, L) key mask as the (R * heads, 1, L) additive bias diffusers' padded cross-attention builds from
+    it (PixArtTransformer2DModel: ``(1 - mask) * -10000``, unsqueezed; AttnProcessor2_0:
+    ``repeat_interleave`` per head), the same values in the same order. Made here by expanding instead:
+    under torch.compile diffusers' ``repeat_interleave(..., output_size=...)`` pinned the batch to the
+    size it was traced at on CUDA (every bucket would recompile, so the step ran uncompiled). A 3-D mask
+    passes through the transformer's own conversion, and is already as long as the processor wants."""
+    bias = (1 - mask.to(dtype)) * -10000.0                                     # (R, L)
+    return bias[:, None, None].expand(-1, heads, 1, -1).reshape(-1, 1, mask.shape[-1])  # (R * heads, 1, L)
+
+
 def make_step(model, shape=None):
     """One whole denoising step for latents of ``shape`` (C, H, W; the native one by default): both CFG
     halves in one forward (prompt rows, then negative rows), guidance, sampler update. A learned-sigma
@@ -103,8 +114,11 @@ def make_step(model, shape=None):
         rows = 2 * x.shape[0]
         extra = {"resolution": None, "aspect_ratio": None} if sizes is None else {
             "resolution": sizes[0].expand(rows, 2), "aspect_ratio": sizes[1].expand(rows, 1)}
+        mask = torch.cat([prompt_mask, neg_mask])                              # (2B, L)
+        if not needs_breaks(model):  # padded: the per-head bias made here, as diffusers makes it (see head_bias)
+            mask = head_bias(mask, transformer.transformer_blocks[0].attn2.heads, dtype)
         out = transformer(torch.cat([xin, xin]), encoder_hidden_states=torch.cat([prompt_embeds, neg_embeds]),
-                          encoder_attention_mask=torch.cat([prompt_mask, neg_mask]),  # (2B, L)
+                          encoder_attention_mask=mask,
                           timestep=torch.cat([t, t]), added_cond_kwargs=extra).sample  # (2B, C_out, H, W)
         cond, uncond = out[:, :c].float().chunk(2)
         x_next, denoised = sampler_step(x, cfg_combine(cond, uncond, guidance), hist, noise, coeffs)
