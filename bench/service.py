@@ -191,13 +191,15 @@ def step_ms(engine, s: dict, batch: int, preview_every: int) -> float:
 
 def engine_previews(engine, s: dict) -> dict:
     """{batch: {"off": [ms/step...], "on": [...]}}, off and on alternating after one untimed run of each;
-    ``repeats`` pairs, at least SMALL_PREVIEW_REPEATS at one image."""
+    ``repeats`` pairs, at least SMALL_PREVIEW_REPEATS at one image. Every other pair runs "on" first, so
+    a drift over the run (clocks, heat) does not always fall on the same side of the pairs."""
     out = {}
     for batch in PREVIEW_BATCHES:
         runs = {"off": [], "on": []}
         pairs = max(s["repeats"], SMALL_PREVIEW_REPEATS) if batch == 1 else s["repeats"]
-        for warm in [True] + [False] * pairs:
-            for key, every in (("off", 0), ("on", 1)):
+        for n, warm in enumerate([True] + [False] * pairs):
+            order = (("off", 0), ("on", 1)) if n % 2 == 0 else (("on", 1), ("off", 0))
+            for key, every in order:
                 ms = step_ms(engine, s, batch, every)
                 if not warm:
                     runs[key].append(round(ms, 3))
