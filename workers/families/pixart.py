@@ -109,14 +109,18 @@ def make_step(model, shape=None):
         sizes = (torch.tensor([[height, width]], dtype=dtype, device=model.device),  # (1, 2)
                  torch.tensor([[height / width]], dtype=dtype, device=model.device))  # (1, 1) aspect ratio
 
+    # the cross-attention mode set when the step is made (the engine sets it once, at start): read here, not
+    # in the step, which dynamo traces (torch 2.11's could not trace the check: the step ran uncompiled)
+    heads = None if needs_breaks(model) else transformer.transformer_blocks[0].attn2.heads
+
     def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, prompt_mask, neg_embeds, neg_mask):
         xin = model_input(x, coeffs).to(dtype)                                  # (B, C, H, W)
         rows = 2 * x.shape[0]
         extra = {"resolution": None, "aspect_ratio": None} if sizes is None else {
             "resolution": sizes[0].expand(rows, 2), "aspect_ratio": sizes[1].expand(rows, 1)}
         mask = torch.cat([prompt_mask, neg_mask])                              # (2B, L)
-        if not needs_breaks(model):  # padded: the per-head bias made here, as diffusers makes it (see head_bias)
-            mask = head_bias(mask, transformer.transformer_blocks[0].attn2.heads, dtype)
+        if heads is not None:  # padded: the per-head bias made here, as diffusers makes it (see head_bias)
+            mask = head_bias(mask, heads, dtype)
         out = transformer(torch.cat([xin, xin]), encoder_hidden_states=torch.cat([prompt_embeds, neg_embeds]),
                           encoder_attention_mask=mask,
                           timestep=torch.cat([t, t]), added_cond_kwargs=extra).sample  # (2B, C_out, H, W)
