@@ -148,12 +148,15 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def step_ms(engine, s: dict, batch: int, preview_every: int) -> float:
+def step_ms(engine, s: dict, batch: int, preview_every: int, poll_s: float | None = POLL_S,
+            encode: bool = True) -> float:
     """ms per step of ``batch`` items over all their steps but the last (it decodes; at least one step
     is timed). As in the worker (`Worker._step` and `Worker.poll`): after each step the step loop takes the
     previews whose copies arrived and keeps each item's latest; a poller thread PNG-encodes what it takes,
-    every POLL_S (the service polls a busy worker about every 0.25 s: this polls more often, so costs more);
-    the last previews are waited for and encoded inside the timed run."""
+    every ``poll_s`` (the service polls a busy worker about every 0.25 s: POLL_S polls more often, so costs
+    more); the last previews are waited for and encoded inside the timed run. ``poll_s`` None: no poller
+    (the previews taken are dropped); ``encode`` False: the poller takes them and encodes nothing
+    (bench/preview_cost.py compares the three)."""
     import threading
 
     from workers.actor import _png
@@ -163,26 +166,30 @@ def step_ms(engine, s: dict, batch: int, preview_every: int) -> float:
     latest, lock, done = {}, threading.Lock(), threading.Event()
 
     def poller() -> None:
-        while not done.wait(POLL_S):
+        while not done.wait(poll_s):
             with lock:
                 taken = dict(latest)
                 latest.clear()
-            for image in taken.values():
+            for image in taken.values() if encode else ():
                 _png(image)
 
-    thread = threading.Thread(target=poller, daemon=True)
+    thread = None if poll_s is None else threading.Thread(target=poller, daemon=True)
     sync()
     t0 = time.perf_counter()
-    thread.start()
+    if thread is not None:
+        thread.start()
     for _ in range(steps - 1):
         engine.step()
         kept = {p.request_id: p.image for p in engine.take_previews()}
-        with lock:
-            latest.update(kept)
+        if thread is not None:
+            with lock:
+                latest.update(kept)
     for p in engine.take_previews(wait=True):
-        _png(p.image)
+        if thread is not None and encode:
+            _png(p.image)
     done.set()
-    thread.join()
+    if thread is not None:
+        thread.join()
     sync()
     elapsed = time.perf_counter() - t0
     engine.step()  # the last step: decodes and finishes every item
