@@ -110,14 +110,18 @@ def worker_threads(environ: dict) -> int:
 
 def build_engine(model: str, backend: str = "graphs"):
     """An engine as a worker builds one (workers/actor.py), on GPU 0 or the CPU, with the worker's
-    threads (on a CPU, two threads against the worker's one would not compare the service), warmed up."""
+    threads (on a CPU, two threads against the worker's one would not compare the service) and thread
+    switch interval, warmed up."""
     import torch
 
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
 
+    from workers.actor import SWITCH_INTERVAL_S
+
     torch.set_num_threads(worker_threads(dict(os.environ)))
-    cuda = torch.cuda.is_available()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # the worker's (Python's default is 5 ms): the preview cost's
+    cuda = torch.cuda.is_available()          # poller thread hands the interpreter lock over as a worker's does
     loaded = load_model(model, device="cuda" if cuda else "cpu", dtype=chaos.worker_dtype(model, cuda))
     engine = Engine(loaded, EngineConfig(backend=backend if cuda else "eager", max_batch=MAX_BATCH))
     engine.warmup()
