@@ -1,11 +1,14 @@
 """Where the preview cost goes: the engine's time per step with previews on every step against none, at
-one image (and more with --images), under four harnesses that differ only in what happens to the
+one image (and more with --images), under five harnesses that differ only in what happens to the
 previews once the step loop has taken them.
 
   engine        the step loop takes the previews whose copies arrived and drops them (the preview's GPU
                 work and host launches only)
   poller        bench/service.py's preview cost, as a worker does it: each item's latest kept, a poller
-                thread PNG-encodes what it finds every 0.05 s, the last ones encoded inside the timed run
+                thread PNG-encodes what it finds every 0.05 s; at the end each item's latest encoded
+                inside the timed run
+  poller-all-at-end  the same, but at the end every preview still on its way encoded (what
+                bench/service.py did until 2026-12-01: the host runs steps ahead of the GPU, so several per item)
   poller-noPNG  the same poller, encoding nothing
   poller-250ms  the poller every 0.25 s, as often as the service polls a busy worker
 
@@ -33,6 +36,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 HARNESSES = {"engine": {"poll_s": None, "encode": False}, "poller": {"poll_s": 0.05, "encode": True},
+             "poller-all-at-end": {"poll_s": 0.05, "encode": True, "final": "all"},
              "poller-noPNG": {"poll_s": 0.05, "encode": False}, "poller-250ms": {"poll_s": 0.25, "encode": True}}
 
 

@@ -153,14 +153,16 @@ def sync() -> None:
 
 
 def step_ms(engine, s: dict, batch: int, preview_every: int, poll_s: float | None = POLL_S,
-            encode: bool = True) -> float:
+            encode: bool = True, final: str = "latest") -> float:
     """ms per step of ``batch`` items over all their steps but the last (it decodes; at least one step
     is timed). As in the worker (`Worker._step` and `Worker.poll`): after each step the step loop takes the
     previews whose copies arrived and keeps each item's latest; a poller thread PNG-encodes what it takes,
     every ``poll_s`` (the service polls a busy worker about every 0.25 s: POLL_S polls more often, so costs
-    more); the last previews are waited for and encoded inside the timed run. ``poll_s`` None: no poller
-    (the previews taken are dropped); ``encode`` False: the poller takes them and encodes nothing
-    (bench/preview_cost.py compares the three)."""
+    more); the last previews are waited for inside the timed run, and each item's latest of them encoded,
+    as the worker's next poll would (``final`` "all": every one of them, as this harness did before: the
+    host runs several steps ahead of the GPU, so that was several PNGs per item in the timed run that no
+    worker makes). ``poll_s`` None: no poller (the previews taken are dropped); ``encode`` False: the poller
+    takes them and encodes nothing (bench/preview_cost.py compares these)."""
     import threading
 
     from workers.actor import _png
@@ -188,9 +190,14 @@ def step_ms(engine, s: dict, batch: int, preview_every: int, poll_s: float | Non
         if thread is not None:
             with lock:
                 latest.update(kept)
-    for p in engine.take_previews(wait=True):
-        if thread is not None and encode:
-            _png(p.image)
+    last = engine.take_previews(wait=True)
+    if thread is not None and encode:
+        with lock:
+            latest.update({p.request_id: p.image for p in last})
+            taken = [p.image for p in last] if final == "all" else list(latest.values())
+            latest.clear()
+        for image in taken:
+            _png(image)
     done.set()
     if thread is not None:
         thread.join()

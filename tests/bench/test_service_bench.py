@@ -163,3 +163,29 @@ def test_the_phases_of_one_image_and_what_is_left_to_the_client():
     before = {"run": (1.0, 2.0), "wait": (0.5, 2.0)}
     after = {"run": (1.3, 5.0), "wait": (0.5, 2.0), "commit": (0.01, 1.0)}
     assert sb.phase_means(before, after) == {"run": 100.0, "commit": 10.0}  # wait: no new image
+
+
+@pytest.mark.parametrize("final, encoded", [("latest", 3), ("all", 15)])
+def test_the_preview_harness_encodes_each_items_latest_at_the_end(monkeypatch, final, encoded):
+    """What the timed run encodes once the last previews arrive: each item's latest, as a worker's next
+    poll does (3 items: 3 PNGs), or, as the harness did before, every preview still on its way (5 each)."""
+    import numpy as np
+
+    import workers.actor
+    from workers.engine import Preview
+
+    class Engine:
+        def add_many(self, items):
+            self.items = items
+
+        def step(self):
+            pass
+
+        def take_previews(self, wait=False):  # the host ran ahead: every preview arrives at the end
+            return [Preview(it.id, k, np.zeros((4, 4, 3), np.uint8)) for k in range(5) for it in self.items] if wait else []
+
+    calls = []
+    monkeypatch.setattr(workers.actor, "_png", lambda image, level=1: calls.append(image) or b"")
+    s = {"steps": 4, "sampler": "ddim", "guidance": 4.0, "classes": 10}
+    assert sb.step_ms(Engine(), s, 3, 1, poll_s=10.0, final=final) > 0
+    assert len(calls) == encoded
