@@ -114,14 +114,15 @@ def build_engine(model: str, backend: str = "graphs"):
     switch interval, warmed up."""
     import torch
 
+    from workers.actor import SWITCH_INTERVAL_S
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
 
-    from workers.actor import SWITCH_INTERVAL_S
-
     torch.set_num_threads(worker_threads(dict(os.environ)))
-    sys.setswitchinterval(SWITCH_INTERVAL_S)  # the worker's (Python's default is 5 ms): the preview cost's
-    cuda = torch.cuda.is_available()          # poller thread hands the interpreter lock over as a worker's does
+    # the worker's switch interval (Python's default is 5 ms): the preview cost's poller thread then hands
+    # the interpreter lock over as a worker's threads do
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    cuda = torch.cuda.is_available()
     loaded = load_model(model, device="cuda" if cuda else "cpu", dtype=chaos.worker_dtype(model, cuda))
     engine = Engine(loaded, EngineConfig(backend=backend if cuda else "eager", max_batch=MAX_BATCH))
     engine.warmup()

@@ -49,10 +49,12 @@ from workers.patches import AttentionScratch
 
 def key_lengths(mask: torch.Tensor | None, rows: int, keys: int, device: torch.device) -> torch.Tensor:
     """(B,) int32 keys each row attends to, from the mask diffusers hands attn2: None (all keys), a (B, L)
-    keep-mask (bool, or 0/1 floats), or the additive bias (B, 1, L) made from one (0 keep, -10000 drop)."""
+    keep-mask (bool, or 0/1 floats), the additive bias (B, 1, L) made from one (0 keep, -10000 drop), or
+    that bias repeated per head (B * heads, 1, L; ``workers.families.pixart.head_bias``, which a padded
+    step passes: a step made for padded cross-attention still runs right if varlen is switched on under it)."""
     if mask is None:  # made on the device: a host-to-device copy inside capture is illegal
         return torch.full((rows,), keys, dtype=torch.int32, device=device)
-    flat = mask.reshape(rows, keys)                                             # (B, L)
+    flat = mask.reshape(rows, -1, keys)[:, 0]                                   # (B, L): a row's first head
     keep = flat if flat.dtype == torch.bool else (flat > 0.5 if mask.ndim == 2 else flat > -1.0)
     n = keep.sum(-1, dtype=torch.int32)                                         # (B,)
     return n.masked_fill(n == 0, keys)  # no key kept: the padded softmax, biases all equal, takes all L

@@ -189,3 +189,28 @@ def test_the_padded_steps_head_bias_is_the_one_diffusers_builds(model):
     got = head_bias(mask, attn.heads, torch.float32)
     assert got.shape == (3 * attn.heads, 1, MAX_TOKENS) and torch.equal(got, want)
     assert attn.prepare_attention_mask(got, MAX_TOKENS, 3) is got  # already as long: not repeated again
+
+
+def test_a_padded_step_still_runs_right_when_varlen_is_switched_on_under_it(model):
+    """A step reads the cross-attention mode when it is made (``make_step``); another engine on the same
+    model may switch the processors later. The padded step's per-head bias is then read by the varlen
+    processor as the keep-mask it stands for: the same outputs as a step made for varlen."""
+    from samplers import gather_rows, make_plan
+    from workers.families import pixart
+
+    specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=8, guidance=3.0, prompt=p)
+             for i, p in enumerate(["a red cat", "the big blue house drawn small", "a dog"])]
+    cond = {k: torch.stack([c[k] for c in pixart.encode(model, specs)]) for k in pixart.encode(model, specs)[0]}
+    t, coeffs = gather_rows([make_plan("dpmpp_2m", 8, model.schedule)] * 3, [2] * 3)
+    x = torch.randn(3, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+    live = dict(x=x, t=t, coeffs=coeffs, guidance=torch.full((3,), 3.0), hist=torch.zeros_like(x),
+                noise=torch.zeros_like(x), **cond)
+    try:
+        set_cross_attention(model, "padded")
+        padded = pixart.make_step(model)
+        set_cross_attention(model, "varlen")
+        got, want = padded(**live), pixart.make_step(model)(**live)
+    finally:
+        set_cross_attention(model, "padded")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)

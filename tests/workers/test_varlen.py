@@ -89,7 +89,8 @@ def test_key_lengths_from_every_mask_form():
     keep = torch.arange(L) < torch.tensor([3, 16, 0, 1])[:, None]             # (4, L) bool
     bias = ((1 - keep.float()) * -10000.0).unsqueeze(1)                        # (4, 1, L) as diffusers makes
     cpu = torch.device("cpu")
-    for mask in (keep, keep.float(), bias):
+    per_head = bias.repeat_interleave(3, dim=0)                                # (4 * 3, 1, L) as a padded step
+    for mask in (keep, keep.float(), bias, per_head):
         assert key_lengths(mask, 4, L, cpu).tolist() == [3, 16, L, 1]          # no key kept -> all L
     assert key_lengths(None, 4, L, cpu).tolist() == [L] * 4
     assert key_lengths(keep, 4, L, cpu).dtype == torch.int32
