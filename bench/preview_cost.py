@@ -41,11 +41,12 @@ HARNESSES = {"engine": {"poll_s": None, "encode": False}, "poller": {"poll_s": 0
 
 
 def _service():
-    spec = importlib.util.spec_from_file_location("service_bench", BENCH / "service.py")
-    mod = sys.modules.setdefault("service_bench", importlib.util.module_from_spec(spec))
-    if not hasattr(mod, "step_ms"):
-        spec.loader.exec_module(mod)
-    return mod
+    """bench/service.py as a module (bench/ is not a package), loaded once."""
+    if "service_bench" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("service_bench", BENCH / "service.py")
+        sys.modules["service_bench"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["service_bench"])
+    return sys.modules["service_bench"]
 
 
 def pairs_ms(engine, s: dict, batch: int, pairs: int, harness: dict) -> dict:

@@ -41,6 +41,7 @@ service.md; --smoke writes service_smoke.json only.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import json
@@ -375,7 +376,7 @@ def measure(s: dict) -> dict:
     raw = {"engine": measure_engine(s, engine), "service": {}}
     skipped = scaling_skipped(s["gpus"], torch.cuda.device_count())
     with tempfile.TemporaryDirectory(prefix="bench-service-") as tmp:
-        raw["service"]["1"] = service_phase(s, 1, Path(tmp), lambda c, s: service_both(c, s, engine))
+        raw["service"]["1"] = service_phase(s, 1, Path(tmp), functools.partial(service_both, engine=engine))
         del engine  # its graphs and pool go before the 2-GPU service starts
         gc.collect()
         if torch.cuda.is_available():

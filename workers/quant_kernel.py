@@ -32,8 +32,6 @@ except ImportError:  # pragma: no cover - exercised on CPU-only installs
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _CODES = {"none": 0, "tanh": 1, "erf": 2}  # "none": no activation; "tanh" and "erf": F.gelu's two forms
-
-
 MAX_K = 32768  # a row is held in registers: wider rows (none of the families here) take the PyTorch path
 
 

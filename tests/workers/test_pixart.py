@@ -200,7 +200,8 @@ def test_a_padded_step_still_runs_right_when_varlen_is_switched_on_under_it(mode
 
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=8, guidance=3.0, prompt=p)
              for i, p in enumerate(["a red cat", "the big blue house drawn small", "a dog"])]
-    cond = {k: torch.stack([c[k] for c in pixart.encode(model, specs)]) for k in pixart.encode(model, specs)[0]}
+    encoded = pixart.encode(model, specs)
+    cond = {k: torch.stack([c[k] for c in encoded]) for k in encoded[0]}
     t, coeffs = gather_rows([make_plan("dpmpp_2m", 8, model.schedule)] * 3, [2] * 3)
     x = torch.randn(3, *model.latent_shape, generator=torch.Generator().manual_seed(0))
     live = dict(x=x, t=t, coeffs=coeffs, guidance=torch.full((3,), 3.0), hist=torch.zeros_like(x),
