@@ -83,6 +83,7 @@ class _Worker:
     reply_at: float = 0.0  # time.time() when its last poll's answer reached this process (sub-phases)
     reserved: bool = False  # for suspects: takes no new work until empty, then runs an isolated group
     queue_left: bool = False  # its last lease got all it asked for: more may be queued
+    news: bool = False  # its last answer ended items: poll again at once (others: at most once a tick)
 
     @property
     def name(self) -> str:
@@ -206,7 +207,9 @@ class Scheduler:
         queued and each outstanding call sets when it completes (a callback on its future), so a submission
         is leased, and a finished image committed, without waiting for a tick. Polls are long polls
         (``Worker.poll(wait_s)``): a worker answers when an item ends. A worker is polled at most once a
-        tick: an answered poll is not sent again at once, which kept a core busy polling idle workers."""
+        tick (an answered poll sent again at once kept a core busy polling idle workers), except right
+        after an answer that ended items: the next ending (a staggered batch-mate, the next single image)
+        is then not held back by up to a tick."""
         import ray
 
         wake = self.store.work  # cleared by _dispatch before it leases; answers that came since are seen below
@@ -216,7 +219,7 @@ class Scheduler:
                 refs[w.ready_ref] = w
             elif w.poll_ref is not None:
                 refs[w.poll_ref] = w
-            elif now - w.poll_sent >= self.sched.tick_seconds:
+            elif w.news or now - w.poll_sent >= self.sched.tick_seconds:
                 w.poll_ref = w.handle.poll.options(concurrency_group="poll").remote(self._poll_wait_s())
                 w.poll_sent = now
                 w.poll_ref.future().add_done_callback(lambda _, w=w: _replied(w, wake))
@@ -262,6 +265,7 @@ class Scheduler:
                 log.info("%s: %s runs compiled (fused) steps", w.name, model)
             return
         w.poll_ref = None
+        w.news = bool(value["finished"] or value["failed"] or value.get("crashed"))
         self._apply_report(w, value)
 
     def _apply_report(self, w: _Worker, report: dict) -> None:
