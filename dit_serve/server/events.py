@@ -190,8 +190,12 @@ class EventResponse(StreamingResponse):
 class JobEvents:
     """One connection's stream of one job's events (the module docstring is its contract)."""
 
-    def __init__(self, store, job: Job, cursor: Cursor, streams: Streams):
+    def __init__(self, store, job: Job, cursor: Cursor, streams: Streams, changed: asyncio.Event | None = None):
+        """``job``: as read when the stream was asked for; with its items, it is the first read (the
+        route then watches the job, ``changed``, from before that read, so no change after it is missed)."""
         self.store, self.job_id, self.created_at, self.num_items = store, job.id, job.created_at, job.num_items
+        self.first = job if changed is not None and job.items is not None else None
+        self.changed = changed
         self.streams, self.limits = streams, streams.limits
         self.cursor, self.since = cursor, cursor.key  # items at or before ``since``: sent on an earlier connection
         self.sent: set[tuple[int, int]] = set()       # item keys sent on this connection
@@ -203,15 +207,19 @@ class JobEvents:
         self.credit, self.credit_at = float(self.limits.read_burst), self.sent_at  # reads allowed now (a bucket)
 
     async def stream(self) -> AsyncIterator[str]:
-        changed = self.store.changes.watch(self.job_id)
+        changed = self.changed or self.store.changes.watch(self.job_id)
         try:
             yield f"retry: {self.limits.retry_ms}\n\n"
             while not self.streams.closing.is_set():
                 await self._pace()
                 read_at = time.monotonic()
-                changed.clear()
                 try:
-                    job, rows, previews = await run_in_threadpool(self._read)
+                    if self.first is not None:  # read by the route, watched since before: no read now, and
+                        job, self.first = self.first, None  # ``changed`` kept: it is set if the job changed since
+                        job, rows, previews = self._of(job, {} if job.finished else self.store.preview_steps(job.id))
+                    else:
+                        changed.clear()
+                        job, rows, previews = await run_in_threadpool(self._read)
                 except Exception:  # the store is unreachable: end; the client reconnects with its last id
                     log.warning("event stream of job %s: reading the store failed", self.job_id, exc_info=True)
                     return
@@ -265,18 +273,23 @@ class JobEvents:
         """The job's counts, then its ended items, then its running items' previews (in this order: see
         the module docstring). A job of up to END_EVENT_ITEMS items is read with its items, in one read:
         their endings are the ended items, and the end event carries the job whole."""
-        key = self.cursor.key
-        since = None if key is None else self.created_at + key[0] / 1e6 - self.limits.slack_s
-        small = self.num_items <= END_EVENT_ITEMS
-        job = self.store.get_job(self.job_id, with_items=small)
+        job = self.store.get_job(self.job_id, items_up_to=END_EVENT_ITEMS)
         if job is None:
             return None, [], {}
-        if small:
-            rows = [_Ended(it.index, it.state, it.error, it.finished_at) for it in job.items
-                    if it.finished_at is not None and (since is None or it.finished_at >= since)]
-        else:
-            rows = self.store.finished_items(self.job_id, since)
-        return job, rows, ({} if job.finished else self.store.preview_steps(self.job_id))
+        return self._of(job, {} if job.finished else self.store.preview_steps(self.job_id))
+
+    def _since(self) -> float | None:
+        """Endings at or after this were not sent on an earlier connection (with ``slack_s`` of doubt)."""
+        key = self.cursor.key
+        return None if key is None else self.created_at + key[0] / 1e6 - self.limits.slack_s
+
+    def _of(self, job: Job, previews: dict[int, int]) -> tuple[Job, list, dict[int, int]]:
+        """``_read``'s answer from the job as read: its ended items from its items when it has them."""
+        since = self._since()
+        if job.items is None:
+            return job, self.store.finished_items(self.job_id, since), previews
+        return job, [_Ended(it.index, it.state, it.error, it.finished_at) for it in job.items
+                     if it.finished_at is not None and (since is None or it.finished_at >= since)], previews
 
     def _previews(self, latest: dict[int, int]) -> list[str]:
         """Events of the previews newer than the last sent of each item, by index."""

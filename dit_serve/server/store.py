@@ -33,6 +33,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from sqlalchemy import and_, bindparam, case, create_engine, event, func, or_, select, update
 from sqlalchemy.engine import make_url
@@ -221,10 +222,12 @@ class Store:
     def submit(self, model: str, params: JobParams, labels: list[int], seeds: list[int],
                idempotency_key: str | None = None, priority: int = 0, webhook_url: str | None = None, *,
                tenant: str = DEFAULT_TENANT, max_active: int | None = None,
-               tenant_max_active: int | None = None, prompts: list[str] | None = None) -> tuple[str, bool]:
+               tenant_max_active: int | None = None, prompts: list[str] | None = None, view: bool = False) -> tuple:
         """``create_job`` that also says whether the job is new (False: an earlier submission's) and
         belongs to ``tenant`` (Idempotency-Keys are per tenant). ``QueueFull``, and nothing stored, when
-        the queued and running items would exceed ``max_active`` (all tenants) or ``tenant_max_active``."""
+        the queued and running items would exceed ``max_active`` (all tenants) or ``tenant_max_active``.
+        With ``view``, a third element: the new job as ``get_job`` would read it right after (None for an
+        earlier submission's), made from what was written rather than read back."""
         stored = params.model_dump_json()
         if JobParams.model_validate_json(stored) != params:  # a row this store writes is one it can read
             raise ValueError(f"job parameters do not survive storage: {stored[:200]}")
@@ -232,30 +235,32 @@ class Store:
         if idempotency_key is not None:
             digest = hashlib.sha256(json.dumps([model, params.model_dump(mode="json"), labels, seeds, priority,
                                                 webhook_url, prompts], sort_keys=True).encode()).hexdigest()
-            if (found := self._by_key(tenant, idempotency_key, digest)) is not None:
-                return found, False
         job_id, now = uuid.uuid4().hex, time.time()
+        job_row = dict(id=job_id, model=model, params=stored, num_items=len(labels), created_at=now, cancelled=False,
+                       priority=priority, tenant=tenant, idempotency_key=idempotency_key, request_hash=digest,
+                       webhook_url=webhook_url, webhook_state="pending" if webhook_url else None,
+                       webhook_attempts=0, webhook_next=0.0 if webhook_url else None, webhook_error=None)
+        item_rows = [dict(job_id=job_id, idx=i, model=model, created_at=now, priority=priority, tenant=tenant, label=lb,
+                          prompt=prompts[i] if prompts else None, seed=sd, state="queued", step=0,
+                          total_steps=params.steps, attempts=0)
+                     for i, (lb, sd) in enumerate(zip(labels, seeds))]
         try:
-            with self._tx() as conn:
+            with self._tx() as conn:  # the key's lookup inside the writing transaction: one transaction, not two
+                if idempotency_key is not None and (found := self._by_key(tenant, idempotency_key, digest, conn)):
+                    return (found, False, None) if view else (found, False)
                 self._check_room(conn, len(labels), tenant, max_active, tenant_max_active)
-                conn.execute(jobs.insert().values(id=job_id, model=model, params=stored, num_items=len(labels),
-                                                  created_at=now, cancelled=False, priority=priority, tenant=tenant,
-                                                  idempotency_key=idempotency_key, request_hash=digest,
-                                                  webhook_url=webhook_url,
-                                                  webhook_state="pending" if webhook_url else None,
-                                                  webhook_attempts=0, webhook_next=0.0 if webhook_url else None))
-                conn.execute(items.insert(), [
-                    dict(job_id=job_id, idx=i, model=model, created_at=now, priority=priority, tenant=tenant,
-                         label=lb, prompt=prompts[i] if prompts else None, seed=sd, state="queued", step=0,
-                         total_steps=params.steps, attempts=0)
-                    for i, (lb, sd) in enumerate(zip(labels, seeds))])
+                conn.execute(_INSERT_JOB, job_row)
+                conn.execute(_INSERT_ITEMS, item_rows)
         except IntegrityError:  # the same key committed by a concurrent submission: that one stands
             if idempotency_key is None or (found := self._by_key(tenant, idempotency_key, digest)) is None:
                 raise
-            return found, False
+            return (found, False, None) if view else (found, False)
         self._new_work()
         self.changes.notify([job_id])  # on PostgreSQL: wakes the scheduler of another process
-        return job_id, True
+        if not view:
+            return job_id, True
+        rows = [SimpleNamespace(**_ITEM_DEFAULTS, **r) for r in item_rows]  # read as result rows are
+        return job_id, True, _job(SimpleNamespace(**job_row), _stats_of_rows(rows), rows)
 
     def _check_room(self, conn, n: int, tenant: str, max_active: int | None, tenant_max_active: int | None) -> None:
         """Raise ``QueueFull`` if ``n`` more items would pass a bound; inside the submitting transaction
@@ -266,43 +271,47 @@ class Store:
             from sqlalchemy import text
 
             conn.execute(text("SELECT pg_advisory_xact_lock(7346120985)"))
-        active = items.c.state.in_(("queued", "running"))
-        for bound, where, whose in ((max_active, active, "the service"),
-                                    (tenant_max_active, and_(active, items.c.tenant == tenant), "your tenant")):
+        for bound, query, whose in ((max_active, _ACTIVE_ALL, "the service"),
+                                    (tenant_max_active, _ACTIVE_OF_TENANT, "your tenant")):
             if bound is None:
                 continue
             if n > bound:
                 raise QueueFull(f"the job has {n} items but {whose} may hold at most {bound} queued or running "
                                 "items: split it into smaller jobs", never=True)
-            held = conn.execute(select(func.count()).select_from(items).where(where)).scalar_one()
+            held = conn.execute(query, {"tenant": tenant}).scalar_one()
             if held + n > bound:
                 raise QueueFull(f"{whose} has {held} items queued or running and may hold at most {bound}; "
                                 f"this job of {n} would pass that: retry later")
 
-    def _by_key(self, tenant: str, key: str, digest: str) -> str | None:
-        with self._tx(write=False) as conn:
-            row = conn.execute(select(jobs.c.id, jobs.c.request_hash).where(
-                jobs.c.tenant == tenant, jobs.c.idempotency_key == key)).first()
+    def _by_key(self, tenant: str, key: str, digest: str, conn=None) -> str | None:
+        if conn is None:
+            with self._tx(write=False) as conn:
+                return self._by_key(tenant, key, digest, conn)
+        row = conn.execute(_BY_KEY, {"tenant": tenant, "key": key}).first()
         if row is not None and row.request_hash != digest:
             raise IdempotencyConflict(f"Idempotency-Key {key[:80]!r} was already used for a different request "
                                       f"(job {row.id}); use a new key for a new job")
         return None if row is None else row.id
 
-    def get_job(self, job_id: str, with_items: bool = True, tenant: str | None = None) -> Job | None:
-        """The job, or None if there is none (or it belongs to another tenant than ``tenant``, when given)."""
+    def get_job(self, job_id: str, with_items: bool = True, tenant: str | None = None,
+                items_up_to: int | None = None) -> Job | None:
+        """The job, or None if there is none (or it belongs to another tenant than ``tenant``, when given).
+        With ``items_up_to``: with its items if it has at most that many, whatever ``with_items`` says."""
         with self._tx(write=False) as conn:
-            row = conn.execute(select(jobs).where(jobs.c.id == job_id, *_of(tenant))).first()
+            row = conn.execute(_JOB if tenant is None else _JOB_OF, {"id": job_id, "tenant": tenant}).first()
             if row is None:
                 return None
+            if items_up_to is not None:
+                with_items = row.num_items <= items_up_to
             if with_items:  # one read of the items gives both (one snapshot: counts and items agree)
-                rows = conn.execute(select(items).where(items.c.job_id == job_id).order_by(items.c.idx)).all()
-                stats = {job_id: _stats_of_rows(rows)}
+                rows = conn.execute(_ITEMS_OF, {"id": job_id}).all()
+                stats = _stats_of_rows(rows)
             else:
-                rows, stats = None, _item_stats(conn, [job_id])
-        job = _job(row, stats.get(job_id, {}), rows)
+                rows, stats = None, _stats_of(conn.execute(_STATS_OF, {"id": job_id}).all())
+        job = _job(row, stats, rows)
         if job.error is not None and job.state != "failed":  # unreadable: it fails alone, once
             self.quarantine(job_id, job.error)
-            return self.get_job(job_id, with_items, tenant)
+            return self.get_job(job_id, with_items, tenant, items_up_to)
         return job
 
     def list_jobs(self, limit: int, offset: int, tenant: str | None = None) -> tuple[list[Job], int]:
@@ -330,18 +339,13 @@ class Store:
     def active_items(self, job_id: str) -> int:
         """The job's queued and running items (a cheap check for waiters)."""
         with self._tx(write=False) as conn:
-            return conn.execute(select(func.count()).select_from(items).where(
-                items.c.job_id == job_id, items.c.state.in_(("queued", "running")))).scalar_one()
+            return conn.execute(_ACTIVE_OF_JOB, {"id": job_id}).scalar_one()
 
     def finished_items(self, job_id: str, since: float | None = None) -> list:
         """The job's ended items (done, failed, cancelled) whose ``finished_at`` is at or after ``since``
         (every ended one when None), as rows of (idx, state, error, finished_at): the event streams' read."""
-        query = select(items.c.idx, items.c.state, items.c.error, items.c.finished_at).where(
-            items.c.job_id == job_id, items.c.state.in_(TERMINAL_STATES))
-        if since is not None:
-            query = query.where(items.c.finished_at >= since)
         with self._tx(write=False) as conn:
-            return conn.execute(query.order_by(items.c.finished_at, items.c.idx)).all()
+            return conn.execute(_ENDED_OF if since is None else _ENDED_SINCE, {"id": job_id, "since": since}).all()
 
     def cancel_job(self, job_id: str, tenant: str | None = None) -> bool:
         """Queued and running items become cancelled (a worker drops a running one at its next step
@@ -778,6 +782,29 @@ _COMMIT_DONE = update(items).where(*_HELD).values(state="done", step=items.c.tot
                                                   finished_at=bindparam("finished_at"), **_NO_LEASE)
 
 
+# A job's reads and a submission's writes, built once for the same reason: each image's submission and
+# its event stream's reads are on its path, and building the expressions cost more than running them.
+_JOB = select(jobs).where(jobs.c.id == bindparam("id"))
+_JOB_OF = select(jobs).where(jobs.c.id == bindparam("id"), jobs.c.tenant == bindparam("tenant"))
+_ITEMS_OF = select(items).where(items.c.job_id == bindparam("id")).order_by(items.c.idx)
+_STATS = (select(items.c.job_id, items.c.state, func.count(), func.sum(items.c.step), func.sum(items.c.total_steps),
+                 func.max(items.c.finished_at)).group_by(items.c.job_id, items.c.state))
+_STATS_OF = _STATS.where(items.c.job_id == bindparam("id"))
+_INSERT_JOB, _INSERT_ITEMS = jobs.insert(), items.insert()
+_BY_KEY = select(jobs.c.id, jobs.c.request_hash).where(jobs.c.tenant == bindparam("tenant"),
+                                                       jobs.c.idempotency_key == bindparam("key"))
+_ACTIVE = items.c.state.in_(("queued", "running"))
+_ACTIVE_ALL = select(func.count()).select_from(items).where(_ACTIVE)
+_ACTIVE_OF_TENANT = select(func.count()).select_from(items).where(_ACTIVE, items.c.tenant == bindparam("tenant"))
+_ACTIVE_OF_JOB = select(func.count()).select_from(items).where(_ACTIVE, items.c.job_id == bindparam("id"))
+_ENDED_OF = (select(items.c.idx, items.c.state, items.c.error, items.c.finished_at)
+             .where(items.c.job_id == bindparam("id"), items.c.state.in_(TERMINAL_STATES))
+             .order_by(items.c.finished_at, items.c.idx))
+_ENDED_SINCE = _ENDED_OF.where(items.c.finished_at >= bindparam("since"))
+# what a new item row holds besides what ``submit`` writes (its columns' defaults), for the job it returns
+_ITEM_DEFAULTS = dict(requeues=0, crashes=0, error=None, finished_at=None)
+
+
 @functools.lru_cache(maxsize=256)
 def _parsed_params(stored: str) -> JobParams:
     return JobParams.model_validate_json(stored)
@@ -811,13 +838,19 @@ def _item_stats(conn, job_ids: list[str]) -> dict[str, dict]:
     """Per job: counts per state, steps done, steps total and the last finish time."""
     if not job_ids:
         return {}
-    rows = conn.execute(select(items.c.job_id, items.c.state, func.count(), func.sum(items.c.step),
-                               func.sum(items.c.total_steps), func.max(items.c.finished_at))
-                        .where(items.c.job_id.in_(job_ids)).group_by(items.c.job_id, items.c.state)).all()
+    rows = conn.execute(_STATS.where(items.c.job_id.in_(job_ids))).all()
     out: dict[str, dict] = {}
     for job_id, state, n, steps, total, finished in rows:
         _count(out.setdefault(job_id, _no_stats()), state, n, steps, total, finished)
     return out
+
+
+def _stats_of(rows) -> dict:
+    """``_item_stats`` of one job, from ``_STATS_OF``'s rows."""
+    s = _no_stats()
+    for _job_id, state, n, steps, total, finished in rows:
+        _count(s, state, n, steps, total, finished)
+    return s
 
 
 def _stats_of_rows(rows) -> dict:

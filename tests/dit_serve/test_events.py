@@ -127,6 +127,34 @@ def test_a_job_streams_progress_each_item_once_and_end(api, http):
     assert http.get(by_index[0]["url"]).status_code == 200
 
 
+def test_the_streams_first_read_is_the_routes_and_a_change_right_after_it_is_not_missed(api, http, monkeypatch):
+    """The route reads the job (with its items: it is small) and the stream starts from that read, without
+    reading again; the route watches the job from before its read, so an ending committed between the
+    read and the stream's start wakes the stream at once, not at its one-second check."""
+    from dit_serve.server.routes import jobs as jobs_routes
+
+    job_id = _submit(http, 1)
+    calls: list[str] = []
+    real_get, real_read = Store.get_job, jobs_routes._job_for_stream
+    monkeypatch.setattr(Store, "get_job", lambda self, *a, **k: calls.append("get_job") or real_get(self, *a, **k))
+
+    def read_then_end(store, job_id_, who):
+        job = real_read(store, job_id_, who)  # queued, as read
+        (lease,) = _lease(store, job_id_, 1)
+        store.commit_result(lease, b"png")  # ends after the read, before the stream runs
+        return job
+
+    monkeypatch.setattr(jobs_routes, "_job_for_stream", read_then_end)
+    t0 = time.monotonic()
+    with http.stream("GET", f"/v1/jobs/{job_id}/events") as r:
+        seen: list = []
+        end = _until(_events(r), "end", seen=seen)
+    assert time.monotonic() - t0 < 0.6  # woken by the commit's notification (the slow check is 1 s)
+    assert [name for name, _, _ in seen] == ["progress", "item", "end"] and seen[0][2]["state"] == "queued"
+    assert end[2]["state"] == "done"
+    assert calls == ["get_job", "get_job"]  # the route's read, then one read after the change; none before it
+
+
 def test_progress_is_sent_at_most_every_quarter_second(api, http):
     job_id = _submit(http, 2, steps=100)
     with http.stream("GET", f"/v1/jobs/{job_id}/events") as r:

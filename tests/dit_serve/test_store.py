@@ -206,6 +206,21 @@ def test_queue_bounds_refuse_and_store_nothing(store):
     store.submit("digits", PARAMS, [1] * 2, [1, 2], tenant="b", max_active=5, tenant_max_active=4)  # fits
 
 
+def test_a_submissions_view_is_the_job_as_read_back(store):
+    """``submit(view=True)`` makes the new job from what it wrote, not by reading it back; it must be
+    the job ``get_job`` reads, field for field, for class labels (with a webhook, key, priority and
+    tenant) and for prompts; a replayed key gives no view."""
+    cases = [dict(labels=[3, 1], seeds=[7, 8], kw=dict(idempotency_key="v-1", priority=2, tenant="t",
+                                                      webhook_url="http://example.com/hook")),
+             dict(labels=[0, 0, 0], seeds=[1, 2, 3], kw=dict(prompts=["a seven", "the number 2", "9"]))]
+    for case in cases:
+        job_id, created, view = store.submit("digits", PARAMS, case["labels"], case["seeds"], view=True,
+                                             max_active=100, tenant_max_active=100, **case["kw"])
+        assert created and view == store.get_job(job_id)
+        assert view.state == "queued" and view.counts == {"queued": len(case["labels"])}
+    assert store.submit("digits", PARAMS, [3, 1], [7, 8], view=True, **cases[0]["kw"])[1:] == (False, None)
+
+
 def test_tenants_see_their_own_jobs_only(store):
     a = store.submit("digits", PARAMS, [1], [1], idempotency_key="k", tenant="a")[0]
     b, created = store.submit("digits", PARAMS, [2], [2], idempotency_key="k", tenant="b")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 
+from dit_serve.schemas import Job
 from dit_serve.server.catalog import NewJob, RequestError
 from dit_serve.server.config import LimitsConfig
 from dit_serve.server.keys import Principal
@@ -36,8 +37,9 @@ class Admission:
         self.store, self.limits, self.metrics, self.allow_hosts = store, limits, metrics, allow_hosts
         self.pace = Pace(store)
 
-    def submit(self, new: NewJob, who: Principal, idempotency_key: str | None = None) -> tuple[str, bool]:
-        """(job id, created): not created when ``idempotency_key`` names an earlier submission."""
+    def submit(self, new: NewJob, who: Principal, idempotency_key: str | None = None) -> tuple[str, bool, Job | None]:
+        """(job id, created, the new job as stored): not created, and no job, when ``idempotency_key``
+        names an earlier submission."""
         if new.webhook_url is not None and (why := check_webhook_url(new.webhook_url, self.allow_hosts)) is not None:
             raise RequestError(why, "webhook_url")
         limits = self.limits
@@ -49,7 +51,7 @@ class Admission:
         try:
             return self.store.submit(new.model, new.params, new.labels, new.seeds, idempotency_key, new.priority,
                                      new.webhook_url, tenant=who.tenant, max_active=limits.max_queued_items,
-                                     tenant_max_active=tenant_bound, prompts=new.prompts)
+                                     tenant_max_active=tenant_bound, prompts=new.prompts, view=True)
         except IdempotencyConflict as e:
             raise RequestError(str(e), "Idempotency-Key", status=409) from None
         except QueueFull as e:

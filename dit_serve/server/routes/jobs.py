@@ -13,7 +13,7 @@ from fastapi.responses import FileResponse, StreamingResponse
 
 from dit_serve.schemas import MAX_ITEMS, Job, JobList, JobRequest, clip
 from dit_serve.server.catalog import RequestError
-from dit_serve.server.events import Cursor, EventResponse, JobEvents
+from dit_serve.server.events import END_EVENT_ITEMS, Cursor, EventResponse, JobEvents
 from dit_serve.server.keys import Principal
 from dit_serve.server.routes import errors
 from dit_serve.server.routes.deps import AdmissionDep, Caller, CatalogDep, StoreDep, StreamsDep, v1_router
@@ -42,11 +42,11 @@ def job_or_404(store: Store, job_id: str, who: Principal, with_items: bool = Tru
 def submit_job(req: JobRequest, response: Response, store: StoreDep, catalog: CatalogDep, admission: AdmissionDep,
                who: Caller, idempotency_key: str | None = IdempotencyKey) -> Job:
     """Queue a job; 202 once it is committed to the store (429 with Retry-After when the queue is full)."""
-    job_id, created = admission.submit(catalog.resolve_job(req), who, idempotency_key)
+    job_id, created, job = admission.submit(catalog.resolve_job(req), who, idempotency_key)
     response.headers["Location"] = f"/v1/jobs/{job_id}"
     if not created:
         response.headers["Idempotent-Replayed"] = "true"
-    return store.get_job(job_id)
+    return job or store.get_job(job_id)  # a new job as written (not read back: on each image's path)
 
 
 @router.get("/jobs/{job_id}", response_model=Job, responses=errors(404))
@@ -67,10 +67,28 @@ async def job_events(store: StoreDep, streams: StreamsDep, who: Caller, job_id: 
         cursor = Cursor.parse(last_event_id)
     except ValueError as e:
         raise RequestError(str(e), "Last-Event-ID") from None
-    job = await run_in_threadpool(job_or_404, store, job_id, who, False)
-    if (why := streams.acquire(who.tenant)) is not None:
-        raise RequestError(why, status=429, retry_after=streams.limits.retry_after_s)
-    return EventResponse(JobEvents(store, job, cursor, streams).stream(), lambda: streams.release(who.tenant))
+    changed = store.changes.watch(job_id)  # before the read: a change after it wakes the stream
+
+    def release() -> None:
+        store.changes.unwatch(job_id, changed)
+        streams.release(who.tenant)
+
+    try:
+        job = await run_in_threadpool(_job_for_stream, store, job_id, who)
+        if (why := streams.acquire(who.tenant)) is not None:
+            raise RequestError(why, status=429, retry_after=streams.limits.retry_after_s)
+    except BaseException:
+        store.changes.unwatch(job_id, changed)
+        raise
+    return EventResponse(JobEvents(store, job, cursor, streams, changed).stream(), release)
+
+
+def _job_for_stream(store: Store, job_id: str, who: Principal) -> Job:
+    """The job (404 if none), with its items when it is small: the stream's first read (``JobEvents``)."""
+    job = store.get_job(job_id, tenant=who.scope, items_up_to=END_EVENT_ITEMS)
+    if job is None:
+        raise RequestError(f"no job with id {clip(job_id, 64)!r}", "job_id", status=404)
+    return job
 
 
 @router.get("/jobs", response_model=JobList)

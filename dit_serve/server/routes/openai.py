@@ -31,7 +31,7 @@ async def generate_images(req: ImageGenerationRequest, request: Request, store: 
     """OpenAI-compatible: runs a job of ``n`` images of the class the prompt names and waits for it.
     A client that hangs up before it finishes gets its job cancelled (``[server] cancel_on_disconnect``)."""
     new = catalog.resolve_images(req)
-    job_id, _ = await run_in_threadpool(admission.submit, new, who)
+    job_id, _, _ = await run_in_threadpool(admission.submit, new, who)
     job = await _wait(store, job_id, limits, request, server.cancel_on_disconnect)
     if job is None:  # the client went away
         return Response(status_code=499)
