@@ -106,6 +106,7 @@ class StreamLimits:
     read_burst: int = 3           # ... in bursts of this many (an ending just after a lease's read goes out at once)
     slack_s: float = 2.0
     retry_ms: int = 1000
+    inline_reads: int = 4         # streams open at most, for a small job's reads to run on the event loop
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,10 @@ class JobEvents:
                         job, rows, previews = self._of(job, {} if job.finished else self.store.preview_steps(job.id))
                     else:
                         changed.clear()
-                        job, rows, previews = await run_in_threadpool(self._read)
+                        if self._inline():
+                            job, rows, previews = self._read()
+                        else:
+                            job, rows, previews = await run_in_threadpool(self._read)
                 except Exception:  # the store is unreachable: end; the client reconnects with its last id
                     log.warning("event stream of job %s: reading the store failed", self.job_id, exc_info=True)
                     return
@@ -234,6 +238,14 @@ class JobEvents:
                     yield self._sending(": keep-alive\n\n")
         finally:
             self.store.changes.unwatch(self.job_id, changed)
+
+    def _inline(self) -> bool:
+        """Read on the event loop, not in the thread pool: a small job's read from a local SQLite file takes
+        a fraction of a millisecond, less than the two thread hops around it (on an image's path: its ending
+        reaches the client that much sooner), and with few streams open the loop has nothing to wait for.
+        Otherwise (many streams, a large job, a database server) reads go to the thread pool."""
+        return (self.num_items <= END_EVENT_ITEMS and self.streams.open <= self.limits.inline_reads
+                and self.store.local_reads)
 
     async def _pace(self) -> None:
         """Take one read from the bucket (``read_burst`` deep, refilled one per ``min_read_gap_s``), waiting

@@ -111,17 +111,33 @@ class KeyRing:
 
     def required(self) -> bool:
         """Whether callers need a key: some are configured, or the store holds an active one."""
+        return self._required(read=True)
+
+    def _required(self, read: bool) -> bool | None:
         if self._config:
             return True
         now = time.monotonic()
         if now - self._any_stored[0] > self.cache_s:
+            if not read:
+                return None
             with self.store._tx(write=False) as conn:
                 found = conn.execute(select(api_keys.c.id).where(api_keys.c.revoked_at.is_(None)).limit(1)).first()
             self._any_stored = (now, found is not None)
         return self._any_stored[1]
 
     def authenticate(self, token: str | None) -> Principal:
-        if not self.required():
+        return self._answer(token, read=True)
+
+    def answer_now(self, token: str | None) -> Principal | None:
+        """``authenticate``'s answer when it needs no store read (configured keys, answers cached), else
+        None: the caller then calls ``authenticate`` off its event loop."""
+        return self._answer(token, read=False)
+
+    def _answer(self, token: str | None, read: bool) -> Principal | None:
+        required = self._required(read)
+        if required is None:
+            return None
+        if not required:
             return Principal()
         if not token:
             raise AuthError("this service needs an API key: send 'Authorization: Bearer <key>'")
@@ -132,6 +148,8 @@ class KeyRing:
         with self._lock:
             hit = self._cache.get(token)
         if hit is None or now - hit[0] > self.cache_s:
+            if not read:
+                return None
             hit = (now, self._lookup(token))
             with self._lock:
                 if len(self._cache) > 10_000:  # many wrong keys: forget them rather than grow

@@ -125,6 +125,7 @@ class Store:
         if self.engine.dialect.name == "sqlite":
             _sqlite_setup(self.engine)
         postgres = self.engine.dialect.name == "postgresql"
+        self.local_reads = not postgres  # a read is a local file's, not a round trip to a database server
         self.changes = Changes(publish=self._publish if postgres else None)
         # set when items may have become queued (a submission, a retry, a release; on PostgreSQL any change
         # another process publishes): the scheduler waits on it instead of finding new work a tick later

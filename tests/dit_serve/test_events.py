@@ -155,6 +155,41 @@ def test_the_streams_first_read_is_the_routes_and_a_change_right_after_it_is_not
     assert calls == ["get_job", "get_job"]  # the route's read, then one read after the change; none before it
 
 
+def test_small_jobs_on_sqlite_are_read_on_the_loop_while_few_streams_are_open(api, http):
+    """Reads on the event loop only where they are short: a small job, a local SQLite file, few streams
+    open; a job streamed with reads in the thread pool sends the same events."""
+    from dit_serve.server import events as ev
+
+    job = api.store.get_job(_submit(http, 2))
+    streams = ev.Streams(StreamLimits(inline_reads=2))
+    small = ev.JobEvents(api.store, job, ev.Cursor(), streams)
+    assert small._inline()
+    streams.open = 3
+    assert not small._inline()
+    streams.open = 0
+    large = job.model_copy(update={"num_items": ev.END_EVENT_ITEMS + 1})
+    assert not ev.JobEvents(api.store, large, ev.Cursor(), streams)._inline()
+    api.store.local_reads = False
+    try:
+        assert not small._inline()
+    finally:
+        api.store.local_reads = True
+
+    async def collect(limits: StreamLimits) -> list[str]:
+        streams, out = ev.Streams(limits), []
+        assert streams.acquire("default") is None  # as the route does: this stream counts as open
+        events = ev.JobEvents(api.store, job, ev.Cursor(), streams)
+        assert events._inline() == (limits.inline_reads >= 1)
+        async for chunk in events.stream():
+            out.append(chunk)
+        return out
+
+    for lease in _lease(api.store, job.id, 2):
+        api.store.commit_result(lease, b"png")
+    on_loop, in_pool = (asyncio.run(collect(StreamLimits(inline_reads=n))) for n in (4, 0))
+    assert on_loop == in_pool and "event: end" in on_loop[-1]
+
+
 def test_progress_is_sent_at_most_every_quarter_second(api, http):
     job_id = _submit(http, 2, steps=100)
     with http.stream("GET", f"/v1/jobs/{job_id}/events") as r:

@@ -95,6 +95,40 @@ def test_stored_keys_alone_make_a_service_need_keys(digits_model, tmp_path, monk
             assert erin.get("/v1/jobs").status_code == 200
 
 
+def test_the_key_ring_answers_without_the_store_only_what_it_knows(tmp_path):
+    """``answer_now`` (the event loop's check) never reads the store: None whenever only a read can tell
+    (keys not yet looked for, a stored key not yet checked or cached too long), the answer otherwise,
+    and the same answer ``authenticate`` gives."""
+    from dit_serve.server.keys import AuthError, KeyRing
+    from dit_serve.server.store import Store
+
+    store = Store(f"sqlite:///{tmp_path}/s.db", tmp_path)
+    reads: list[int] = []
+    real_tx = store._tx
+    store._tx = lambda *a, **k: reads.append(1) or real_tx(*a, **k)
+    ring = KeyRing(store, [], cache_s=60.0)
+    assert ring.answer_now(None) is None and not reads  # whether keys exist: not known without a read
+    assert ring.authenticate(None).tenant == "default" and ring.answer_now(None).tenant == "default"
+    _, key = create_key(store, "fay")
+    ring = KeyRing(store, [], cache_s=60.0)
+    ring.required()
+    reads.clear()
+    assert ring.answer_now(key) is None and not reads  # a stored key not checked yet
+    with pytest.raises(AuthError):
+        ring.answer_now(None)  # keys needed, none sent: known at once
+    assert ring.authenticate(key).tenant == "fay" and reads
+    reads.clear()
+    assert ring.answer_now(key).tenant == "fay" and not reads  # cached
+    with pytest.raises(AuthError):
+        ring.authenticate(key[:-1] + "x")
+    with pytest.raises(AuthError, match="invalid API key"):
+        ring.answer_now(key[:-1] + "x")  # a cached refusal
+    assert not reads[1:]
+    configured = KeyRing(store, ["cfg-key"], cache_s=60.0)
+    assert configured.answer_now("cfg-key").tenant == "default"
+    store.close()
+
+
 def test_the_keys_command(tmp_path, capsys):
     from dit_serve.cli import main
 

@@ -5,13 +5,15 @@ on it (``v1_router``), and a route that needs the caller's tenant declares ``who
 (FastAPI runs it once per request).
 
 The readers are ``async``: a plain ``def`` dependency would cost a thread-pool hop per request for an
-attribute read. ``authorize`` is a plain ``def``: a tenant key's first check reads the store."""
+attribute read. So is ``authorize``: it takes the hop only when its answer needs a store read (a tenant
+key's first check, or every ``cache_s``)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Callable
 
 from fastapi import APIRouter, Depends, Request, Security
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from dit_serve.server.catalog import Catalog, RequestError
@@ -61,11 +63,15 @@ async def _ring(request: Request) -> KeyRing:
     return request.app.state.key_ring
 
 
-def authorize(ring: Annotated[KeyRing, Depends(_ring)],
-              cred: HTTPAuthorizationCredentials | None = Security(_bearer)) -> Principal:
-    """Every /v1 route, when the service has API keys (health and metrics stay open, for probes)."""
+async def authorize(ring: Annotated[KeyRing, Depends(_ring)],
+                    cred: HTTPAuthorizationCredentials | None = Security(_bearer)) -> Principal:
+    """Every /v1 route, when the service has API keys (health and metrics stay open, for probes). On the
+    event loop when the answer needs no store read (no keys, a configured key, an answer cached), else
+    in the thread pool."""
+    token = None if cred is None else cred.credentials
     try:
-        return ring.authenticate(None if cred is None else cred.credentials)
+        who = ring.answer_now(token)
+        return who if who is not None else await run_in_threadpool(ring.authenticate, token)
     except AuthError as e:
         raise RequestError(str(e), status=401) from None
 

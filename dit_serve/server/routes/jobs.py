@@ -39,14 +39,15 @@ def job_or_404(store: Store, job_id: str, who: Principal, with_items: bool = Tru
 
 
 @router.post("/jobs", status_code=202, response_model=Job, responses=errors(403, 409, 429))
-def submit_job(req: JobRequest, response: Response, store: StoreDep, catalog: CatalogDep, admission: AdmissionDep,
+def submit_job(req: JobRequest, store: StoreDep, catalog: CatalogDep, admission: AdmissionDep,
                who: Caller, idempotency_key: str | None = IdempotencyKey) -> Job:
     """Queue a job; 202 once it is committed to the store (429 with Retry-After when the queue is full)."""
     job_id, created, job = admission.submit(catalog.resolve_job(req), who, idempotency_key)
-    response.headers["Location"] = f"/v1/jobs/{job_id}"
-    if not created:
-        response.headers["Idempotent-Replayed"] = "true"
-    return job or store.get_job(job_id)  # a new job as written (not read back: on each image's path)
+    headers = {"Location": f"/v1/jobs/{job_id}"} | ({} if created else {"Idempotent-Replayed": "true"})
+    # a new job as written, not read back, and serialised here: this answer is on every image's path,
+    # and the scheduler leasing the job meanwhile needs the interpreter that a re-validation would hold
+    job = job or store.get_job(job_id)
+    return Response(job.model_dump_json(), status_code=202, media_type="application/json", headers=headers)
 
 
 @router.get("/jobs/{job_id}", response_model=Job, responses=errors(404))
