@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,8 +139,7 @@ def _load_pixart(card: ModelCard, path: Path, vae, device, dtype) -> LoadedModel
     from diffusers import PixArtTransformer2DModel
     from transformers import AutoTokenizer, T5EncoderModel
 
-    transformer = _instantiate(PixArtTransformer2DModel, _read_json(path / "transformer" / "config.json"))
-    _load_weights(transformer, path / "transformer")
+    transformer = load_component(PixArtTransformer2DModel, path / "transformer")
     refuse_without_safetensors(path / "text_encoder", "model.safetensors")
     # transformers' loader: sharded checkpoints and tied embeddings; use_safetensors refuses pickles; one
     # copy per process for identical weights (workers.encoders)
@@ -165,17 +165,45 @@ def _assemble(card: ModelCard, transformer, vae) -> LoadedModel:
 def _load_transformer(path: Path, device, dtype) -> torch.nn.Module:
     from diffusers import DiTTransformer2DModel
 
-    model = _instantiate(DiTTransformer2DModel, _read_json(path / "config.json"))  # the card checked it is a DiT
-    _load_weights(model, path)
-    return _cast(model, device, dtype)
+    return _cast(load_component(DiTTransformer2DModel, path), device, dtype)  # the card checked it is a DiT
 
 
 def _load_vae(path: Path, device, dtype) -> torch.nn.Module:
     from diffusers import AutoencoderKL
 
-    model = _instantiate(AutoencoderKL, _read_json(path / "config.json"))
+    return _cast(load_component(AutoencoderKL, path), device, dtype)
+
+
+def load_component(cls, path: Path) -> torch.nn.Module:
+    """``cls`` from a component folder (its config.json and *.safetensors): refused before anything is
+    built when it has no safetensors, and built without random initialisation (``_no_init``), since every
+    parameter and persistent buffer then comes from the file (a missing one is a ModelError)."""
+    refuse_without_safetensors(path)
+    with _no_init():
+        model = _instantiate(cls, _read_json(path / "config.json"))
     _load_weights(model, path)
-    return _cast(model, device, dtype)
+    return model
+
+
+# torch.nn.init's in-place initialisers, which the layers' reset_parameters call while being built
+_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                 "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                 "sparse_")
+
+
+@contextmanager
+def _no_init():
+    """Layers built inside keep their allocated, uninitialised memory: a random initialisation that the
+    checkpoint overwrites (seconds for DiT-XL/2 on a CPU, minutes for larger models) is skipped. Only
+    torch.nn.init's initialisers are skipped; buffers a module computes (position tables) are made as usual."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITIALISERS if hasattr(torch.nn.init, name)}
+    try:
+        for name in saved:
+            setattr(torch.nn.init, name, lambda tensor, *a, **k: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
 
 
 def _cast(model: torch.nn.Module, device, dtype: torch.dtype) -> torch.nn.Module:

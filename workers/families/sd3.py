@@ -47,11 +47,10 @@ def load(card, device, dtype):
     from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
     from workers.layouts.sd3 import skips_t5
-    from workers.loading import _assemble, _cast, _instantiate, _load_vae, _load_weights, _read_json
+    from workers.loading import _assemble, _cast, _load_vae, _read_json, load_component
 
     path = Path(card.path)
-    transformer = _instantiate(SD3Transformer2DModel, _read_json(path / "transformer" / "config.json"))
-    _load_weights(transformer, path / "transformer")  # every *.safetensors: one file or all the shards
+    transformer = load_component(SD3Transformer2DModel, path / "transformer")  # every *.safetensors: a file or all shards
     model = _assemble(card, _cast(transformer, device, dtype), _load_vae(path / "vae", device, dtype))
     clip = CLIPTextModelWithProjection
     model.text_encoder, model.tokenizer = _encoder(clip, path, "", device, dtype)
