@@ -281,17 +281,20 @@ class Scheduler:
         crashed = [(w.leases.pop(key, None), error) for key, error in report.get("crashed", ())]
         if (finished or failed) and not self._suspects and (w.queue_left or self.store.queued.is_set()):
             self._fill(w, expect=True)  # the next items are on their way before the commits: the GPU does not wait
+        committed = []
         for lease, png in finished:
             if lease is not None and self.store.commit_result(lease, png):
-                self.metrics.item_finished("done")
-                self.metrics.item_phases(lease, timings.get(lease.key), received, time.time(),
-                                         answered=report.get("answered"), reply_at=w.reply_at)
+                committed.append((lease, time.time()))
         for lease, error in failed:
             if lease is not None and self.store.fail_item(lease, error):
                 log.warning("item %s failed: %s", lease.key, error)
                 self.metrics.item_finished("failed")
         if finished:  # hand the interpreter lock to the threads the commits woke (the job's event stream)
-            time.sleep(0)  # before this loop's own work: the image reaches its client that much sooner
+            time.sleep(0)  # before this loop's own work, its metrics too: the image reaches its client sooner
+        for lease, at in committed:
+            self.metrics.item_finished("done")
+            self.metrics.item_phases(lease, timings.get(lease.key), received, at, answered=report.get("answered"),
+                                     reply_at=w.reply_at)
         for lease, error in crashed:  # the step they were in raised: a crash of their batch, not their failure
             if lease is not None:
                 self._requeue([lease], "crash", error)

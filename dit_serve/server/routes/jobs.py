@@ -75,7 +75,10 @@ async def job_events(store: StoreDep, streams: StreamsDep, who: Caller, job_id: 
         streams.release(who.tenant)
 
     try:
-        job = await run_in_threadpool(_job_for_stream, store, job_id, who)
+        if store.local_reads and streams.open < streams.limits.inline_reads:  # as the stream's own reads
+            job = _job_for_stream(store, job_id, who)  # (``JobEvents._inline``): short, so on the event loop
+        else:
+            job = await run_in_threadpool(_job_for_stream, store, job_id, who)
         if (why := streams.acquire(who.tenant)) is not None:
             raise RequestError(why, status=429, retry_after=streams.limits.retry_after_s)
     except BaseException:
