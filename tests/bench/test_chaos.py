@@ -108,8 +108,17 @@ def test_overload_checks_need_a_bound_and_retry_after_on_every_429():
     stopped = {"exit_code": 0, "left_running": ["ray::DashboardAgent"]}
     r = chaos.overload_result(args, 10.0, 20.0, load, samples, 2**30, 2**30 + 2**20, True, stopped)
     assert r["checks"] == {"0 5xx": True, "every 429 has Retry-After": False, "queued + running within the bound": True,
-                           "no transport errors": True, "SIGTERM exits 0, nothing left": False,
-                           "memory flat (RSS trend over the second half <= 0.5 MiB/min)": False}  # no RSS samples
+                           "no transport errors": True, "SIGTERM exits 0, nothing left": False}  # 4 s: no trend
+    assert "not judged" in r["summary"]["rss trend MiB/min, second half"]
+    flat = "memory flat (RSS trend over the second half <= 0.5 MiB/min)"
+    long = [{"t_s": t, "queue_depth": 1, "running": 1} for t in (0.0, 150.0, 200.0, 250.0, 300.0)]
+    assert chaos.overload_result(args, 10.0, 20.0, load, long, 0, 0, True, stopped)["checks"][flat] is False  # no RSS
+    for x, mb in zip(long, (100, 100, 101, 102, 103)):
+        x["rss_mb"] = mb
+    assert chaos.overload_result(args, 10.0, 20.0, load, long, 0, 0, True, stopped)["checks"][flat] is False  # 1.2/min
+    for x in long:
+        x["rss_mb"] = 100
+    assert chaos.overload_result(args, 10.0, 20.0, load, long, 0, 0, True, stopped)["checks"][flat] is True
     assert r["summary"]["429 with Retry-After"] == "3/4" and r["summary"]["sent images/s"] == 15.0
     assert (r["summary"]["queue depth max"], r["summary"]["queued + running max"]) == (90, 100)
     args.max_queued = 99
