@@ -718,6 +718,7 @@ def overload_result(args, capacity, offered, load, samples, rss_start, rss_end, 
     five = sum(v for k, v in codes.items() if k.isdigit() and int(k) >= 500)
     limit = args.max_queued if bounded else None
     growth, slope = memory_growth(samples), memory_slope(samples)
+    judged = bool(samples) and samples[-1]["t_s"] / 2 >= TREND_MIN_S
     return {"summary": {"capacity images/s": round(capacity, 2), "offered images/s": round(offered, 2),
                         "sent images/s": round(load["images_offered"] / load["seconds"], 2),
                         "accepted images/s": round(load["images_accepted"] / load["seconds"], 2),
@@ -727,8 +728,8 @@ def overload_result(args, capacity, offered, load, samples, rss_start, rss_end, 
                         "queued + running max": max(held, default=None), "bound": limit,
                         "rss MiB start -> end": f"{rss_start / 2**20:.0f} -> {rss_end / 2**20:.0f}",
                         "rss MiB growth, second half": growth["total"],
-                        "rss trend MiB/min, second half": slope if samples and samples[-1]["t_s"] / 2 >= TREND_MIN_S
-                        else f"{slope} (not judged: the second half is under {TREND_MIN_S:.0f} s)",
+                        "rss trend MiB/min, second half":
+                            slope if judged else f"{slope} (not judged: the second half is under {TREND_MIN_S:.0f} s)",
                         "rss MiB growth by process, second half": growth["by_process"],
                         "seconds": round(load["seconds"], 1)},
             "checks": {"0 5xx": five == 0, "every 429 has Retry-After": load["retry_after"][False] == 0,
@@ -736,8 +737,7 @@ def overload_result(args, capacity, offered, load, samples, rss_start, rss_end, 
                        "no transport errors": all(k.isdigit() for k in codes),
                        "SIGTERM exits 0, nothing left": clean_exit(stopped),
                        **({f"memory flat (RSS trend over the second half <= {FLAT_MIB_PER_MIN} MiB/min)":
-                           slope is not None and slope <= FLAT_MIB_PER_MIN}
-                          if samples and samples[-1]["t_s"] / 2 >= TREND_MIN_S else {})},
+                           slope is not None and slope <= FLAT_MIB_PER_MIN} if judged else {})},
             "details": {"samples": samples, "clients_behind": load["behind"], "after_sigterm": stopped,
                         "rss_bytes": {"start": rss_start, "end": rss_end}}}
 

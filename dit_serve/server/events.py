@@ -165,6 +165,14 @@ class Streams:
         self.per_tenant[tenant] += 1
         return None
 
+    def reads_inline(self, store, opening: bool = False) -> bool:
+        """Whether a small job's reads run on the event loop rather than in the thread pool: a read from a
+        local SQLite file takes a fraction of a millisecond, less than the two thread hops around it (on an
+        image's path: its ending reaches the client that much sooner), and with few streams open (the
+        reader's among them; ``opening``: not acquired yet) the loop has nothing else to serve. Many streams
+        or a database server: the thread pool."""
+        return store.local_reads and self.open + opening <= self.limits.inline_reads
+
     def release(self, tenant: str) -> None:
         self.open -= 1
         self.per_tenant[tenant] -= 1
@@ -217,7 +225,7 @@ class JobEvents:
                 try:
                     if self.first is not None:  # read by the route, watched since before: no read now, and
                         job, self.first = self.first, None  # ``changed`` kept: it is set if the job changed since
-                        job, rows, previews = self._of(job, {} if job.finished else self.store.preview_steps(job.id))
+                        job, rows, previews = self._of(job)
                     else:
                         changed.clear()
                         if self._inline():
@@ -240,12 +248,8 @@ class JobEvents:
             self.store.changes.unwatch(self.job_id, changed)
 
     def _inline(self) -> bool:
-        """Read on the event loop, not in the thread pool: a small job's read from a local SQLite file takes
-        a fraction of a millisecond, less than the two thread hops around it (on an image's path: its ending
-        reaches the client that much sooner), and with few streams open the loop has nothing to wait for.
-        Otherwise (many streams, a large job, a database server) reads go to the thread pool."""
-        return (self.num_items <= END_EVENT_ITEMS and self.streams.open <= self.limits.inline_reads
-                and self.store.local_reads)
+        """Read on the event loop (``Streams.reads_inline``), for a small job only."""
+        return self.num_items <= END_EVENT_ITEMS and self.streams.reads_inline(self.store)
 
     async def _pace(self) -> None:
         """Take one read from the bucket (``read_burst`` deep, refilled one per ``min_read_gap_s``), waiting
@@ -286,22 +290,23 @@ class JobEvents:
         the module docstring). A job of up to END_EVENT_ITEMS items is read with its items, in one read:
         their endings are the ended items, and the end event carries the job whole."""
         job = self.store.get_job(self.job_id, items_up_to=END_EVENT_ITEMS)
-        if job is None:
-            return None, [], {}
-        return self._of(job, {} if job.finished else self.store.preview_steps(self.job_id))
+        return (None, [], {}) if job is None else self._of(job)
 
     def _since(self) -> float | None:
         """Endings at or after this were not sent on an earlier connection (with ``slack_s`` of doubt)."""
         key = self.cursor.key
         return None if key is None else self.created_at + key[0] / 1e6 - self.limits.slack_s
 
-    def _of(self, job: Job, previews: dict[int, int]) -> tuple[Job, list, dict[int, int]]:
-        """``_read``'s answer from the job as read: its ended items from its items when it has them."""
+    def _of(self, job: Job) -> tuple[Job, list, dict[int, int]]:
+        """``_read``'s answer from the job as read: its ended items (from its items when it has them), then
+        its running items' previews."""
         since = self._since()
         if job.items is None:
-            return job, self.store.finished_items(self.job_id, since), previews
-        return job, [_Ended(it.index, it.state, it.error, it.finished_at) for it in job.items
-                     if it.finished_at is not None and (since is None or it.finished_at >= since)], previews
+            rows = self.store.finished_items(self.job_id, since)
+        else:
+            rows = [_Ended(it.index, it.state, it.error, it.finished_at) for it in job.items
+                    if it.finished_at is not None and (since is None or it.finished_at >= since)]
+        return job, rows, ({} if job.finished else self.store.preview_steps(self.job_id))
 
     def _previews(self, latest: dict[int, int]) -> list[str]:
         """Events of the previews newer than the last sent of each item, by index."""

@@ -236,6 +236,9 @@ class Store:
         if idempotency_key is not None:
             digest = hashlib.sha256(json.dumps([model, params.model_dump(mode="json"), labels, seeds, priority,
                                                 webhook_url, prompts], sort_keys=True).encode()).hexdigest()
+        def earlier(found: str) -> tuple:
+            return (found, False, None) if view else (found, False)
+
         job_id, now = uuid.uuid4().hex, time.time()
         job_row = dict(id=job_id, model=model, params=stored, num_items=len(labels), created_at=now, cancelled=False,
                        priority=priority, tenant=tenant, idempotency_key=idempotency_key, request_hash=digest,
@@ -248,14 +251,14 @@ class Store:
         try:
             with self._tx() as conn:  # the key's lookup inside the writing transaction: one transaction, not two
                 if idempotency_key is not None and (found := self._by_key(tenant, idempotency_key, digest, conn)):
-                    return (found, False, None) if view else (found, False)
+                    return earlier(found)
                 self._check_room(conn, len(labels), tenant, max_active, tenant_max_active)
                 conn.execute(_INSERT_JOB, job_row)
                 conn.execute(_INSERT_ITEMS, item_rows)
         except IntegrityError:  # the same key committed by a concurrent submission: that one stands
             if idempotency_key is None or (found := self._by_key(tenant, idempotency_key, digest)) is None:
                 raise
-            return (found, False, None) if view else (found, False)
+            return earlier(found)
         self._new_work()
         self.changes.notify([job_id])  # on PostgreSQL: wakes the scheduler of another process
         if not view:
@@ -308,7 +311,8 @@ class Store:
                 rows = conn.execute(_ITEMS_OF, {"id": job_id}).all()
                 stats = _stats_of_rows(rows)
             else:
-                rows, stats = None, _stats_of(conn.execute(_STATS_OF, {"id": job_id}).all())
+                rows = None
+                stats = _stats_by_job(conn.execute(_STATS_OF, {"id": job_id}).all()).get(job_id, _no_stats())
         job = _job(row, stats, rows)
         if job.error is not None and job.state != "failed":  # unreadable: it fails alone, once
             self.quarantine(job_id, job.error)
@@ -839,19 +843,15 @@ def _item_stats(conn, job_ids: list[str]) -> dict[str, dict]:
     """Per job: counts per state, steps done, steps total and the last finish time."""
     if not job_ids:
         return {}
-    rows = conn.execute(_STATS.where(items.c.job_id.in_(job_ids))).all()
+    return _stats_by_job(conn.execute(_STATS.where(items.c.job_id.in_(job_ids))).all())
+
+
+def _stats_by_job(rows) -> dict[str, dict]:
+    """``_item_stats`` from ``_STATS``'s rows."""
     out: dict[str, dict] = {}
     for job_id, state, n, steps, total, finished in rows:
         _count(out.setdefault(job_id, _no_stats()), state, n, steps, total, finished)
     return out
-
-
-def _stats_of(rows) -> dict:
-    """``_item_stats`` of one job, from ``_STATS_OF``'s rows."""
-    s = _no_stats()
-    for _job_id, state, n, steps, total, finished in rows:
-        _count(s, state, n, steps, total, finished)
-    return s
 
 
 def _stats_of_rows(rows) -> dict:

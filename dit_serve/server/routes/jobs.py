@@ -74,11 +74,9 @@ async def job_events(store: StoreDep, streams: StreamsDep, who: Caller, job_id: 
         store.changes.unwatch(job_id, changed)
         streams.release(who.tenant)
 
-    try:
-        if store.local_reads and streams.open < streams.limits.inline_reads:  # as the stream's own reads
-            job = _job_for_stream(store, job_id, who)  # (``JobEvents._inline``): short, so on the event loop
-        else:
-            job = await run_in_threadpool(_job_for_stream, store, job_id, who)
+    try:  # on the event loop when the stream's own reads will be (``Streams.reads_inline``)
+        job = (_job_for_stream(store, job_id, who) if streams.reads_inline(store, opening=True)
+               else await run_in_threadpool(_job_for_stream, store, job_id, who))
         if (why := streams.acquire(who.tenant)) is not None:
             raise RequestError(why, status=429, retry_after=streams.limits.retry_after_s)
     except BaseException:
