@@ -105,10 +105,14 @@ def median_ms(fn, iters: int) -> float:
 # -- what a step reads, per family ------------------------------------------------------------------
 def step_inputs(model, images: int) -> dict[str, torch.Tensor]:
     """Our step's inputs for ``images`` images, seeded: DiT at step 10 of DDIM 50 with guidance 4 (as
-    step_latency, with labels among the model's classes); PixArt as bench/pixart.py's step section."""
+    step_latency, with labels among the model's classes); PixArt as bench/pixart.py's step section, SD3
+    and FLUX as bench/mmdit.py's."""
     if model.card.family == "pixart":
         px = _bench_module("pixart")
         return px.live_inputs(model, images, px.make_prompts(), px.Setup())
+    if model.card.family in ("sd3", "flux"):
+        mm = _bench_module("mmdit")
+        return mm.live_inputs(model, images, mm.pb.make_prompts(), mm.Setup())
     from samplers import gather_rows, make_plan
 
     g, dev = torch.Generator().manual_seed(images), model.device
@@ -123,6 +127,9 @@ def diffusers_loop_body(model, images: int, inputs: dict):
     """The reference pipeline's loop body at ``images`` images, or a reason it cannot run on this model."""
     if model.card.family == "pixart":
         return _bench_module("pixart").diffusers_step(model, inputs, _bench_module("pixart").Setup())
+    if model.card.family in ("sd3", "flux"):
+        mm = _bench_module("mmdit")
+        return mm.DIFFUSERS_STEP[model.card.family](model, inputs, mm.Setup())
     if model.num_classes != 1000:
         return f"step_latency.diffusers_step_fn draws ImageNet's 1000 classes; {model.name} has {model.num_classes}"
     return _bench_module("step_latency").diffusers_step_fn(model, images)
@@ -245,16 +252,17 @@ def plot_tflops(result: dict, path: Path) -> Path | None:
     except ImportError:
         return None
     flops, peak = result.get("flops") or {}, result.get("matmul_peak_tflops") or {}
+    rows = result.get("rows_per_image", 2)
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, block in result["systems"].items():
-        pts = [(2 * n, flops[n] / (ms * 1e-3) / 1e12) for n, ms in block.get("ms", {}).items() if n in flops]
+        pts = [(rows * n, flops[n] / (ms * 1e-3) / 1e12) for n, ms in block.get("ms", {}).items() if n in flops]
         if pts:
             ax.plot(*zip(*sorted(pts)), marker="o", label=name)
     for kind, value in peak.items():
         if value:
             ax.axhline(value, linestyle="--", linewidth=1, color="grey")
             ax.annotate(f"{kind} matmul peak", (1, value), textcoords="offset points", xytext=(2, 2), fontsize=8)
-    ax.set(xscale="log", xlabel="transformer rows (2 per image)", ylabel="TFLOP/s",
+    ax.set(xscale="log", xlabel=f"transformer rows ({rows} per image)", ylabel="TFLOP/s",
            title=f"{result['model']}: one step on {result['hardware']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -308,6 +316,7 @@ def run(args, result: dict, save) -> None:
     model = load_model(args.model, device=device, dtype=dtype)
     models = {"bf16": model}
     inputs = {n: step_inputs(model, n) for n in args.images}
+    result["rows_per_image"] = 1 if getattr(model.card, "guidance_mode", "cfg") == "embedded" else 2
     reference: dict = {}
     attempt(result, "flops", lambda: result.__setitem__("flops", step_flops(model, inputs)), save)
     attempt(result, "matmul peak", lambda: result.__setitem__("matmul_peak_tflops", {
@@ -354,11 +363,12 @@ def attempt(result: dict, part: str, fn, save) -> None:
 
 
 def markdown(result: dict) -> str:
-    images = result["images"]
-    lines = [f"# Inductor inside our graphs: {result['model']}, one CFG step (median ms)", "",
+    images, rows = result["images"], result.get("rows_per_image", 2)
+    step = "one CFG step" if rows == 2 else "one step (guidance embedded)"
+    lines = [f"# Inductor inside our graphs: {result['model']}, {step} (median ms)", "",
              f"{result['hardware']}; torch {result['torch']}, triton {result['triton']}, diffusers "
              f"{result['diffusers']}; buckets up to {result['max_batch']}.", "",
-             "| system | " + " | ".join(f"{n} image{'s' * (n > 1)} ({2 * n} rows)" for n in images)
+             "| system | " + " | ".join(f"{n} image{'s' * (n > 1)} ({rows * n} row{'s' * (rows * n > 1)})" for n in images)
              + " | graph pool MiB | max abs diff x_next vs breakable | relative diff | warm-up s | compiling s (graphs) |",
              "|---|" + "---|" * (len(images) + 5)]
     for name, block in result["systems"].items():
@@ -366,7 +376,7 @@ def markdown(result: dict) -> str:
         diff = ", ".join(f"{d:.2e}" for d in block.get("max_abs_diff", {}).values())
         rel = ", ".join(f"{d:.2e}" for d in block.get("rel_diff", {}).values())
         c = block.get("compile")
-        compiling = f"{c['compile_s']} ({c['graphs']})" if c else ""
+        compiling = f"{c['compile_s']} ({c['graphs']} + {c.get('one_row_graphs', 0)} one-row)" if c else ""
         lines.append(f"| {name} | " + " | ".join(ms) + f" | {block.get('pool_mib', '')} | {diff} | {rel} | "
                      f"{block.get('warmup_s', '')} | {compiling} |")
     lines += [f"\n{name} skipped: {block['skipped']}" for name, block in result["systems"].items() if "skipped" in block]

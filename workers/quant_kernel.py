@@ -14,12 +14,22 @@ This kernel loads a row once into registers (a row of the widest model here, FLU
 its second linear's input), takes the maximum, scales, casts and stores: one read, one write, float32
 arithmetic throughout (no bf16 rounding of the GELU's output before it is quantized).
 
+How a row is laid out (``Plan``, chosen per row width K from measurements, ``PLANS``): first, every row
+was the next power of two of lanes, and the lanes past K computed the GELU too. The feed-forward rows
+(K = 4608: 8192 lanes, 44% of them masked) ran at 2 TB/s, bound by the GELU's exponential and division on
+the masked lanes. Now such a row is held as two powers of two side by side (4096 + 512) and the GELU's
+tanh is the GPU's one approximate instruction: on an H200 that row's quantization went from 63.6 to
+32.6 us at PixArt-Σ 1024's 8192 rows, at the bandwidth of a plain bf16 -> FP8 cast; the approximate tanh
+moved 0.01% of the codes, each by one step (``docs/benchmarks/row_kernels.md``).
+
 It is a ``torch.library`` custom op (``dit_serve::quantize_rows``) with a fake implementation, so a
 compiled step (dynamo, Inductor, a dynamic batch) calls it as one opaque kernel and CUDA graphs capture
 it. Off CUDA, or without Triton, ``workers.fp8`` keeps its PyTorch code.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +42,7 @@ except ImportError:  # pragma: no cover - exercised on CPU-only installs
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _CODES = {"none": 0, "tanh": 1, "erf": 2}  # "none": no activation; "tanh" and "erf": F.gelu's two forms
+FAST_TANH = 3  # the tanh form by tanh.approx.f32 (Plan.fast)
 MAX_K = 32768  # a row is held in registers: wider rows (none of the families here) take the PyTorch path
 
 
@@ -41,45 +52,209 @@ def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dim() == 2 and x.shape[-1] <= MAX_K
 
 
+@dataclass(frozen=True)
+class Plan:
+    """How the kernel covers a row (``warps`` per program):
+
+    * ``whole``: ``rows`` rows per program, each held in registers as ``block`` lanes (the next power of
+      two of K, the lanes past K masked: a K of 4608 computes 8192 lanes);
+    * ``split``: one row per program held as ``parts``, powers of two side by side (4608 = 4096 + 512):
+      few lanes past K, still one read and one write;
+    * ``chunked``: one row per program read in ``block``-wide chunks twice (the maximum, then the codes;
+      the second read from the cache).
+
+    ``fast``: the tanh GELU's tanh by the GPU's approximate instruction (``tanh.approx.f32``, relative
+    error about 2^-11, against e4m3's code spacing of 2^-3) instead of an exponential and a division."""
+
+    kind: str
+    block: int
+    rows: int = 1
+    warps: int = 4
+    parts: tuple[int, ...] = ()
+    fast: bool = False
+
+
+MAX_PARTS = 4
+
+
+def whole_plan(k: int) -> Plan:
+    """The first kernel's layout: one row per program, about 16 values a thread."""
+    block = _next_pow2(k)
+    return Plan("whole", block, 1, max(1, min(16, block // 512)))
+
+
+def split_parts(k: int, granule: int = 128) -> tuple[int, ...]:
+    """K as at most MAX_PARTS powers of two, largest first, none below ``granule`` but the last, which is
+    rounded up (its lanes past K masked): 1152 -> (1024, 128), 15360 -> (8192, 4096, 2048, 1024)."""
+    parts, left = [], k
+    while left > 0 and len(parts) < MAX_PARTS - 1 and (top := 1 << (left.bit_length() - 1)) >= granule:
+        parts.append(top)
+        left -= top
+    if left > 0:
+        parts.append(max(_next_pow2(left), 16))
+    return tuple(parts)
+
+
+def split_plan(k: int, fast: bool = True) -> Plan:
+    """A split row at about 64 values a thread (what the whole-row plans measured best at on an H200)."""
+    parts = split_parts(k)
+    warps = max(1, min(16, _next_pow2(-(-sum(parts) // (64 * 32)))))
+    return Plan("split", parts[0], 1, warps, parts, fast)
+
+
+# K -> the plan measured fastest for the rows of that width the families run (bench/row_kernels.py on an
+# H200, docs/benchmarks/row_kernels.md); "fast" matters only where the GELU is folded in (4608, 6144, 12288)
+PLANS: dict[int, Plan] = {
+    1152: Plan("whole", 2048, 1, 1),                         # DiT-XL/2, PixArt: hidden
+    1536: Plan("split", 1024, 1, 1, (1024, 512)),            # SD3.5-medium: hidden
+    3072: Plan("split", 2048, 1, 1, (2048, 1024)),           # FLUX.1: hidden
+    4608: Plan("split", 4096, 1, 4, (4096, 512), True),      # DiT-XL/2, PixArt: feed-forward
+    6144: Plan("split", 4096, 1, 4, (4096, 2048), True),     # SD3.5-medium: feed-forward
+    12288: Plan("split", 8192, 1, 8, (8192, 4096), True),    # FLUX.1: feed-forward
+    15360: Plan("whole", 16384, 1, 8),                       # FLUX.1: a single block's output projection
+}
+
+
+def plan_for(k: int) -> Plan:
+    """The measured plan for K, else a split row of at most two parts, else a whole one (the four-part split
+    of 15360 measured 40% slower than the whole row)."""
+    if k in PLANS:
+        return PLANS[k]
+    plan = split_plan(k)
+    if len(plan.parts) <= 2:
+        return plan
+    block = _next_pow2(k)
+    return Plan("whole", block, 1, max(1, min(16, block // 2048)), fast=True)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 if triton is not None:
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
-                              GELU: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < K
-        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    def _act(x, GELU: tl.constexpr):
+        """F.gelu of float32 ``x`` in its tanh (1) or exact (2) form; 0: x itself."""
         if GELU == 1:  # tanh form: x * sigmoid(2u) == 0.5 x (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3)
             u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
             x = x * tl.sigmoid(2.0 * u)
         elif GELU == 2:  # exact: 0.5 x (1 + erf(x / sqrt 2))
             x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-        peak = tl.max(tl.abs(x), axis=0)
+        elif GELU == 3:  # tanh form, one approximate instruction for the tanh
+            u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [u], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+            x = 0.5 * x * (1.0 + t)
+        return x
+
+    @triton.jit
+    def _part(row_ptr, start, K, B: tl.constexpr, GELU: tl.constexpr):
+        """Lanes start .. start + B of a row, activated, in float32; and their offsets."""
+        offs = start + tl.arange(0, B)
+        x = tl.load(row_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+        return _act(x, GELU), offs
+
+    @triton.jit
+    def _put(row_ptr, offs, x, inv, K):
+        q = tl.clamp(x * inv, -448.0, 448.0)
+        tl.store(row_ptr + offs, q.to(tl.float8e4nv), mask=offs < K)
+
+    @triton.jit
+    def _split_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, GELU: tl.constexpr,
+                      B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        xr, qr = x_ptr + row * stride_x, q_ptr + row * stride_q
+        x0, o0 = _part(xr, 0, K, B0, GELU)
+        peak = tl.max(tl.abs(x0), axis=0)
+        if B1 > 0:  # constexpr: the parts a plan has are compiled in, the others are not
+            x1, o1 = _part(xr, B0, K, B1, GELU)
+            peak = tl.maximum(peak, tl.max(tl.abs(x1), axis=0))
+        if B2 > 0:
+            x2, o2 = _part(xr, B0 + B1, K, B2, GELU)
+            peak = tl.maximum(peak, tl.max(tl.abs(x2), axis=0))
+        if B3 > 0:
+            x3, o3 = _part(xr, B0 + B1 + B2, K, B3, GELU)
+            peak = tl.maximum(peak, tl.max(tl.abs(x3), axis=0))
         scale = tl.maximum(peak / 448.0, 1e-12)
-        q = tl.clamp(x * (1.0 / scale), -448.0, 448.0)
-        tl.store(q_ptr + row * stride_q + offs, q.to(tl.float8e4nv), mask=mask)
+        inv = 1.0 / scale
+        _put(qr, o0, x0, inv, K)
+        if B1 > 0:
+            _put(qr, o1, x1, inv, K)
+        if B2 > 0:
+            _put(qr, o2, x2, inv, K)
+        if B3 > 0:
+            _put(qr, o3, x3, inv, K)
+        tl.store(s_ptr + row, scale)
+
+    @triton.jit
+    def _whole_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q,
+                      GELU: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+        offs = tl.arange(0, BLOCK)                                          # (BLOCK,)
+        mask = (rows[:, None] < M) & (offs[None, :] < K)                    # (ROWS, BLOCK)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _act(x, GELU)
+        peak = tl.max(tl.abs(x), axis=1)                                    # (ROWS,)
+        scale = tl.maximum(peak / 448.0, 1e-12)
+        q = tl.clamp(x * (1.0 / scale)[:, None], -448.0, 448.0)
+        tl.store(q_ptr + rows[:, None] * stride_q + offs[None, :], q.to(tl.float8e4nv), mask=mask)
+        tl.store(s_ptr + rows, scale, mask=rows < M)
+
+    @triton.jit
+    def _chunked_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
+                        GELU: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        top = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, K, BLOCK):  # the row's largest magnitude, a chunk at a time
+            mask = start + offs < K
+            x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
+            top = tl.maximum(top, tl.abs(_act(x, GELU)))
+        scale = tl.maximum(tl.max(top, axis=0) / 448.0, 1e-12)
+        inv = 1.0 / scale
+        for start in range(0, K, BLOCK):  # again (from the cache): the codes
+            mask = start + offs < K
+            x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
+            q = tl.clamp(_act(x, GELU) * inv, -448.0, 448.0)
+            tl.store(q_ptr + row * stride_q + start + offs, q.to(tl.float8e4nv), mask=mask)
         tl.store(s_ptr + row, scale)
 
 
-def _warps(block: int) -> int:
-    """Warps per row: about 16 values a thread, between 1 and 16 warps."""
-    return max(1, min(16, block // 512))
-
-
-@torch.library.custom_op("dit_serve::quantize_rows", mutates_args=())
-def quantize_rows_cuda(x: torch.Tensor, gelu: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) CUDA -> (M, K) float8 e4m3 and (M, 1) float32 scales of ``gelu(x)`` (``gelu`` a key of _CODES)."""
+def launch(x: torch.Tensor, gelu: str, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows_cuda`` by an explicit plan (the benchmark compares plans). Plans of one ``fast``
+    compute the same float32 arithmetic, so their outputs are bit-identical."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m:
-        block = triton.next_power_of_2(k)
-        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0),
-                                    GELU=_CODES[gelu], BLOCK=block, num_warps=_warps(block))
+    if not m:
+        return q, scale
+    code = FAST_TANH if plan.fast and gelu == "tanh" else _CODES[gelu]
+    if plan.kind == "split":
+        if sum(plan.parts) < k or len(plan.parts) > MAX_PARTS:
+            raise ValueError(f"a split plan of parts {plan.parts} cannot hold rows of {k}")
+        b = (*plan.parts, 0, 0, 0)[:MAX_PARTS]
+        _split_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), GELU=code,
+                            B0=b[0], B1=b[1], B2=b[2], B3=b[3], num_warps=plan.warps)
+    elif plan.kind == "whole":
+        if plan.block < k:
+            raise ValueError(f"a whole-row plan of {plan.block} lanes cannot hold rows of {k}")
+        _whole_kernel[(triton.cdiv(m, plan.rows),)](x, q, scale, m, k, x.stride(0), q.stride(0), GELU=code,
+                                                     ROWS=plan.rows, BLOCK=plan.block, num_warps=plan.warps)
+    elif plan.kind == "chunked":
+        _chunked_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), GELU=code,
+                              BLOCK=plan.block, num_warps=plan.warps)
+    else:
+        raise ValueError(f"unknown plan kind {plan.kind!r}")
     return q, scale
+
+
+@torch.library.custom_op("dit_serve::quantize_rows", mutates_args=())
+def quantize_rows_cuda(x: torch.Tensor, gelu: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) CUDA -> (M, K) float8 e4m3 and (M, 1) float32 scales of ``gelu(x)`` (``gelu`` a key of _CODES)."""
+    return launch(x, gelu, plan_for(x.shape[-1]))
 
 
 @quantize_rows_cuda.register_fake

@@ -256,3 +256,15 @@ def test_the_text_oracle_through_fp8_is_within_two_points_of_the_models_dtype():
     acc = text_oracle("cpu", "eager")
     print(f"digits-text oracle on the CPU: {acc}")
     assert acc["bf16"] >= 0.9 and acc["fp8"] >= acc["bf16"] - 0.02, acc
+
+
+def test_each_measured_row_plan_holds_its_rows_and_others_get_a_split_or_whole_row():
+    from workers import quant_kernel
+
+    for k, plan in quant_kernel.PLANS.items():
+        assert (plan.block >= k) if plan.kind == "whole" else (plan.kind == "split" and sum(plan.parts) >= k), k
+        assert plan.block == (plan.parts[0] if plan.parts else quant_kernel._next_pow2(k))
+    assert quant_kernel.plan_for(2304) == quant_kernel.split_plan(2304)  # 2048 + 256: two parts
+    assert quant_kernel.plan_for(2304).parts == (2048, 256) and quant_kernel.plan_for(2304).warps == 2
+    wide = quant_kernel.plan_for(7 * 1024)  # 4096 + 2048 + 1024: three parts measured slower than a whole row
+    assert wide.kind == "whole" and wide.block == 8192 and wide.warps == 4

@@ -91,13 +91,14 @@ def test_the_text_oracle_through_compiled_fp8_graphs_is_within_two_points():
 def test_the_row_kernel_quantizes_as_the_pytorch_reference_does(k, gelu, monkeypatch):
     """workers.quant_kernel against the PyTorch path in float32 on the same bf16 rows (a zero row among
     them): the same scales, and codes that differ only where the two GELU formulas round a value across a
-    code boundary (at most one code step, on at most 0.1% of the values)."""
-    from workers import fp8
+    code boundary (at most one code step, on at most 0.1% of the values). The exact tanh here; the fast
+    one is the next test's."""
+    from workers import fp8, quant_kernel
 
     torch.manual_seed(k)
     x = (torch.randn(333, k, device="cuda") * torch.logspace(-2, 2, 333, device="cuda")[:, None]).bfloat16()
     x[7] = 0
-    q, scale = fp8.quantize_rows(x, gelu)
+    q, scale = quant_kernel.launch(x, gelu, quant_kernel.split_plan(k, fast=False))
     assert q.dtype == torch.float8_e4m3fn and q.shape == (333, k) and scale.shape == (333, 1)
     with monkeypatch.context() as m:
         m.setattr(fp8, "ROW_KERNEL", False)
@@ -109,6 +110,60 @@ def test_the_row_kernel_quantizes_as_the_pytorch_reference_does(k, gelu, monkeyp
     assert differ.float().mean().item() <= 1e-3
     step = (want.abs().clamp(min=2 ** -6).log2().floor() - 3).exp2()  # e4m3's spacing at each value
     assert ((got - want).abs() <= step * 1.0001 + 2 ** -9)[differ].all()
+
+
+def _codes(q: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes as ordered integers (sign and magnitude -> signed): a difference counts code steps."""
+    c = q.view(torch.uint8).int()
+    return torch.where(c >= 128, -(c - 128), c)
+
+
+@pytest.mark.parametrize("k", [1152, 4608, 15360])
+def test_the_fast_tanh_moves_few_codes_by_one_step(k):
+    """The tanh GELU by tanh.approx.f32 (relative error about 2^-11) against the exact kernel: scales within
+    0.2%, at most 2% of the codes differ, and those by one code step. And quantize_rows runs the plan
+    measured for K."""
+    from workers import fp8, quant_kernel
+
+    torch.manual_seed(k)
+    x = (torch.randn(333, k, device="cuda") * torch.logspace(-2, 2, 333, device="cuda")[:, None]).bfloat16()
+    q, s = quant_kernel.launch(x, "tanh", quant_kernel.split_plan(k, fast=True))
+    eq, es = quant_kernel.launch(x, "tanh", quant_kernel.split_plan(k, fast=False))
+    torch.testing.assert_close(s, es, rtol=2e-3, atol=0)
+    steps = (_codes(q) - _codes(eq)).abs()
+    print(f"K={k}: {(steps > 0).float().mean().item():.3%} of codes differ")
+    assert steps.max().item() <= 1 and (steps > 0).float().mean().item() <= 0.02
+    dq, ds = fp8.quantize_rows(x, "tanh")
+    pq, ps = quant_kernel.launch(x, "tanh", quant_kernel.plan_for(k))
+    assert torch.equal(dq.view(torch.uint8), pq.view(torch.uint8)) and torch.equal(ds, ps)
+
+
+@pytest.mark.parametrize("k", [1152, 4608, 15360])
+@pytest.mark.parametrize("gelu", ["none", "tanh"])
+def test_every_row_kernel_plan_gives_the_same_codes(k, gelu):
+    """Whole rows one or several to a program (333 rows: the last program part empty), split rows and rows
+    read in chunks (K not a multiple of every chunk) compute the same float32 arithmetic: bit-identical,
+    among the exact plans and among the fast-tanh ones."""
+    from workers import quant_kernel
+    from workers.quant_kernel import Plan
+
+    torch.manual_seed(k)
+    x = (torch.randn(333, k, device="cuda") * torch.logspace(-2, 2, 333, device="cuda")[:, None]).bfloat16()
+    x[5] = 0
+    block, parts = quant_kernel._next_pow2(k), quant_kernel.split_parts(k)
+    for fast in (False, True):
+        want_q, want_s = quant_kernel.launch(x, gelu, quant_kernel.split_plan(k, fast=fast))
+        for plan in (Plan("whole", block, 1, 8, fast=fast), Plan("whole", block, 4, 8, fast=fast),
+                     Plan("split", parts[0], 1, 2, parts, fast), Plan("split", parts[0], 1, 16, parts, fast),
+                     Plan("chunked", 512, 1, 4, fast=fast), Plan("chunked", 2048, 1, 8, fast=fast)):
+            if plan.block * plan.rows > 2 ** 15:
+                continue
+            q, s = quant_kernel.launch(x, gelu, plan)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s), plan
+    with pytest.raises(ValueError, match="cannot hold rows"):
+        quant_kernel.launch(x, gelu, Plan("whole", block // 2, 1, 4))
+    with pytest.raises(ValueError, match="cannot hold rows"):
+        quant_kernel.launch(x, gelu, Plan("split", parts[0], 1, 4, parts[:1]))
 
 
 def test_the_row_kernel_compiles_once_for_a_dynamic_batch_and_captures_into_a_graph():

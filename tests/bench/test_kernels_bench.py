@@ -1,0 +1,92 @@
+"""bench/kernels.py and bench/row_kernels.py run on a CPU: the kernel benchmark on a tiny FLUX.1-dev (one
+row an image: guidance embedded) with the diffusers loop body as its baseline, and the row-kernel
+benchmark's PyTorch systems and plan list."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_kernel_benchmark_runs_an_mmdit_family_with_its_own_rows(tmp_path):
+    from workers.models.tiny_flux import make_tiny_flux
+
+    kernels = _load("kernels")
+    model_dir = make_tiny_flux(tmp_path / "tiny-flux")
+    kernels.main(["--smoke", "--model", str(model_dir), "--images", "1", "2", "--max-batch", "2", "--no-start",
+                  "--systems", "diffusers", "breakable", "breakable+fp8", "--out", str(tmp_path / "out")])
+    report = json.loads((tmp_path / "out" / "kernels_smoke.json").read_text())
+    assert report["errors"] == {} and report["rows_per_image"] == 1
+    systems = report["systems"]
+    assert set(systems["diffusers"]["ms"]) == set(systems["breakable"]["ms"]) == {"1", "2"}
+    assert 0 < systems["breakable+fp8"]["rel_diff"]["2"] < 1e-2  # FP8 changes the step, a little
+    text = (tmp_path / "out" / "kernels_smoke.md").read_text()
+    assert "one step (guidance embedded)" in text and "| 1 image (1 row) | 2 images (2 rows) |" in text
+
+
+def test_row_kernel_plans_cover_each_row_and_start_with_the_first_kernel():
+    from workers import quant_kernel
+
+    rk = _load("row_kernels")
+    for k in (1152, 4608, 15360):
+        for gelu in ("none", "tanh"):
+            plans = rk.plans(k, gelu)
+            assert plans[0] == quant_kernel.whole_plan(k) and len(set(plans)) == len(plans)
+            assert {p.kind for p in plans} == {"whole", "split", "chunked"}
+            assert any(p.fast for p in plans) == (gelu == "tanh")  # the fast tanh only where there is one
+            for p in plans:  # a whole row fits its lanes, a split row its parts; a chunk is no wider than the row
+                fits = {"whole": p.block >= k, "split": sum(p.parts) >= k, "chunked": p.block <= k and p.rows == 1}
+                assert fits[p.kind] and p.block & (p.block - 1) == 0 and p.warps in (1, 2, 4, 8, 16, 32)
+
+
+@pytest.mark.parametrize("k, parts", [(1152, (1024, 128)), (4608, (4096, 512)), (6144, (4096, 2048)),
+                                      (15360, (8192, 4096, 2048, 1024)), (15000, (8192, 4096, 2048, 1024)),
+                                      (100, (128,)), (8, (16,))])
+def test_a_split_row_is_few_powers_of_two_covering_it(k, parts):
+    from workers import quant_kernel
+
+    got = quant_kernel.split_parts(k)
+    assert got == parts and sum(got) >= k and len(got) <= quant_kernel.MAX_PARTS
+    assert sum(got) - k < max(128, got[-1])  # lanes past K: less than the last part (at most one granule)
+
+
+def test_row_kernel_smoke_times_the_pytorch_systems_on_a_cpu(tmp_path):
+    rk = _load("row_kernels")
+    result = rk.main(["--smoke", "--out", str(tmp_path)])
+    assert [r["K"] for r in result["quant"]] == [1152, 4608]
+    for r in result["quant"]:
+        assert set(r["us"]) == {"copy", "torch"} and all(v > 0 for v in r["us"].values()) and "best" not in r
+    (attn,) = result["attention"]
+    assert set(attn["us"]) == {"math/d72", "math/d80", "math/d96", "math/d128"} and attn["errors"] == {}
+    assert "## Row quantization" in (tmp_path / "row_kernels_smoke.md").read_text()
+
+
+@pytest.mark.parametrize("d, pad", [(72, 80), (72, 128)])
+def test_zero_padded_heads_compute_the_same_attention(d, pad):
+    """The padding the attention rows rely on: zero columns in q and k keep every score, zero columns in v
+    give zero output columns, with the scale of the real head dim."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    rk = _load("row_kernels")
+    q, k, v = (torch.randn(2, 9, 3, d) for _ in range(3))
+    want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+    got = F.scaled_dot_product_attention(*(rk.padded(t, pad).transpose(1, 2) for t in (q, k, v)), scale=1 / math.sqrt(d))
+    torch.testing.assert_close(got[..., :d], want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[..., d:], torch.zeros_like(got[..., d:]))
