@@ -643,6 +643,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--smoke", action="store_true", help="every section in seconds on tiny random models (CPU)")
     p.add_argument("--loads", type=float, nargs="+", help="mixed: offered loads in images/s (default 0.3 0.6)")
     p.add_argument("--window", type=float, help="mixed: seconds of arrivals per load (default 10)")
+    p.add_argument("--engine-batch", type=int, help="memory and e2e: the warmed engine's largest bucket (default 4; "
+                   "1 compiles one graph instead of two with --compile inductor)")
     p.add_argument("--fresh", action="store_true", help="start a new report instead of merging into the one in --out")
     p.add_argument("--compile", choices=["off", "inductor"], default="off", help="our engines' steps compiled")
     p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16", help="our models' block linears")
@@ -655,7 +657,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:  # one thread: on a shared CPU torch's threads wait on each other and tiny steps swing 100x
         torch.set_num_threads(1)
     over = {"loads": tuple(args.loads) if args.loads else None, "window_s": args.window, "compile": args.compile,
-            "precision": args.precision}
+            "precision": args.precision, "engine_batch": args.engine_batch}
     s = Setup(**{**s.__dict__, **{k: v for k, v in over.items() if v is not None}})
     name = ("mmdit_smoke" if args.smoke else "mmdit") + pb.tuned_suffix(s.compile, s.precision)
     head = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
