@@ -391,7 +391,8 @@ def bench_e2e(model, s: Setup, prompts: list[str], state: dict, ref=None) -> dic
     seen before."""
     fresh = iter(prompts[len(prompts) // 2:])  # neither step's nor memory's
     block = {"model": model.name, "size": list(model.card.native_size), "steps": s.steps,
-             "guidance": guidance_of(model, s), "engine_max_batch": s.engine_batch, "runs_ms": {}}
+             "guidance": guidance_of(model, s), "engine_max_batch": s.engine_batch, "runs_ms": {},
+             "host_loop_s": pb.host_loop_s()}
     engine = state.pop("engine", None) or warm_engine(model, s, prompts)[0]
     block["runs_ms"]["ours"] = _ours_e2e(engine, model, s, fresh)
     del engine  # its graphs, before the pipeline runs
@@ -566,6 +567,8 @@ def markdown(result: dict) -> str:
                   "|---|---|---|---|---|---|"]
         lines += [f"| {name} | {b['size'][0]}x{b['size'][1]} | {b['steps']} | {b['ms']['ours']} | "
                   f"{b['ms']['diffusers']} | {b['ratio']}x |" for name, b in _ordered(result["e2e"])]
+        hosts = [f"{name}: {pb.host_line(b)}" for name, b in _ordered(result["e2e"]) if pb.host_line(b)]
+        lines += ["", "; ".join(hosts)] if hosts else []
         lines.append("")
     if result.get("memory"):
         lines += ["## Memory", "", "| model | weights GiB | engine peak GiB | graph pool MiB | max batch |",

@@ -386,6 +386,19 @@ def _token_counts(model, prompts: list[str]) -> dict:
 
 
 # -- section 2: one image end to end -----------------------------------------------------------------
+def host_loop_s(n: int = 3_000_000) -> float:
+    """Seconds of a plain Python loop on this host: diffusers' pipelines launch their kernels from Python,
+    so at small images their time follows the host's CPU (the H200 hosts measured so far differ 1.8x)."""
+    t0, acc = time.perf_counter(), 0
+    for i in range(n):
+        acc += i * i % 7
+    return round(time.perf_counter() - t0, 3)
+
+
+def host_line(block: dict) -> str:
+    return f"host Python loop (3M iterations) {block['host_loop_s']} s" if "host_loop_s" in block else ""
+
+
 def bench_e2e(model, s: Setup, prompts: list[str], ref=None) -> dict:
     """Section 2: a prompt never seen before in every run (and the encoding cache cleared), so both
     systems encode the prompt and "" each time; ours warmed (graphs captured) before the first run."""
@@ -393,7 +406,7 @@ def bench_e2e(model, s: Setup, prompts: list[str], ref=None) -> dict:
 
     fresh = iter(prompts)
     block = {"model": model.name, "size": list(model.card.native_size), "steps": s.steps, "guidance": s.guidance,
-             "runs_ms": {}}
+             "runs_ms": {}, "host_loop_s": host_loop_s()}
     for mode in CROSS_ATTENTION:
         try:
             block["runs_ms"][f"ours/{mode}"] = _ours_e2e(model, mode, s, fresh)
@@ -594,6 +607,8 @@ def markdown(result: dict) -> str:
             ms, r = b["ms"], b["ratio"]
             lines.append(f"| {b['model']} | {ms['ours/padded']} | {ms['ours/varlen']} | {ms['diffusers']} | "
                          f"{r['padded']}x | {r['varlen']}x |")
+        hosts = [f"{b['model']}: {host_line(b)}" for b in result["e2e"].values() if host_line(b)]
+        lines += ["", "; ".join(hosts)] if hosts else []
         lines.append("")
     if result.get("mixed"):
         lines += _mixed_markdown(result["mixed"])

@@ -220,6 +220,7 @@ def test_every_section_runs_end_to_end(tmp_path):
         e2e = result["e2e"][name]
         assert set(e2e["ms"]) == {"ours", "diffusers"} and all(v > 0 for v in e2e["ms"].values())
         assert all(len(v) == 2 for v in e2e["runs_ms"].values()) and e2e["ratio"] > 0 and e2e["steps"] == 4
+        assert 0 < e2e["host_loop_s"] < 10  # the host's Python speed, beside a host-bound baseline
         mem = result["memory"][name]
         assert mem["weights_gib"]["total"] > 0 and mem["peak_gib"] > 0 and mem["pool_mib"] >= 0
         assert "transformer" in mem["weights_gib"] and ("text_encoder_3" in mem["weights_gib"]) == ("sd35" in name)

@@ -203,6 +203,7 @@ def test_every_section_runs_end_to_end(tmp_path):
     e2e = result["e2e"]["16"]
     assert set(e2e["ms"]) == {"ours/padded", "ours/varlen", "diffusers"} and all(v > 0 for v in e2e["ms"].values())
     assert all(len(v) == 2 for v in e2e["runs_ms"].values()) and set(e2e["ratio"]) == {"padded", "varlen"}
+    assert 0 < e2e["host_loop_s"] < 10 and "host Python loop (3M iterations)" in (tmp_path / "pixart_smoke.md").read_text()
     mixed = result["mixed"]
     assert set(mixed["max_images_per_s"]) == {"a", "d"} and all(v > 0 for v in mixed["max_images_per_s"].values())
     assert {r["system"] for r in mixed["rows"]} == {"a", "d"}
