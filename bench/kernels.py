@@ -316,7 +316,7 @@ def run(args, result: dict, save) -> None:
     model = load_model(args.model, device=device, dtype=dtype)
     models = {"bf16": model}
     inputs = {n: step_inputs(model, n) for n in args.images}
-    result["rows_per_image"] = 1 if getattr(model.card, "guidance_mode", "cfg") == "embedded" else 2
+    result["rows_per_image"] = _bench_module("mmdit").rows_per_image(model)  # 1 where guidance is not CFG
     reference: dict = {}
     attempt(result, "flops", lambda: result.__setitem__("flops", step_flops(model, inputs)), save)
     attempt(result, "matmul peak", lambda: result.__setitem__("matmul_peak_tflops", {

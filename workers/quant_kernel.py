@@ -77,10 +77,15 @@ class Plan:
 MAX_PARTS = 4
 
 
-def whole_plan(k: int) -> Plan:
-    """The first kernel's layout: one row per program, about 16 values a thread."""
+def _warps(lanes: int, per_thread: int) -> int:
+    """Warps (a power of two, 1 to 16) giving each thread about ``per_thread`` of a program's lanes."""
+    return max(1, min(16, _next_pow2(-(-lanes // (32 * per_thread)))))
+
+
+def whole_plan(k: int, per_thread: int = 16, fast: bool = False) -> Plan:
+    """One row per program held whole; at 16 values a thread, the first kernel's layout."""
     block = _next_pow2(k)
-    return Plan("whole", block, 1, max(1, min(16, block // 512)))
+    return Plan("whole", block, 1, _warps(block, per_thread), fast=fast)
 
 
 def split_parts(k: int, granule: int = 128) -> tuple[int, ...]:
@@ -98,8 +103,7 @@ def split_parts(k: int, granule: int = 128) -> tuple[int, ...]:
 def split_plan(k: int, fast: bool = True) -> Plan:
     """A split row at about 64 values a thread (what the whole-row plans measured best at on an H200)."""
     parts = split_parts(k)
-    warps = max(1, min(16, _next_pow2(-(-sum(parts) // (64 * 32)))))
-    return Plan("split", parts[0], 1, warps, parts, fast)
+    return Plan("split", parts[0], 1, _warps(sum(parts), 64), parts, fast)
 
 
 # K -> the plan measured fastest for the rows of that width the families run (bench/row_kernels.py on an
@@ -121,10 +125,7 @@ def plan_for(k: int) -> Plan:
     if k in PLANS:
         return PLANS[k]
     plan = split_plan(k)
-    if len(plan.parts) <= 2:
-        return plan
-    block = _next_pow2(k)
-    return Plan("whole", block, 1, max(1, min(16, block // 2048)), fast=True)
+    return plan if len(plan.parts) <= 2 else whole_plan(k, per_thread=64, fast=True)
 
 
 def _next_pow2(n: int) -> int:

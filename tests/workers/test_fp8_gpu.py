@@ -86,6 +86,12 @@ def test_the_text_oracle_through_compiled_fp8_graphs_is_within_two_points():
     assert group["compile"]["compiled"] and group["compile"]["graphs"] == 1  # every bucket from one compile
 
 
+def _rows(k: int) -> torch.Tensor:
+    """333 bf16 rows of K, seeded by K, their magnitudes spread over 1e-2 .. 1e2."""
+    torch.manual_seed(k)
+    return (torch.randn(333, k, device="cuda") * torch.logspace(-2, 2, 333, device="cuda")[:, None]).bfloat16()
+
+
 @pytest.mark.parametrize("k", [1152, 4608, 15360])
 @pytest.mark.parametrize("gelu", ["none", "tanh", "erf"])
 def test_the_row_kernel_quantizes_as_the_pytorch_reference_does(k, gelu, monkeypatch):
@@ -95,8 +101,7 @@ def test_the_row_kernel_quantizes_as_the_pytorch_reference_does(k, gelu, monkeyp
     one is the next test's."""
     from workers import fp8, quant_kernel
 
-    torch.manual_seed(k)
-    x = (torch.randn(333, k, device="cuda") * torch.logspace(-2, 2, 333, device="cuda")[:, None]).bfloat16()
+    x = _rows(k)
     x[7] = 0
     q, scale = quant_kernel.launch(x, gelu, quant_kernel.split_plan(k, fast=False))
     assert q.dtype == torch.float8_e4m3fn and q.shape == (333, k) and scale.shape == (333, 1)
@@ -125,8 +130,7 @@ def test_the_fast_tanh_moves_few_codes_by_one_step(k):
     measured for K."""
     from workers import fp8, quant_kernel
 
-    torch.manual_seed(k)
-    x = (torch.randn(333, k, device="cuda") * torch.logspace(-2, 2, 333, device="cuda")[:, None]).bfloat16()
+    x = _rows(k)
     q, s = quant_kernel.launch(x, "tanh", quant_kernel.split_plan(k, fast=True))
     eq, es = quant_kernel.launch(x, "tanh", quant_kernel.split_plan(k, fast=False))
     torch.testing.assert_close(s, es, rtol=2e-3, atol=0)
@@ -147,8 +151,7 @@ def test_every_row_kernel_plan_gives_the_same_codes(k, gelu):
     from workers import quant_kernel
     from workers.quant_kernel import Plan
 
-    torch.manual_seed(k)
-    x = (torch.randn(333, k, device="cuda") * torch.logspace(-2, 2, 333, device="cuda")[:, None]).bfloat16()
+    x = _rows(k)
     x[5] = 0
     block, parts = quant_kernel._next_pow2(k), quant_kernel.split_parts(k)
     for fast in (False, True):
