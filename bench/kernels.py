@@ -13,6 +13,9 @@ body), synchronised:
   full+inductor        the compiled step captured whole, one CUDA graph per bucket, the model patched as
                        the engine serves DiT: q, k, v one product, the attention kernel measured per shape,
                        every block's modulation computed at once (workers.patches)
+  full+inductor+blocks the same with ``compile_scope="blocks"``: the transformer's repeated blocks compiled,
+                       one graph per block class, the code between them uncompiled in the same graph
+                       (graphs.compiled, "Regions"; DiT keeps its whole step); +fp8 likewise
   full+inductor+unpatched  the same on diffusers' model as it is (its attention processor, q, k, v three
                        products, PyTorch's kernel rule, each block's own modulation): what ``full`` ran
                        before 2026-12-01, and what torch.compile of diffusers' model gets
@@ -65,16 +68,18 @@ def _bench_module(name: str):
     return sys.modules[name]
 
 
-SYSTEMS = {  # name -> (backend, compile, precision, how compiled breaks get their tensors, model patched)
-    "breakable": ("breakable", "off", "bf16", "staged", True),
-    "breakable+inductor": ("breakable", "inductor", "bf16", "aliased", True),
-    "breakable+inductor+staged": ("breakable", "inductor", "bf16", "staged", True),
-    "full+inductor": ("full", "inductor", "bf16", "aliased", True),
-    "full+inductor+unpatched": ("full", "inductor", "bf16", "aliased", False),
-    "breakable+fp8": ("breakable", "off", "fp8", "aliased", True),
-    "full+inductor+fp8": ("full", "inductor", "fp8", "aliased", True),
-    "breakable+fp8+torchquant": ("breakable", "off", "fp8", "aliased", True),
-    "full+inductor+fp8+torchquant": ("full", "inductor", "fp8", "aliased", True),
+SYSTEMS = {  # name -> (backend, compile, precision, how compiled breaks get their tensors, model patched, scope)
+    "breakable": ("breakable", "off", "bf16", "staged", True, "step"),
+    "breakable+inductor": ("breakable", "inductor", "bf16", "aliased", True, "step"),
+    "breakable+inductor+staged": ("breakable", "inductor", "bf16", "staged", True, "step"),
+    "full+inductor": ("full", "inductor", "bf16", "aliased", True, "step"),
+    "full+inductor+blocks": ("full", "inductor", "bf16", "aliased", True, "blocks"),
+    "full+inductor+unpatched": ("full", "inductor", "bf16", "aliased", False, "step"),
+    "breakable+fp8": ("breakable", "off", "fp8", "aliased", True, "step"),
+    "full+inductor+fp8": ("full", "inductor", "fp8", "aliased", True, "step"),
+    "full+inductor+fp8+blocks": ("full", "inductor", "fp8", "aliased", True, "blocks"),
+    "breakable+fp8+torchquant": ("breakable", "off", "fp8", "aliased", True, "step"),
+    "full+inductor+fp8+torchquant": ("full", "inductor", "fp8", "aliased", True, "step"),
 }
 # +torchquant: the FP8 systems with the activations quantized by PyTorch operations (what Inductor fuses
 # them into when compiled, the GELU with them) instead of workers.quant_kernel's Triton kernel
@@ -136,13 +141,15 @@ def diffusers_loop_body(model, images: int, inputs: dict):
 
 
 # -- systems ------------------------------------------------------------------------------------------
-def build_engine(model, backend: str, compile_mode: str, max_batch: int, cache: str, patched: bool = True):
+def build_engine(model, backend: str, compile_mode: str, max_batch: int, cache: str, patched: bool = True,
+                 scope: str = "step"):
     """A warmed engine as a worker builds it; returns (engine, its runner, seconds to warm)."""
     from workers.engine import Engine, EngineConfig
 
     t0 = time.perf_counter()
     engine = Engine(model, EngineConfig(backend=backend, max_batch=max_batch, compile=compile_mode,
-                                        compile_cache=cache, attention_patch=patched, hoist_modulation=patched))
+                                        compile_cache=cache, attention_patch=patched, hoist_modulation=patched,
+                                        compile_scope=scope))
     engine.warmup()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -158,7 +165,7 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     from graphs.compiled import break_args as current_break_args
     from graphs.compiled import set_break_args
 
-    backend, compile_mode, _, break_args, patched = SYSTEMS[name]
+    backend, compile_mode, _, break_args, patched, scope = SYSTEMS[name]
     before = current_break_args()
     if not patched and model.card.family == "dit":  # diffusers' own model (an earlier system patched it)
         restore_attention(model.transformer)
@@ -166,7 +173,7 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     set_break_args(break_args)
     try:
         engine, runner, warm_s = build_engine(model, backend, compile_mode, args.max_batch, str(args.cache),
-                                              patched=patched)
+                                              patched=patched, scope=scope)
     finally:
         set_break_args(before)
     stats = engine.stats()["groups"]

@@ -364,7 +364,8 @@ def warm_engine(model, s: Setup, prompts: list[str]) -> tuple[object, dict]:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.engine_batch, compile=s.compile))
+    engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.engine_batch,
+                                        **pb.compile_kwargs(s.compile)))
     engine.warmup()
     pb.sync()
     warmup_s = time.perf_counter() - t0
@@ -481,7 +482,8 @@ def bench_mixed(model, s: Setup, prompts: list[str], save, ref=None) -> dict:
              "steps": s.steps, "guidance": guidance_of(model, s), "max_batch": s.max_batch, "wait_s": s.wait_s,
              "window_s": s.window_s, "drain_s": s.drain_s, "backlog_images": sum(j.n for j in backlog(made, 1)),
              "rows": [], "max_images_per_s": {}}
-    engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.max_batch, compile=s.compile))
+    engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.max_batch,
+                                        **pb.compile_kwargs(s.compile)))
     try:
         t0 = time.perf_counter()
         engine.warmup(sizes=made)
@@ -649,7 +651,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine-batch", type=int, help="memory and e2e: the warmed engine's largest bucket (default 4; "
                    "1 compiles one graph instead of two with --compile inductor)")
     p.add_argument("--fresh", action="store_true", help="start a new report instead of merging into the one in --out")
-    p.add_argument("--compile", choices=["off", "inductor"], default="off", help="our engines' steps compiled")
+    p.add_argument("--compile", choices=pb.COMPILE_CHOICES, default="off", help="our engines' steps compiled "
+                   "(inductor-blocks: the transformer's blocks, one graph per block class)")
     p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16", help="our models' block linears")
     args = p.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():

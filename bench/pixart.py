@@ -97,6 +97,15 @@ class Setup:
     precision: str = "bf16"           # "fp8": the model's block linears as FP8 products (workers/fp8.py)
 
 
+COMPILE_CHOICES = ("off", "inductor", "inductor-blocks")  # --compile: -blocks compiles the transformer's blocks
+
+
+def compile_kwargs(mode: str) -> dict:
+    """EngineConfig's compile settings for a --compile choice."""
+    return {"compile": "off" if mode == "off" else "inductor",
+            "compile_scope": "blocks" if mode.endswith("-blocks") else "step"}
+
+
 def tuned_suffix(compile_mode: str, precision: str) -> str:
     """The report's name suffix for a tuned run ("_inductor", "_fp8", "_inductor_fp8"; "" for the default),
     so tuned and default figures never merge into one report."""
@@ -427,7 +436,7 @@ def _ours_e2e(model, mode: str, s: Setup, fresh) -> list[float]:
     from workers.spec import ItemSpec
 
     engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.e2e_max_batch, cross_attention=mode,
-                                        compile=s.compile))
+                                        **compile_kwargs(s.compile)))
     engine.warmup()
 
     def one(i):
@@ -520,7 +529,7 @@ def bench_mixed(model, s: Setup, prompts: list[str], save, ref=None) -> dict:
              "backlog_images": sum(j.n for j in backlog(s.mixed_sizes, len(prompts))),
              "rows": [], "max_images_per_s": {}}
     engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.max_batch, cross_attention=s.cross_attention,
-                                        compile=s.compile))
+                                        **compile_kwargs(s.compile)))
     try:
         t0 = time.perf_counter()
         engine.warmup(sizes=made)
@@ -687,7 +696,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--window", type=float, help="mixed: seconds of arrivals per load (default 10)")
     p.add_argument("--cross-attention", choices=CROSS_ATTENTION, default="padded", help="mixed: system a's")
     p.add_argument("--fresh", action="store_true", help="start a new report instead of merging into the one in --out")
-    p.add_argument("--compile", choices=["off", "inductor"], default="off", help="our engines' steps compiled")
+    p.add_argument("--compile", choices=COMPILE_CHOICES, default="off", help="our engines' steps compiled "
+                   "(inductor-blocks: the transformer's blocks, one graph per block class)")
     p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16", help="our model's block linears")
     args = p.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():

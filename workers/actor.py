@@ -66,6 +66,7 @@ class WorkerSpec:
     max_shapes: int = 8               # sizes of one model kept captured at once (EngineConfig)
     compile: str = "off"              # "inductor": compiled steps inside the graphs (EngineConfig)
     compile_cache: str = ""           # Inductor's cache directory (EngineConfig)
+    compile_scope: str = "step"       # "blocks": the transformers' blocks compiled instead (EngineConfig)
     decode_graphs: bool = False       # the VAE decode captured too (EngineConfig)
     png_compress_level: int = PNG_COMPRESS_LEVEL  # zlib level of the finished images' PNGs (0-9)
     png_threads: int = 0              # threads encoding PNGs off the step loop (0: up to 4, one per core)
@@ -102,6 +103,7 @@ class Worker:
         self.engine = Engine(models, EngineConfig(backend=self.backend, max_batch=spec.max_batch,
                                                   cross_attention=spec.cross_attention, max_shapes=spec.max_shapes,
                                                   compile=spec.compile, compile_cache=spec.compile_cache,
+                                                  compile_scope=spec.compile_scope,
                                                   decode_graphs=spec.decode_graphs,
                                                   compile_models=tuple((m, KERNELS[k]) for m, k in spec.kernels)))
         t0 = time.perf_counter()

@@ -39,7 +39,7 @@ import torch
 from graphs import GraphKey, GraphRunner, TensorSpec
 from graphs.compiled import CompiledStep, opaque_break, use_cache_dir
 from samplers import Plan, make_plan
-from workers.families import family_of
+from workers.families import compile_regions, family_of
 from workers.loading import LoadedModel
 from workers.patches import attention_into, break_attention, hoist_modulation
 from workers.sdpa import CHOOSER
@@ -91,6 +91,9 @@ class EngineConfig:
                                    # | "auto" (the family's measured default)
     compile: str = "off"          # "inductor": each step compiled by Inductor once per model and latent shape
                                   # (dynamic batch), then captured as before (graphs.compiled) | "off"
+    compile_scope: str = "step"   # with compile on: "step" compiles the whole step; "blocks" the transformer's
+                                  # repeated blocks, one graph per block class (graphs.compiled, "Regions"),
+                                  # where the family has them (DiT: the whole step either way)
     compile_cache: str = ""       # Inductor's cache directory, kept across restarts ("": Inductor's default,
                                   # under the temp directory)
     compile_models: tuple[tuple[str, str], ...] = ()  # (model, mode): a model's own compile mode, over ``compile``
@@ -101,6 +104,8 @@ class EngineConfig:
         for mode in (self.compile, *dict(self.compile_models).values()):
             if mode not in COMPILE_MODES:
                 raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {self.compile_scope!r}")
 
     def backend_for(self, model) -> str:
         """The graph backend of ``model``'s groups: ``backend``, except that "graphs" picks whole-step graphs
@@ -118,6 +123,7 @@ class EngineConfig:
 
 
 COMPILE_MODES = ("off", "inductor")
+COMPILE_SCOPES = ("step", "blocks")
 
 
 def auto_backend(device: str) -> str:
@@ -212,8 +218,10 @@ class Engine:
         pool, stream = self._pools.get(device, (None, None))
         inputs, outputs = step_specs(model, shape)
         step = family_of(model).make_step(model, shape)
-        compiled = None if self.config.compile_mode(model.name) == "off" else \
-            CompiledStep(step, f"{model.name} at {'x'.join(map(str, shape))}")
+        compiled = None
+        if self.config.compile_mode(model.name) != "off":
+            regions = compile_regions(model) if self.config.compile_scope == "blocks" else None
+            compiled = CompiledStep(step, f"{model.name} at {'x'.join(map(str, shape))}", regions=regions or ())
         runner = GraphRunner(compiled or step, inputs, outputs,
                              max_batch=self.config.max_batch, backend=self.config.backend_for(model), device=device,
                              pool=pool, stream=stream)

@@ -174,6 +174,7 @@ class Scheduler:
                           cross_attention=self.cfg.cross_attention, warm_sizes=tuple(self.cfg.warm_sizes),
                           text_encoder_device=self.cfg.text_encoder_device, max_shapes=self.cfg.max_shapes,
                           compile=self.cfg.compile, compile_cache=self.cfg.compile_cache,
+                          compile_scope=self.cfg.compile_scope,
                           decode_graphs=self.cfg.decode_graphs, png_compress_level=self.cfg.png_compress_level,
                           precision=tuple(sorted(self.cfg.precision.items())),
                           kernels=tuple(sorted(self.cfg.kernels.items())))

@@ -28,8 +28,8 @@ def test_custom_resource_per_unit():
 
 
 def test_a_started_worker_gets_the_engine_switches_of_the_config(tmp_path, monkeypatch):
-    """``[workers]``'s engine switches (compile, kernels, precision, decode_graphs, the PNG level) reach the WorkerSpec
-    the scheduler starts its actors with."""
+    """``[workers]``'s engine switches (compile and its scope, kernels, precision, decode_graphs, the PNG level)
+    reach the WorkerSpec the scheduler starts its actors with."""
     from types import SimpleNamespace
 
     from dit_serve.server import scheduler as sched_mod
@@ -46,10 +46,11 @@ def test_a_started_worker_gets_the_engine_switches_of_the_config(tmp_path, monke
 
     monkeypatch.setattr(sched_mod, "_actor_class", lambda: FakeActor)
     cfg = WorkerConfig(models=("digits",), compile="inductor", decode_graphs=True, precision={"digits": "fp8"},
-                       kernels={"digits": "eager"}, png_compress_level=4)
+                       kernels={"digits": "eager"}, png_compress_level=4, compile_scope="blocks")
     s = sched_mod.Scheduler(Store(f"sqlite:///{tmp_path}/s.db", tmp_path), cfg, SchedulerConfig(), 30.0)
     s._start("cpu-0", SlotPlan(None, "CPU"))
     (spec,) = specs
     assert (spec.compile, spec.decode_graphs, spec.precision, spec.kernels, spec.png_compress_level) == (
         "inductor", True, (("digits", "fp8"),), (("digits", "eager"),), 4)
+    assert spec.compile_scope == "blocks" and WorkerConfig().compile_scope == "step"
     assert WorkerConfig().decode_graphs is False  # off until measured

@@ -185,6 +185,116 @@ def test_a_step_that_cannot_compile_runs_uncompiled_with_one_warning(fn, caplog)
     assert step.stats()["compiled"] is False
 
 
+# -- regions: the blocks compiled, the step around them not ------------------------------------------------
+class Block(torch.nn.Module):
+    """A stand-in for a transformer block: gelu MLP around one break, residual."""
+
+    def __init__(self, g: torch.Generator) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(16, 32, generator=g) / 4)
+        self.w2 = torch.nn.Parameter(torch.randn(32, 16, generator=g) / 6)
+
+    def forward(self, x, t):
+        h = F.gelu(x @ self.w1 + t[:, None])
+        out = torch.empty_like(h)
+        rownorm_into(h, out)
+        return x + out @ self.w2
+
+
+def make_stack(blocks=6, seed=0, kind=None, strided=True):
+    """(the blocks, a step through them); ``kind`` is the block class (Block)."""
+    g = torch.Generator().manual_seed(seed)
+    stack = torch.nn.ModuleList([(kind or Block)(g) for _ in range(blocks)])
+
+    def step(x, t):
+        h = (x.t() * 2).t() if strided else x  # the first block's input: other strides than the blocks' outputs
+        for block in stack:
+            h = block(h, t)
+        return {"y": h, "m": h.mean(dim=-1)}
+
+    return stack, step
+
+
+def test_regions_compile_one_graph_for_every_block_and_bucket():
+    stack, plain = make_stack()
+    wants = {n: plain(**make_inputs(n, seed=n)) for n in range(10)}  # before any forward is replaced
+    step = CompiledStep(plain, "stack", regions=list(stack))
+    assert step.scope == "blocks"
+    runner = GraphRunner(step, INPUTS, OUTPUTS, max_batch=8, device="cpu")
+    runner.warmup()
+    for n in range(10):
+        with recording() as run:
+            got = runner.run(**make_inputs(n, seed=n))
+        assert_close(got, wants[n])
+        # each bucket's call passes the six blocks' breaks, kept as calls inside the compiled blocks
+        assert set(run.breaks) <= {rownorm_into.__wrapped__} and len(run.breaks) % 6 == 0
+        assert (len(run.breaks) > 0) == (n > 0)
+    # six blocks, every bucket: one batch-dynamic graph and one for one row, no stride or block recompile
+    stats = step.stats()
+    assert (stats["graphs"], stats["one_row_graphs"], stats["region_graphs"]) == (1, 1, 2), stats
+    assert stats["compiled"] and stats["scope"] == "blocks"
+
+
+def test_a_region_called_outside_its_step_runs_its_own_forward():
+    stack, plain = make_stack(blocks=2)
+    step = CompiledStep(plain, "stack", regions=list(stack))
+    step(**make_inputs(4))
+    made = step.region_graphs
+    live = make_inputs(3, seed=3)
+    with recording() as run:
+        got = stack[0](live["x"], live["t"])  # not inside step: a plain call, nothing compiled
+    torch.testing.assert_close(got, Block.forward(stack[0], live["x"], live["t"]), atol=0, rtol=0)
+    assert step.region_graphs == made and run.breaks == [rownorm_into.__wrapped__]
+    with recording() as run:
+        step(**live)
+    assert run.breaks == [rownorm_into.__wrapped__] * 2  # the breaks stay calls inside compiled blocks
+
+
+class OtherBlock(Block):
+    """Block's arithmetic under a code object no other test compiled (dynamo keeps sizes and strides it saw
+    per code object: the runner's static inputs in another test would add guards here)."""
+
+    def forward(self, x, t):
+        return Block.forward(self, x, t)
+
+
+def test_a_second_step_over_the_same_blocks_compiles_its_own_and_both_run():
+    """Two latent shapes of one model: two CompiledSteps over the same modules, each with its graphs."""
+    stack, plain = make_stack(blocks=2, kind=OtherBlock, strided=False)
+    a = CompiledStep(plain, "a", regions=list(stack))
+    b = CompiledStep(plain, "b", regions=list(stack))
+    live = make_inputs(4, seed=1)
+    with torch.no_grad():  # as the engine's steps run (block outputs that need grad would be guarded)
+        want = {k: v.clone() for k, v in a(**live).items()}
+        assert_close(b(**live), want)
+    assert a.region_graphs == 1 and b.region_graphs == 1
+
+
+class GraphBreakBlock(Block):
+    def forward(self, x, t):
+        torch._dynamo.graph_break()  # fullgraph=True refuses this
+        return super().forward(x, t)
+
+
+def test_a_region_that_cannot_compile_falls_back_with_its_step(caplog):
+    stack, plain = make_stack(blocks=3, kind=GraphBreakBlock)
+    live = make_inputs(4, seed=2)
+    want = plain(**live)
+    step = CompiledStep(plain, "bad", regions=list(stack))
+    with caplog.at_level(logging.WARNING, logger="graphs.compiled"):
+        assert_close(step(**live), want)
+        assert_close(step(**live), want)
+    assert not step.compiled and step.fallback_reason
+    assert sum("running it uncompiled" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_module_with_a_forward_of_its_own_is_not_a_region():
+    stack, plain = make_stack(blocks=1)
+    stack[0].forward = lambda x, t: x
+    with pytest.raises(ValueError, match="forward of its own"):
+        CompiledStep(plain, "stack", regions=list(stack))
+
+
 CHILD = textwrap.dedent("""
     import json, sys, torch
     sys.path.insert(0, {tests!r})
@@ -272,6 +382,37 @@ def test_unknown_compile_mode_is_refused():
 
     with pytest.raises(ValueError, match="compile must be one of"):
         EngineConfig(compile="max-autotune")
+    with pytest.raises(ValueError, match="compile_scope must be one of"):
+        EngineConfig(compile="inductor", compile_scope="layers")
+
+
+def test_a_text_engine_compiled_by_blocks_matches_uncompiled_from_one_block_graph(digits):
+    """digits-text (PixArt's transformer, 4 blocks) with ``compile_scope="blocks"``: one graph for its
+    block class serves every bucket (CFG makes two rows of one image: no one-row graph), the images are
+    the uncompiled engine's; DiT keeps its whole step (its blocks read the hoisted modulation by index)."""
+    from workers.engine import Engine, EngineConfig
+    from workers.families import compile_regions
+    from workers.loading import load_model
+    from workers.spec import ItemSpec
+
+    assert compile_regions(digits) is None
+    model = load_model("digits-text")
+    assert len(compile_regions(model)) == len(model.transformer.transformer_blocks)
+    reqs = [ItemSpec(id=f"t{i}", prompt=f"the number {i % 10}", seed=7 + i, sampler="ddim", steps=3, guidance=3.0)
+            for i in range(5)]  # 4 + 1
+    padded = {"cross_attention": "padded"}  # its (rows x heads, 1, L) key bias crosses every block
+    plain = Engine(model, EngineConfig(backend="breakable", max_batch=4, **padded)).generate(reqs)
+    alone = Engine(model, EngineConfig(backend="breakable", max_batch=4, **padded)).generate(reqs[:1])
+    engine = Engine(model, EngineConfig(backend="breakable", max_batch=4, compile="inductor", compile_scope="blocks",
+                                        **padded))
+    engine.warmup()
+    for a, b in zip(engine.generate(reqs), plain):
+        assert (a.latents - b.latents).abs().max().item() <= 1e-4 * max(1.0, b.latents.abs().max().item())
+    stats = next(iter(engine.stats()["groups"].values()))["compile"]
+    assert stats["scope"] == "blocks" and stats["compiled"], stats
+    assert (stats["graphs"], stats["one_row_graphs"], stats["region_graphs"]) == (1, 0, 1), stats
+    again = Engine(model, EngineConfig(backend="breakable", max_batch=4, **padded)).generate(reqs[:1])  # plain again
+    assert torch.equal(again[0].latents, alone[0].latents)
 
 
 class PointerRecording(Recording):

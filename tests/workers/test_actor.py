@@ -116,13 +116,15 @@ def test_a_worker_with_compile_inductor_runs_compiled_steps(tmp_path):
     """``[workers] compile = "inductor"`` reaches the worker's engine: its step is compiled once (into the
     cache directory given) and the item still comes back as a PNG."""
     w = Worker(WorkerSpec(models=("digits",), max_batch=4, torch_threads=1, compile="inductor",
-                          compile_cache=str(tmp_path / "inductor")))
+                          compile_cache=str(tmp_path / "inductor"), compile_scope="blocks"))
     try:
         w.submit([_item(50, steps=4)])
         finished, failed, reports = _drain(w, {"job/50"})
         assert failed == {} and Image.open(io.BytesIO(finished["job/50"])).size == (8, 8)
         groups = reports[-1]["stats"]["groups"]
         assert [g["compile"]["graphs"] for g in groups.values()] == [1]
+        assert w.engine.config.compile_scope == "blocks"  # reached the engine (DiT compiles its whole step)
+        assert [g["compile"]["scope"] for g in groups.values()] == ["step"]
         assert any((tmp_path / "inductor").iterdir())
     finally:
         w.stop()

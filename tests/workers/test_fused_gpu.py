@@ -11,8 +11,9 @@ the same comparison reads 1.5-2.3% of the largest eager value at most and below 
 every family; asserted here: at most 5% for every request and 2% in the median. A wrong fused kernel
 (a dropped modulation, a mask ignored, another request's row) is off by the size of the values.
 
-Recompiles are counted: one dynamic-batch graph serves every bucket (``graphs == 1``), plus at most the
-one-row graph, and the compile did not fall back to the uncompiled step.
+Recompiles are counted: one dynamic-batch compile serves every bucket (``graphs == 1``), plus at most the
+one-row one, and the compile did not fall back to the uncompiled step. Both compile scopes: the whole
+step, and the transformer's blocks (``compile_scope="blocks"``; DiT keeps its whole step).
 
 The digits oracle through the fused path: 500 digits (DDIM 50) read as asked on >= 90%, as the plain
 graphs' test asserts (the text oracle through it is in test_fp8_gpu.py).
@@ -29,6 +30,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 PROMPTS = ("a red cat", "the big blue house", "a dog", "small green tree drawn", "a photo of a cat")
 FAMILIES = [("dit", "auto"), ("pixart", "padded"), ("pixart", "varlen"), ("sd3", "auto"), ("flux", "auto")]
+SCOPES = ["step", "blocks"]  # EngineConfig.compile_scope: the whole step, or the transformer's blocks
 
 
 @pytest.fixture(scope="module")
@@ -56,25 +58,28 @@ def _specs(model, family: str, n: int = 13):
                      negative_prompt="small" if i % 2 else "") for i in range(n)]
 
 
+@pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("family,cross", FAMILIES)
-def test_fused_graphs_make_what_eager_makes_from_one_compile(tiny_bf16, family, cross):
+def test_fused_graphs_make_what_eager_makes_from_one_compile(tiny_bf16, family, cross, scope):
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
 
     model = load_model(tiny_bf16[family], device="cuda", dtype=torch.bfloat16)
     specs = _specs(model, family)
-    config = EngineConfig(backend="graphs", max_batch=8, compile="inductor", cross_attention=cross)
+    config = EngineConfig(backend="graphs", max_batch=8, compile="inductor", cross_attention=cross,
+                          compile_scope=scope)
     fused = Engine(model, config)
     fused.warmup()
     got = fused.generate(specs)
     want = Engine(model, EngineConfig(backend="eager", max_batch=8, cross_attention=cross)).generate(specs)
     errs = [((g.latents - w.latents).abs().max() / w.latents.abs().max()).item() for g, w in zip(got, want)]
-    print(f"{family}/{cross}: fused vs eager, max {max(errs):.4f}, median {statistics.median(errs):.4f}")
+    print(f"{family}/{cross}/{scope}: fused vs eager, max {max(errs):.4f}, median {statistics.median(errs):.4f}")
     assert max(errs) <= 5e-2 and statistics.median(errs) <= 2e-2, errs
     (stats,) = fused.stats()["groups"].values()
     assert stats["backend"] == config.backend_for(model)
     assert stats["compile"]["compiled"] and stats["compile"]["fallback_reason"] is None, stats["compile"]
     assert stats["compile"]["graphs"] == 1 and stats["compile"]["one_row_graphs"] <= 1, stats["compile"]
+    assert stats["compile"]["scope"] == ("blocks" if scope == "blocks" and family != "dit" else "step")
     buckets = stats["buckets"]
     assert all(s["eager_fallbacks"] == 0 and s["capture_failures"] == 0 for s in buckets.values())
     replayed = {b for b, s in buckets.items() if s["replays"]}

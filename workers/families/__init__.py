@@ -17,6 +17,9 @@ A family is a module with:
     plan_kwargs(model, shape) -> dict            optional: extra arguments of make_plan for latents of
                                                  this shape (FLUX's resolution-dependent shift ``mu``)
     load(card, device, dtype) -> LoadedModel     optional: families that load themselves (not dit/pixart)
+    compile_regions(model) -> [Module] | None    optional: the modules a blocks-scope compile compiles
+                                                 (``graphs.compiled``, "Regions"); unset: the transformer's
+                                                 repeated blocks (``repeated_blocks``); None: the whole step
 
 The model card (``workers.cards``) names the family; ``workers.loading`` builds the model. To add a
 family: write its card reader branch and its loader, then a module here with the three functions,
@@ -30,6 +33,27 @@ from types import ModuleType
 from workers.families import dit, flux, pixart, sd3
 
 FAMILIES: dict[str, ModuleType] = {"dit": dit, "pixart": pixart, "sd3": sd3, "flux": flux}
+
+
+def repeated_blocks(transformer) -> list:
+    """The blocks of ``transformer``'s stacks: each ``ModuleList`` attribute of it whose modules are all of one
+    class (``transformer_blocks``, FLUX's ``single_transformer_blocks``), in order."""
+    import torch
+
+    out = []
+    for child in transformer.children():
+        if isinstance(child, torch.nn.ModuleList) and len(child) and len({type(m) for m in child}) == 1:
+            out += list(child)
+    return out
+
+
+def compile_regions(model) -> list | None:
+    """What a blocks-scope compile compiles for ``model``: its family's choice, else its repeated blocks;
+    None (or none found): the whole step."""
+    family = family_of(model)
+    regions = family.compile_regions(model) if hasattr(family, "compile_regions") else \
+        repeated_blocks(model.transformer)
+    return regions or None
 
 
 def family_of(model) -> ModuleType:

@@ -20,6 +20,12 @@ def encode(model, specs) -> list[dict[str, torch.Tensor]]:
     return [{"labels": torch.tensor(s.label)} for s in specs]
 
 
+def compile_regions(model):
+    """None: DiT's steps compile whole. Its blocks' norms read the hoisted modulation by their index
+    (``workers.patches.HoistedModulation``), so each block would be a graph of its own."""
+    return None
+
+
 def make_step(model, shape=None):
     """One whole denoising step, the captured unit: CFG-doubled forward, guidance, sampler update. DiT
     makes its native size only, so ``shape`` (the latents' (C, H, W)) changes nothing."""
