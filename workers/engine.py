@@ -220,8 +220,8 @@ class Engine:
         step = family_of(model).make_step(model, shape)
         compiled = None
         if self.config.compile_mode(model.name) != "off":
-            regions = compile_regions(model) if self.config.compile_scope == "blocks" else None
-            compiled = CompiledStep(step, f"{model.name} at {'x'.join(map(str, shape))}", regions=regions or ())
+            regions = compile_regions(model) if self.config.compile_scope == "blocks" else []
+            compiled = CompiledStep(step, f"{model.name} at {'x'.join(map(str, shape))}", regions=regions)
         runner = GraphRunner(compiled or step, inputs, outputs,
                              max_batch=self.config.max_batch, backend=self.config.backend_for(model), device=device,
                              pool=pool, stream=stream)

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import torch
+
 from workers.families import dit, flux, pixart, sd3
 
 FAMILIES: dict[str, ModuleType] = {"dit": dit, "pixart": pixart, "sd3": sd3, "flux": flux}
@@ -38,8 +40,6 @@ FAMILIES: dict[str, ModuleType] = {"dit": dit, "pixart": pixart, "sd3": sd3, "fl
 def repeated_blocks(transformer) -> list:
     """The blocks of ``transformer``'s stacks: each ``ModuleList`` attribute of it whose modules are all of one
     class (``transformer_blocks``, FLUX's ``single_transformer_blocks``), in order."""
-    import torch
-
     out = []
     for child in transformer.children():
         if isinstance(child, torch.nn.ModuleList) and len(child) and len({type(m) for m in child}) == 1:
@@ -47,13 +47,13 @@ def repeated_blocks(transformer) -> list:
     return out
 
 
-def compile_regions(model) -> list | None:
+def compile_regions(model) -> list:
     """What a blocks-scope compile compiles for ``model``: its family's choice, else its repeated blocks;
-    None (or none found): the whole step."""
+    empty (the family said None, or none were found): the whole step."""
     family = family_of(model)
     regions = family.compile_regions(model) if hasattr(family, "compile_regions") else \
         repeated_blocks(model.transformer)
-    return regions or None
+    return list(regions or ())
 
 
 def family_of(model) -> ModuleType:
