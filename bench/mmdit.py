@@ -27,7 +27,9 @@ image). Sections (``--sections``), in this order per model:
           asked (1:1:1 by request), made at the size the card makes for it (``card.size_for``) by both
           systems, seeded Poisson arrivals, one single-threaded clock (as bench/pixart.py):
             a           our engine, breakable graphs, step-level batching, at most 8 images in flight,
-                        warmed at the three sizes before the clock starts (one shared graph pool)
+                        admitted as the service leases (the queue's head, then the shapes in flight:
+                        workers/admission.py), warmed at the three sizes before the clock starts (one
+                        shared graph pool)
             d           FluxPipeline with static batching: the first queued request and the queued ones of
                         its size, up to 8 images per call, waiting at most 0.1 s for more
           max sustained images/s (24 images queued at t=0, 8 per size) and images/s, p50/p99 at each load.
@@ -67,6 +69,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from workers import admission
 
 # bench/pixart.py's prompts, jobs, static batches, timing and report merging, shared
 _spec = importlib.util.spec_from_file_location("pixart_bench", Path(__file__).parent / "pixart.py")
@@ -417,8 +421,9 @@ def _ours_e2e(engine, model, s: Setup, fresh) -> list[float]:
 
 # -- section 4: mixed-size workload (FLUX-dev 512) ----------------------------------------------------
 def run_engine(engine, model, jobs: list, prompts: list[str], s: Setup, stop_s: float) -> None:
-    """System a, as bench/pixart.py's run_engine: arrived images join at any step boundary, first come
-    first served, while fewer than ``max_batch`` are in flight (encoded together on admission)."""
+    """System a, as bench/pixart.py's run_engine: arrived images join at any step boundary, the queue's
+    head first, then images of the shapes in flight (``workers.admission``, as the service's lease), while
+    fewer than ``max_batch`` are in flight (encoded together on admission)."""
     pending, start, by_id = list(jobs), time.perf_counter(), {j.id: j for j in jobs}
     queue: list = []  # arrived images not yet in the engine
     while pending or queue or engine.num_active:
@@ -432,9 +437,8 @@ def run_engine(engine, model, jobs: list, prompts: list[str], s: Setup, stop_s: 
             queue += [item_spec(model, s, f"{job.id}:{k}", job.id * 1000 + k, prompts[job.prompt], job.size)
                       for k in range(job.n)]
         admit = max(0, s.max_batch - engine.num_active)
-        if admit and queue:
-            engine.add_many(queue[:admit])
-            del queue[:admit]
+        if admit and queue:  # as the service leases: shape-aware (workers.admission)
+            engine.add_many(admission.take(queue, admit, engine.in_flight_shapes()))
         if engine.num_active == 0:
             time.sleep(max(0.0, min(0.005, pending[0].arrival - now)) if pending else 0.0)
             continue

@@ -24,7 +24,9 @@ negative prompt is "" (the unconditional one). Sections (``--sections``):
          resize back), one of the 200 prompts, seeded Poisson arrivals, one single-threaded clock (latency
          runs from a request's arrival to its last image decoded):
            a           our engine, breakable graphs, step-level batching (images join at any step), at most
-                       32 images in flight, warmed at the three sizes before the clock starts
+                       32 images in flight, admitted as the service leases (the queue's head, then the
+                       shapes in flight: workers/admission.py), warmed at the three sizes before the clock
+                       starts
            d           PixArtSigmaPipeline with static batching: the first queued request and the queued
                        requests of its size (first come first served across sizes), up to 32 images per
                        call, waiting at most 0.1 s for more; one prompt per image in the call's list
@@ -59,6 +61,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from workers import admission
 
 # engine_throughput's summaries (images/s, censored latency percentiles, "sustained"), shared
 _spec = importlib.util.spec_from_file_location("engine_throughput", Path(__file__).parent / "engine_throughput.py")
@@ -463,7 +467,8 @@ def item_specs(model, job: Job, prompts: list[str], s: Setup) -> list:
 
 def run_engine(engine, model, jobs: list[Job], prompts: list[str], s: Setup, stop_s: float) -> None:
     """System a, as engine_throughput.run_engine at step level: arrived images join at any step boundary,
-    first come first served, while fewer than ``max_batch`` are in flight (encoded together on admission)."""
+    the queue's head first, then images of the shapes in flight (``workers.admission``, as the
+    service's lease), while fewer than ``max_batch`` are in flight (encoded together on admission)."""
     pending, start, by_id = list(jobs), time.perf_counter(), {j.id: j for j in jobs}
     queue: list = []  # arrived images not yet in the engine
     while pending or queue or engine.num_active:
@@ -475,9 +480,8 @@ def run_engine(engine, model, jobs: list[Job], prompts: list[str], s: Setup, sto
         while pending and pending[0].arrival <= now:
             queue += item_specs(model, pending.pop(0), prompts, s)
         admit = max(0, s.max_batch - engine.num_active)
-        if admit and queue:
-            engine.add_many(queue[:admit])
-            del queue[:admit]
+        if admit and queue:  # as the service leases: shape-aware (workers.admission)
+            engine.add_many(admission.take(queue, admit, engine.in_flight_shapes()))
         if engine.num_active == 0:
             time.sleep(max(0.0, min(0.005, pending[0].arrival - now)) if pending else 0.0)
             continue

@@ -317,6 +317,10 @@ class Engine:
     def num_active(self) -> int:
         return sum(len(g.active) for g in self.groups.values())
 
+    def in_flight_shapes(self) -> set[tuple[str, int, int]]:
+        """The (model, width, height) keys of the active requests (``workers.admission.spec_shape``)."""
+        return {(a.req.model, a.req.width, a.req.height) for g in self.groups.values() for a in g.active}
+
     def progress(self) -> dict[str, tuple[int, int]]:
         return {a.req.id: (a.step, a.plan.num_steps) for g in self.groups.values() for a in g.active}
 

@@ -196,6 +196,10 @@ class SchedulerConfig(_Section):
     reconcile_seconds: float = Field(2.0, gt=0, description="how often the cluster's nodes are checked")
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long running items may take to "
                                                          "finish before they go back to the queue")
+    group_shapes: bool = Field(True, description="lease items of the sizes a worker runs now before others of "
+                                                 "the same priority (the queue's head always first): fewer, "
+                                                 "fuller graph replays under mixed-size traffic; false: "
+                                                 "strict queue order")
 
 
 class Config(_Section):

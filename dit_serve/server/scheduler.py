@@ -43,7 +43,7 @@ from typing import Any
 
 from dit_serve.server.config import SchedulerConfig, WorkerConfig
 from dit_serve.server.metrics import Metrics
-from dit_serve.server.store import Lease, Store
+from dit_serve.server.store import Lease, Store, lease_shape
 from workers.actor import WorkerSpec, remote_worker_class
 
 log = logging.getLogger(__name__)
@@ -346,12 +346,14 @@ class Scheduler:
 
     def _fill(self, w: _Worker, expect: bool = False) -> None:
         """Lease queued items for ``w`` up to its room (``max_inflight``) and send them; ``expect``: items
-        are known to be queued (``Store.lease``)."""
+        are known to be queued (``Store.lease``). With ``group_shapes``, items of the shapes ``w`` runs now
+        are preferred (``workers.admission``): fewer, fuller replays per step."""
         room = self.cfg.inflight() - len(w.leases)
         if self.draining or room <= 0 or (w.reserved and w.leases):
             return
+        prefer = {lease_shape(ls.model, ls.params) for ls in w.leases.values()} if self.sched.group_shapes else None
         leases = self.store.lease(f"{self.owner}/{w.key}", w.models, room, self.lease_seconds, isolate=w.reserved,
-                                  announce=False, expect=expect)
+                                  announce=False, expect=expect, prefer=prefer)
         returned = time.time()
         w.reserved = bool(leases) and leases[0].suspect  # stays reserved while its isolated group runs
         w.queue_left = len(leases) == room

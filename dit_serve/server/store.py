@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Collection
 
 from sqlalchemy import and_, bindparam, case, create_engine, event, func, or_, select, update
 from sqlalchemy.engine import make_url
@@ -42,6 +43,7 @@ from sqlalchemy.exc import IntegrityError
 from dit_serve.schemas import TERMINAL_STATES, ItemStatus, Job, JobParams, WebhookStatus
 from dit_serve.server.tables import (DEFAULT_TENANT, MIGRATIONS, SCHEMA_VERSION, api_keys, items, jobs, meta, schema,
                                tenants)
+from workers import admission
 from workers.spec import ItemSpec
 
 log = logging.getLogger(__name__)
@@ -467,7 +469,7 @@ class Store:
 
     # -- leases ------------------------------------------------------------------------------------
     def lease(self, owner: str, models: list[str], limit: int, ttl: float, isolate: bool = False,
-              announce: bool = True, expect: bool = False) -> list[Lease]:
+              announce: bool = True, expect: bool = False, prefer: Collection[tuple] | None = None) -> list[Lease]:
         """Lease up to ``limit`` queued or lease-expired items of ``models``: highest priority first, then
         oldest job first. Items that crashed workers twice or more (suspects) are leased only with
         ``isolate`` (the caller's worker holds nothing else), in groups that halve with each further crash
@@ -476,7 +478,11 @@ class Store:
         ``announce=False``: the caller calls ``changes.notify`` for the leased jobs itself (the scheduler does,
         once the items are on their way to a worker, so that the event streams woken by it do not compete
         with the sending). ``expect``: the caller knows items were just queued (a submission's signal), so
-        the read-only check that spares an idle poll the write lock is skipped."""
+        the read-only check that spares an idle poll the write lock is skipped. ``prefer``: the shapes
+        ((model, width, height) as stored) the caller's worker runs now: the lease reads up to
+        ``workers.admission.WINDOW`` x ``limit`` candidates and takes ``limit`` of them by shape-aware
+        admission (the queue's head always, then items of those shapes and the head's, never past a
+        higher priority); None: the first ``limit`` in queue order."""
         now = time.time()
         if limit <= 0:
             return []
@@ -485,7 +491,11 @@ class Store:
             return []
         with self._tx() as conn:
             level = conn.execute(_LEASE_LEVEL, args).scalar() if isolate else None
-            if level is None:
+            if level is None and prefer is not None:
+                rows = conn.execute(_LEASE_FRESH, {**args, "size": limit * admission.WINDOW}).all()
+                rows = [rows[i] for i in admission.choose(rows, limit, prefer, shape=_row_shape,
+                                                          priority=lambda r: r.priority)]
+            elif level is None:
                 rows = conn.execute(_LEASE_FRESH, {**args, "size": limit}).all()
             else:
                 rows = conn.execute(_LEASE_AT_LEVEL, {**args, "size": max(1, limit >> (level - 1)),
@@ -762,7 +772,8 @@ _LEASE_LEVEL = select(func.max(items.c.crashes)).where(_LEASABLE, items.c.crashe
 
 def _lease_rows(condition):
     return (select(items.c.job_id, items.c.idx, items.c.model, items.c.label, items.c.prompt, items.c.seed,
-                   items.c.state, items.c.requeues, items.c.crashes, items.c.created_at, jobs.c.params)
+                   items.c.state, items.c.requeues, items.c.crashes, items.c.created_at, items.c.priority,
+                   jobs.c.params)
             .join(jobs, jobs.c.id == items.c.job_id)
             .where(_LEASABLE, condition).order_by(items.c.priority.desc(), items.c.created_at, items.c.job_id,
                                                   items.c.idx)
@@ -774,6 +785,19 @@ _LEASE_AT_LEVEL = _lease_rows(items.c.crashes == bindparam("level"))
 _SET_RUNNING = (update(items).where(items.c.job_id == bindparam("j"), items.c.idx == bindparam("i"))
                 .values(state="running", step=0, lease_owner=bindparam("owner"), lease_token=bindparam("token"),
                         lease_expires=bindparam("expires"), attempts=items.c.attempts + 1))
+
+
+def lease_shape(model: str, params: JobParams) -> tuple[str, int, int]:
+    """The shape key an item runs under, for shape-aware leasing: (model, width, height) as stored (0, 0: the
+    model's native size, which therefore counts apart from the same size asked for by number)."""
+    return (model, params.width, params.height)
+
+
+def _row_shape(row) -> tuple:
+    try:
+        return lease_shape(row.model, _parsed_params(row.params))
+    except ValueError:  # unreadable: failed when it is leased (as the head, at the latest)
+        return (row.model, None, None)
 
 
 def _params(stored: str) -> JobParams:

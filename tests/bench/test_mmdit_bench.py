@@ -134,7 +134,7 @@ class _Engine:
     """Stands in for the engine: every image takes ``steps`` steps; records how many are in flight."""
 
     def __init__(self, steps=3):
-        self.active, self.steps, self.in_flight, self.added = {}, steps, [], []
+        self.active, self.steps, self.in_flight, self.added, self.shapes = {}, steps, [], [], {}
 
     @property
     def num_active(self):
@@ -143,6 +143,10 @@ class _Engine:
     def add_many(self, specs):
         self.added += specs
         self.active.update({x.id: self.steps for x in specs})
+        self.shapes.update({x.id: (x.model, x.width, x.height) for x in specs})
+
+    def in_flight_shapes(self):
+        return {self.shapes[k] for k in self.active}
 
     def progress(self):
         return dict(self.active)
@@ -159,20 +163,22 @@ class _Engine:
         return [SimpleNamespace(request=SimpleNamespace(id=k)) for k in done]
 
 
-def test_system_a_admits_images_first_come_first_served_up_to_8_at_their_size():
+def test_system_a_admits_images_as_the_service_leases_up_to_8_at_their_size():
+    """The queue's head, then images of its shape (and of those in flight) before the others, 8 in flight."""
     s = mb.Setup()
     model = SimpleNamespace(card=_card("flux"))
-    jobs = [mb.pb.Job(0, 0.0, 4, (512, 512), 1), mb.pb.Job(1, 0.0, 8, (512, 768), 2),
-            mb.pb.Job(2, 0.0, 1, (768, 512), 3)]
+    jobs = [mb.pb.Job(0, 0.0, 4, (512, 512), 1), mb.pb.Job(1, 0.0, 2, (512, 768), 2),
+            mb.pb.Job(2, 0.0, 4, (512, 512), 3), mb.pb.Job(3, 0.0, 1, (768, 512), 4)]
     engine = _Engine()
     mb.run_engine(engine, model, jobs, mb.pb.make_prompts(5), s, stop_s=60.0)
     assert all(j.finished is not None and j.done_images == j.n for j in jobs)
     assert max(engine.in_flight) == 8 and engine.in_flight[:3] == [8, 8, 8]
-    assert [x.id for x in engine.added[:8]] == ["0:0", "0:1", "0:2", "0:3", "1:0", "1:1", "1:2", "1:3"]
+    assert [x.id for x in engine.added[:8]] == ["0:0", "0:1", "0:2", "0:3", "2:0", "2:1", "2:2", "2:3"]
+    assert [x.id for x in engine.added[8:]] == ["1:0", "1:1", "3:0"]  # FCFS: 1:* ran with the 0:*
     first = engine.added[0]
     assert (first.sampler, first.steps, first.guidance, first.width, first.height) == ("flow_euler", 28, 3.5, 512, 512)
-    assert first.prompt == mb.pb.make_prompts(5)[1] and len({x.seed for x in engine.added}) == 13
-    assert (engine.added[4].width, engine.added[4].height) == (512, 768)
+    assert first.prompt == mb.pb.make_prompts(5)[1] and len({x.seed for x in engine.added}) == 11
+    assert (engine.added[8].width, engine.added[8].height) == (512, 768)
 
 
 def test_the_models_each_section_loads_and_the_targets():

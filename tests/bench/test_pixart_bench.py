@@ -108,7 +108,7 @@ class _Engine:
     """Stands in for the engine: every image takes ``steps`` steps; records how many are in flight."""
 
     def __init__(self, steps=3):
-        self.active, self.steps, self.in_flight, self.added = {}, steps, [], []
+        self.active, self.steps, self.in_flight, self.added, self.shapes = {}, steps, [], [], {}
 
     @property
     def num_active(self):
@@ -117,6 +117,10 @@ class _Engine:
     def add_many(self, specs):
         self.added.append([x.id for x in specs])
         self.active.update({x.id: self.steps for x in specs})
+        self.shapes.update({x.id: (x.model, x.width, x.height) for x in specs})
+
+    def in_flight_shapes(self):
+        return {self.shapes[k] for k in self.active}
 
     def progress(self):
         return dict(self.active)
@@ -133,18 +137,21 @@ class _Engine:
         return [SimpleNamespace(request=SimpleNamespace(id=k)) for k in done]
 
 
-def test_system_a_admits_images_first_come_first_served_up_to_max_batch():
+def test_system_a_admits_images_as_the_service_leases_up_to_max_batch():
+    """The queue's head, then images of the shapes it and those in flight have, kept full while images queue."""
     from workers.cards import read_card
 
     s = pb.Setup(max_batch=8)
     model = SimpleNamespace(card=read_card("pixart-sigma-512"))
-    jobs = [pb.Job(0, 0.0, 5, (512, 512), 1), pb.Job(1, 0.0, 6, (512, 768), 2), pb.Job(2, 0.0, 1, (768, 512), 3)]
+    jobs = [pb.Job(0, 0.0, 5, (512, 512), 1), pb.Job(1, 0.0, 6, (512, 768), 2), pb.Job(2, 0.0, 1, (768, 512), 3),
+            pb.Job(3, 0.0, 2, (512, 512), 4)]
     engine = _Engine()
     pb.run_engine(engine, model, jobs, pb.make_prompts(5), s, stop_s=60.0)
     assert all(j.finished is not None and j.done_images == j.n for j in jobs)
     assert max(engine.in_flight) == 8 and engine.in_flight[:3] == [8, 8, 8]  # kept full while images queue
-    order = [int(i.split(":")[0]) for ids in engine.added for i in ids]
-    assert order == sorted(order) and engine.added[0] == ["0:0", "0:1", "0:2", "0:3", "0:4", "1:0", "1:1", "1:2"]
+    # the 512 px images (jobs 0 and 3) first, the head's shape, then the queue's order; FCFS would have run 1:0
+    assert engine.added[0] == ["0:0", "0:1", "0:2", "0:3", "0:4", "1:0", "3:0", "3:1"]
+    assert engine.added[1] == ["1:1", "1:2", "1:3", "1:4", "1:5", "2:0"]
 
 
 def test_our_images_are_made_at_the_bin_and_resized_back_as_the_pipeline_does():

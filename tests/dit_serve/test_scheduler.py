@@ -54,3 +54,30 @@ def test_a_started_worker_gets_the_engine_switches_of_the_config(tmp_path, monke
         "inductor", True, (("digits", "fp8"),), (("digits", "eager"),), 4)
     assert spec.compile_scope == "blocks" and WorkerConfig().compile_scope == "step"
     assert WorkerConfig().decode_graphs is False  # off until measured
+
+
+def test_a_fill_prefers_the_sizes_the_worker_runs_and_strict_order_is_a_switch(tmp_path):
+    """``_fill`` leases with the worker's in-flight shapes (``[scheduler] group_shapes``, on by default),
+    so a worker running 32 px images gets the queue's head and then the queued 32 px ones before the
+    others; off: strict queue order."""
+    from types import SimpleNamespace
+
+    from dit_serve.schemas import JobParams
+    from dit_serve.server.config import SchedulerConfig
+    from dit_serve.server.scheduler import Scheduler, _Worker
+    from dit_serve.server.store import Store
+
+    sent: list[list] = []
+    for group_shapes, want in ((True, [64, 32]), (False, [64, 48])):
+        store = Store(f"sqlite:///{tmp_path}/{group_shapes}.db", tmp_path)
+        for w in (32, 64, 48, 32, 48):
+            store.submit("digits", JobParams(sampler="ddim", steps=5, guidance=1.0, width=w, height=w), [1], [0])
+        sched = Scheduler(store, WorkerConfig(max_batch=4), SchedulerConfig(group_shapes=group_shapes), 30.0)
+        w = _Worker("w", None, SimpleNamespace(submit=SimpleNamespace(remote=sent.append)), None, models=["digits"])
+        sched.workers["w"] = w
+        (first,) = store.lease("other", ["digits"], 1, ttl=30)  # the 32 px head runs on this worker already
+        w.leases[first.key] = first
+        sched.cfg = WorkerConfig(max_batch=4, max_inflight=3)
+        sched._fill(w, expect=True)
+        assert [spec.width for spec in sent[-1]] == want
+    assert SchedulerConfig().group_shapes is True

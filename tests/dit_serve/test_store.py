@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, select, text
 
 from dit_serve.schemas import JobParams
 from dit_serve.server.store import (SCHEMA_VERSION, IdempotencyConflict, QueueFull, Store, StoreError, _driver_url, items,
@@ -475,6 +475,45 @@ def test_higher_priority_jobs_are_leased_first(store):
     order = [(ls.job_id, ls.index) for ls in store.lease("w", ["digits"], 5, ttl=30)]
     assert order == [(batch, 2), (batch, 3), (low, 0), (low, 1)]
     assert store.get_job(urgent).priority == 10 and store.get_job(low).priority == -5
+
+
+def test_a_lease_prefers_the_sizes_in_flight_after_the_head_and_never_past_a_priority(store):
+    def sized(w: int, n: int, priority: int = 0) -> str:
+        params = PARAMS.model_copy(update={"width": w, "height": w})
+        return store.create_job("digits", params, list(range(n)), list(range(n)), priority=priority)
+
+    a1, b1, a2, c1, b2 = sized(32, 1), sized(48, 2), sized(32, 2), sized(64, 1), sized(48, 1)
+    keys = lambda leases: [(ls.job_id, ls.index) for ls in leases]  # noqa: E731
+    # the head (a1, 32 px) first, then 32 px (its size) and 64 px (in flight), then the rest in order
+    got = store.lease("w", ["digits"], 4, ttl=30, prefer={("digits", 64, 64)})
+    assert keys(got) == [(a1, 0), (a2, 0), (a2, 1), (c1, 0)]
+    assert all(store.get_job(j).state == "queued" for j in (b1, b2))  # the rows it read and skipped: untouched
+    urgent = sized(32, 1, priority=5)
+    got = store.lease("w", ["digits"], 2, ttl=30, prefer={("digits", 32, 32)})
+    assert keys(got) == [(urgent, 0), (b1, 0)]  # the head, then the queue's order (no 32 px left)
+    got = store.lease("w", ["digits"], 9, ttl=30, prefer=set())
+    assert keys(got) == [(b1, 1), (b2, 0)]
+    assert store.lease("w", ["digits"], 9, ttl=30, prefer=set()) == []
+
+
+def test_a_preferring_lease_takes_over_only_the_expired_rows_it_chose(store):
+    small, big = (PARAMS.model_copy(update={"width": w, "height": w}) for w in (32, 64))
+    first = store.create_job("digits", small, [0, 1], [0, 1])
+    other = store.create_job("digits", big, [0], [0])
+
+    def requeues() -> dict:
+        with store.engine.connect() as conn:
+            return {(r.job_id, r.idx): r.requeues for r in conn.execute(select(items.c.job_id, items.c.idx,
+                                                                               items.c.requeues))}
+
+    store.lease("gone", ["digits"], 3, ttl=0.01)
+    time.sleep(0.05)
+    got = store.lease("w", ["digits"], 1, ttl=30, prefer={("digits", 32, 32)})
+    assert [(ls.job_id, ls.index) for ls in got] == [(first, 0)]
+    assert requeues() == {(first, 0): 1, (first, 1): 0, (other, 0): 0}  # the rows read but not chosen: as they were
+    got = store.lease("w", ["digits"], 5, ttl=30, prefer=set())
+    assert sorted((ls.job_id, ls.index) for ls in got) == sorted([(first, 1), (other, 0)])
+    assert set(requeues().values()) == {1}
 
 
 def test_webhooks_are_claimed_once_finished_and_retried(store):

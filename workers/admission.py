@@ -1,0 +1,64 @@
+"""Which queued images to start next: shape-aware admission, pure Python (no torch), shared by the
+service's lease (``dit_serve.server.store.Store.lease``) and the benchmarks' engine loops.
+
+The engine steps every latent shape in flight as its own group, and each group as its own replays
+(``graphs.splitter``). Eight images of one shape are one replay of 8; the same eight spread over three
+shapes are about five replays of 1-2 (3 -> 2 + 1, 3 -> 2 + 1, 2), each at a smaller, less efficient
+bucket. First-come-first-served admission spreads them whenever small requests of several sizes are
+queued together, the normal case of mixed-size traffic. So, when more is queued than there is room:
+
+1. the head of the queue (highest priority, then oldest) is always started: no item waits behind
+   later ones for more than one admission per item ahead of it, so nothing starves;
+2. the rest of the room goes first to items of a *preferred* shape, in queue order: the shapes in flight
+   and the head's (they run as a group at the next step anyway), then to the others, in queue order;
+3. priority is never overtaken: an item of a preferred shape is taken before an unpreferred one of the
+   same priority only, never before one of higher priority.
+
+With room for everything queued, everything is taken (the order changes nothing). A shape here is
+whatever key the caller groups by (the service: model, width, height as stored).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Collection, Hashable, Sequence, TypeVar
+
+__all__ = ["WINDOW", "choose", "spec_shape", "take"]
+
+T = TypeVar("T")
+
+# How far past the room a lease looks for items of a preferred shape: at most WINDOW x room candidates
+# are read. Larger finds more same-shape items in a deep mixed queue, and reads more rows per lease.
+WINDOW = 4
+
+
+def choose(candidates: Sequence[T], room: int, in_flight: Collection[Hashable], shape: Callable[[T], Hashable],
+           priority: Callable[[T], int] | None = None) -> list[int]:
+    """Indices (ascending) of at most ``room`` of ``candidates`` (queue order: priority desc, then age) to
+    start, by the rules above. ``in_flight``: the shapes running now; ``shape(c)``, ``priority(c)``
+    (default: all equal) describe a candidate."""
+    if room <= 0 or not candidates:
+        return []
+    if room >= len(candidates):
+        return list(range(len(candidates)))
+    preferred = set(in_flight) | {shape(candidates[0])}
+    prio = priority or (lambda _: 0)
+    order = sorted(range(len(candidates)),
+                   key=lambda i: (-prio(candidates[i]), shape(candidates[i]) not in preferred, i))
+    return sorted(order[:room])
+
+
+def spec_shape(spec) -> tuple[str, int, int]:
+    """An ``ItemSpec``'s shape key: (model, width, height), as the service's lease keys a stored item."""
+    return (spec.model, spec.width, spec.height)
+
+
+def take(queue: list[T], room: int, in_flight: Collection[Hashable], shape: Callable[[T], Hashable] = spec_shape,
+         window: int = WINDOW) -> list[T]:
+    """What a lease of ``room`` items does to an in-memory ``queue`` (one priority): ``choose`` among its
+    first ``window`` x ``room`` items; the chosen ones are removed from ``queue`` and returned in queue
+    order (the benchmarks' engine loops admit through this, as the service leases)."""
+    picked = choose(queue[:max(0, room) * window], room, in_flight, shape)
+    chosen = [queue[i] for i in picked]
+    for i in reversed(picked):
+        del queue[i]
+    return chosen
