@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Callable, Collection, Hashable, Sequence, TypeVar
 
-__all__ = ["WINDOW", "choose", "spec_shape", "take"]
+__all__ = ["WINDOW", "choose", "shape_key", "spec_shape", "take"]
 
 T = TypeVar("T")
 
@@ -47,9 +47,16 @@ def choose(candidates: Sequence[T], room: int, in_flight: Collection[Hashable], 
     return sorted(order[:room])
 
 
+def shape_key(model: str, width: int, height: int) -> tuple[str, int, int]:
+    """The shape an image runs under, as both the service's lease and the engine key it: (model, width,
+    height) as asked (0, 0: the model's native size, which therefore counts apart from the same size asked
+    for by number)."""
+    return (model, width, height)
+
+
 def spec_shape(spec) -> tuple[str, int, int]:
-    """An ``ItemSpec``'s shape key: (model, width, height), as the service's lease keys a stored item."""
-    return (spec.model, spec.width, spec.height)
+    """An ``ItemSpec``'s ``shape_key``."""
+    return shape_key(spec.model, spec.width, spec.height)
 
 
 def take(queue: list[T], room: int, in_flight: Collection[Hashable], shape: Callable[[T], Hashable] = spec_shape,

@@ -39,6 +39,7 @@ import torch
 from graphs import GraphKey, GraphRunner, TensorSpec
 from graphs.compiled import CompiledStep, opaque_break, use_cache_dir
 from samplers import Plan, make_plan
+from workers.admission import spec_shape
 from workers.families import compile_regions, family_of
 from workers.loading import LoadedModel
 from workers.patches import attention_into, break_attention, hoist_modulation
@@ -318,8 +319,8 @@ class Engine:
         return sum(len(g.active) for g in self.groups.values())
 
     def in_flight_shapes(self) -> set[tuple[str, int, int]]:
-        """The (model, width, height) keys of the active requests (``workers.admission.spec_shape``)."""
-        return {(a.req.model, a.req.width, a.req.height) for g in self.groups.values() for a in g.active}
+        """The shapes of the active requests (``workers.admission.spec_shape``)."""
+        return {spec_shape(a.req) for g in self.groups.values() for a in g.active}
 
     def progress(self) -> dict[str, tuple[int, int]]:
         return {a.req.id: (a.step, a.plan.num_steps) for g in self.groups.values() for a in g.active}

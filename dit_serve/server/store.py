@@ -788,9 +788,8 @@ _SET_RUNNING = (update(items).where(items.c.job_id == bindparam("j"), items.c.id
 
 
 def lease_shape(model: str, params: JobParams) -> tuple[str, int, int]:
-    """The shape key an item runs under, for shape-aware leasing: (model, width, height) as stored (0, 0: the
-    model's native size, which therefore counts apart from the same size asked for by number)."""
-    return (model, params.width, params.height)
+    """A stored item's ``workers.admission.shape_key``, for shape-aware leasing."""
+    return admission.shape_key(model, params.width, params.height)
 
 
 def _row_shape(row) -> tuple:

@@ -184,3 +184,15 @@ def test_the_graphs_backend_captures_a_step_without_breaks_whole_and_keeps_break
     r, own = req(3), load_model("digits")  # its own copy: the graph backends patch the model they run
     got = Engine(own, EngineConfig(backend="graphs", max_batch=4)).generate([r])[0].latents
     assert close(got, alone(model, r))
+
+
+def test_the_shapes_in_flight_are_the_active_requests_admission_keys(model):
+    from workers.admission import spec_shape
+
+    e = engine(model)
+    assert e.in_flight_shapes() == set()
+    a, b = req(0, model="digits"), req(1, steps=1)
+    e.add_many([a, b])
+    assert e.in_flight_shapes() == {spec_shape(a), spec_shape(b)} == {("digits", 0, 0), ("", 0, 0)}
+    e.step()  # b finishes after its one step
+    assert e.in_flight_shapes() == {spec_shape(a)}
