@@ -230,6 +230,11 @@ class GraphRunner:
     def warmed(self) -> bool:
         return self._warmed
 
+    @property
+    def step(self) -> Callable[..., Mapping[str, torch.Tensor]]:
+        """The function the runner captures (a ``CompiledStep`` when it is compiled)."""
+        return self._fn
+
     def _capture_all(self) -> None:
         pool = self._shared_pool if self._shared_pool is not None and not self.separate_pools \
             else torch.cuda.graph_pool_handle()

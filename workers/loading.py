@@ -67,6 +67,7 @@ class LoadedModel:
     text_encoder: torch.nn.Module | None = None  # text models: the prompt encoder and its tokenizer
     tokenizer: object = None
     cache: OrderedDict = field(default_factory=OrderedDict)  # the family's encodings, by text (LRU)
+    text_graphs: object = None  # the text encoder's CUDA-graph replays, when an engine made them (EncoderGraphs)
 
     @property
     def null_class(self) -> int:

@@ -134,8 +134,8 @@ class WorkerConfig(_Section):
     png_compress_level: int = Field(1, ge=0, le=9, description="zlib level of the stored PNGs: 1 encodes a 1024 px "
                                     "image about 6x faster than Pillow's default 6, for files about 15% larger")
     decode_graphs: bool = Field(False, description="the VAE decode captured in graphs too, at power-of-two "
-                                "batches (a single small image's decode is mostly kernel launches); off until "
-                                "measured on a GPU (docs/design.md)")
+                                "batches (a single small image's decode is mostly kernel launches), and compiled "
+                                "when the model's step is (docs/design.md)")
     kernels: dict[str, Literal["eager", "fused"]] = Field(
         default_factory=dict, description="per model, over `compile`: 'fused' compiles its steps with Inductor "
         "inside the graphs (compile = 'inductor' for it alone), 'eager' runs the uncompiled kernels in the graphs")

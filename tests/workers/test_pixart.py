@@ -63,6 +63,23 @@ def test_prompts_batched_together_equal_the_diffusers_pipeline_alone(model):
     assert results[0].image.shape == (16, 16, 3)
 
 
+def test_prompts_are_encoded_over_their_real_tokens_only(model):
+    """T5 runs over the batch's longest real token count: each real token's embedding equals the pipeline's
+    padded-to-max_tokens encoding, the padding stays zero and masked, and the shapes are max_tokens long."""
+    from workers.families.pixart import real_length_encode
+
+    texts = ["a red cat", "the number seven drawn thin on paper", ""]
+    tok = model.tokenizer(texts, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        full = model.text_encoder(tok.input_ids, attention_mask=tok.attention_mask)[0]       # (3, MAX_TOKENS, D)
+        embeds, mask = real_length_encode(model, texts)
+    assert embeds.shape == full.shape and torch.equal(mask, tok.attention_mask)
+    assert int(mask.sum(1).max()) < MAX_TOKENS  # the test means something: the batch is shorter than the limit
+    keep = mask.bool()
+    torch.testing.assert_close(embeds[keep], full[keep], rtol=1e-5, atol=1e-5)
+    assert torch.equal(embeds[~keep], torch.zeros_like(embeds[~keep]))
+
+
 def test_encodings_are_cached_and_shared(model):
     model.cache.clear()
     e = Engine(model, EngineConfig(backend="eager", max_batch=4))
@@ -215,3 +232,69 @@ def test_a_padded_step_still_runs_right_when_varlen_is_switched_on_under_it(mode
         set_cross_attention(model, "padded")
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+
+
+def test_encoder_graphs_give_the_encoders_embeddings_at_every_length_and_batch(model):
+    """``EncoderGraphs`` (eager on a CPU, the code a capture records on a GPU): one runner per padded
+    length, batches past its largest bucket in chunks; each text's embedding equals the plain encoder's,
+    so ``real_length_encode`` through it equals it without."""
+    from workers.encoders import EncoderGraphs, padded_length
+    from workers.families.pixart import real_length_encode
+
+    graphs = EncoderGraphs(model.text_encoder, MAX_TOKENS, max_batch=2)
+    texts = ["a red cat", "the big blue house on the hill", "", "a dog drawn", "seven"]  # 5 texts: 2 + 2 + 1
+    tok = model.tokenizer(texts, padding="longest", return_tensors="pt")
+    length = padded_length(tok.input_ids.shape[1], MAX_TOKENS)
+    ids, mask = (torch.nn.functional.pad(t, (0, length - t.shape[1])) for t in (tok.input_ids, tok.attention_mask))
+    with torch.no_grad():
+        want = model.text_encoder(ids, attention_mask=mask)[0]
+        got = graphs(ids, mask)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert list(graphs.runners) == [length] and graphs.runners[length].max_batch == 2
+        plain = real_length_encode(model, texts)
+        model.text_graphs = graphs
+        try:
+            graphed = real_length_encode(model, texts)
+        finally:
+            model.text_graphs = None
+    for a, b in zip(graphed, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert padded_length(1, 300) == 64 and padded_length(64, 300) == 64 and padded_length(65, 300) == 128
+    assert padded_length(290, 300) == 300 and padded_length(20, 16) == 16
+
+
+def test_a_compiled_decode_compiles_once_and_makes_the_plain_decodes_images(model, monkeypatch):
+    """With the step compiled and ``decode_graphs`` on, the VAE decode is compiled too (one compile for
+    every decode batch of 2-4, as a 512 px decode runs them; counted in the group's stats); its images
+    equal the plain decode's within a level. (diffusers' VAE branches on batches of 64 and more, and the CPU
+    convolution at 16: batches across those would compile once per range.)"""
+    from workers import engine as eng
+
+    monkeypatch.setattr(eng, "DECODE_PIXELS", 4 * model.image_size ** 2)
+    specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=2, guidance=2.0, prompt=f"a cat number {i}")
+             for i in range(3)]
+    plain = Engine(model, EngineConfig(backend="eager", max_batch=4)).generate(specs)
+    engine = Engine(model, EngineConfig(backend="eager", max_batch=4, compile="inductor", decode_graphs=True))
+    engine.warmup()
+    got = engine.generate(specs)
+    (stats,) = engine.stats()["groups"].values()
+    decode = stats["decode_compile"]
+    assert decode["compiled"] and decode["graphs"] == 1 and decode["fallback_reason"] is None, decode
+    assert decode["one_row_graphs"] == 1 and next(iter(engine.groups.values())).decoder.max_batch == 4
+    for a, b in zip(got, plain):
+        assert np.abs(a.image.astype(int) - b.image.astype(int)).max() <= 1
+
+
+def test_warm_up_captures_the_shortest_encoder_length_before_the_first_request(model):
+    """An engine's warm-up asks its text-encoder graphs for the shortest padded length (most prompts), so the
+    first request does not pay that capture (on a CPU the runner is eager; the same calls capture on a GPU)."""
+    from workers.encoders import EncoderGraphs, padded_length
+
+    engine = Engine(model, EngineConfig(backend="eager", max_batch=2))
+    model.text_graphs = EncoderGraphs(model.text_encoder, MAX_TOKENS, max_batch=2)  # as _graph_encoder on CUDA
+    try:
+        engine.warmup()
+        assert list(model.text_graphs.runners) == [padded_length(1, MAX_TOKENS)]
+        assert all(r.warmed for r in model.text_graphs.runners.values())
+    finally:
+        model.text_graphs = None

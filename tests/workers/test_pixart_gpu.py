@@ -197,3 +197,59 @@ def test_previews_add_no_host_wait_to_a_step(pixart_cuda):
         return sum("synchroniz" in str(w.message) for w in seen)
 
     assert syncs(1) <= syncs(0) + 1
+
+
+def test_the_text_encoder_replays_from_graphs_and_encodes_what_it_computes_eagerly(pixart_cuda):
+    """Under a graph backend the engine captures T5 (``EncoderGraphs``): the shortest padded length at
+    warm-up, others on first use; every batch replays (no eager fallback), and each embedding equals the
+    plain encoder's (float32: the same kernels at the same shapes). An eager engine leaves the encoder plain."""
+    from workers.encoders import padded_length
+    from workers.engine import Engine, EngineConfig
+    from workers.families.pixart import real_length_encode
+    from workers.spec import ItemSpec
+
+    pixart_cuda.cache.clear()
+    engine = Engine(pixart_cuda, EngineConfig(backend="breakable", max_batch=4))
+    engine.warmup()
+    graphs = pixart_cuda.text_graphs
+    shortest = padded_length(1, pixart_cuda.card.max_tokens)
+    assert graphs is not None and list(graphs.runners) == [shortest]  # warm-up captured the shortest length
+    long = " ".join(["a very long prompt about a cat"] * 3)
+    texts = ["a red cat", "a dog", "the big blue house", long, "seven"]
+    engine.generate([ItemSpec(id=str(i), seed=i, sampler="ddim", steps=2, guidance=2.0, prompt=t)
+                     for i, t in enumerate(texts)])
+    lengths = sorted(graphs.runners)
+    assert len(lengths) >= 1 and all(r.warmed for r in graphs.runners.values())
+    served = [s for r in graphs.runners.values() for s in r.stats()["buckets"].values()]
+    assert sum(s["replays"] for s in served) >= 1 and sum(s["eager_fallbacks"] for s in served) == 0
+    with torch.no_grad():
+        graphed = real_length_encode(pixart_cuda, texts)
+        pixart_cuda.text_graphs = None
+        plain = real_length_encode(pixart_cuda, texts)
+    for a, b in zip(graphed, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    Engine(pixart_cuda, EngineConfig(backend="eager", max_batch=4))
+    assert pixart_cuda.text_graphs is None
+
+
+def test_a_compiled_captured_decode_makes_the_plain_decodes_images(pixart_cuda):
+    """With the step compiled and ``decode_graphs`` on, the decode is compiled by Inductor once and replayed
+    from graphs; its images equal the plain decode's within one level (float32)."""
+    import numpy as np
+
+    from workers.engine import Engine, EngineConfig
+    from workers.spec import ItemSpec
+
+    specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=3, guidance=2.0, prompt=f"a cat number {i}")
+             for i in range(3)]
+    plain = Engine(pixart_cuda, EngineConfig(backend="eager", max_batch=4)).generate(specs)
+    engine = Engine(pixart_cuda, EngineConfig(backend="breakable", max_batch=4, compile="inductor", decode_graphs=True))
+    engine.warmup()
+    got = engine.generate(specs)
+    (stats,) = engine.stats()["groups"].values()
+    decode = stats["decode_compile"]
+    assert decode["compiled"] and decode["fallback_reason"] is None and decode["graphs"] <= 2, decode
+    replays = sum(s["replays"] for s in engine.groups[next(iter(engine.groups))].decoder.stats()["buckets"].values())
+    assert replays >= 1
+    for a, b in zip(got, plain):
+        assert np.abs(a.image.astype(int) - b.image.astype(int)).max() <= 1

@@ -11,6 +11,9 @@ A family is a module with:
     BREAK_ATTENTION                              whether the graph backends patch its self-attention
                                                  (workers.patches: an eager break under breakable, fused
                                                  q, k, v and the kernel per shape under both)
+    ENCODER_GRAPHS                               optional: the graph backends replay its text encoder from
+                                                 CUDA graphs (``model.text_graphs``, which its encode uses;
+                                                 workers.encoders.EncoderGraphs)
     needs_breaks(model) -> bool                  optional: whether the step has eager breaks (PixArt's varlen
                                                  cross-attention); the engine's "graphs" backend captures a
                                                  step without them whole (backend full), else breakable

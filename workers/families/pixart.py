@@ -20,6 +20,7 @@ from workers.families.textcache import encodings
 
 CACHE_SIZE = 4096
 BREAK_ATTENTION = False  # the attention break patch is written for DiT's self-attention only (for now)
+ENCODER_GRAPHS = True  # under the graph backends T5 replays from CUDA graphs (real_length_encode, model.text_graphs)
 
 
 def cond_specs(model) -> dict[str, TensorSpec]:
@@ -38,15 +39,46 @@ def encode(model, specs) -> list[dict[str, torch.Tensor]]:
 
 @torch.no_grad()
 def _encode_texts(model, texts: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each text's (max_tokens, D) embeddings and (max_tokens,) mask, as the pipeline's ``encode_prompt``
+    pads them, but encoded over the batch's longest real length only (see ``real_length_encode``)."""
     def encode(missing: list[str]):
-        tok = model.tokenizer(missing, padding="max_length", max_length=model.card.max_tokens, truncation=True,
-                              add_special_tokens=True, return_tensors="pt")
-        device = model.text_encoder.device
-        mask = tok.attention_mask.to(device)                                           # (n, L)
-        embeds = model.text_encoder(tok.input_ids.to(device), attention_mask=mask)[0]  # (n, L, D)
+        embeds, mask = real_length_encode(model, missing)
         return list(zip(embeds.to(model.dtype), mask.to(model.dtype)))
 
     return encodings(model, texts, encode, CACHE_SIZE)
+
+
+def real_length_encode(model, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """T5 over the batch's real token count (rounded up to a few lengths), then zeros to ``max_tokens``:
+    (n, max_tokens, D) embeddings and (n, max_tokens) mask.
+
+    The pipeline encodes every prompt padded to ``max_tokens`` (300 for PixArt-Σ). The padding changes no
+    real token's embedding (the encoder's attention mask keeps padding out, and T5's position bias is
+    relative) and no image (every consumer of the embeddings masks the padding: the padded cross-attention
+    by the mask, the varlen one by leaving it out). So the padding positions are left at zero rather than
+    encoded, and a prompt of 20 tokens costs T5 64 positions, not 300. The length is rounded up to a
+    multiple of 64 (``workers.encoders.padded_length``) so that an engine's encoder graphs
+    (``model.text_graphs``) meet a few shapes; without them the encoder runs as it is."""
+    from workers.encoders import padded_length
+
+    limit = model.card.max_tokens
+    tok = model.tokenizer(texts, padding="longest", max_length=limit, truncation=True, add_special_tokens=True,
+                          return_tensors="pt")
+    ids, mask = tok.input_ids, tok.attention_mask                                        # (n, l)
+    length = padded_length(ids.shape[1], limit)
+    ids, mask = (torch.nn.functional.pad(t, (0, length - t.shape[1])) for t in (ids, mask))  # pad id 0, masked
+    device = model.text_encoder.device
+    ids, mask = ids.to(device), mask.to(device)
+    if model.text_graphs is not None:
+        hidden = model.text_graphs(ids, mask)                                            # (n, length, D)
+    else:
+        hidden = model.text_encoder(ids, attention_mask=mask)[0]
+    n, _, width = hidden.shape
+    embeds = hidden.new_zeros(n, limit, width)
+    embeds[:, :length] = hidden * mask[..., None].to(hidden.dtype)                       # padding: zeros
+    full = mask.new_zeros(n, limit)
+    full[:, :length] = mask
+    return embeds, full
 
 
 DEFAULT_CROSS_ATTENTION = "varlen"  # measured on an H200 (docs/benchmarks/pixart.md): as fast or faster at
