@@ -21,7 +21,9 @@ Attention (``workers.sdpa``'s candidates) at the families' shapes, head dim 72 a
 96 and 128 (q and k padded with zeros keep every score; v padded gives zero columns, sliced off; the
 scale stays 1/sqrt(72)): whether a kernel runs a padded head faster than the real one. Tensors in the
 (B, T, heads, d) layout the projections write, viewed as (B, heads, T, d). TFLOP/s count the real
-head dim. Each output is checked against the math kernel on the first batch row.
+head dim. Each output is checked against the math kernel on the first batch row. On GPUs with FP8
+tensor cores, also ``bench/fp8_attention.py``'s FP8 kernel (a candidate the engine does not run): alone
+at several tilings, then with its quantization of q, k and v; its error against the math kernel reported.
 
     python bench/row_kernels.py                  # on a GPU (~2 min on an H200)
     python bench/row_kernels.py --smoke          # CPU: the PyTorch systems on small shapes
@@ -35,6 +37,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +46,9 @@ import torch.nn.functional as F
 
 from workers import fp8, quant_kernel
 from workers.quant_kernel import Plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fp8_attention  # noqa: E402 - beside this script
 
 QUANT_SHAPES = [  # (where, rows, K, gelu folded in)
     ("dit-xl-2-256, 64 images: q/k/v, out", 32768, 1152, "none"),
@@ -63,10 +69,15 @@ ATTN_SHAPES = [  # (where, batch, heads, q tokens, k tokens, head dim)
     ("pixart-sigma-1024, 1 image, cross", 2, 16, 4096, 300, 72),
     ("sd35-medium-1024, 1 image", 2, 24, 4429, 4429, 64),
     ("flux-dev-1024, 1 image", 1, 24, 4608, 4608, 128),
+    ("flux-dev-512, 1 image", 1, 24, 1536, 1536, 128),
+    ("dit-xl-2-256, 1 image", 2, 16, 256, 256, 72),
 ]
 SMOKE_ATTN = [("small", 2, 4, 64, 64, 72)]
 PADS = (80, 96, 128)
 BACKENDS = ("flash", "cudnn", "efficient")
+TILES = [fp8_attention.Tiles(m, n, w, st) for m, n, w, st in  # (queries, keys, warps, stages) per program
+         ((128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3),
+          (128, 64, 8, 4), (128, 32, 4, 4))]
 
 
 def plans(k: int, gelu: str = "none") -> list[Plan]:
@@ -215,9 +226,38 @@ def bench_attention(shape, cuda: bool) -> dict:
                 row["tflops"][name] = round(flops / (row["us"][name] * 1e-6) / 1e12, 1)
             except RuntimeError as e:
                 row["errors"][name] = f"does not run: {str(e).splitlines()[0][:120]}"
+    if cuda and fp8_attention.available(q):
+        bench_fp8_attention(row, q, k, v, ref, flops, timer)
     if row["us"]:
         row["best"] = min(row["us"], key=row["us"].get)
     return row
+
+
+def bench_fp8_attention(row: dict, q, k, v, ref, flops: float, timer) -> None:
+    """``fp8_attention``'s kernel at each of TILES on inputs quantized beforehand (the kernel alone), then
+    the fastest tiling with its PyTorch quantization of q, k and v timed in. Errors are reported (largest
+    and rms, relative to the reference's), not judged: FP8 changes the result by design."""
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    out = torch.empty(qt.shape, dtype=q.dtype, device=q.device)
+    quantized = fp8_attention.quantize_qkv(qt, kt, vt)
+    row["fp8_error"] = {}
+    for tiles in TILES:
+        name = f"ours-fp8/{tiles.block_m}x{tiles.block_n}w{tiles.warps}s{tiles.stages}"
+        try:
+            err = fp8_attention.launch(*quantized, out, tiles)[:1].float() - ref
+            rms = (err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+            row["fp8_error"][name] = {"max": round((err.abs().max() / ref.abs().max()).item(), 4), "rms": round(rms, 4)}
+            row["us"][name] = round(timer(lambda tiles=tiles: fp8_attention.launch(*quantized, out, tiles)), 2)
+            row["tflops"][name] = round(flops / (row["us"][name] * 1e-6) / 1e12, 1)
+        except Exception as e:  # a tiling the compiler or the GPU cannot run (shared memory, registers)
+            row["errors"][name] = f"does not run: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    ours = {n: u for n, u in row["us"].items() if n.startswith("ours-fp8/")}
+    if ours:
+        best = min(ours, key=ours.get)
+        tiles = next(t for t in TILES if best.endswith(f"/{t.block_m}x{t.block_n}w{t.warps}s{t.stages}"))
+        name = "ours-fp8+quantize/" + best.split("/")[-1]
+        row["us"][name] = round(timer(lambda: fp8_attention.attention(qt, kt, vt, out, tiles)), 2)
+        row["tflops"][name] = round(flops / (row["us"][name] * 1e-6) / 1e12, 1)
 
 
 def markdown(result: dict) -> str:
@@ -272,7 +312,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sections", nargs="+", default=["quant", "attention"], choices=["quant", "attention"])
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
-    result = {"command": "python bench/row_kernels.py" + " --smoke" * args.smoke, "versions": versions(cuda),
+    result = {"command": " ".join(["python bench/row_kernels.py", *(argv if argv is not None else sys.argv[1:])]),
+              "versions": versions(cuda),
               "quant": [], "attention": []}
     if "quant" in args.sections:
         for shape in SMOKE_QUANT if args.smoke else QUANT_SHAPES:

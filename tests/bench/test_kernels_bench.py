@@ -90,3 +90,30 @@ def test_zero_padded_heads_compute_the_same_attention(d, pad):
     got = F.scaled_dot_product_attention(*(rk.padded(t, pad).transpose(1, 2) for t in (q, k, v)), scale=1 / math.sqrt(d))
     torch.testing.assert_close(got[..., :d], want, rtol=1e-5, atol=1e-6)
     assert torch.equal(got[..., d:], torch.zeros_like(got[..., d:]))
+
+
+@pytest.mark.parametrize("d, parts", [(72, (64, 32)), (128, (128, 0)), (64, (64, 0)), (100, (128, 0)), (40, (64, 0)),
+                                      (16, (32, 0))])
+def test_fp8_attention_holds_a_head_as_at_most_two_tiles_of_32_or_more(d, parts):
+    fa = _load("fp8_attention")
+    got = fa.head_parts(d)
+    assert got == parts and sum(got) >= d and min(p for p in got if p) >= 32
+    assert all(p & (p - 1) == 0 for p in got if p)
+
+
+def test_fp8_attention_quantizes_each_head_by_its_own_largest_value():
+    """quantize_qkv: e4m3 codes scaled per (batch, head), zero-padded past d, v transposed; dequantized they
+    give the inputs back within e4m3's step (2^-3 relative), and the largest value of each head maps to 448."""
+    import torch
+
+    fa = _load("fp8_attention")
+    q, k, v = (torch.randn(2, 3, 10, 72) * torch.tensor([1.0, 10.0, 0.1])[None, :, None, None] for _ in range(3))
+    q8, k8, v8t, s = fa.quantize_qkv(q, k, v)
+    assert q8.shape == k8.shape == (2, 3, 10, 96) and v8t.shape == (2, 3, 96, 10) and s.shape == (6, 3)
+    assert q8.dtype == k8.dtype == v8t.dtype == torch.float8_e4m3fn
+    for i, (t, c) in enumerate(((q, q8), (k, k8), (v, v8t.transpose(-1, -2)))):
+        scale = s[:, i].view(2, 3, 1, 1)
+        assert torch.equal(c[..., 72:].float(), torch.zeros(2, 3, 10, 24))
+        back = c[..., :72].float() * scale
+        assert ((back - t).abs() <= t.abs() * 2 ** -3 + scale * 2 ** -9).all()
+        assert torch.allclose(c[..., :72].float().abs().amax(dim=(-2, -1)), torch.full((2, 3), 448.0))
