@@ -17,7 +17,8 @@ negative prompt is "" (the unconditional one). Sections (``--sections``):
          real tokens, an eager break); plus capture time and graph pool size per backend.
   e2e    one image, prompt to pixels: 20 steps DPM++ 2M, CFG 4.5, text encoding and VAE decode included:
            ours        Engine(breakable graphs, max batch 8, warmed), padded and varlen cross-attention;
-                       the encoding cache is cleared before each run
+                       the encoding cache is cleared before each run; T5 replays from graphs (the graph
+                       backends' rule) and so does the VAE decode (compiled too with --compile)
            diffusers   PixArtSigmaPipeline with DPMSolverMultistepScheduler, resolution binning as default
   mixed  throughput at 512: requests of 1 image (70%), 2-8 (25%) or 16-32 (5%), each 512x512, 512x768 or
          768x512 (width x height, 1:1:1 by request; both systems generate at the nearest aspect-ratio bin and
@@ -422,7 +423,7 @@ def bench_e2e(model, s: Setup, prompts: list[str], ref=None) -> dict:
              "runs_ms": {}, "host_loop_s": host_loop_s()}
     for mode in CROSS_ATTENTION:
         try:
-            block["runs_ms"][f"ours/{mode}"] = _ours_e2e(model, mode, s, fresh)
+            block["runs_ms"][f"ours/{mode}"], block.setdefault("compiles", {})[mode] = _ours_e2e(model, mode, s, fresh)
         finally:
             pixart.set_cross_attention(model, "padded")  # before any diffusers call
             free()
@@ -435,12 +436,14 @@ def bench_e2e(model, s: Setup, prompts: list[str], ref=None) -> dict:
     return block
 
 
-def _ours_e2e(model, mode: str, s: Setup, fresh) -> list[float]:
+def _ours_e2e(model, mode: str, s: Setup, fresh) -> tuple[list[float], dict]:
+    """ms per image, and what was compiled and captured: the step's and the decode's compile counters, the
+    text encoder's captured lengths."""
     from workers.engine import Engine, EngineConfig
     from workers.spec import ItemSpec
 
     engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.e2e_max_batch, cross_attention=mode,
-                                        **compile_kwargs(s.compile)))
+                                        decode_graphs=True, **compile_kwargs(s.compile)))
     engine.warmup()
 
     def one(i):
@@ -448,7 +451,13 @@ def _ours_e2e(model, mode: str, s: Setup, fresh) -> list[float]:
         engine.generate([ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=s.steps, guidance=s.guidance,
                                   prompt=next(fresh))])
 
-    return repeat_ms(one, s.e2e_reps)
+    runs = repeat_ms(one, s.e2e_reps)
+    (group,) = engine.stats()["groups"].values()
+    compiled = {k: {n: group[k][n] for n in ("graphs", "one_row_graphs", "compile_s", "fallback_reason")}
+                for k in ("compile", "decode_compile") if k in group}
+    graphs = model.text_graphs
+    compiled["text_encoder_lengths"] = sorted(graphs.runners) if graphs is not None else []
+    return runs, compiled
 
 
 # -- section 3: mixed-size workload ------------------------------------------------------------------
