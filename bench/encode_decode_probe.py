@@ -1,7 +1,8 @@
 """A probe of one PixArt-Σ 512 image's time outside its steps, on a GPU (run as written, once, on an H200):
 the VAE decode of one latent plain, captured in a CUDA graph, with channels-last weights, and compiled by
 Inductor (on the channels-last weights) then captured; and T5's encoding of a prompt and "" padded to 300
-tokens against ``workers.families.pixart.real_length_encode``. Median ms of 7 calls after 2, synchronised.
+tokens against ``workers.families.pixart.real_length_encode`` (which, when the probe ran, encoded the real
+length itself, not yet rounded up to a multiple of 64). Median ms of 7 calls after 2, synchronised.
 
     python bench/encode_decode_probe.py      # writes $OUT/vae_probe.json (or /tmp)
 
