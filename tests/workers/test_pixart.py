@@ -264,25 +264,32 @@ def test_encoder_graphs_give_the_encoders_embeddings_at_every_length_and_batch(m
 
 
 def test_a_compiled_decode_compiles_once_and_makes_the_plain_decodes_images(model, monkeypatch):
-    """With the step compiled and ``decode_graphs`` on, the VAE decode is compiled too (one compile for
-    every decode batch of 2-4, as a 512 px decode runs them; counted in the group's stats); its images
-    equal the plain decode's within a level. (diffusers' VAE branches on batches of 64 and more, and the CPU
-    convolution at 16: batches across those would compile once per range.)"""
+    """A compiled model's captured decode is compiled too (the engine's wiring), and ``decode_runner(...,
+    compiled=True)`` compiles once for every decode batch of 2-4 (as a 512 px decode runs them) plus its
+    one-image graph; its images equal the plain decode's within a level. (diffusers' VAE branches on batches
+    of 64 and more, and the CPU convolution at 16: batches across those would compile once per range.)"""
+    from graphs.compiled import CompiledStep
     from workers import engine as eng
 
+    compiled = Engine(model, EngineConfig(backend="eager", max_batch=2, compile="inductor", decode_graphs=True))
+    plain = Engine(model, EngineConfig(backend="eager", max_batch=2, decode_graphs=True))
+    assert isinstance(next(iter(compiled.groups.values())).decoder.step, CompiledStep)
+    assert not isinstance(next(iter(plain.groups.values())).decoder.step, CompiledStep)
+    (stats,) = compiled.stats()["groups"].values()
+    assert stats["decode_compile"]["graphs"] == 0  # reported with the group's; compiled at warm-up, not yet
+    assert "decode_compile" not in next(iter(plain.stats()["groups"].values()))
+
     monkeypatch.setattr(eng, "DECODE_PIXELS", 4 * model.image_size ** 2)
-    specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=2, guidance=2.0, prompt=f"a cat number {i}")
-             for i in range(3)]
-    plain = Engine(model, EngineConfig(backend="eager", max_batch=4)).generate(specs)
-    engine = Engine(model, EngineConfig(backend="eager", max_batch=4, compile="inductor", decode_graphs=True))
-    engine.warmup()
-    got = engine.generate(specs)
-    (stats,) = engine.stats()["groups"].values()
-    decode = stats["decode_compile"]
-    assert decode["compiled"] and decode["graphs"] == 1 and decode["fallback_reason"] is None, decode
-    assert decode["one_row_graphs"] == 1 and next(iter(engine.groups.values())).decoder.max_batch == 4
-    for a, b in zip(got, plain):
-        assert np.abs(a.image.astype(int) - b.image.astype(int)).max() <= 1
+    runner = eng.decode_runner(model, model.latent_shape, compiled=True)
+    runner.warmup()
+    latents = torch.randn(3, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+    got = eng.decode(model, latents, None, runner.run(latents=latents)["pixels"])
+    want = eng.decode(model, latents)
+    stats = runner.step.stats()
+    assert runner.max_batch == 4 and stats["compiled"] and stats["fallback_reason"] is None, stats
+    assert stats["graphs"] == 1 and stats["one_row_graphs"] == 1, stats
+    for a, b in zip(got, want):
+        assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
 
 
 def test_warm_up_captures_the_shortest_encoder_length_before_the_first_request(model):
