@@ -16,6 +16,7 @@ import torch
 
 from graphs import TensorSpec
 from samplers import cfg_combine, model_input, sampler_step
+from workers.encoders import padded_length
 from workers.families.textcache import encodings
 
 CACHE_SIZE = 4096
@@ -59,8 +60,6 @@ def real_length_encode(model, texts: list[str]) -> tuple[torch.Tensor, torch.Ten
     encoded, and a prompt of 20 tokens costs T5 64 positions, not 300. The length is rounded up to a
     multiple of 64 (``workers.encoders.padded_length``) so that an engine's encoder graphs
     (``model.text_graphs``) meet a few shapes; without them the encoder runs as it is."""
-    from workers.encoders import padded_length
-
     limit = model.card.max_tokens
     tok = model.tokenizer(texts, padding="longest", max_length=limit, truncation=True, add_special_tokens=True,
                           return_tensors="pt")
