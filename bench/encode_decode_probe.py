@@ -4,12 +4,12 @@ Inductor (on the channels-last weights) then captured; and T5's encoding of a pr
 tokens against ``workers.families.pixart.real_length_encode`` (which, when the probe ran, encoded the real
 length itself, not yet rounded up to a multiple of 64). Median ms of 7 calls after 2, synchronised.
 
-    python bench/encode_decode_probe.py      # writes $OUT/vae_probe.json (or /tmp)
+    python bench/encode_decode_probe.py [OUT_DIR]   # writes OUT_DIR/encode_decode_probe_pixart512.json
 
-Its result is docs/benchmarks/encode_decode_probe_pixart512.json; what it led to: docs/design.md, "The
-text encoder in graphs" and "The VAE decode in graphs".
+Its result is docs/benchmarks/encode_decode_probe_pixart512.json (the probe wrote it under another name then);
+what it led to: docs/design.md, "The text encoder in graphs" and "The VAE decode in graphs".
 """
-import json, os, statistics, time, torch
+import json, os, statistics, sys, time, torch
 from workers.loading import load_model
 from workers.engine import _vae_pixels
 from workers.families import pixart
@@ -61,4 +61,5 @@ with torch.no_grad():
     out["t5_real_ms"] = ms(lambda: pixart.real_length_encode(model, texts))
     out["t5_dtype"] = str(model.text_encoder.dtype)
 print(json.dumps(out), flush=True)
-json.dump(out, open(os.environ.get("OUT", "/tmp") + "/vae_probe.json", "w"), indent=1)
+out_dir = sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks"
+json.dump(out, open(os.path.join(out_dir, "encode_decode_probe_pixart512.json"), "w"), indent=1)
