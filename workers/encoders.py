@@ -136,23 +136,24 @@ class EncoderGraphs:
     def runner(self, length: int):
         """The runner of ``length`` tokens, made and captured now if it is new (the engine's warm-up asks for
         the shortest, which most prompts use, so the first request does not pay its capture)."""
+        if length in self.runners:
+            return self.runners[length]
         import torch
 
         from graphs import GraphRunner, TensorSpec
 
-        if length not in self.runners:
-            width = self.encoder.config.d_model
-            device = next(self.encoder.parameters()).device
-            ids, keep = TensorSpec((length,), torch.int64), TensorSpec((length,), torch.int64)
-            runner = GraphRunner(self._forward, {"input_ids": ids, "mask": keep},
-                                 {"hidden": TensorSpec((length, width), self.encoder.dtype)},
-                                 max_batch=self.max_batch, backend="full", device=device,
-                                 pool=self.pool, stream=self.stream)
-            one = torch.ones(1, length, dtype=torch.int64, device=device)
-            runner.warmup(example={"input_ids": one, "mask": one})
-            self.runners[length] = runner
-            log.info("text encoder captured at %d tokens (batches up to %d)", length, self.max_batch)
-        return self.runners[length]
+        width = self.encoder.config.d_model
+        device = next(self.encoder.parameters()).device
+        ids, keep = TensorSpec((length,), torch.int64), TensorSpec((length,), torch.int64)
+        runner = GraphRunner(self._forward, {"input_ids": ids, "mask": keep},
+                             {"hidden": TensorSpec((length, width), self.encoder.dtype)},
+                             max_batch=self.max_batch, backend="full", device=device,
+                             pool=self.pool, stream=self.stream)
+        one = torch.ones(1, length, dtype=torch.int64, device=device)
+        runner.warmup(example={"input_ids": one, "mask": one})
+        self.runners[length] = runner
+        log.info("text encoder captured at %d tokens (batches up to %d)", length, self.max_batch)
+        return runner
 
     def _forward(self, input_ids, mask):
         return {"hidden": self.encoder(input_ids, attention_mask=mask)[0]}
