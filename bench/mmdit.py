@@ -29,7 +29,7 @@ image). Sections (``--sections``), in this order per model:
             a           our engine, breakable graphs, step-level batching, at most 8 images in flight,
                         admitted as the service leases (the queue's head, then the shapes in flight:
                         workers/admission.py), warmed at the three sizes before the clock starts (one
-                        shared graph pool)
+                        shared graph pool); with --compile its VAE decode is captured and compiled too
             d           FluxPipeline with static batching: the first queued request and the queued ones of
                         its size, up to 8 images per call, waiting at most 0.1 s for more
           max sustained images/s (24 images queued at t=0, 8 per size) and images/s, p50/p99 at each load.
@@ -485,9 +485,9 @@ def bench_mixed(model, s: Setup, prompts: list[str], save, ref=None) -> dict:
     block = {"model": model.name, "sizes": [list(x) for x in s.mixed_sizes], "made_sizes": [list(x) for x in made],
              "steps": s.steps, "guidance": guidance_of(model, s), "max_batch": s.max_batch, "wait_s": s.wait_s,
              "window_s": s.window_s, "drain_s": s.drain_s, "backlog_images": sum(j.n for j in backlog(made, 1)),
-             "rows": [], "max_images_per_s": {}}
+             "rows": [], "max_images_per_s": {}, "decode_graphs": pb.mixed_decode_graphs(s.compile)}
     engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.max_batch,
-                                        **pb.compile_kwargs(s.compile)))
+                                        decode_graphs=block["decode_graphs"], **pb.compile_kwargs(s.compile)))
     try:
         t0 = time.perf_counter()
         engine.warmup(sizes=made)
@@ -593,7 +593,8 @@ def markdown(result: dict) -> str:
 
 def _mixed_markdown(m: dict) -> list[str]:
     return pb.mixed_markdown(m, f"Sizes asked {m['sizes']}, made at {m['made_sizes']} by both systems; a: our "
-                                f"engine (at most {m['max_batch']} in flight); d: FluxPipeline, static batches of "
+                                f"engine (at most {m['max_batch']} in flight{pb.decode_note(m)}); d: FluxPipeline, "
+                                f"static batches of "
                                 f"one size up to {m['max_batch']} images.")
 
 

@@ -27,7 +27,7 @@ negative prompt is "" (the unconditional one). Sections (``--sections``):
            a           our engine, breakable graphs, step-level batching (images join at any step), at most
                        32 images in flight, admitted as the service leases (the queue's head, then the
                        shapes in flight: workers/admission.py), warmed at the three sizes before the clock
-                       starts
+                       starts; with --compile its VAE decode is captured and compiled too (decode_graphs)
            d           PixArtSigmaPipeline with static batching: the first queued request and the queued
                        requests of its size (first come first served across sizes), up to 32 images per
                        call, waiting at most 0.1 s for more; one prompt per image in the call's list
@@ -109,6 +109,13 @@ def compile_kwargs(mode: str) -> dict:
     """EngineConfig's compile settings for a --compile choice."""
     return {"compile": "off" if mode == "off" else "inductor",
             "compile_scope": "blocks" if mode.endswith("-blocks") else "step"}
+
+
+def mixed_decode_graphs(compile_mode: str) -> bool:
+    """Whether a mixed run's engine captures its VAE decode: when its step is compiled, so is the decode
+    (on an H200 8 FLUX.1 decodes at 512 px took 60.8 ms compiled and captured against 110.6 plain, where
+    captured alone took 120.8; docs/design.md, "The VAE decode in graphs")."""
+    return compile_mode != "off"
 
 
 def tuned_suffix(compile_mode: str, precision: str) -> str:
@@ -540,9 +547,9 @@ def bench_mixed(model, s: Setup, prompts: list[str], save, ref=None) -> dict:
              "steps": s.steps, "guidance": s.guidance, "max_batch": s.max_batch, "wait_s": s.wait_s,
              "window_s": s.window_s, "drain_s": s.drain_s, "cross_attention": s.cross_attention,
              "backlog_images": sum(j.n for j in backlog(s.mixed_sizes, len(prompts))),
-             "rows": [], "max_images_per_s": {}}
+             "rows": [], "max_images_per_s": {}, "decode_graphs": mixed_decode_graphs(s.compile)}
     engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.max_batch, cross_attention=s.cross_attention,
-                                        **compile_kwargs(s.compile)))
+                                        decode_graphs=block["decode_graphs"], **compile_kwargs(s.compile)))
     try:
         t0 = time.perf_counter()
         engine.warmup(sizes=made)
@@ -641,8 +648,14 @@ def markdown(result: dict) -> str:
 
 def _mixed_markdown(m: dict) -> list[str]:
     return mixed_markdown(m, f"Sizes asked {m['sizes']}, generated at {m['made_sizes']}; a: our engine "
-                             f"({m['cross_attention']} cross-attention, at most {m['max_batch']} in flight); d: "
+                             f"({m['cross_attention']} cross-attention, at most {m['max_batch']} in flight"
+                             f"{decode_note(m)}); d: "
                              f"PixArtSigmaPipeline, static batches of one size up to {m['max_batch']} images.")
+
+
+def decode_note(m: dict) -> str:
+    """", decode compiled and captured" when a mixed run's engine captured its decode."""
+    return ", decode compiled and captured" if m.get("decode_graphs") else ""
 
 
 def mixed_markdown(m: dict, systems: str) -> list[str]:
