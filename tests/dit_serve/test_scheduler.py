@@ -53,7 +53,7 @@ def test_a_started_worker_gets_the_engine_switches_of_the_config(tmp_path, monke
     assert (spec.compile, spec.decode_graphs, spec.precision, spec.kernels, spec.png_compress_level) == (
         "inductor", True, (("digits", "fp8"),), (("digits", "eager"),), 4)
     assert spec.compile_scope == "blocks" and WorkerConfig().compile_scope == "step"
-    assert WorkerConfig().decode_graphs is False  # off until measured
+    assert WorkerConfig().decode_graphs is False  # off by default: a cold compile per size when compiled
 
 
 def test_a_fill_prefers_the_sizes_the_worker_runs_and_strict_order_is_a_switch(tmp_path):
