@@ -104,8 +104,11 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
     kernels = _kernels()
     model = load_model(args.model, device=device, dtype=dtype, precision=precision)
     backend = "full" if compile_mode == "inductor" and model.card.family == "dit" else "breakable"
-    engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "")
+    engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "",
+                                             scope=getattr(args, "scope", "step"))
     block = result["systems"][name] = {"backend": backend}
+    if compile_mode != "off":
+        block["scope"] = getattr(args, "scope", "step")
     for n in args.images:
         block[n] = summarise(profile(runner, kernels.step_inputs(model, n), args.iters, device == "cuda"), args.iters)
     del engine, runner, model
@@ -165,7 +168,8 @@ def markdown(result: dict) -> str:
             s = block.get(n) or block.get(str(n))
             if s is None:
                 continue
-            lines += [f"## {name} ({block['backend']}), {n} image{'s' * (n > 1)}: {s['total_ms']:.2f} ms of kernels", "",
+            how = block["backend"] + (f", {block['scope']} compiled" if "scope" in block else "")
+            lines += [f"## {name} ({how}), {n} image{'s' * (n > 1)}: {s['total_ms']:.2f} ms of kernels", "",
                       "| group | ms | share |", "|---|---|---|"]
             lines += [f"| {g} | {v['ms']:.3f} | {v['share']:.0%} |" for g, v in s["groups"].items()]
             lines += ["", "| heaviest kernels | group | ms |", "|---|---|---|"]
@@ -182,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     p.add_argument("--smoke", action="store_true", help="digits on a CPU, 1 and 4 images, plain and fp8")
+    p.add_argument("--scope", choices=["step", "blocks"], default="step",
+                   help="what the compiled systems compile: the whole step, or the transformer's blocks "
+                        "(EngineConfig.compile_scope; DiT compiles its whole step either way)")
     p.add_argument("--kernel-source", type=int, default=0, metavar="N",
                    help="copy the sources of each row's N heaviest Inductor kernels next to the report")
     args = p.parse_args(argv)
@@ -191,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     cuda = torch.cuda.is_available() and not args.smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     result = {"model": args.model, "images": args.images, "iters": args.iters, "torch": torch.__version__,
+              "argv": sys.argv[1:] if argv is None else argv,
               "hardware": torch.cuda.get_device_name() if cuda else "CPU", "systems": {}, "errors": {}}
     for name in args.systems:
         try:
