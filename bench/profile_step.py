@@ -93,6 +93,38 @@ def profile(runner, inputs: dict, iters: int, cuda: bool) -> dict[str, float]:
     return out
 
 
+PRODUCT_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
+
+
+def products_by_shape(runner, inputs: dict, iters: int, cuda: bool) -> list[dict]:
+    """The step's matrix products grouped by operator and operand shapes: calls and device ms per step (CPU:
+    self ms), heaviest first. The step runs uncaptured (its function on the runner's static inputs, as the
+    capture records it), since a graph replay carries no operators to attribute its kernels to."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    n = next(iter(inputs.values())).shape[0]
+    bucket = min(b for b in runner.buckets if b >= n)
+    with torch.no_grad():
+        runner.run(**inputs)  # the static inputs of bucket ``n`` hold the inputs now
+        runner._step(bucket)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with torch_profile(activities=activities, record_shapes=True) as prof:
+            for _ in range(iters):
+                runner._step(bucket)
+            if cuda:
+                torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages(group_by_input_shape=True):
+        if ev.key not in PRODUCT_OPS:
+            continue
+        ms = (ev.device_time_total if cuda else ev.self_cpu_time_total) / 1e3 / iters
+        shapes = [list(x) for x in ev.input_shapes if x]
+        rows.append({"op": ev.key.removeprefix("aten::"), "shapes": shapes, "calls": ev.count / iters,
+                     "ms": round(ms, 3)})
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
 def run_system(args, name: str, device: str, dtype, result: dict) -> None:
     from workers.fp8 import unsupported_reason
     from workers.loading import load_model
@@ -110,7 +142,10 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
     if compile_mode != "off":
         block["scope"] = getattr(args, "scope", "step")
     for n in args.images:
-        block[n] = summarise(profile(runner, kernels.step_inputs(model, n), args.iters, device == "cuda"), args.iters)
+        inputs = kernels.step_inputs(model, n)
+        block[n] = summarise(profile(runner, inputs, args.iters, device == "cuda"), args.iters)
+        if getattr(args, "by_shape", False):
+            block[n]["products"] = products_by_shape(runner, inputs, args.iters, device == "cuda")
     del engine, runner, model
     kernels.free()
 
@@ -175,6 +210,11 @@ def markdown(result: dict) -> str:
             lines += ["", "| heaviest kernels | group | ms |", "|---|---|---|"]
             lines += [f"| `{t['kernel'][:90]}` | {t['group']} | {t['ms']:.3f} |" for t in s["top"]]
             lines.append("")
+            if s.get("products"):
+                lines += ["| matrix product (step uncaptured) | operand shapes | calls | ms |", "|---|---|---|---|"]
+                lines += [f"| {r['op']} | {' x '.join(str(tuple(x)) for x in r['shapes'])} | {r['calls']:g} | "
+                          f"{r['ms']:.3f} |" for r in s["products"]]
+                lines.append("")
     return "\n".join(lines) + "\n"
 
 
@@ -189,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scope", choices=["step", "blocks"], default="step",
                    help="what the compiled systems compile: the whole step, or the transformer's blocks "
                         "(EngineConfig.compile_scope; DiT compiles its whole step either way)")
+    p.add_argument("--by-shape", action="store_true",
+                   help="also the matrix products by operand shapes, from the step run uncaptured")
     p.add_argument("--kernel-source", type=int, default=0, metavar="N",
                    help="copy the sources of each row's N heaviest Inductor kernels next to the report")
     args = p.parse_args(argv)

@@ -80,3 +80,19 @@ def test_the_heaviest_inductor_kernels_sources_are_found_by_name_and_saved(prof,
     assert (tmp_path / "out" / "triton_red_fused_gelu_8.py").read_text().startswith("import triton")
     assert prof.save_kernel_sources(result, 3, tmp_path / "out3", cache) == ["triton_poi_fused_add_1",
                                                                               "triton_red_fused_gelu_8"]
+
+
+def test_by_shape_lists_each_products_operands_and_calls_per_step(prof, tmp_path):
+    """``--by-shape``: the step's matrix products grouped by operator and operand shapes, from the step run
+    uncaptured. digits at 4 images: 8 CFG rows, so the conditioning products take 8 rows and the blocks'
+    products 8 rows x 16 tokens = 128; each count is whole (calls per step)."""
+    prof.main(["--smoke", "--by-shape", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "profile_digits_smoke.json").read_text())
+    for name, block in report["systems"].items():
+        products = block["4"]["products"]
+        assert products and all(r["op"] in {op.removeprefix("aten::") for op in prof.PRODUCT_OPS} for r in products)
+        assert [r["ms"] for r in products] == sorted((r["ms"] for r in products), reverse=True)
+        first_sizes = {r["shapes"][0 if r["op"] in ("mm", "_scaled_mm") else 1][0] for r in products if r["op"] != "baddbmm"}
+        assert {8, 128} <= first_sizes
+        assert all(r["calls"] >= 1 and float(r["calls"]).is_integer() for r in products)
+    assert "| matrix product (step uncaptured) |" in (tmp_path / "profile_digits_smoke.md").read_text()
