@@ -30,6 +30,7 @@ image). Sections (``--sections``), in this order per model:
                         admitted as the service leases (the queue's head, then the shapes in flight:
                         workers/admission.py), warmed at the three sizes before the clock starts (one
                         shared graph pool); with --compile its VAE decode is captured and compiled too
+                        (--decode-graphs)
             d           FluxPipeline with static batching: the first queued request and the queued ones of
                         its size, up to 8 images per call, waiting at most 0.1 s for more
           max sustained images/s (24 images queued at t=0, 8 per size) and images/s, p50/p99 at each load.
@@ -109,6 +110,7 @@ class Setup:
     backlog_stop_s: float = 120.0
     compile: str = "off"             # our engines' steps: "inductor" compiles them inside the graphs
     precision: str = "bf16"          # "fp8": the models' block linears as FP8 products (workers/fp8.py)
+    decode_graphs: str = "auto"      # mixed: system a's VAE decode captured: "on" | "off" | "auto" (with compile)
 
 
 def smoke() -> Setup:
@@ -485,7 +487,8 @@ def bench_mixed(model, s: Setup, prompts: list[str], save, ref=None) -> dict:
     block = {"model": model.name, "sizes": [list(x) for x in s.mixed_sizes], "made_sizes": [list(x) for x in made],
              "steps": s.steps, "guidance": guidance_of(model, s), "max_batch": s.max_batch, "wait_s": s.wait_s,
              "window_s": s.window_s, "drain_s": s.drain_s, "backlog_images": sum(j.n for j in backlog(made, 1)),
-             "rows": [], "max_images_per_s": {}, "decode_graphs": pb.mixed_decode_graphs(s.compile)}
+             "rows": [], "max_images_per_s": {}, "decode_graphs": pb.mixed_decode_graphs(s),
+             "decode": pb.decode_kind(s)}
     engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.max_batch,
                                         decode_graphs=block["decode_graphs"], **pb.compile_kwargs(s.compile)))
     try:
@@ -659,6 +662,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", choices=pb.COMPILE_CHOICES, default="off", help="our engines' steps compiled "
                    "(inductor-blocks: the transformer's blocks, one graph per block class)")
     p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16", help="our models' block linears")
+    p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto", help="mixed: system a's VAE "
+                   "decode captured (auto: with --compile, compiled too; each size's cold compile takes 1-2 minutes)")
     args = p.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         p.error("the benchmark needs a CUDA GPU (or --smoke, which runs on a CPU)")
@@ -668,7 +673,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:  # one thread: on a shared CPU torch's threads wait on each other and tiny steps swing 100x
         torch.set_num_threads(1)
     over = {"loads": tuple(args.loads) if args.loads else None, "window_s": args.window, "compile": args.compile,
-            "precision": args.precision, "engine_batch": args.engine_batch}
+            "precision": args.precision, "engine_batch": args.engine_batch, "decode_graphs": args.decode_graphs}
     s = Setup(**{**s.__dict__, **{k: v for k, v in over.items() if v is not None}})
     name = ("mmdit_smoke" if args.smoke else "mmdit") + pb.tuned_suffix(s.compile, s.precision)
     head = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,

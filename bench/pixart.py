@@ -27,7 +27,7 @@ negative prompt is "" (the unconditional one). Sections (``--sections``):
            a           our engine, breakable graphs, step-level batching (images join at any step), at most
                        32 images in flight, admitted as the service leases (the queue's head, then the
                        shapes in flight: workers/admission.py), warmed at the three sizes before the clock
-                       starts; with --compile its VAE decode is captured and compiled too (decode_graphs)
+                       starts; with --compile its VAE decode is captured and compiled too (--decode-graphs)
            d           PixArtSigmaPipeline with static batching: the first queued request and the queued
                        requests of its size (first come first served across sizes), up to 32 images per
                        call, waiting at most 0.1 s for more; one prompt per image in the call's list
@@ -100,6 +100,7 @@ class Setup:
     cross_attention: str = "padded"   # mixed: system a's cross-attention
     compile: str = "off"              # our engines' steps: "inductor" compiles them inside the graphs
     precision: str = "bf16"           # "fp8": the model's block linears as FP8 products (workers/fp8.py)
+    decode_graphs: str = "auto"       # mixed: system a's VAE decode captured: "on" | "off" | "auto" (with compile)
 
 
 COMPILE_CHOICES = ("off", "inductor", "inductor-blocks")  # --compile: -blocks compiles the transformer's blocks
@@ -111,11 +112,12 @@ def compile_kwargs(mode: str) -> dict:
             "compile_scope": "blocks" if mode.endswith("-blocks") else "step"}
 
 
-def mixed_decode_graphs(compile_mode: str) -> bool:
-    """Whether a mixed run's engine captures its VAE decode: when its step is compiled, so is the decode
-    (on an H200 8 FLUX.1 decodes at 512 px took 60.8 ms compiled and captured against 110.6 plain, where
-    captured alone took 120.8; docs/design.md, "The VAE decode in graphs")."""
-    return compile_mode != "off"
+def mixed_decode_graphs(s) -> bool:
+    """Whether a mixed run's engine captures its VAE decode (``s.decode_graphs``): "auto" when its step is
+    compiled, and then the decode is compiled too (on an H200 8 FLUX.1 decodes at 512 px took 60.8 ms
+    compiled and captured against 110.6 plain, where captured alone took 120.8; docs/design.md, "The VAE
+    decode in graphs"); its cold compile adds about a minute per size to the warm-up."""
+    return s.decode_graphs == "on" or (s.decode_graphs == "auto" and s.compile != "off")
 
 
 def tuned_suffix(compile_mode: str, precision: str) -> str:
@@ -547,7 +549,7 @@ def bench_mixed(model, s: Setup, prompts: list[str], save, ref=None) -> dict:
              "steps": s.steps, "guidance": s.guidance, "max_batch": s.max_batch, "wait_s": s.wait_s,
              "window_s": s.window_s, "drain_s": s.drain_s, "cross_attention": s.cross_attention,
              "backlog_images": sum(j.n for j in backlog(s.mixed_sizes, len(prompts))),
-             "rows": [], "max_images_per_s": {}, "decode_graphs": mixed_decode_graphs(s.compile)}
+             "rows": [], "max_images_per_s": {}, "decode_graphs": mixed_decode_graphs(s), "decode": decode_kind(s)}
     engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.max_batch, cross_attention=s.cross_attention,
                                         decode_graphs=block["decode_graphs"], **compile_kwargs(s.compile)))
     try:
@@ -653,9 +655,17 @@ def _mixed_markdown(m: dict) -> list[str]:
                              f"PixArtSigmaPipeline, static batches of one size up to {m['max_batch']} images.")
 
 
+def decode_kind(s) -> str:
+    """How a mixed run's engine decodes: "compiled and captured", "captured" or "eager"."""
+    if not mixed_decode_graphs(s):
+        return "eager"
+    return "compiled and captured" if s.compile != "off" else "captured"
+
+
 def decode_note(m: dict) -> str:
-    """", decode compiled and captured" when a mixed run's engine captured its decode."""
-    return ", decode compiled and captured" if m.get("decode_graphs") else ""
+    """", decode <how>" when a mixed run's engine captured its decode ("" for an eager one, or a report from
+    before the field)."""
+    return f", decode {m['decode']}" if m.get("decode", "eager") != "eager" else ""
 
 
 def mixed_markdown(m: dict, systems: str) -> list[str]:
@@ -725,12 +735,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compile", choices=COMPILE_CHOICES, default="off", help="our engines' steps compiled "
                    "(inductor-blocks: the transformer's blocks, one graph per block class)")
     p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16", help="our model's block linears")
+    p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto", help="mixed: system a's VAE "
+                   "decode captured (auto: with --compile, compiled too; each size's cold compile takes about a minute)")
     args = p.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         p.error("the benchmark needs a CUDA GPU (or --smoke, which runs on a CPU)")
     s = smoke() if args.smoke else Setup()
     over = {"loads": tuple(args.loads) if args.loads else None, "window_s": args.window,
-            "cross_attention": args.cross_attention, "compile": args.compile, "precision": args.precision}
+            "cross_attention": args.cross_attention, "compile": args.compile, "precision": args.precision,
+            "decode_graphs": args.decode_graphs}
     s = Setup(**{**s.__dict__, **{k: v for k, v in over.items() if v is not None}})
     if args.smoke:
         import tempfile

@@ -236,6 +236,7 @@ def test_every_section_runs_end_to_end(tmp_path):
     assert all(r["images_per_s"] > 0 and r["unfinished"] == 0 for r in mixed["rows"])
     assert mixed["backlog_a"]["unfinished"] == mixed["backlog_d"]["unfinished"] == 0 and mixed["backlog_images"] == 24
     assert mixed["groups"] == 3 and mixed["pool_mb"] >= 0 and mixed["ratio_max"] > 0
+    assert mixed["decode_graphs"] is False and mixed["decode"] == "eager"  # --decode-graphs auto, no --compile
     assert [t["target"] for t in result["targets"]] == ["e2e flux-dev-512: ours <= 0.6x diffusers",
                                                        "e2e flux-dev-1024: ours <= 1.0x diffusers",
                                                        "mixed: max sustained a >= 1.3x d"]

@@ -195,6 +195,20 @@ def test_a_report_from_the_same_machine_is_merged_and_others_are_not(tmp_path):
     assert "step" not in pb.previous(path, head, fresh=True)
 
 
+@pytest.mark.parametrize("flag, compile_mode, graphs, kind", [
+    ("auto", "off", False, "eager"), ("auto", "inductor-blocks", True, "compiled and captured"),
+    ("on", "off", True, "captured"), ("on", "inductor", True, "compiled and captured"),
+    ("off", "inductor", False, "eager")])
+def test_the_mixed_runs_decode_follows_its_flag_and_the_compile(flag, compile_mode, graphs, kind):
+    """``--decode-graphs``: "auto" captures system a's decode when its step is compiled (and the engine then
+    compiles the decode too), "on" and "off" say so whatever the compile; the report names what ran."""
+    s = pb.Setup(compile=compile_mode, decode_graphs=flag)
+    assert pb.mixed_decode_graphs(s) is graphs and pb.decode_kind(s) == kind
+    note = pb.decode_note({"decode": kind})
+    assert note == ("" if kind == "eager" else f", decode {kind}")
+    assert pb.decode_note({}) == ""  # a report from before the field
+
+
 def test_every_section_runs_end_to_end(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "pixart.py"), "--smoke", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
@@ -217,6 +231,7 @@ def test_every_section_runs_end_to_end(tmp_path):
     assert all(r["images_per_s"] > 0 and r["unfinished"] == 0 for r in mixed["rows"])
     assert mixed["backlog_a"]["unfinished"] == mixed["backlog_d"]["unfinished"] == 0 and mixed["backlog_images"] == 189
     assert mixed["groups"] == 3 and mixed["pool_mb"] >= 0 and mixed["ratio_max"] > 0
+    assert mixed["decode_graphs"] is False and mixed["decode"] == "eager"  # --decode-graphs auto, no --compile
     assert [t["target"] for t in result["targets"]] == ["mixed: max sustained a >= 2.0x d"]
     assert "## Targets" in (tmp_path / "pixart_smoke.md").read_text()
 
