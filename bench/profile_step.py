@@ -10,9 +10,13 @@ Systems: ``plain`` (breakable graphs, the model's dtype), ``fused`` (compiled by
 graphs: ``compile="inductor"``, backend ``full`` for DiT, ``breakable`` otherwise), ``fp8`` (plain with
 FP8 linears), ``fused+fp8``. Writes profile_<model>.json and .md under --out. ``--kernel-source N``
 also copies the source of each row's N heaviest Inductor kernels (Triton, found by name in Inductor's
-cache directory) to profile_<model>_kernels/, to read why a fused kernel is slow.
+cache directory) to profile_<model>_kernels/, to read why a fused kernel is slow. ``--scope blocks``
+compiles the transformer's blocks instead of the whole step; ``--by-shape`` adds the step's matrix
+products by operand shape, each with its operands' strides and address alignments (the step run
+uncaptured), to compare one product across systems.
 
     python bench/profile_step.py --model dit-xl-2-256 --images 1 64
+    python bench/profile_step.py --model flux-dev-512 --images 8 --systems plain fused --scope blocks --by-shape
     python bench/profile_step.py --model flux-dev-1024 --images 1 --systems plain fp8
     python bench/profile_step.py --systems fused+fp8 --kernel-source 3
     python bench/profile_step.py --smoke          # digits on a CPU: operator names instead of kernels
@@ -96,10 +100,74 @@ def profile(runner, inputs: dict, iters: int, cuda: bool) -> dict[str, float]:
 PRODUCT_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
 
 
-def products_by_shape(runner, inputs: dict, iters: int, cuda: bool) -> list[dict]:
+def _alignment(t: torch.Tensor) -> int:
+    """The largest power of two, at most 256, that divides the tensor's address in bytes (cuBLAS picks among
+    its kernels by the operands' alignment)."""
+    ptr, a = t.data_ptr(), 1
+    while a < 256 and ptr % (2 * a) == 0:
+        a *= 2
+    return a
+
+
+def _layout_key(op: str, tensors: list) -> tuple:
+    return op, tuple(tuple(t.shape) for t in tensors[:3])
+
+
+def product_layouts(runner, bucket: int, compiled: bool) -> dict[tuple, list[dict]]:
+    """One uncaptured step's matrix products, each with its operands' strides and address alignments (the
+    output's too when it is given), keyed as the by-shape rows are: (operator, first three operand shapes).
+    A compiled step's products are Inductor's extern kernel calls (``extern_kernels.addmm`` and the like),
+    recorded by wrapping them (the uncompiled code between a blocks-compiled step's blocks is not: its rows
+    have no layouts); an uncompiled step's are recorded by a dispatch mode (under which a compiled step
+    would not run its compiled code)."""
+    from torch._inductor.select_algorithm import extern_kernels
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: dict[tuple, dict[tuple, int]] = {}
+
+    def record(op: str, args: tuple, kwargs: dict) -> None:
+        tensors = [a for a in (*args, kwargs.get("out")) if isinstance(a, torch.Tensor)]
+        detail = (tuple(tuple(t.stride()) for t in tensors), tuple(_alignment(t) for t in tensors))
+        by = seen.setdefault(_layout_key(op, tensors), {})
+        by[detail] = by.get(detail, 0) + 1
+
+    ops = [op.removeprefix("aten::") for op in PRODUCT_OPS]
+    with torch.no_grad():
+        if compiled:
+            saved = {op: getattr(extern_kernels, op) for op in ops if hasattr(extern_kernels, op)}
+
+            def wrap(op, fn):
+                def recorded(*args, **kwargs):
+                    record(op, args, kwargs)
+                    return fn(*args, **kwargs)
+                return recorded
+
+            try:
+                for op, fn in saved.items():
+                    setattr(extern_kernels, op, wrap(op, fn))
+                runner._step(bucket)
+            finally:
+                for op, fn in saved.items():
+                    setattr(extern_kernels, op, fn)
+        else:
+            class Products(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                    name = func.overloadpacket.__name__
+                    if name in ops:
+                        record(name, args, kwargs or {})
+                    return func(*args, **(kwargs or {}))
+
+            with Products():
+                runner._step(bucket)
+    return {key: [{"strides": [list(x) for x in st], "alignment": list(al), "calls": c}
+                  for (st, al), c in by.items()] for key, by in seen.items()}
+
+
+def products_by_shape(runner, inputs: dict, iters: int, cuda: bool, compiled: bool = False) -> list[dict]:
     """The step's matrix products grouped by operator and operand shapes: calls and device ms per step (CPU:
-    self ms), heaviest first. The step runs uncaptured (its function on the runner's static inputs, as the
-    capture records it), since a graph replay carries no operators to attribute its kernels to."""
+    self ms), heaviest first, each with its operands' strides and alignments (``product_layouts``). The
+    step runs uncaptured (its function on the runner's static inputs, as the capture records it), since a
+    graph replay carries no operators to attribute its kernels to."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -122,6 +190,9 @@ def products_by_shape(runner, inputs: dict, iters: int, cuda: bool) -> list[dict
         shapes = [list(x) for x in ev.input_shapes if x]
         rows.append({"op": ev.key.removeprefix("aten::"), "shapes": shapes, "calls": ev.count / iters,
                      "ms": round(ms, 3)})
+    layouts = product_layouts(runner, bucket, compiled)
+    for r in rows:
+        r["layouts"] = layouts.get((r["op"], tuple(tuple(x) for x in r["shapes"][:3])), [])
     return sorted(rows, key=lambda r: -r["ms"])
 
 
@@ -145,7 +216,8 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
         inputs = kernels.step_inputs(model, n)
         block[n] = summarise(profile(runner, inputs, args.iters, device == "cuda"), args.iters)
         if getattr(args, "by_shape", False):
-            block[n]["products"] = products_by_shape(runner, inputs, args.iters, device == "cuda")
+            block[n]["products"] = products_by_shape(runner, inputs, args.iters, device == "cuda",
+                                                     compiled=compile_mode != "off")
     del engine, runner, model
     kernels.free()
 
@@ -191,6 +263,11 @@ def save_kernel_sources(result: dict, n: int, out: Path, root: Path) -> list[str
     return sorted(found)
 
 
+def _layouts_text(layouts: list[dict]) -> str:
+    return "; ".join(f"{' '.join(str(tuple(x)) for x in l['strides'])} @ {'/'.join(map(str, l['alignment']))}"
+                     f" (x{l['calls']})" for l in layouts)
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Where a step's time goes: {result['model']} on {result['hardware']}", "",
              f"torch {result['torch']}; {result['iters']} profiled steps per row, after warm-up. ms per step by "
@@ -211,9 +288,10 @@ def markdown(result: dict) -> str:
             lines += [f"| `{t['kernel'][:90]}` | {t['group']} | {t['ms']:.3f} |" for t in s["top"]]
             lines.append("")
             if s.get("products"):
-                lines += ["| matrix product (step uncaptured) | operand shapes | calls | ms |", "|---|---|---|---|"]
+                lines += ["| matrix product (step uncaptured) | operand shapes | calls | ms | strides; alignment (bytes) |",
+                          "|---|---|---|---|---|"]
                 lines += [f"| {r['op']} | {' x '.join(str(tuple(x)) for x in r['shapes'])} | {r['calls']:g} | "
-                          f"{r['ms']:.3f} |" for r in s["products"]]
+                          f"{r['ms']:.3f} | {_layouts_text(r.get('layouts', []))} |" for r in s["products"]]
                 lines.append("")
     return "\n".join(lines) + "\n"
 

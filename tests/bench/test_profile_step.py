@@ -96,3 +96,36 @@ def test_by_shape_lists_each_products_operands_and_calls_per_step(prof, tmp_path
         assert {8, 128} <= first_sizes
         assert all(r["calls"] >= 1 and float(r["calls"]).is_integer() for r in products)
     assert "| matrix product (step uncaptured) |" in (tmp_path / "profile_digits_smoke.md").read_text()
+
+
+def test_product_layouts_record_strides_and_alignment_eager_and_compiled(prof):
+    """``product_layouts``: an uncompiled step's products through a dispatch mode, a compiled step's through
+    Inductor's extern kernel calls (wrapped for one step, then restored), each with its operands' strides and
+    address alignments, keyed as the by-shape rows are."""
+    import torch
+    from torch._inductor.select_algorithm import extern_kernels
+
+    lin = torch.nn.Linear(16, 32)
+    x = torch.randn(8, 16)
+
+    class Runner:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def _step(self, bucket):
+            self.fn(x)
+
+    key = ("addmm", ((32,), (8, 16), (16, 32)))
+    eager = prof.product_layouts(Runner(lambda t: torch.nn.functional.gelu(lin(t))), 8, compiled=False)
+    assert list(eager) == [key] and len(eager[key]) == 1
+    entry = eager[key][0]
+    assert entry["strides"][:3] == [[1], [16, 1], [1, 16]] and entry["calls"] == 1
+    assert all(a in (1, 2, 4, 8, 16, 32, 64, 128, 256) for a in entry["alignment"])
+    compiled = torch.compile(lambda t: torch.nn.functional.gelu(lin(t)))
+    with torch.no_grad():
+        compiled(x)
+    before = extern_kernels.addmm
+    found = prof.product_layouts(Runner(compiled), 8, compiled=True)
+    assert extern_kernels.addmm is before  # the wrapper is gone
+    assert key in found and found[key][0]["calls"] == 1
+    assert len(found[key][0]["strides"]) == 4  # Inductor passes its output buffer: out=
