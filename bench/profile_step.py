@@ -109,8 +109,10 @@ def _alignment(t: torch.Tensor) -> int:
     return a
 
 
-def _layout_key(op: str, tensors: list) -> tuple:
-    return op, tuple(tuple(t.shape) for t in tensors[:3])
+def _layout_key(op: str, shapes) -> tuple:
+    """How a product's layouts meet its by-shape row: the operator and its first three operand shapes (an
+    ``out=`` tensor, when passed, comes fourth)."""
+    return op, tuple(tuple(x) for x in list(shapes)[:3])
 
 
 def product_layouts(runner, bucket: int, compiled: bool) -> dict[tuple, list[dict]]:
@@ -128,7 +130,7 @@ def product_layouts(runner, bucket: int, compiled: bool) -> dict[tuple, list[dic
     def record(op: str, args: tuple, kwargs: dict) -> None:
         tensors = [a for a in (*args, kwargs.get("out")) if isinstance(a, torch.Tensor)]
         detail = (tuple(tuple(t.stride()) for t in tensors), tuple(_alignment(t) for t in tensors))
-        by = seen.setdefault(_layout_key(op, tensors), {})
+        by = seen.setdefault(_layout_key(op, (t.shape for t in tensors)), {})
         by[detail] = by.get(detail, 0) + 1
 
     ops = [op.removeprefix("aten::") for op in PRODUCT_OPS]
@@ -192,7 +194,7 @@ def products_by_shape(runner, inputs: dict, iters: int, cuda: bool, compiled: bo
                      "ms": round(ms, 3)})
     layouts = product_layouts(runner, bucket, compiled)
     for r in rows:
-        r["layouts"] = layouts.get((r["op"], tuple(tuple(x) for x in r["shapes"][:3])), [])
+        r["layouts"] = layouts.get(_layout_key(r["op"], r["shapes"]), [])
     return sorted(rows, key=lambda r: -r["ms"])
 
 
@@ -207,15 +209,14 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
     kernels = _kernels()
     model = load_model(args.model, device=device, dtype=dtype, precision=precision)
     backend = "full" if compile_mode == "inductor" and model.card.family == "dit" else "breakable"
-    engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "",
-                                             scope=getattr(args, "scope", "step"))
+    engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "", scope=args.scope)
     block = result["systems"][name] = {"backend": backend}
     if compile_mode != "off":
-        block["scope"] = getattr(args, "scope", "step")
+        block["scope"] = args.scope
     for n in args.images:
         inputs = kernels.step_inputs(model, n)
         block[n] = summarise(profile(runner, inputs, args.iters, device == "cuda"), args.iters)
-        if getattr(args, "by_shape", False):
+        if args.by_shape:
             block[n]["products"] = products_by_shape(runner, inputs, args.iters, device == "cuda",
                                                      compiled=compile_mode != "off")
     del engine, runner, model
