@@ -43,6 +43,7 @@ from workers.admission import spec_shape
 from workers.encoders import EncoderGraphs, padded_length
 from workers.families import compile_regions, family_of
 from workers.loading import LoadedModel
+from workers.epilogues import fuse_gelu_epilogues
 from workers.patches import attention_into, break_attention, hoist_modulation
 from workers.sdpa import CHOOSER
 from workers.varlen import varlen_attention_into
@@ -87,6 +88,9 @@ class EngineConfig:
                                   # break under `breakable`, captured inside the graph under `full`
     hoist_modulation: bool = True  # the same families under both graph backends: every block's adaLN
                                    # modulation computed at once by the first (workers.patches.HoistedModulation)
+    gelu_epilogue: bool = True    # every family under both graph backends: tanh-GELU feed-forwards with the GELU in
+                                  # the product's epilogue on CUDA, FLUX's single blocks without their concatenation
+                                  # (workers.epilogues)
     max_shapes: int = 8           # latent shapes of one model kept captured at once (least recently used
                                   # idle ones beyond it are dropped, and captured again when asked for)
     cross_attention: str = "auto"  # text families: "padded" (to max_tokens, masked) | "varlen" (real lengths)
@@ -197,6 +201,8 @@ class Engine:
                     break_attention(m.transformer)
                 if config.hoist_modulation:
                     hoist_modulation(m.transformer)
+            if config.backend != "eager" and config.gelu_epilogue:
+                fuse_gelu_epilogues(m.transformer)
             if hasattr(family, "set_cross_attention"):
                 family.set_cross_attention(m, config.cross_attention)
             if hasattr(family, "attention_kernel"):
