@@ -14,11 +14,10 @@ epilogue is the tanh form (``workers.epilogues.epilogue_ok``). ``--smoke`` runs 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,36 +31,18 @@ SHAPES = [("dit-xl-2-256", 1152, 512 * n) for n in (1, 2, 4, 8, 16, 32, 64)] + \
 SMOKE = [("tiny", 64, 32), ("tiny", 64, 128)]
 
 
-def timed(fn, cuda: bool, reps: int = 20) -> float:
-    """ms per call: a CUDA graph of ``reps`` calls, median of 15 replays (a CPU: median of 5 plain calls)."""
-    if not cuda:
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return statistics.median(times)
+def _row_kernels():
+    """bench/row_kernels.py, for its timers (``graph_us``: a CUDA graph of 20 calls, median of 15 replays)."""
+    spec = importlib.util.spec_from_file_location("row_kernels", Path(__file__).resolve().parent / "row_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def timed(fn, cuda: bool) -> float:
+    """ms per call: row_kernels' CUDA-graph timer, or its CPU one (median of 5 plain calls)."""
+    rk = _row_kernels()
+    return (rk.graph_us(fn) if cuda else rk.cpu_us(fn)) / 1e3
 
 
 def measure(family: str, k: int, rows: int, device: str, dtype) -> dict:

@@ -41,9 +41,9 @@ from graphs.compiled import CompiledStep, opaque_break, use_cache_dir
 from samplers import Plan, make_plan
 from workers.admission import spec_shape
 from workers.encoders import EncoderGraphs, padded_length
+from workers.epilogues import fuse_gelu_epilogues
 from workers.families import compile_regions, family_of
 from workers.loading import LoadedModel
-from workers.epilogues import fuse_gelu_epilogues
 from workers.patches import attention_into, break_attention, hoist_modulation
 from workers.sdpa import CHOOSER
 from workers.varlen import varlen_attention_into
