@@ -80,9 +80,15 @@ SYSTEMS = {  # name -> (backend, compile, precision, how compiled breaks get the
     "full+inductor+fp8+blocks": ("full", "inductor", "fp8", "aliased", True, "blocks"),
     "breakable+fp8+torchquant": ("breakable", "off", "fp8", "aliased", True, "step"),
     "full+inductor+fp8+torchquant": ("full", "inductor", "fp8", "aliased", True, "step"),
+    "breakable+nofa4": ("breakable", "off", "bf16", "staged", True, "step"),
+    "full+inductor+nofa4": ("full", "inductor", "bf16", "aliased", True, "step"),
+    "full+inductor+fp8+nofa4": ("full", "inductor", "fp8", "aliased", True, "step"),
+    "full+inductor+fp8+blocks+nofa4": ("full", "inductor", "fp8", "aliased", True, "blocks"),
 }
 # +torchquant: the FP8 systems with the activations quantized by PyTorch operations (what Inductor fuses
 # them into when compiled, the GELU with them) instead of workers.quant_kernel's Triton kernel
+# +nofa4: the system with FlashAttention-4 left out of the attention kernels measured per shape
+# (workers.sdpa.candidates: PyTorch's three only); without the package installed it is the system itself
 
 
 def device_setup(smoke: bool) -> tuple[str, torch.dtype]:
@@ -160,6 +166,7 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     """Median ms at each image count, pool, warm-up and compile stats; `breakable` fills ``reference``
     (x_next per image count), the others report their largest difference from it (and its norm relative
     to the reference's: the error FP8 adds)."""
+    from workers import sdpa
     from workers.patches import restore_attention, restore_modulation
 
     from graphs.compiled import break_args as current_break_args
@@ -167,7 +174,7 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
 
     backend, compile_mode, _, break_args, patched, scope = SYSTEMS[name]
     before = current_break_args()
-    if not patched and model.card.family == "dit":  # diffusers' own model (an earlier system patched it)
+    if not patched:  # diffusers' own model (an earlier system patched it)
         restore_attention(model.transformer)
         restore_modulation(model.transformer)
     set_break_args(break_args)
@@ -190,6 +197,7 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
             elif n in reference:
                 block["max_abs_diff"][n] = (x_next - reference[n]).abs().max().item()
                 block["rel_diff"][n] = ((x_next - reference[n]).norm() / reference[n].norm()).item()
+    block["attention_kernels"] = sdpa.CHOOSER.summary()  # what the shapes met so far were measured to run
     engine = runner = None  # its graphs and pool go before the next system's
     free()
     return block
@@ -314,7 +322,7 @@ def start(args, kind: str) -> dict:
 def run(args, result: dict, save) -> None:
     from workers.loading import load_model
 
-    from workers import fp8
+    from workers import fp8, sdpa
     from workers.fp8 import unsupported_reason
 
     for kind in ("cold", "warm") if args.start else ():  # first, while this process holds no GPU memory
@@ -347,7 +355,10 @@ def run(args, result: dict, save) -> None:
             return
         if precision not in models:  # the same seeded weights, its block linears in FP8
             models[precision] = load_model(args.model, device=device, dtype=dtype, precision=precision)
-        with mock.patch.object(fp8, "ROW_KERNEL", not name.endswith("+torchquant")):
+        sdpa.CHOOSER.choices.clear()  # each system measures its own kernels per shape
+        only_pytorch = (lambda q, k=None: sdpa.CANDIDATES) if name.endswith("+nofa4") else sdpa.candidates
+        with mock.patch.object(fp8, "ROW_KERNEL", not name.endswith("+torchquant")), \
+                mock.patch.object(sdpa, "candidates", only_pytorch):
             result["systems"][name] = bench_system(models[precision], name, args, inputs, reference)
 
     if "diffusers" in args.systems:

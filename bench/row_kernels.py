@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from workers import fp8, quant_kernel
+from workers import fp8, quant_kernel, sdpa
 from workers.quant_kernel import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -226,11 +226,32 @@ def bench_attention(shape, cuda: bool) -> dict:
                 row["tflops"][name] = round(flops / (row["us"][name] * 1e-6) / 1e12, 1)
             except RuntimeError as e:
                 row["errors"][name] = f"does not run: {str(e).splitlines()[0][:120]}"
+    if cuda and sdpa.fa4_forward() is not None and torch.cuda.get_device_capability()[0] >= 9:
+        bench_fa4(row, q, k, v, ref, flops, timer)
     if cuda and fp8_attention.available(q):
         bench_fp8_attention(row, q, k, v, ref, flops, timer)
     if row["us"]:
         row["best"] = min(row["us"], key=row["us"].get)
     return row
+
+
+def bench_fa4(row: dict, q, k, v, ref, flops: float, timer) -> None:
+    """FlashAttention-4 (``workers.sdpa``'s "fa4" candidate) at the real head size, as the engine calls it:
+    (B, heads, T, d) views of the projections' layout, the output written into a (B, T, heads, d) buffer."""
+    b, lq, h, _ = q.shape
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    out = torch.empty(b, lq, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
+    for kernel in sdpa.FA4_TILES:
+        name = f"{kernel}/d{q.shape[-1]}"
+        try:
+            err = ((sdpa.run(kernel, qt, kt, vt, out)[:1].float() - ref).abs().max() / ref.abs().max()).item()
+            if err > 2e-2:
+                row["errors"][name] = f"differs from the math kernel by {err:.1e}"
+                continue
+            row["us"][name] = round(timer(lambda kernel=kernel: sdpa.run(kernel, qt, kt, vt, out)), 2)
+            row["tflops"][name] = round(flops / (row["us"][name] * 1e-6) / 1e12, 1)
+        except Exception as e:  # noqa: BLE001 - a shape or tiling the package does not take is reported
+            row["errors"][name] = f"does not run: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
 
 def bench_fp8_attention(row: dict, q, k, v, ref, flops: float, timer) -> None:
@@ -310,6 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     p.add_argument("--smoke", action="store_true", help="the PyTorch systems on small shapes on a CPU")
     p.add_argument("--sections", nargs="+", default=["quant", "attention"], choices=["quant", "attention"])
+    p.add_argument("--stem", default=None, help="the report's file name (default row_kernels, or row_kernels_smoke)")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     result = {"command": " ".join(["python bench/row_kernels.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -323,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
         for shape in SMOKE_ATTN if args.smoke else ATTN_SHAPES:
             result["attention"].append(bench_attention(shape, cuda))
             print(json.dumps(result["attention"][-1]), flush=True)
-    stem = "row_kernels_smoke" if args.smoke else "row_kernels"
+    stem = args.stem or ("row_kernels_smoke" if args.smoke else "row_kernels")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (args.out / f"{stem}.md").write_text(text := markdown(result))

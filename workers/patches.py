@@ -30,7 +30,7 @@ from workers.sdpa import attention
 def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
     """(B, heads, T, d) x3 -> written into out (B, heads, T, d); runs eagerly between segments, by the
     kernel measured fastest for the shape on this GPU (``workers.sdpa``)."""
-    out.copy_(attention(q, k, v))
+    attention(q, k, v, out)
 
 
 class AttentionScratch:

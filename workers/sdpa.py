@@ -3,13 +3,20 @@
 PyTorch's ``scaled_dot_product_attention`` picks its kernel by fixed rules (flash where it applies, then
 memory-efficient; cuDNN's only when asked). For head sizes the fast kernels handle less well (DiT and
 PixArt use 72) the rule's pick is not always the fastest, and which one is depends on the GPU and the
-shape. ``AttentionChooser`` times the kernels that run a shape (flash, cuDNN, memory-efficient), keeps
+shape. ``AttentionChooser`` times the kernels that run a shape (flash, cuDNN, memory-efficient, and
+FlashAttention-4 where the optional ``flash-attn-4`` package is installed), keeps
 those whose output matches the math kernel's (float32, on the first row: math holds every score) within
 the dtype's tolerance, and remembers the fastest for that (q, k, v shapes and strides, dtype, device).
 
 When: once per shape, the first time it is met outside graph capture and compilation. The engine's
 warm-up runs every bucket eagerly before capturing it, so every bucket's shape is measured then, and
 the capture records the chosen kernel. A shape first met inside a capture runs PyTorch's own rule.
+FlashAttention-4 (``fa4``; ``pip install 'dit-serve[fa4]'``): Tri Dao's CuTe DSL kernels, which on Hopper
+run a head of 72 as it is (PyTorch's kernels run it in a 96- or 128-wide one) with FlashAttention-3's
+warp-specialised pipeline. Its kernels are compiled (just in time, seconds each) the first time a
+configuration is met, which the measurement does, outside capture. It writes its output straight into
+the caller's buffer (``attention(..., out=)``), where the others' results are copied in. It is a
+candidate like the others: measured, checked against the math kernel, and chosen only where fastest.
 Where: CUDA devices (``devices``). On a CPU the rule stands: a choice there could differ between
 batch sizes, and an image must not depend on its batch, to the last bit, in float32.
 """
@@ -30,7 +37,7 @@ log = logging.getLogger(__name__)
 
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-CANDIDATES = ("flash", "cudnn", "efficient")
+CANDIDATES = ("flash", "cudnn", "efficient")  # PyTorch's; "fa4" joins them where it is installed (candidates)
 RULE = "rule"  # a shape that could not be measured: PyTorch's own pick, remembered so it is not tried again
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}  # of the output's largest magnitude
 
@@ -45,15 +52,98 @@ class Choice:
     rejected: dict[str, str] = field(default_factory=dict)
 
 
-def _cuda_ms(fn: Callable[[], object]) -> float:
-    """Median ms of ``fn`` by CUDA events: 7 timed calls after 2 untimed ones."""
-    return event_ms(fn, reps=7, warmup=2)
+def _cuda_ms(fn: Callable[[], object], calls: int = 4, reps: int = 7) -> float:
+    """Median ms of one ``fn()`` as the steps run it: ``calls`` calls captured in one CUDA graph, replayed
+    ``reps`` times, timed by CUDA events. A plain call's time holds its host work too (FlashAttention-4's
+    Python launch path costs about 0.1 ms on a fast host), which a replay does not run. Where a kernel
+    cannot be captured, its plain calls are timed instead."""
+    for _ in range(2):  # compiles what compiles just in time, outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except RuntimeError as e:
+        log.debug("attention kernel not capturable (%s): timing plain calls", str(e).splitlines()[0][:120])
+        return event_ms(fn, reps=reps, warmup=0)
+    try:
+        return event_ms(graph.replay, reps=reps, warmup=1) / calls
+    finally:
+        del graph
 
 
-def run(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention of (B, heads, T, d) q, k, v by one kernel (RuntimeError if it cannot run them)."""
+_UNSET = object()
+_fa4_forward = _UNSET
+
+
+def fa4_forward() -> Callable | None:
+    """FlashAttention-4's forward (``flash_attn.cute``), or None where the package is not installed or does
+    not import (it needs a CUDA build of PyTorch and the CuTe DSL)."""
+    global _fa4_forward
+    if _fa4_forward is _UNSET:
+        try:
+            from flash_attn.cute.interface import _flash_attn_fwd  # writes into ``out=``, which the public call lacks
+        except Exception as e:  # noqa: BLE001 - an optional kernel: any import failure means "not there"
+            log.debug("FlashAttention-4 not available: %s", e)
+            _fa4_forward = None
+        else:
+            _fa4_forward = _flash_attn_fwd
+    return _fa4_forward
+
+
+# FlashAttention-4's tilings measured per shape (queries x keys per tile, P from registers, overlap of the two
+# warp groups' softmax and products): its own pick for the head size, and the two others FlashAttention-3
+# uses for heads of up to 128. Each is one kernel compiled the first time it is measured (about 1.5 s).
+FA4_TILES = {"fa4": {}, "fa4/128x128": {"tile_mn": (128, 128), "mma_pv_is_rs": True, "intra_wg_overlap": True},
+             "fa4/192x128": {"tile_mn": (192, 128), "mma_pv_is_rs": False, "intra_wg_overlap": True}}
+# Shorter sequences are left to PyTorch's kernels: on an H200 FlashAttention-4 lost at DiT-XL/2's 256 tokens
+# (bench/row_kernels.py: 261 against 149 us at 128 rows), and measuring it there would only add its compile
+# to every worker's start.
+FA4_MIN_TOKENS = 1024
+
+
+def candidates(q: torch.Tensor, k: torch.Tensor | None = None) -> tuple[str, ...]:
+    """The kernels to measure for these tensors: PyTorch's three, and FlashAttention-4's tilings on a CUDA GPU
+    of compute capability 9.0 or newer (Hopper, Blackwell) where it is installed and the sequences are long."""
+    k = q if k is None else k
+    if (q.is_cuda and min(q.shape[-2], k.shape[-2]) >= FA4_MIN_TOKENS
+            and torch.cuda.get_device_capability(q.device)[0] >= 9 and fa4_forward() is not None):
+        return (*CANDIDATES, *FA4_TILES)
+    return CANDIDATES
+
+
+def run(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of (B, heads, T, d) q, k, v by one kernel (RuntimeError if it cannot run them), written
+    into ``out`` (B, heads, T, d) where given, and returned."""
+    if kernel in FA4_TILES:
+        return _run_fa4(q, k, v, out, FA4_TILES[kernel])
     with sdpa_kernel([KERNELS[kernel]]):
-        return F.scaled_dot_product_attention(q, k, v)
+        result = F.scaled_dot_product_attention(q, k, v)
+    return result if out is None else out.copy_(result)
+
+
+def _run_fa4(q, k, v, out, tiles: dict):
+    """FlashAttention-4 takes (B, T, heads, d): the transposes are views of the projections' own layout.
+    Its output goes into ``out`` where that is (B, T, heads, d)-contiguous underneath (the attention scratch
+    is), else into a buffer of its own that is copied."""
+    forward = fa4_forward()
+    if forward is None:
+        raise RuntimeError("FlashAttention-4 is not installed")
+    dst = out.transpose(1, 2) if out is not None and out.transpose(1, 2).is_contiguous() else None
+    if dst is None:
+        dst = torch.empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
+    try:
+        forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out=dst, **tiles)
+    except AssertionError as e:  # the package states its limits (dtypes, head sizes, strides) as asserts
+        raise RuntimeError(f"FlashAttention-4: {e}") from e
+    result = dst.transpose(1, 2)  # (B, heads, T, d)
+    if out is not None and result.data_ptr() != out.data_ptr():
+        out.copy_(result)
+        return out
+    return result
 
 
 class AttentionChooser:
@@ -93,7 +183,7 @@ class AttentionChooser:
             ref = run("math", q[:1].float(), k[:1].float(), v[:1].float())
             scale, tol = ref.abs().max().clamp_min(1e-12), TOLERANCE.get(q.dtype, 2e-2)
             choice = Choice("math")
-            for name in CANDIDATES:
+            for name in candidates(q, k):
                 try:
                     err = ((run(name, q, k, v)[:1].float() - ref).abs().max() / scale).item()
                 except RuntimeError:
@@ -126,9 +216,11 @@ def _may_measure(q: torch.Tensor) -> bool:
 CHOOSER = AttentionChooser()
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``scaled_dot_product_attention(q, k, v)`` by the kernel ``CHOOSER`` picked for this shape."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``scaled_dot_product_attention(q, k, v)`` by the kernel ``CHOOSER`` picked for this shape, written into
+    ``out`` where given (FlashAttention-4 writes there directly; the others' results are copied)."""
     kernel = CHOOSER.kernel(q, k, v)
     if kernel is None:
-        return F.scaled_dot_product_attention(q, k, v)
-    return run(kernel, q, k, v)
+        result = F.scaled_dot_product_attention(q, k, v)
+        return result if out is None else out.copy_(result)
+    return run(kernel, q, k, v, out)

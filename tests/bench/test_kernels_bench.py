@@ -117,3 +117,28 @@ def test_fp8_attention_quantizes_each_head_by_its_own_largest_value():
         back = c[..., :72].float() * scale
         assert ((back - t).abs() <= t.abs() * 2 ** -3 + scale * 2 ** -9).all()
         assert torch.allclose(c[..., :72].float().abs().amax(dim=(-2, -1)), torch.full((2, 3), 448.0))
+
+
+def test_a_nofa4_system_measures_pytorchs_kernels_only(tmp_path, monkeypatch):
+    """``+nofa4`` leaves FlashAttention-4 out of the kernels measured per shape, and each system measures its
+    own: the chooser is let measure on the CPU here, with a FlashAttention-4 stand-in offered as a candidate."""
+    from workers import sdpa
+
+    kernels = _load("kernels")
+    offered = []
+
+    def with_fa4(q, k=None):
+        offered.append(True)
+        return (*sdpa.CANDIDATES, "fa4")
+
+    monkeypatch.setattr(sdpa, "candidates", with_fa4)
+    monkeypatch.setattr(sdpa, "_fa4_forward", lambda q, k, v, out, **tiles: out.copy_(
+        sdpa.F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)))
+    monkeypatch.setattr(sdpa.CHOOSER, "devices", ("cpu",))
+    monkeypatch.setattr(sdpa.CHOOSER, "timer", lambda fn: 1.0)
+    kernels.main(["--smoke", "--images", "1", "--no-start", "--systems", "breakable", "breakable+nofa4",
+                  "--out", str(tmp_path / "out")])
+    systems = json.loads((tmp_path / "out" / "kernels_smoke.json").read_text())["systems"]
+    assert offered and all("fa4" in line for line in systems["breakable"]["attention_kernels"])
+    assert systems["breakable+nofa4"]["attention_kernels"]  # measured again, for this system
+    assert not any("fa4" in line for line in systems["breakable+nofa4"]["attention_kernels"])

@@ -82,3 +82,59 @@ def test_a_shape_that_cannot_be_measured_keeps_the_rule_and_is_not_tried_again(m
     assert "rule" in chooser.summary()[0]
     out = sdpa.attention(q, k, v)  # the module's own chooser is untouched and the call still works
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+
+def _fake_fa4(calls):
+    """A stand-in for FlashAttention-4's forward with its calling convention: (B, T, heads, d) inputs, the
+    result written into ``out`` (B, T, heads, d), tiling keywords."""
+
+    def forward(q, k, v, out, **tiles):
+        calls.append((tiles, out.is_contiguous()))
+        assert out.is_contiguous() and q.stride(-1) == 1
+        out.copy_(torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                   v.transpose(1, 2)).transpose(1, 2))
+        return out, None
+    return forward
+
+
+def test_fa4_runs_on_the_projections_layout_and_writes_into_the_scratch(monkeypatch):
+    calls = []
+    monkeypatch.setattr(sdpa, "_fa4_forward", _fake_fa4(calls))
+    b, t, h, d = 2, 16, 4, 72
+    qkv = torch.randn(b * t, 3 * h * d)  # the fused projection's (rows, 3 x inner) slot, as the scratch holds it
+    q, k, v = (x.view(b, t, h, d).transpose(1, 2) for x in qkv.split(h * d, dim=1))  # (B, h, T, d) views
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    scratch = torch.full((b * t, h * d), float("nan"))
+    out = scratch.view(b, t, h, d).transpose(1, 2)  # contiguous (B, T, h, d) underneath: written in place
+    result = sdpa.run("fa4/128x128", q, k, v, out)
+    assert result.data_ptr() == out.data_ptr() and calls[-1] == (sdpa.FA4_TILES["fa4/128x128"], True)
+    torch.testing.assert_close(out, ref)
+    strided = torch.full((b, h, t, d), float("nan"))  # not (B, T, h, d) underneath: its own buffer, copied
+    assert sdpa.run("fa4", q, k, v, strided).data_ptr() == strided.data_ptr() and calls[-1] == ({}, True)
+    torch.testing.assert_close(strided, ref)
+    torch.testing.assert_close(sdpa.run("fa4", q, k, v), ref)  # no out: a view of a buffer of its own
+
+
+def test_fa4_is_measured_only_on_gpus_and_sequences_it_can_win(monkeypatch):
+    monkeypatch.setattr(sdpa, "_fa4_forward", _fake_fa4([]))
+    long = torch.empty(1, 2, sdpa.FA4_MIN_TOKENS, 72)
+    assert sdpa.candidates(long) == sdpa.CANDIDATES  # a CPU tensor: PyTorch's kernels only
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert sdpa.candidates(long) == (*sdpa.CANDIDATES, *sdpa.FA4_TILES)
+    assert sdpa.candidates(long, torch.empty(1, 2, 300, 72)) == sdpa.CANDIDATES  # 300 keys (PixArt's cross-attention)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    assert sdpa.candidates(long) == sdpa.CANDIDATES
+    monkeypatch.setattr(sdpa, "_fa4_forward", None)  # not installed
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert sdpa.candidates(long) == sdpa.CANDIDATES
+
+
+def test_an_fa4_failure_is_a_runtime_error_the_chooser_records(monkeypatch):
+    def refuses(q, k, v, out, **tiles):
+        raise AssertionError("head_dim must be divisible by 8")
+
+    monkeypatch.setattr(sdpa, "_fa4_forward", refuses)
+    monkeypatch.setattr(sdpa, "candidates", lambda q, k=None: (*sdpa.CANDIDATES, "fa4"))
+    choice = AttentionChooser(timer=lambda fn: 1.0, devices=("cpu",)).measure(*_qkv())
+    assert choice.kernel == "flash" and choice.rejected["fa4"] == "does not run this shape"

@@ -20,7 +20,7 @@ from workers.encoders import padded_length
 from workers.families.textcache import encodings
 
 CACHE_SIZE = 4096
-BREAK_ATTENTION = False  # the attention break patch is written for DiT's self-attention only (for now)
+BREAK_ATTENTION = True  # self-attention (attn1: no mask) through workers.patches: fused q, k, v, the kernel per shape
 ENCODER_GRAPHS = True  # under the graph backends T5 replays from CUDA graphs (real_length_encode, model.text_graphs)
 
 
