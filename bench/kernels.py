@@ -82,6 +82,7 @@ SYSTEMS = {  # name -> (backend, compile, precision, how compiled breaks get the
     "full+inductor+fp8+torchquant": ("full", "inductor", "fp8", "aliased", True, "step"),
     "breakable+nofa4": ("breakable", "off", "bf16", "staged", True, "step"),
     "full+inductor+nofa4": ("full", "inductor", "bf16", "aliased", True, "step"),
+    "full+inductor+blocks+nofa4": ("full", "inductor", "bf16", "aliased", True, "blocks"),
     "full+inductor+fp8+nofa4": ("full", "inductor", "fp8", "aliased", True, "step"),
     "full+inductor+fp8+blocks+nofa4": ("full", "inductor", "fp8", "aliased", True, "blocks"),
 }
@@ -167,6 +168,8 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     (x_next per image count), the others report their largest difference from it (and its norm relative
     to the reference's: the error FP8 adds)."""
     from workers import sdpa
+    from workers.families import family_of
+    from workers.joint_attention import restore_joint_attention
     from workers.patches import restore_attention, restore_modulation
 
     from graphs.compiled import break_args as current_break_args
@@ -175,8 +178,10 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     backend, compile_mode, _, break_args, patched, scope = SYSTEMS[name]
     before = current_break_args()
     if not patched:  # diffusers' own model (an earlier system patched it)
-        restore_attention(model.transformer)
-        restore_modulation(model.transformer)
+        if family_of(model).BREAK_ATTENTION:
+            restore_attention(model.transformer)
+            restore_modulation(model.transformer)
+        restore_joint_attention(model.transformer)
     set_break_args(break_args)
     try:
         engine, runner, warm_s = build_engine(model, backend, compile_mode, args.max_batch, str(args.cache),

@@ -43,6 +43,7 @@ from workers.admission import spec_shape
 from workers.encoders import EncoderGraphs, padded_length
 from workers.epilogues import fuse_gelu_epilogues
 from workers.families import compile_regions, family_of
+from workers.joint_attention import attention_inline, route_joint_attention
 from workers.loading import LoadedModel
 from workers.patches import attention_into, break_attention, hoist_modulation
 from workers.sdpa import CHOOSER
@@ -83,7 +84,7 @@ class EngineConfig:
     backend: str = "eager"        # eager | full | breakable | graphs: per model, full where its step has no
                                   # eager break (the family's needs_breaks), else breakable (backend_for)
     max_batch: int = 64           # largest graph bucket (a power of two)
-    attention_patch: bool = True  # families with BREAK_ATTENTION (DiT): self-attention through workers.patches
+    attention_patch: bool = True  # BREAK_ATTENTION (DiT, PixArt) and JOINT_ATTENTION (SD3, FLUX.1) families: attention by the kernel per shape
                                   # (q, k, v one product, the kernel measured fastest per shape): an eager
                                   # break under `breakable`, captured inside the graph under `full`
     hoist_modulation: bool = True  # the same families under both graph backends: every block's adaLN
@@ -201,6 +202,8 @@ class Engine:
                     break_attention(m.transformer)
                 if config.hoist_modulation:
                     hoist_modulation(m.transformer)
+            if config.backend != "eager" and config.attention_patch and getattr(family, "JOINT_ATTENTION", False):
+                route_joint_attention(m.transformer)
             if config.backend != "eager" and config.gelu_epilogue:
                 fuse_gelu_epilogues(m.transformer)
             if hasattr(family, "set_cross_attention"):
@@ -493,6 +496,7 @@ def _prepare_compile(cache_dir: str) -> None:
     """Before compiling steps: the attention breaks stay opaque calls for dynamo (so a breakable capture
     still breaks there) and Inductor's cache goes where the config says."""
     opaque_break(attention_into)
+    opaque_break(attention_inline)
     opaque_break(varlen_attention_into)
     if cache_dir:
         use_cache_dir(cache_dir)

@@ -11,6 +11,9 @@ A family is a module with:
     BREAK_ATTENTION                              whether the graph backends patch its self-attention
                                                  (workers.patches: an eager break under breakable, fused
                                                  q, k, v and the kernel per shape under both)
+    JOINT_ATTENTION                              optional: the graph backends route its joint attention
+                                                 through the kernel per shape (workers.joint_attention:
+                                                 SD3's and FLUX.1's processors, inside the segments)
     ENCODER_GRAPHS                               optional: the graph backends replay its text encoder from
                                                  CUDA graphs (``model.text_graphs``, which its encode uses;
                                                  workers.encoders.EncoderGraphs)

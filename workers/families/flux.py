@@ -35,7 +35,8 @@ from samplers import model_input, sampler_step
 from workers.families.textcache import encodings
 
 CACHE_SIZE = 4096
-BREAK_ATTENTION = False  # the attention break patch is written for DiT's self-attention only (for now)
+BREAK_ATTENTION = False  # the attention break patch is written for a self-attention without text tokens
+JOINT_ATTENTION = True  # its joint attention by the kernel per shape (workers.joint_attention), not a break
 
 
 def cond_specs(model) -> dict[str, TensorSpec]:

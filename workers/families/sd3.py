@@ -31,7 +31,8 @@ from samplers import cfg_combine, model_input, sampler_step
 from workers.families.textcache import encodings
 
 CACHE_SIZE = 1024  # texts; ~2.8 GB of host memory for SD3.5 in bf16
-BREAK_ATTENTION = False  # the attention break patch is written for DiT's self-attention only (for now)
+BREAK_ATTENTION = False  # the attention break patch is written for a self-attention without text tokens
+JOINT_ATTENTION = True  # its joint attention by the kernel per shape (workers.joint_attention), not a break
 
 
 # -- loading ------------------------------------------------------------------------------------------

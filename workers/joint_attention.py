@@ -1,0 +1,138 @@
+"""SD3's and FLUX.1's joint attention through the attention kernel measured per shape (``workers.sdpa``).
+
+diffusers' processors (``JointAttnProcessor2_0`` for SD3/SD3.5, ``FluxAttnProcessor`` for FLUX.1) call
+PyTorch's attention with its fixed kernel rule. The processors here are copies of theirs (diffusers 0.42)
+that differ in that one call, which goes to ``attention_inline``: the kernel the chooser measured fastest
+for the shape on this GPU (FlashAttention-4 among them where installed: 20% faster than cuDNN at SD3.5's
+heads of 64, 7-9% at FLUX.1's 128 on an H200, ``docs/benchmarks/row_kernels_fa4.md``), written into a
+(B, T, heads, d) buffer that the output projection reads as it is.
+
+Not an eager break: q, k and v are made fresh in every layer (rotary embedding, the text and image tokens
+concatenated), so a break, which keeps its inputs for the graph's life (pitfalls 1-2), would pin every
+layer's q, k, v and output in every bucket (FLUX.1-dev 1024: about 6 GB a bucket). The kernel is captured
+inside the segment instead; the chooser measured its shape during warm-up, before capture. Compiled steps
+see ``attention_inline`` as one opaque op (``graphs.compiled.opaque_break``, registered by the engine).
+
+A call with an attention mask (neither pipeline passes one) runs diffusers' own path. On a CPU the chooser
+keeps PyTorch's rule, so a routed model computes what diffusers' computes (tested in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.attention_processor import JointAttnProcessor2_0
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _get_qkv_projections
+
+from workers.sdpa import attention
+
+
+def attention_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    """(B, heads, T, d) x3 -> written into out (B, heads, T, d), by the kernel measured for the shape; an
+    ordinary call (captured inside the segment), not a break."""
+    attention(q, k, v, out)
+
+
+def _bthd_out(query: torch.Tensor, heads: int, d: int) -> torch.Tensor:
+    """An empty (B, T, heads, d) buffer for the attention output, like ``query``'s batch and tokens."""
+    return torch.empty(query.shape[0], query.shape[-2], heads, d, dtype=query.dtype, device=query.device)
+
+
+class RoutedJointAttention(JointAttnProcessor2_0):
+    """SD3's joint attention (as JointAttnProcessor2_0, diffusers 0.42), its attention by ``attention_inline``."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        if attention_mask is not None:
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+        residual = hidden_states
+        batch_size = hidden_states.shape[0]
+        query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+        inner_dim = key.shape[-1]
+        head_dim = inner_dim // attn.heads
+        split = lambda y: y.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)   # (B, h, T, d)
+        query, key, value = split(query), split(key), split(value)
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        if encoder_hidden_states is not None:
+            eq = split(attn.add_q_proj(encoder_hidden_states))                            # (B, h, L, d)
+            ek = split(attn.add_k_proj(encoder_hidden_states))
+            ev = split(attn.add_v_proj(encoder_hidden_states))
+            if attn.norm_added_q is not None:
+                eq = attn.norm_added_q(eq)
+            if attn.norm_added_k is not None:
+                ek = attn.norm_added_k(ek)
+            query = torch.cat([query, eq], dim=2)                                           # (B, h, T+L, d)
+            key = torch.cat([key, ek], dim=2)
+            value = torch.cat([value, ev], dim=2)
+        out = _bthd_out(query, attn.heads, head_dim)                                        # (B, T+L, h, d)
+        attention_inline(query, key, value, out.transpose(1, 2))
+        hidden_states = out.flatten(2, 3).to(query.dtype)                                   # (B, T+L, h*d)
+        if encoder_hidden_states is not None:
+            hidden_states, encoder_hidden_states = (hidden_states[:, : residual.shape[1]],
+                                                    hidden_states[:, residual.shape[1]:])
+            if not attn.context_pre_only:
+                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))                      # proj + dropout
+        if encoder_hidden_states is not None:
+            return hidden_states, encoder_hidden_states
+        return hidden_states
+
+
+class RoutedFluxAttention(FluxAttnProcessor):
+    """FLUX.1's attention (as FluxAttnProcessor, diffusers 0.42), its attention by ``attention_inline``."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        if attention_mask is not None or self._parallel_config is not None:
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states)
+        query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))                       # (B, T, h, d)
+        key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
+        value = value.unflatten(-1, (-1, attn.head_dim))
+        if attn.added_kv_proj_dim is not None:
+            encoder_query = attn.norm_added_q(encoder_query.unflatten(-1, (-1, attn.head_dim)))  # (B, L, h, d)
+            encoder_key = attn.norm_added_k(encoder_key.unflatten(-1, (-1, attn.head_dim)))
+            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+            query = torch.cat([encoder_query, query], dim=1)                                # (B, L+T, h, d)
+            key = torch.cat([encoder_key, key], dim=1)
+            value = torch.cat([encoder_value, value], dim=1)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        out = torch.empty_like(query)                                                       # (B, L+T, h, d)
+        attention_inline(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), out.transpose(1, 2))
+        hidden_states = out.flatten(2, 3).to(query.dtype)                                   # (B, L+T, h*d)
+        if encoder_hidden_states is not None:
+            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1)
+            hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+            return hidden_states, encoder_hidden_states
+        return hidden_states
+
+
+ROUTED = {JointAttnProcessor2_0: RoutedJointAttention, FluxAttnProcessor: RoutedFluxAttention}
+
+
+def route_joint_attention(transformer: torch.nn.Module) -> int:
+    """Swap every SD3 / FLUX.1 attention processor of ``transformer`` for its routed copy; returns how many."""
+    n = 0
+    for module in transformer.modules():
+        routed = ROUTED.get(type(getattr(module, "processor", None)))
+        if routed is not None:
+            module.set_processor(routed())
+            n += 1
+    return n
+
+
+def restore_joint_attention(transformer: torch.nn.Module) -> None:
+    """Undo ``route_joint_attention``: diffusers' own processors again."""
+    back = {routed: plain for plain, routed in ROUTED.items()}
+    for module in transformer.modules():
+        plain = back.get(type(getattr(module, "processor", None)))
+        if plain is not None:
+            module.set_processor(plain())
+
