@@ -130,11 +130,18 @@ def test_fa4_is_measured_only_on_gpus_and_sequences_it_can_win(monkeypatch):
     assert sdpa.candidates(long) == sdpa.CANDIDATES
 
 
-def test_an_fa4_failure_is_a_runtime_error_the_chooser_records(monkeypatch):
+class _CompilerError(Exception):
+    """Stands for the CuTe DSL's own exception types, which are not RuntimeErrors."""
+
+
+@pytest.mark.parametrize("failure", [AssertionError("head_dim must be divisible by 8"), _CompilerError("ptxas")])
+def test_an_fa4_failure_is_a_runtime_error_the_chooser_records(monkeypatch, failure):
     def refuses(q, k, v, out, **tiles):
-        raise AssertionError("head_dim must be divisible by 8")
+        raise failure
 
     monkeypatch.setattr(sdpa, "_fa4_forward", refuses)
     monkeypatch.setattr(sdpa, "candidates", lambda q, k=None: (*sdpa.CANDIDATES, "fa4"))
+    with pytest.raises(RuntimeError, match=type(failure).__name__):
+        sdpa.run("fa4", *_qkv())
     choice = AttentionChooser(timer=lambda fn: 1.0, devices=("cpu",)).measure(*_qkv())
     assert choice.kernel == "flash" and choice.rejected["fa4"] == "does not run this shape"
