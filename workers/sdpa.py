@@ -132,8 +132,8 @@ def _run_fa4(q, k, v, out, tiles: dict):
     forward = fa4_forward()
     if forward is None:
         raise RuntimeError("FlashAttention-4 is not installed")
-    dst = out.transpose(1, 2) if out is not None and out.transpose(1, 2).is_contiguous() else None
-    if dst is None:
+    dst = None if out is None else out.transpose(1, 2)
+    if dst is None or not dst.is_contiguous():
         dst = torch.empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
     try:
         forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out=dst, **tiles)
