@@ -80,12 +80,9 @@ SYSTEMS = {  # name -> (backend, compile, precision, how compiled breaks get the
     "full+inductor+fp8+blocks": ("full", "inductor", "fp8", "aliased", True, "blocks"),
     "breakable+fp8+torchquant": ("breakable", "off", "fp8", "aliased", True, "step"),
     "full+inductor+fp8+torchquant": ("full", "inductor", "fp8", "aliased", True, "step"),
-    "breakable+nofa4": ("breakable", "off", "bf16", "staged", True, "step"),
-    "full+inductor+nofa4": ("full", "inductor", "bf16", "aliased", True, "step"),
-    "full+inductor+blocks+nofa4": ("full", "inductor", "bf16", "aliased", True, "blocks"),
-    "full+inductor+fp8+nofa4": ("full", "inductor", "fp8", "aliased", True, "step"),
-    "full+inductor+fp8+blocks+nofa4": ("full", "inductor", "fp8", "aliased", True, "blocks"),
 }
+SYSTEMS.update({f"{name}+nofa4": SYSTEMS[name] for name in  # the same systems, FlashAttention-4 left out
+                ("breakable", "full+inductor", "full+inductor+blocks", "full+inductor+fp8", "full+inductor+fp8+blocks")})
 # +torchquant: the FP8 systems with the activations quantized by PyTorch operations (what Inductor fuses
 # them into when compiled, the GELU with them) instead of workers.quant_kernel's Triton kernel
 # +nofa4: the system with FlashAttention-4 left out of the attention kernels measured per shape
@@ -361,9 +358,9 @@ def run(args, result: dict, save) -> None:
         if precision not in models:  # the same seeded weights, its block linears in FP8
             models[precision] = load_model(args.model, device=device, dtype=dtype, precision=precision)
         sdpa.CHOOSER.choices.clear()  # each system measures its own kernels per shape
-        only_pytorch = (lambda q, k=None: sdpa.CANDIDATES) if name.endswith("+nofa4") else sdpa.candidates
+        offered = (lambda q, k=None: sdpa.CANDIDATES) if name.endswith("+nofa4") else sdpa.candidates
         with mock.patch.object(fp8, "ROW_KERNEL", not name.endswith("+torchquant")), \
-                mock.patch.object(sdpa, "candidates", only_pytorch):
+                mock.patch.object(sdpa, "candidates", offered):
             result["systems"][name] = bench_system(models[precision], name, args, inputs, reference)
 
     if "diffusers" in args.systems:

@@ -33,11 +33,6 @@ def attention_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     attention(q, k, v, out)
 
 
-def _bthd_out(query: torch.Tensor, heads: int, d: int) -> torch.Tensor:
-    """An empty (B, T, heads, d) buffer for the attention output, like ``query``'s batch and tokens."""
-    return torch.empty(query.shape[0], query.shape[-2], heads, d, dtype=query.dtype, device=query.device)
-
-
 class RoutedJointAttention(JointAttnProcessor2_0):
     """SD3's joint attention (as JointAttnProcessor2_0, diffusers 0.42), its attention by ``attention_inline``."""
 
@@ -66,7 +61,7 @@ class RoutedJointAttention(JointAttnProcessor2_0):
             query = torch.cat([query, eq], dim=2)                                           # (B, h, T+L, d)
             key = torch.cat([key, ek], dim=2)
             value = torch.cat([value, ev], dim=2)
-        out = _bthd_out(query, attn.heads, head_dim)                                        # (B, T+L, h, d)
+        out = query.new_empty(batch_size, query.shape[2], attn.heads, head_dim)             # (B, T+L, h, d)
         attention_inline(query, key, value, out.transpose(1, 2))
         hidden_states = out.flatten(2, 3).to(query.dtype)                                   # (B, T+L, h*d)
         if encoder_hidden_states is not None:

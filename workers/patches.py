@@ -71,7 +71,7 @@ class AttentionScratch:
 
 
 class BreakableSelfAttention:
-    """Self-attention for DiT blocks (no mask, no cross-attention), as diffusers' AttnProcessor2_0,
+    """Self-attention for DiT and PixArt blocks (no mask, no text tokens), as diffusers' AttnProcessor2_0,
     with q, k, v and the output in the shared scratch. With ``qkv`` (``fuse_linears`` of to_q, to_k and
     to_v), the three projections are one matrix product into a (rows, 3 * inner) slot, and q, k, v are its
     column blocks (strided views: attention kernels take any row stride)."""
