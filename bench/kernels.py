@@ -146,14 +146,15 @@ def diffusers_loop_body(model, images: int, inputs: dict):
 
 # -- systems ------------------------------------------------------------------------------------------
 def build_engine(model, backend: str, compile_mode: str, max_batch: int, cache: str, patched: bool = True,
-                 scope: str = "step"):
-    """A warmed engine as a worker builds it; returns (engine, its runner, seconds to warm)."""
+                 scope: str = "step", cross_attention: str = "auto"):
+    """A warmed engine as a worker builds it; returns (engine, its runner, seconds to warm).
+    ``cross_attention``: the text families' (``EngineConfig.cross_attention``)."""
     from workers.engine import Engine, EngineConfig
 
     t0 = time.perf_counter()
     engine = Engine(model, EngineConfig(backend=backend, max_batch=max_batch, compile=compile_mode,
                                         compile_cache=cache, attention_patch=patched, hoist_modulation=patched,
-                                        compile_scope=scope))
+                                        compile_scope=scope, cross_attention=cross_attention))
     engine.warmup()
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -209,8 +209,11 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
     kernels = _kernels()
     model = load_model(args.model, device=device, dtype=dtype, precision=precision)
     backend = "full" if compile_mode == "inductor" and model.card.family == "dit" else "breakable"
-    engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "", scope=args.scope)
+    engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "", scope=args.scope,
+                                             cross_attention=args.cross_attention)
     block = result["systems"][name] = {"backend": backend}
+    if model.card.family == "pixart":
+        block["cross_attention"] = args.cross_attention
     if compile_mode != "off":
         block["scope"] = args.scope
     for n in args.images:
@@ -281,7 +284,8 @@ def markdown(result: dict) -> str:
             s = block.get(n) or block.get(str(n))
             if s is None:
                 continue
-            how = block["backend"] + (f", {block['scope']} compiled" if "scope" in block else "")
+            how = block["backend"] + (f", {block['scope']} compiled" if "scope" in block else "") + \
+                (f", {block['cross_attention']} cross-attention" if "cross_attention" in block else "")
             lines += [f"## {name} ({how}), {n} image{'s' * (n > 1)}: {s['total_ms']:.2f} ms of kernels", "",
                       "| group | ms | share |", "|---|---|---|"]
             lines += [f"| {g} | {v['ms']:.3f} | {v['share']:.0%} |" for g, v in s["groups"].items()]
@@ -308,6 +312,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scope", choices=["step", "blocks"], default="step",
                    help="what the compiled systems compile: the whole step, or the transformer's blocks "
                         "(EngineConfig.compile_scope; DiT compiles its whole step either way)")
+    p.add_argument("--cross-attention", choices=["auto", "padded", "varlen"], default="auto",
+                   help="PixArt's cross-attention (EngineConfig.cross_attention; auto: the family's default)")
+    p.add_argument("--stem", help="report name (default profile_<model>)")
     p.add_argument("--by-shape", action="store_true",
                    help="also the matrix products by operand shapes, from the step run uncaptured")
     p.add_argument("--kernel-source", type=int, default=0, metavar="N",
@@ -327,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as exc:  # one system failing is a result, not a reason to stop
             result["errors"][name] = f"{type(exc).__name__}: {exc}"[:2000]
             print(f"{name} failed: {result['errors'][name][:300]}", flush=True)
-    stem = f"profile_{Path(args.model).name}" + ("_smoke" if args.smoke else "")
+    stem = args.stem or f"profile_{Path(args.model).name}" + ("_smoke" if args.smoke else "")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     if args.kernel_source:

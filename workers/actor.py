@@ -65,7 +65,7 @@ class WorkerSpec:
     text_encoder_device: str = ""     # text encoders elsewhere ("cpu", "cuda:1"); "" with the transformer
     max_shapes: int = 8               # sizes of one model kept captured at once (EngineConfig)
     compile: str = "off"              # "inductor": compiled steps inside the graphs (EngineConfig)
-    compile_cache: str = ""           # Inductor's cache directory (EngineConfig)
+    compile_cache: str = ""           # the compiled kernels' cache directory (EngineConfig)
     compile_scope: str = "step"       # "blocks": the transformers' blocks compiled instead (EngineConfig)
     decode_graphs: bool = False       # the VAE decode captured too (EngineConfig)
     png_compress_level: int = PNG_COMPRESS_LEVEL  # zlib level of the finished images' PNGs (0-9)

@@ -47,6 +47,7 @@ from workers.joint_attention import attention_inline, route_joint_attention
 from workers.loading import LoadedModel
 from workers.patches import attention_into, break_attention, hoist_modulation
 from workers.sdpa import CHOOSER
+from workers.sdpa import use_cache_dir as use_attention_cache
 from workers.varlen import varlen_attention_into
 from workers.previews import preview_map_of, to_rgb
 from workers.spec import ItemSpec
@@ -101,8 +102,8 @@ class EngineConfig:
     compile_scope: str = "step"   # with compile on: "step" compiles the whole step; "blocks" the transformer's
                                   # repeated blocks, one graph per block class (graphs.compiled, "Regions"),
                                   # where the family has them (DiT: the whole step either way)
-    compile_cache: str = ""       # Inductor's cache directory, kept across restarts ("": Inductor's default,
-                                  # under the temp directory)
+    compile_cache: str = ""       # the compiled kernels' cache directory, kept across restarts: Inductor's,
+                                  # and FlashAttention-4's under it ("": their defaults, under the temp directory)
     compile_models: tuple[tuple[str, str], ...] = ()  # (model, mode): a model's own compile mode, over ``compile``
     decode_graphs: bool = False   # the VAE decode of each group captured too (backend "full", power-of-two
                                   # batches up to DECODE_PIXELS of output, the step's pool), compiled when the step
@@ -193,6 +194,8 @@ class Engine:
         self.attention: dict[str, str] = {}  # model -> the attention kernel its steps run, where a family says
         if any(config.compile_mode(m.name) != "off" for m in models):
             _prepare_compile(config.compile_cache)
+        if config.compile_cache:  # FlashAttention-4 compiles its kernels whether or not the steps are compiled
+            use_attention_cache(config.compile_cache)
         for m in models:  # encoder graphs an earlier engine made are not this one's
             m.text_graphs = None
         for m in models:

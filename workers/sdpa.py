@@ -24,6 +24,8 @@ batch sizes, and an image must not depend on its batch, to the last bit, in floa
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -91,6 +93,23 @@ def fa4_forward() -> Callable | None:
         else:
             _fa4_forward = _flash_attn_fwd
     return _fa4_forward
+
+
+# FlashAttention-4 keeps its compiled kernels on disk when these are set as it is first imported (it reads them once,
+# at import): a worker that restarts, or another on the same node, reads its kernels back instead of compiling them.
+FA4_CACHE_ENABLED, FA4_CACHE_DIR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
+
+
+def use_cache_dir(path: str | os.PathLike) -> bool:
+    """FlashAttention-4's compiled kernels kept under ``path``/flash-attention-4 (the engine's kernel cache
+    directory, Inductor's beside it), across restarts. A variable the environment sets already is kept.
+    Only before the package's first import, which reads them: returns whether the setting was made."""
+    if "flash_attn.cute.cache_utils" in sys.modules:
+        log.debug("FlashAttention-4 is imported already: its kernel cache stays as it was")
+        return False
+    os.environ.setdefault(FA4_CACHE_ENABLED, "1")
+    os.environ.setdefault(FA4_CACHE_DIR, os.path.join(os.path.abspath(path), "flash-attention-4"))
+    return True
 
 
 # FlashAttention-4's tilings measured per shape (queries x keys per tile, P from registers, overlap of the two

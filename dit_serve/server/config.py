@@ -129,8 +129,9 @@ class WorkerConfig(_Section):
         "step", description="what a compiled model compiles: 'step' the whole step (the fastest steps), 'blocks' "
         "the transformer's repeated blocks, one graph per block class (FLUX.1-dev at 1024: 19 s cold instead "
         "of 107 s, steps 0-2.4% slower; DiT compiles its whole step either way; docs/design.md)")
-    compile_cache: str = Field("", max_length=500, description="a directory for Inductor's compiled kernels, kept "
-                                                               "across restarts ('': Inductor's default under /tmp)")
+    compile_cache: str = Field("", max_length=500, description="a directory for the compiled kernels (Inductor's, "
+                                                               "and FlashAttention-4's under it), kept across restarts ('': "
+                                                               "their defaults under /tmp)")
     png_compress_level: int = Field(1, ge=0, le=9, description="zlib level of the stored PNGs: 1 encodes a 1024 px "
                                     "image about 6x faster than Pillow's default 6, for files about 15% larger")
     decode_graphs: bool = Field(False, description="the VAE decode captured in graphs too, at power-of-two "

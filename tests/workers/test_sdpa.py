@@ -145,3 +145,37 @@ def test_an_fa4_failure_is_a_runtime_error_the_chooser_records(monkeypatch, fail
         sdpa.run("fa4", *_qkv())
     choice = AttentionChooser(timer=lambda fn: 1.0, devices=("cpu",)).measure(*_qkv())
     assert choice.kernel == "flash" and choice.rejected["fa4"] == "does not run this shape"
+
+
+def test_the_kernel_cache_directory_reaches_fa4_before_its_import_only(monkeypatch, tmp_path):
+    import sys
+
+    for name in (sdpa.FA4_CACHE_ENABLED, sdpa.FA4_CACHE_DIR):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delitem(sys.modules, "flash_attn.cute.cache_utils", raising=False)
+    assert sdpa.use_cache_dir(tmp_path / "kernels")
+    assert sdpa.os.environ[sdpa.FA4_CACHE_ENABLED] == "1"
+    assert sdpa.os.environ[sdpa.FA4_CACHE_DIR] == str(tmp_path / "kernels" / "flash-attention-4")
+    monkeypatch.setenv(sdpa.FA4_CACHE_DIR, "/elsewhere")  # the operator's own setting is kept
+    assert sdpa.use_cache_dir(tmp_path / "other")
+    assert sdpa.os.environ[sdpa.FA4_CACHE_DIR] == "/elsewhere"
+    monkeypatch.delenv(sdpa.FA4_CACHE_DIR)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.cache_utils", object())  # read already: too late
+    assert not sdpa.use_cache_dir(tmp_path / "late")
+    assert sdpa.FA4_CACHE_DIR not in sdpa.os.environ
+
+
+def test_an_engine_with_a_compile_cache_gives_it_to_fa4(monkeypatch, tmp_path):
+    import sys
+
+    from workers.engine import Engine, EngineConfig
+    from workers.loading import load_model
+
+    for name in (sdpa.FA4_CACHE_ENABLED, sdpa.FA4_CACHE_DIR):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delitem(sys.modules, "flash_attn.cute.cache_utils", raising=False)
+    model = load_model("digits", device="cpu")
+    Engine(model, EngineConfig(backend="eager"))
+    assert sdpa.FA4_CACHE_DIR not in sdpa.os.environ  # no cache directory configured: FA4's default
+    Engine(model, EngineConfig(backend="eager", compile_cache=str(tmp_path)))  # not compiled: FA4 still compiles
+    assert sdpa.os.environ[sdpa.FA4_CACHE_DIR] == str(tmp_path / "flash-attention-4")
