@@ -41,7 +41,7 @@ Targets: e2e ours <= 0.3x diffusers at 512 and <= 0.9x at 1024; mixed max sustai
     python bench/pixart.py --smoke --out /tmp/pixart            # seconds, on a CPU: every section, tiny PixArt
 
 Mixed options: --loads (offered images/s, default 2 4 6), --window (seconds of arrivals per load, 10),
---cross-attention (system a's, padded). --fresh starts a new report instead of merging.
+--cross-attention (system a's; default the engine's, varlen). --fresh starts a new report instead of merging.
 
 Writes pixart.json and pixart.md (pixart_smoke.* with --smoke) under --out after every section, so a run
 cut short keeps what it measured; a report there from the same GPU and versions keeps the sections this
@@ -97,7 +97,8 @@ class Setup:
     drain_s: float = 5.0
     loads: tuple = (2.0, 4.0, 6.0)    # offered images/s
     backlog_stop_s: float = 150.0
-    cross_attention: str = "padded"   # mixed: system a's cross-attention
+    cross_attention: str = "varlen"   # mixed: system a's cross-attention (the engine's default,
+                                      # workers.families.pixart.DEFAULT_CROSS_ATTENTION)
     compile: str = "off"              # our engines' steps: "inductor" compiles them inside the graphs
     precision: str = "bf16"           # "fp8": the model's block linears as FP8 products (workers/fp8.py)
     decode_graphs: str = "auto"       # mixed: system a's VAE decode captured: "on" | "off" | "auto" (with compile)
@@ -730,7 +731,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--smoke", action="store_true", help="every section in seconds on a tiny random PixArt (CPU)")
     p.add_argument("--loads", type=float, nargs="+", help="mixed: offered loads in images/s (default 2 4 6)")
     p.add_argument("--window", type=float, help="mixed: seconds of arrivals per load (default 10)")
-    p.add_argument("--cross-attention", choices=CROSS_ATTENTION, default="padded", help="mixed: system a's")
+    p.add_argument("--cross-attention", choices=CROSS_ATTENTION, default=Setup.cross_attention,
+                   help="mixed: system a's (default: the engine's)")
     p.add_argument("--fresh", action="store_true", help="start a new report instead of merging into the one in --out")
     p.add_argument("--compile", choices=COMPILE_CHOICES, default="off", help="our engines' steps compiled "
                    "(inductor-blocks: the transformer's blocks, one graph per block class)")

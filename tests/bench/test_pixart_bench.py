@@ -256,3 +256,9 @@ def test_a_tuned_run_gives_diffusers_a_plain_transformer_loaded_when_its_turn_co
     assert not any(isinstance(m, Fp8Linear) for m in base.transformer.modules())
     for (name, a), b in zip(plain.transformer.state_dict().items(), base.transformer.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_the_mixed_section_measures_the_engines_default_cross_attention():
+    from workers.families import pixart
+
+    assert pb.Setup().cross_attention == pixart.DEFAULT_CROSS_ATTENTION
