@@ -550,11 +550,16 @@ def decode(model: LoadedModel, latents: torch.Tensor, out_sizes: list[tuple[int,
     ``pixels``: the VAE's decode of ``latents`` made already (a captured decode), else it is made here."""
     if pixels is None:
         pixels = latents.float() if model.vae is None else _vae_pixels(model, latents)
-    images = []
-    for i, (w, h) in enumerate(out_sizes or [(0, 0)] * len(pixels)):
-        img = pixels[i:i + 1] if not w else resize_and_crop(pixels[i:i + 1], w, h)  # (1, c, H, W)
-        img = ((img[0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu().permute(1, 2, 0).numpy()
-        images.append(img[..., 0] if img.shape[-1] == 1 else img)
+    by_size: dict[tuple[int, int], list[int]] = {}  # the images of one output size convert and cross together:
+    for i, size in enumerate(out_sizes or [(0, 0)] * len(pixels)):  # one copy to the host, not one per image
+        by_size.setdefault(tuple(size), []).append(i)
+    images: list[np.ndarray] = [None] * len(pixels)  # type: ignore[list-item]
+    for (w, h), rows in by_size.items():
+        img = pixels if len(rows) == len(pixels) else pixels[rows]                  # (b, c, H, W)
+        img = img if not w else resize_and_crop(img, w, h)
+        host = ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        for j, i in enumerate(rows):
+            images[i] = host[j, ..., 0] if host.shape[-1] == 1 else host[j]
     return images
 
 

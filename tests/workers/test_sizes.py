@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -146,3 +147,21 @@ def test_only_max_shapes_stay_captured_the_least_recently_used_idle_one_goes(mod
     assert shapes == [(4, 8, 8), (4, 16, 8)]  # the native shape stays
     again = engine.generate([spec(0, 32, 16)])[0]  # made again on demand, same image
     assert torch.equal(first.latents, again.latents) and len(engine.groups) == 2
+
+
+def test_a_batch_decoded_at_several_output_sizes_equals_each_image_decoded_alone():
+    from types import SimpleNamespace
+
+    from workers.engine import decode
+
+    model = SimpleNamespace(vae=None)  # a pixel-space model: its latents are the image
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.rand(5, 3, 16, 24, generator=g) * 2.4 - 1.2  # beyond [-1, 1] too: clamped
+    sizes = [(0, 0), (30, 14), (0, 0), (12, 12), (30, 14)]
+    together = decode(model, pixels, sizes)
+    for i, size in enumerate(sizes):
+        (alone,) = decode(model, pixels[i:i + 1], [size])
+        assert together[i].shape == alone.shape == ((16, 24, 3) if size == (0, 0) else (size[1], size[0], 3))
+        assert together[i].dtype == np.uint8 and np.array_equal(together[i], alone)
+    gray = decode(model, pixels[:2, :1], None)  # one channel: (H, W) images
+    assert [x.shape for x in gray] == [(16, 24), (16, 24)]
