@@ -542,6 +542,9 @@ def decode_runner(model: LoadedModel, shape: tuple[int, int, int], pool=None, st
                        backend="full", device=model.device, pool=pool, stream=stream)
 
 
+DECODE_CONVERT = 8  # images converted to uint8 and copied to the host at once
+
+
 @torch.no_grad()
 def decode(model: LoadedModel, latents: torch.Tensor, out_sizes: list[tuple[int, int]] | None = None,
            pixels: torch.Tensor | None = None) -> list[np.ndarray]:
@@ -554,12 +557,14 @@ def decode(model: LoadedModel, latents: torch.Tensor, out_sizes: list[tuple[int,
     for i, size in enumerate(out_sizes or [(0, 0)] * len(pixels)):  # one copy to the host, not one per image
         by_size.setdefault(tuple(size), []).append(i)
     images: list[np.ndarray] = [None] * len(pixels)  # type: ignore[list-item]
-    for (w, h), rows in by_size.items():
-        img = pixels if len(rows) == len(pixels) else pixels[rows]                  # (b, c, H, W)
-        img = img if not w else resize_and_crop(img, w, h)
-        host = ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-        for j, i in enumerate(rows):
-            images[i] = host[j, ..., 0] if host.shape[-1] == 1 else host[j]
+    for (w, h), same in by_size.items():
+        for at in range(0, len(same), DECODE_CONVERT):  # chunks bound the float copies on the device
+            rows = same[at:at + DECODE_CONVERT]
+            img = pixels if len(rows) == len(pixels) else pixels[rows]              # (b, c, H, W)
+            img = (resize_and_crop(img, w, h) if w else img).clamp(-1, 1)  # a copy: the decode's output stays
+            host = img.add_(1).mul_(127.5).round_().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+            for j, i in enumerate(rows):
+                images[i] = host[j, ..., 0] if host.shape[-1] == 1 else host[j]
     return images
 
 

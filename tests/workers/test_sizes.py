@@ -163,5 +163,9 @@ def test_a_batch_decoded_at_several_output_sizes_equals_each_image_decoded_alone
         (alone,) = decode(model, pixels[i:i + 1], [size])
         assert together[i].shape == alone.shape == ((16, 24, 3) if size == (0, 0) else (size[1], size[0], 3))
         assert together[i].dtype == np.uint8 and np.array_equal(together[i], alone)
+    before = pixels.clone()
+    many = decode(model, pixels.repeat(4, 1, 1, 1), sizes * 4)  # 20 images: in chunks of DECODE_CONVERT
+    assert all(np.array_equal(many[k], together[k % 5]) for k in range(20))
+    assert torch.equal(pixels, before)  # the decode's output is read, never written
     gray = decode(model, pixels[:2, :1], None)  # one channel: (H, W) images
     assert [x.shape for x in gray] == [(16, 24), (16, 24)]
