@@ -41,7 +41,7 @@ Targets: e2e ours <= 0.3x diffusers at 512 and <= 0.9x at 1024; mixed max sustai
     python bench/pixart.py --smoke --out /tmp/pixart            # seconds, on a CPU: every section, tiny PixArt
 
 Mixed options: --loads (offered images/s, default 2 4 6), --window (seconds of arrivals per load, 10),
---cross-attention (system a's; default the engine's, varlen). --fresh starts a new report instead of merging.
+--cross-attention (system a's; default the engine's). --fresh starts a new report instead of merging.
 
 Writes pixart.json and pixart.md (pixart_smoke.* with --smoke) under --out after every section, so a run
 cut short keeps what it measured; a report there from the same GPU and versions keeps the sections this
@@ -64,6 +64,7 @@ from pathlib import Path
 import torch
 
 from workers import admission
+from workers.families.pixart import DEFAULT_CROSS_ATTENTION
 
 # engine_throughput's summaries (images/s, censored latency percentiles, "sustained"), shared
 _spec = importlib.util.spec_from_file_location("engine_throughput", Path(__file__).parent / "engine_throughput.py")
@@ -97,8 +98,7 @@ class Setup:
     drain_s: float = 5.0
     loads: tuple = (2.0, 4.0, 6.0)    # offered images/s
     backlog_stop_s: float = 150.0
-    cross_attention: str = "varlen"   # mixed: system a's cross-attention (the engine's default,
-                                      # workers.families.pixart.DEFAULT_CROSS_ATTENTION)
+    cross_attention: str = DEFAULT_CROSS_ATTENTION  # mixed: system a's cross-attention (the engine's default)
     compile: str = "off"              # our engines' steps: "inductor" compiles them inside the graphs
     precision: str = "bf16"           # "fp8": the model's block linears as FP8 products (workers/fp8.py)
     decode_graphs: str = "auto"       # mixed: system a's VAE decode captured: "on" | "off" | "auto" (with compile)

@@ -212,8 +212,10 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
     engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "", scope=args.scope,
                                              cross_attention=args.cross_attention)
     block = result["systems"][name] = {"backend": backend}
-    if model.card.family == "pixart":
-        block["cross_attention"] = args.cross_attention
+    if model.card.family == "pixart":  # the mode the engine runs ("auto" resolved)
+        from workers.families.pixart import DEFAULT_CROSS_ATTENTION
+
+        block["cross_attention"] = DEFAULT_CROSS_ATTENTION if args.cross_attention == "auto" else args.cross_attention
     if compile_mode != "off":
         block["scope"] = args.scope
     for n in args.images:
