@@ -22,6 +22,14 @@ How
   write), and a feed-forward's GELU moves into it: the first linear writes its bf16 product and the
   second linear's quantization applies the GELU as it reads it (``fold_gelus``), so the activation costs
   no pass of its own. Elsewhere the same arithmetic runs as PyTorch operations.
+* In a compiled step, a linear whose input is made by the step's own code (a block's norm and modulation,
+  or its residual add: the attention input projections and the feed-forward's first linear,
+  ``fused_input``) quantizes through the PyTorch operations instead, so Inductor makes one kernel of the
+  norm and the quantization: the norm's bf16 rows are never written and read back. On an H200 that took
+  the norm-then-quantize of PixArt-Σ 512's 65536 rows of 1152 from 364 to 256 us, FLUX.1's 4608 rows of
+  3072 from 178 to 81 (``bench/norm_quant.py``, ``docs/benchmarks/norm_quant.md``). Inputs made elsewhere
+  (an attention break's output, a product's, the prompt's states) keep the Triton kernel: Inductor's
+  quantization alone is about three times slower than it.
 
 Where
 -----
@@ -68,17 +76,21 @@ def _row_scales(x: torch.Tensor) -> torch.Tensor:
 
 
 ROW_KERNEL = True  # CUDA rows go through workers.quant_kernel (a benchmark turns it off to compare)
+FUSE_INPUTS = True  # compiled steps quantize ``fused_input`` linears' rows in Inductor's kernel (see above)
 
 
-def quantize_rows(x: torch.Tensor, gelu: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, gelu: str = "none", fuse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) -> (M, K) float8 e4m3 and its (M, 1) float32 scales, so that gelu(x) ~ q * scale row by row
-    (``gelu``: "none", or F.gelu's "tanh" / "erf" form, applied first).
+    (``gelu``: "none", or F.gelu's "tanh" / "erf" form, applied first). ``fuse``: x is made by the compiled
+    code around this call, so while it is traced the PyTorch operations are used, for Inductor to fuse them
+    into x's kernel.
 
     On CUDA one Triton kernel (``workers.quant_kernel``) does all of it in float32. Otherwise the rows
     are multiplied by the scales' reciprocals in x's own dtype: on a GPU (bf16) that keeps the passes over
     the activations in 2 bytes per value instead of promoting them to float32; bf16's rounding (2^-9) is
     far below e4m3's (2^-4)."""
-    if ROW_KERNEL and quant_kernel.available(x):
+    fused = fuse and FUSE_INPUTS and gelu == "none" and torch.compiler.is_compiling()
+    if ROW_KERNEL and not fused and quant_kernel.available(x):
         return torch.ops.dit_serve.quantize_rows(x, gelu)
     if gelu != "none":
         x = F.gelu(x, approximate="tanh" if gelu == "tanh" else "none")
@@ -99,6 +111,7 @@ class Fp8Linear(nn.Module):
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self.gelu = "none"  # an activation applied to the input first (fold_gelus), in its quantization
+        self.fused_input = False  # its input is made by the step's compiled code (mark_fused_inputs)
 
     def extra_repr(self) -> str:
         act = "" if self.gelu == "none" else f", gelu({self.gelu}) of the input first"
@@ -110,7 +123,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, rows = x.shape[:-1], x.reshape(-1, self.in_features)
-        xq, scale = quantize_rows(rows, self.gelu)
+        xq, scale = quantize_rows(rows, self.gelu, fuse=self.fused_input)
         return self._mm(xq, scale, x.dtype).view(*lead, self.out_features)
 
     def _mm(self, xq: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype,
@@ -159,7 +172,33 @@ def quantize_linears(transformer: nn.Module) -> list[str]:
             parent._modules[child] = Fp8Linear(module)
             done.append(f"{list_name}.{name}")
     fold_gelus(transformer)
+    mark_fused_inputs(transformer)
     return done
+
+
+# Linears of a block whose input is the block's own norm (or residual) output: the attention's input
+# projections, the joint blocks' context projections, FLUX.1's single-block MLP, a feed-forward's first
+FUSED_INPUTS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "proj_mlp", "net.0.proj")
+
+
+def mark_fused_inputs(transformer: nn.Module) -> int:
+    """Set ``fused_input`` on the block ``Fp8Linear``s whose input the block computes (``FUSED_INPUTS``),
+    except a cross-attention's keys and values (their input is the prompt's states, the step's input).
+    Returns how many were marked."""
+    marked = 0
+    for list_name in BLOCK_LISTS:
+        blocks = getattr(transformer, list_name, None)
+        if blocks is None:
+            continue
+        for name, module in blocks.named_modules():
+            if not isinstance(module, Fp8Linear):
+                continue
+            owner_name, _, leaf = name.rpartition(".")
+            owner = blocks.get_submodule(owner_name) if owner_name else blocks
+            cross = leaf in ("to_k", "to_v") and getattr(owner, "is_cross_attention", False)
+            module.fused_input = any(name == s or name.endswith("." + s) for s in FUSED_INPUTS) and not cross
+            marked += module.fused_input
+    return marked
 
 
 class Projection(nn.Module):
@@ -201,10 +240,11 @@ def linear_into(x: torch.Tensor, projections: list[tuple[nn.Module, torch.Tensor
     """Each ``out`` <- ``proj(x)`` for (proj, out) in ``projections``, written in place: an ``nn.Linear`` by
     one (add)mm; ``Fp8Linear`` ones share one quantization of ``x``."""
     quantized = None
+    fuse = all(p.fused_input for p, _ in projections if isinstance(p, Fp8Linear))
     for proj, out in projections:
         if isinstance(proj, Fp8Linear):
             if quantized is None:
-                quantized = quantize_rows(x)
+                quantized = quantize_rows(x, fuse=fuse)
             proj.mm_into(*quantized, out)
         elif proj.bias is None:
             torch.mm(x, proj.weight.t(), out=out)
@@ -236,6 +276,7 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
         nn.Module.__init__(fused)
         fused.in_features, fused.out_features, fused.dtype = ins.pop(), sum(dims), parts[0].dtype
         fused.gelu = "none"
+        fused.fused_input = all(p.fused_input for p in parts)
         _fuse(parts, fused, "weight_fp8", 0, dims)
         _fuse(parts, fused, "weight_scale", 1, dims)  # (1, N): the output rows' scales side by side
         fused.register_buffer("bias", None)

@@ -123,7 +123,7 @@ def test_projections_into_slices_share_one_quantization_and_match_forward(monkey
     slots = [out[:, i * 64:(i + 1) * 64] for i in range(4)]
     calls = []
     real = fp8.quantize_rows
-    monkeypatch.setattr(fp8, "quantize_rows", lambda t, gelu="none": calls.append(1) or real(t, gelu))
+    monkeypatch.setattr(fp8, "quantize_rows", lambda t, gelu="none", **kw: calls.append(1) or real(t, gelu))
     with torch.no_grad():
         linear_into(x, [*zip(fp, slots[:3]), (plain, slots[3])])
     assert len(calls) == 1  # one quantization of x for the three fp8 projections
@@ -148,6 +148,51 @@ def test_the_block_linears_are_taken_and_modulation_embedders_and_odd_sizes_are_
                for n in linears - set(taken))  # besides the odd one, only modulation linears are left in blocks
     assert isinstance(dit.transformer_blocks[0].attn1.to_out[0], Fp8Linear)
     assert isinstance(dit.transformer_blocks[0].norm1.linear, nn.Linear)
+    fused = {n.split(".", 2)[2] for n, m in dit.named_modules() if getattr(m, "fused_input", False)}
+    assert fused == {"attn1.to_q", "attn1.to_k", "attn1.to_v", "ff.net.0.proj"}  # the norms' consumers
+
+
+def test_a_cross_attentions_query_takes_the_fused_quantization_and_its_keys_and_values_do_not(tmp_path):
+    """PixArt's attn2 reads the block's residual (made by the compiled code) for its query, and the prompt's
+    states (an input of the step) for its keys and values; the fused qkv of attn1 keeps its parts' mark."""
+    from workers.models.tiny_pixart import make_tiny_pixart
+
+    model = load_model(make_tiny_pixart(tmp_path / "p"), precision="fp8")
+    blk = model.transformer.transformer_blocks[0]
+    assert blk.attn2.to_q.fused_input and not blk.attn2.to_k.fused_input and not blk.attn2.to_v.fused_input
+    assert blk.ff.net[0].proj.fused_input and not blk.ff.net[2].fused_input and not blk.attn2.to_out[0].fused_input
+    assert fp8.fuse_linears([blk.attn1.to_q, blk.attn1.to_k, blk.attn1.to_v]).fused_input
+
+
+def test_under_compile_a_fused_inputs_rows_are_quantized_by_pytorch_ops_and_otherwise_by_the_kernel(monkeypatch):
+    """Where the row kernel serves (on CUDA), a ``fuse`` call traced by dynamo runs PyTorch's operations
+    (which Inductor fuses into the producer), while untraced calls and unfused ones run the kernel; the
+    codes are the same function of the rows either way."""
+    from workers import quant_kernel
+
+    launched = []
+
+    def launch(x, gelu, plan):  # the kernel's stand-in on a CPU: counted, computing the PyTorch path
+        launched.append(gelu)
+        return _torch_rows(x)
+
+    monkeypatch.setattr(quant_kernel, "available", lambda x: True)
+    monkeypatch.setattr(quant_kernel, "launch", launch)
+    x = torch.randn(8, 64)
+    for fuse, compile_, kernel_calls in [(True, True, 0), (False, True, 1), (True, False, 1)]:
+        launched.clear()
+        fn = lambda t: quantize_rows(t * 2.0, fuse=fuse)
+        q, s = (torch.compile(fn, backend="aot_eager", fullgraph=True) if compile_ else fn)(x)
+        torch._dynamo.reset()
+        assert len(launched) == kernel_calls, (fuse, compile_, launched)
+        want_q, want_s = _torch_rows(x * 2.0)
+        torch.testing.assert_close(s, want_s)
+        assert torch.equal(q.float(), want_q.float())
+
+
+def _torch_rows(x):
+    scale = fp8._row_scales(x)
+    return (x * scale.reciprocal().to(x.dtype)).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8), scale
 
 
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
