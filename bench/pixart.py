@@ -484,12 +484,69 @@ def item_specs(model, job: Job, prompts: list[str], s: Setup) -> list:
                      out_height=oh) for k in range(job.n)]
 
 
-def run_engine(engine, model, jobs: list[Job], prompts: list[str], s: Setup, stop_s: float) -> None:
+class Timeline:
+    """Where a run of system a spends the GPU's clock, without slowing it: a CUDA event (and the host's
+    clock) at each boundary between the loop's phases, read after the run. The GPU time between two marks
+    is the work the host queued in the first phase plus any time the GPU sat waiting for it, so the phases
+    add up to the run's wall time: "loop" (the benchmark's own bookkeeping), "admit" (``add_many``: plans,
+    prompt encoding, uploads), "step" (the replays), "finish" (decoding the finished images and copying
+    them to the host). Also counts the replays per bucket."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, object, float]] = []
+        self.replays: dict[int, int] = {}
+        self.steps = 0
+
+    def mark(self, phase: str) -> None:
+        ev = None
+        if torch.cuda.is_available():
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        self.marks.append((phase, ev, time.perf_counter()))
+
+    def watch(self, engine) -> None:
+        """Mark "finish" around the engine's decoding of finished images (back to "step" after)."""
+        plain = engine._finish
+
+        def finish(group, done):
+            self.mark("finish")
+            try:
+                return plain(group, done)
+            finally:
+                self.mark("step")
+
+        engine._finish = finish
+
+    def count(self, engine) -> None:
+        """The replays the engine's next step runs (each group's plan for its rows)."""
+        self.steps += 1
+        for g in engine.groups.values():
+            for b in g.runner.plan(len(g.active)) if g.active else ():
+                self.replays[b] = self.replays.get(b, 0) + 1
+
+    def summary(self) -> dict:
+        sync()
+        gpu: dict[str, float] = {}
+        host: dict[str, float] = {}
+        for (phase, a, ta), (_, b, tb) in zip(self.marks, self.marks[1:]):
+            host[phase] = host.get(phase, 0.0) + (tb - ta) * 1000
+            if a is not None:
+                gpu[phase] = gpu.get(phase, 0.0) + a.elapsed_time(b)
+        r = lambda d: {k: round(v, 1) for k, v in d.items()}
+        return {"gpu_ms": r(gpu), "host_ms": r(host), "steps": self.steps,
+                "replays": {str(k): v for k, v in sorted(self.replays.items())}}
+
+
+def run_engine(engine, model, jobs: list[Job], prompts: list[str], s: Setup, stop_s: float,
+               timeline: Timeline | None = None) -> None:
     """System a, as engine_throughput.run_engine at step level: arrived images join at any step boundary,
     the queue's head first, then images of the shapes in flight (``workers.admission``, as the
-    service's lease), while fewer than ``max_batch`` are in flight (encoded together on admission)."""
+    service's lease), while fewer than ``max_batch`` are in flight (encoded together on admission).
+    ``timeline``: marks the phases (``Timeline``)."""
     pending, start, by_id = list(jobs), time.perf_counter(), {j.id: j for j in jobs}
     queue: list = []  # arrived images not yet in the engine
+    mark = timeline.mark if timeline is not None else (lambda phase: None)
+    mark("loop")
     while pending or queue or engine.num_active:
         now = time.perf_counter() - start
         if now > stop_s:
@@ -500,11 +557,18 @@ def run_engine(engine, model, jobs: list[Job], prompts: list[str], s: Setup, sto
             queue += item_specs(model, pending.pop(0), prompts, s)
         admit = max(0, s.max_batch - engine.num_active)
         if admit and queue:  # as the service leases: shape-aware (workers.admission)
+            mark("admit")
             engine.add_many(admission.take(queue, admit, engine.in_flight_shapes()))
+            mark("loop")
         if engine.num_active == 0:
             time.sleep(max(0.0, min(0.005, pending[0].arrival - now)) if pending else 0.0)
             continue
-        for r in engine.step():
+        if timeline is not None:
+            timeline.count(engine)
+        mark("step")
+        results = engine.step()
+        mark("loop")
+        for r in results:
             j = by_id[int(r.request.id.split(":")[0])]
             j.done_images += 1
             if j.done_images == j.n:
@@ -563,7 +627,13 @@ def bench_mixed(model, s: Setup, prompts: list[str], save, ref=None) -> dict:
         block["groups"] = len(engine.groups)
         for load, jobs, stop in _runs(s, len(prompts)):
             model.cache.clear()
-            run_engine(engine, model, jobs, prompts, s, stop)
+            timeline = Timeline() if load == float("inf") else None
+            if timeline is not None:
+                timeline.watch(engine)
+            run_engine(engine, model, jobs, prompts, s, stop, timeline)
+            if timeline is not None:
+                del engine._finish  # the engine's own method again
+                block["backlog_a_phases"] = timeline.summary()
             _record(block, "a", load, jobs, stop, s, save)
         block["padding_fraction"] = round(engine.padded_rows / max(1, engine.padded_rows + engine.real_rows), 4)
     finally:
@@ -683,7 +753,22 @@ def mixed_markdown(m: dict, systems: str) -> list[str]:
               + (f"; a / d {m['ratio_max']}x" if "ratio_max" in m else ""),
               "", f"Graph pool of the {m.get('groups', '?')} shapes: {m.get('pool_mb', '?')} MiB; warm-up "
               f"{m.get('warmup_s', '?')} s; padding fraction (a) {m.get('padding_fraction', '?')}", ""]
+    if "backlog_a_phases" in m:
+        lines += phases_markdown(m["backlog_a_phases"])
     return lines
+
+
+def phases_markdown(ph: dict) -> list[str]:
+    """System a's backlog run by phase (``Timeline``)."""
+    clock = ph["gpu_ms"] or ph["host_ms"]
+    total = sum(clock.values()) or 1.0
+    lines = [f"Where system a's backlog run went ({'GPU clock between the phases' if ph['gpu_ms'] else 'host clock'}; "
+             f"{ph['steps']} steps; replays per bucket "
+             + ", ".join(f"{b}: {n}" for b, n in ph["replays"].items()) + "):", "",
+             "| phase | GPU ms | host ms | share |", "|---|---|---|---|"]
+    lines += [f"| {k} | {ph['gpu_ms'].get(k, '-')} | {ph['host_ms'].get(k, '-')} | {v / total:.1%} |"
+              for k, v in sorted(clock.items(), key=lambda kv: -kv[1])]
+    return lines + [""]
 
 
 def previous(path: Path, head: dict, fresh: bool) -> dict:
