@@ -51,12 +51,12 @@ GROUPS = [
 
 
 def _kernels():
-    """bench/kernels.py (its engine builder, step inputs and cleanup), loaded through its own sibling loader."""
-    if "kernels" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("kernels", BENCH / "kernels.py")
-        sys.modules["kernels"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["kernels"])
-    return sys.modules["kernels"]
+    """bench/step_kernels.py (its engine builder, step inputs and cleanup), loaded through its own sibling loader."""
+    if "step_kernels" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("step_kernels", BENCH / "step_kernels.py")
+        sys.modules["step_kernels"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["step_kernels"])
+    return sys.modules["step_kernels"]
 
 
 def group_of(name: str) -> str:

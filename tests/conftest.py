@@ -6,6 +6,10 @@ import os
 # step on the 2-core development machine). Set in the environment so the tests' subprocesses (a second
 # process on the same cache, Ray workers, the service) inherit it; GPU runs compile Triton, unaffected.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+# The reference pipelines (diffusers' own classes loading a directory) load their text encoders through
+# transformers, which from version 5 swaps layers for kernels fetched from a model hub unless this says no:
+# the references compute with PyTorch's layers, and nothing is fetched.
+os.environ.setdefault("USE_HUB_KERNELS", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

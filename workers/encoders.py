@@ -83,7 +83,10 @@ def load_text_encoder(cls, folder: Path, device, dtype):
     if key in _SHARED:
         log.info("sharing the text encoder of %s (same weights already loaded on %s)", folder, dev)
         return _SHARED[key]
-    encoder = cls.from_pretrained(str(folder), local_files_only=True, use_safetensors=True, dtype=dtype)
+    # use_kernels=False: transformers 5 replaces layers with kernels fetched from a model hub unless told not to;
+    # the engine chooses its own kernels, and nothing is fetched at run time.
+    encoder = cls.from_pretrained(str(folder), local_files_only=True, use_safetensors=True, dtype=dtype,
+                                  use_kernels=False)
     _SHARED[key] = encoder = _cast(encoder, dev, dtype)
     return encoder
 

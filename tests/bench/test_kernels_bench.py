@@ -1,4 +1,4 @@
-"""bench/kernels.py and bench/row_kernels.py run on a CPU: the kernel benchmark on a tiny FLUX.1-dev (one
+"""bench/step_kernels.py and bench/row_kernels.py run on a CPU: the kernel benchmark on a tiny FLUX.1-dev (one
 row an image: guidance embedded) with the diffusers loop body as its baseline, and the row-kernel
 benchmark's PyTorch systems and plan list."""
 
@@ -25,7 +25,7 @@ def _load(name: str):
 def test_the_kernel_benchmark_runs_an_mmdit_family_with_its_own_rows(tmp_path):
     from workers.models.tiny_flux import make_tiny_flux
 
-    kernels = _load("kernels")
+    kernels = _load("step_kernels")
     model_dir = make_tiny_flux(tmp_path / "tiny-flux")
     kernels.main(["--smoke", "--model", str(model_dir), "--images", "1", "2", "--max-batch", "2", "--no-start",
                   "--systems", "diffusers", "breakable", "breakable+fp8", "--out", str(tmp_path / "out")])
@@ -124,7 +124,7 @@ def test_a_nofa4_system_measures_pytorchs_kernels_only(tmp_path, monkeypatch):
     own: the chooser is let measure on the CPU here, with a FlashAttention-4 stand-in offered as a candidate."""
     from workers import sdpa
 
-    kernels = _load("kernels")
+    kernels = _load("step_kernels")
     offered = []
 
     def with_fa4(q, k=None):

@@ -33,10 +33,10 @@ kernels_tflops.png when matplotlib is installed. Each part runs in its own try: 
 is recorded in the report and the rest still runs. Writes kernels.json and kernels.md (kernels_smoke.*
 with --smoke) under --out after each part.
 
-    python bench/kernels.py                                   # on a GPU (~5 min on an H200)
-    python bench/kernels.py --model pixart-sigma-1024 --images 1 8 --max-batch 8
-    python bench/kernels.py --systems breakable breakable+fp8 full+inductor+fp8 --no-start
-    python bench/kernels.py --smoke                           # the digits model on a CPU (~1 min)
+    python bench/step_kernels.py                                   # on a GPU (~5 min on an H200)
+    python bench/step_kernels.py --model pixart-sigma-1024 --images 1 8 --max-batch 8
+    python bench/step_kernels.py --systems breakable breakable+fp8 full+inductor+fp8 --no-start
+    python bench/step_kernels.py --smoke                           # the digits model on a CPU (~1 min)
 """
 
 from __future__ import annotations
