@@ -8,6 +8,9 @@ norm's output rows before its product. Two ways to run that in a compiled step:
                engine runs now): the rows cross memory three times
   fused        the quantization written as PyTorch operations in the same compiled function, so Inductor
                makes one kernel of the norm and the quantization: read once, FP8 written once
+  kernel       the repo's own Triton kernel of the add, norm, modulation and quantization
+               (``workers.norm_kernel``, what PixArt's FP8 blocks run, ``workers.norm_fusion``): each
+               row held in registers, each input read once and each output written once
 
 Each under Inductor's default choice of reduction (a row wider than 1024 values is reduced in a loop,
 read from memory once per loop) and with persistent reductions up to PERSISTENT_MAX values (the row
@@ -32,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from workers import fp8, quant_kernel
+from workers import fp8, norm_kernel, quant_kernel
 
 PERSISTENT_MAX = 4096  # the "persistent" systems: rows up to this many values reduced in registers
 
@@ -79,6 +82,8 @@ def make_system(kind: str, persistent: bool):
     """A callable (inputs) -> (x, codes, scales), compiled fresh under the chosen reduction heuristic."""
     torch._dynamo.reset()
     persistent_reductions(PERSISTENT_MAX if persistent else None)
+    if kind == "kernel":
+        return lambda x, y, gate, shift, scale: norm_kernel.add_norm_quantize(x, y, gate, shift, scale)
     if kind == "split":
         inner = torch.compile(split_fn, fullgraph=True)
         return lambda *a: (lambda x, rows: (x, *quant_rows(rows)))(*inner(*a))
@@ -161,7 +166,7 @@ def main(argv=None) -> None:
     cuda = torch.cuda.is_available() and not a.smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     torch._inductor.config.force_disable_caches = True  # each system compiled under its own heuristic
-    systems = [("split", False), ("split", True), ("fused", False), ("fused", True)]
+    systems = [("split", False), ("split", True), ("fused", False), ("fused", True), ("kernel", False)]
     rows = []
     for where, b, t, k in (SHAPES if cuda else SMOKE_SHAPES):
         args = inputs(b, t, k, device, dtype)

@@ -31,11 +31,13 @@ import re
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 BENCH = Path(__file__).resolve().parent
-SYSTEMS = {"plain": ("off", "bf16"), "fused": ("inductor", "bf16"), "fp8": ("off", "fp8"), "fused+fp8": ("inductor", "fp8")}
+SYSTEMS = {"plain": ("off", "bf16"), "fused": ("inductor", "bf16"), "fp8": ("off", "fp8"), "fused+fp8": ("inductor", "fp8"),
+           "fused+fp8+nonorms": ("inductor", "fp8")}  # +nonorms: PixArt's blocks without workers.norm_fusion
 # kernel name -> group, first match wins (CUDA kernel names, and aten operator names on a CPU)
 GROUPS = [
     # Inductor's own kernels (pointwise, reduction, persistent reduction) are never matrix products, whatever
@@ -209,9 +211,14 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
     kernels = _kernels()
     model = load_model(args.model, device=device, dtype=dtype, precision=precision)
     backend = "full" if compile_mode == "inductor" and model.card.family == "dit" else "breakable"
-    engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "", scope=args.scope,
-                                             cross_attention=args.cross_attention)
+    from workers import norm_fusion
+
+    with mock.patch.object(norm_fusion, "ENABLED", not name.endswith("+nonorms")):
+        engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "", scope=args.scope,
+                                                 cross_attention=args.cross_attention)
     block = result["systems"][name] = {"backend": backend}
+    block["fused_norm_blocks"] = sum(type(b) is norm_fusion._block_class()
+                                     for b in getattr(model.transformer, "transformer_blocks", []))
     if model.card.family == "pixart":  # the mode the engine runs ("auto" resolved)
         from workers.families.pixart import DEFAULT_CROSS_ATTENTION
 

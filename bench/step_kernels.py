@@ -83,8 +83,10 @@ SYSTEMS = {  # name -> (backend, compile, precision, how compiled breaks get the
 }
 SYSTEMS.update({f"{name}+nofa4": SYSTEMS[name] for name in  # the same systems, FlashAttention-4 left out
                 ("breakable", "full+inductor", "full+inductor+blocks", "full+inductor+fp8", "full+inductor+fp8+blocks")})
+SYSTEMS.update({f"{name}+nonorms": SYSTEMS[name] for name in ("breakable+fp8", "full+inductor+fp8+blocks")})
 # +torchquant: the FP8 systems with the activations quantized by PyTorch operations (what Inductor fuses
 # them into when compiled, the GELU with them) instead of workers.quant_kernel's Triton kernel
+# +nonorms: PixArt's FP8 blocks without their norms fused with the quantizations (workers.norm_fusion)
 # +nofa4: the system with FlashAttention-4 left out of the attention kernels measured per shape
 # (workers.sdpa.candidates: PyTorch's three only); without the package installed it is the system itself
 
@@ -165,7 +167,7 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     """Median ms at each image count, pool, warm-up and compile stats; `breakable` fills ``reference``
     (x_next per image count), the others report their largest difference from it (and its norm relative
     to the reference's: the error FP8 adds)."""
-    from workers import sdpa
+    from workers import norm_fusion, sdpa
     from workers.families import family_of
     from workers.joint_attention import restore_joint_attention
     from workers.patches import restore_attention, restore_modulation
@@ -176,6 +178,7 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     backend, compile_mode, _, break_args, patched, scope = SYSTEMS[name]
     before = current_break_args()
     if not patched:  # diffusers' own model (an earlier system patched it)
+        norm_fusion.restore_block_norms(model.transformer)
         if family_of(model).BREAK_ATTENTION:
             restore_attention(model.transformer)
             restore_modulation(model.transformer)
@@ -325,7 +328,7 @@ def start(args, kind: str) -> dict:
 def run(args, result: dict, save) -> None:
     from workers.loading import load_model
 
-    from workers import fp8, sdpa
+    from workers import fp8, norm_fusion, sdpa
     from workers.fp8 import unsupported_reason
 
     for kind in ("cold", "warm") if args.start else ():  # first, while this process holds no GPU memory
@@ -360,8 +363,11 @@ def run(args, result: dict, save) -> None:
             models[precision] = load_model(args.model, device=device, dtype=dtype, precision=precision)
         sdpa.CHOOSER.choices.clear()  # each system measures its own kernels per shape
         offered = (lambda q, k=None: sdpa.CANDIDATES) if name.endswith("+nofa4") else sdpa.candidates
+        norms = not name.endswith("+nonorms")
+        if not norms:  # an earlier system's engine patched the shared model's blocks
+            norm_fusion.restore_block_norms(models[precision].transformer)
         with mock.patch.object(fp8, "ROW_KERNEL", not name.endswith("+torchquant")), \
-                mock.patch.object(sdpa, "candidates", offered):
+                mock.patch.object(sdpa, "candidates", offered), mock.patch.object(norm_fusion, "ENABLED", norms):
             result["systems"][name] = bench_system(models[precision], name, args, inputs, reference)
 
     if "diffusers" in args.systems:

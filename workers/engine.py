@@ -45,6 +45,7 @@ from workers.epilogues import fuse_gelu_epilogues
 from workers.families import compile_regions, family_of
 from workers.joint_attention import attention_inline, route_joint_attention
 from workers.loading import LoadedModel
+from workers.norm_fusion import fuse_block_norms
 from workers.patches import attention_into, break_attention, hoist_modulation
 from workers.sdpa import CHOOSER
 from workers.sdpa import use_cache_dir as use_attention_cache
@@ -211,6 +212,8 @@ class Engine:
                 fuse_gelu_epilogues(m.transformer)
             if hasattr(family, "set_cross_attention"):
                 family.set_cross_attention(m, config.cross_attention)
+            if config.backend != "eager" and config.attention_patch and family.BREAK_ATTENTION:
+                fuse_block_norms(m.transformer)  # PixArt's FP8 blocks: each norm and its quantization one kernel
             if hasattr(family, "attention_kernel"):
                 self.attention[m.name] = family.attention_kernel(m)
                 log.info("%s: %s", m.name, self.attention[m.name])

@@ -121,6 +121,10 @@ class Fp8Linear(nn.Module):
         """``out`` (M, N) <- the product of quantized rows (``quantize_rows``) with this weight, plus bias."""
         return self._mm(xq, x_scale, out.dtype, out)
 
+    def mm_rows(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """(M, N) in the model's dtype: the product of rows quantized elsewhere (``workers.norm_fusion``)."""
+        return self._mm(xq, x_scale, self.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, rows = x.shape[:-1], x.reshape(-1, self.in_features)
         xq, scale = quantize_rows(rows, self.gelu, fuse=self.fused_input)
@@ -236,10 +240,11 @@ def fold_gelus(transformer: nn.Module) -> int:
     return folded
 
 
-def linear_into(x: torch.Tensor, projections: list[tuple[nn.Module, torch.Tensor]]) -> None:
+def linear_into(x: torch.Tensor, projections: list[tuple[nn.Module, torch.Tensor]],
+                quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Each ``out`` <- ``proj(x)`` for (proj, out) in ``projections``, written in place: an ``nn.Linear`` by
-    one (add)mm; ``Fp8Linear`` ones share one quantization of ``x``."""
-    quantized = None
+    one (add)mm; ``Fp8Linear`` ones share one quantization of ``x`` (``quantized``: x's codes and row scales,
+    made by the caller, e.g. with the norm that made x)."""
     fuse = all(p.fused_input for p, _ in projections if isinstance(p, Fp8Linear))
     for proj, out in projections:
         if isinstance(proj, Fp8Linear):

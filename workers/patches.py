@@ -80,17 +80,19 @@ class BreakableSelfAttention:
         self.scratch, self.qkv = scratch, qkv
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states=None,
-                 attention_mask=None, temb=None, **kwargs) -> torch.Tensor:
+                 attention_mask=None, temb=None, quantized=None, **kwargs) -> torch.Tensor:
+        """``quantized``: the FP8 codes and row scales of the rows q, k and v are projected from, made by the
+        caller (``workers.norm_fusion``); ``hidden_states`` then gives only the shape and dtype."""
         b, t, _ = hidden_states.shape                                           # (B, T, D)
         inner = attn.to_q.out_features
         h2d = hidden_states.reshape(b * t, -1)                                  # (B*T, D)
         if self.qkv is not None:
             qkv, o = self.scratch.fused_views(b * t, inner, h2d)                # (B*T, 3*inner), (B*T, inner)
-            linear_into(h2d, [(self.qkv, qkv)])
+            linear_into(h2d, [(self.qkv, qkv)], quantized)
             q, k, v = qkv.split(inner, dim=1)                                   # (B*T, inner) x3, row stride 3*inner
         else:
             q, k, v, o = self.scratch.views(b * t, inner, h2d)                  # (B*T, inner) x4
-            linear_into(h2d, [(attn.to_q, q), (attn.to_k, k), (attn.to_v, v)])
+            linear_into(h2d, [(attn.to_q, q), (attn.to_k, k), (attn.to_v, v)], quantized)
         heads, d = attn.heads, inner // attn.heads
         split = lambda y: y.view(b, t, heads, d).transpose(1, 2)                # (B, h, T, d)
         attention_into(split(q), split(k), split(v), split(o))

@@ -142,13 +142,15 @@ class VarlenCrossAttention:
         self.scratch, self.original = scratch, original  # original: the processor restore puts back
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states=None,
-                 attention_mask=None, temb=None, **kwargs) -> torch.Tensor:
+                 attention_mask=None, temb=None, quantized=None, **kwargs) -> torch.Tensor:
+        """``quantized``: the FP8 codes and row scales of ``hidden_states`` for the query's projection, made
+        by the caller (``workers.norm_fusion``)."""
         ctx = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         b, t, _ = hidden_states.shape                                           # (B, T, D)
         l, inner, heads = ctx.shape[1], attn.to_q.out_features, attn.heads      # ctx (B, L, C)
         slots = self.scratch.views(b * max(t, l), inner, hidden_states)         # (B*max(T, L), inner) x4
         q, k, v, o = slots[0][:b * t], slots[1][:b * l], slots[2][:b * l], slots[3][:b * t]
-        linear_into(hidden_states.reshape(b * t, -1), [(attn.to_q, q)])
+        linear_into(hidden_states.reshape(b * t, -1), [(attn.to_q, q)], quantized)
         linear_into(ctx.reshape(b * l, -1), [(attn.to_k, k), (attn.to_v, v)])
         used = key_lengths(attention_mask, b, l, hidden_states.device)         # (B,) int32, in the segment
         split = lambda y, n: y.view(b, n, heads, inner // heads)               # (B, n, h, d)

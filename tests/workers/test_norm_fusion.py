@@ -1,0 +1,141 @@
+"""PixArt's FP8 blocks with their norms and quantizations fused (``workers.norm_fusion``) compute what
+diffusers' blocks compute, and the row arithmetic (``workers.norm_kernel.reference``, which the CUDA kernel
+is checked against in test_norm_kernel_gpu.py) is the block's: add, LayerNorm, modulation, FP8 rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers import fp8, norm_fusion, norm_kernel
+
+
+def _rows(b=3, t=5, k=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(b, 6, k, generator=g) * 0.3
+    x, y = (torch.randn(b, t, k, generator=g) for _ in range(2))
+    return x, y, *table.chunk(6, dim=1)[:3]  # gate, shift, scale: (B, 1, K) views with a batch stride of 6K
+
+
+@pytest.mark.parametrize("case", ["all", "norm and modulation", "add only", "add and gate", "rows only"])
+def test_the_reference_is_the_blocks_add_norm_modulation_and_row_quantization(case):
+    x, y, gate, shift, scale = _rows()
+    kw = {"all": dict(y=y, gate=gate, shift=shift, scale=scale), "norm and modulation": dict(shift=shift, scale=scale),
+          "add only": dict(y=y, norm=False), "add and gate": dict(y=y, gate=gate, norm=False), "rows only": {}}[case]
+    out, q, s = norm_kernel.add_norm_quantize(x, **kw)  # a CPU tensor: the PyTorch path
+    want_x = x + (kw["gate"] * y if "gate" in kw else y) if "y" in kw else x
+    n = F.layer_norm(want_x, want_x.shape[-1:], eps=1e-6) if kw.get("norm", True) else want_x
+    if "scale" in kw:
+        n = n * (1 + scale) + shift
+    assert torch.allclose(out, want_x, atol=1e-6) and (out is x) == ("y" not in kw)
+    rows = n.reshape(-1, n.shape[-1])
+    wq, ws = fp8.quantize_rows(rows)
+    assert q.dtype == fp8.FP8 and q.shape == rows.shape and s.shape == (rows.shape[0], 1)
+    assert torch.allclose(s, ws, rtol=1e-6)
+    assert (q.float() != wq.float()).float().mean() < 0.01  # the same codes but for float32 rounding
+    # within one e4m3 step (2^-3 relative) of the rows it quantized
+    assert ((q.float() * s - rows).abs() <= rows.abs() * 2 ** -3 + s * 2 ** -9).all()
+
+
+def test_a_batch_vector_shaped_b_by_k_or_strided_gives_the_same_rows():
+    x, y, gate, shift, scale = _rows()
+    a = norm_kernel.add_norm_quantize(x, y, gate, shift, scale)
+    b = norm_kernel.add_norm_quantize(x, y, gate.reshape(3, -1).clone(), shift.reshape(3, -1).clone(),
+                                      scale.reshape(3, -1).clone())
+    assert all(torch.equal(u.float(), v.float()) for u, v in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def tiny_pixart_fp8(tmp_path_factory):
+    from workers.loading import load_model
+    from workers.models.tiny_pixart import make_tiny_pixart
+
+    return load_model(make_tiny_pixart(tmp_path_factory.mktemp("p") / "pixart"), precision="fp8")
+
+
+def _block_inputs(block, b=2, t=16, keys=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    d = block.norm1.normalized_shape[0]
+    mask = torch.zeros(b, 1, keys)
+    mask[1, :, 5:] = -10000.0  # the second prompt has 5 real tokens
+    return dict(hidden_states=torch.randn(b, t, d, generator=g), timestep=torch.randn(b, 6 * d, generator=g) * 0.3,
+                encoder_hidden_states=torch.randn(b, keys, block.attn2.to_k.in_features, generator=g),
+                encoder_attention_mask=mask)
+
+
+@pytest.mark.parametrize("cross", ["varlen", "padded"])
+def test_fused_norm_blocks_compute_what_diffusers_blocks_compute(tiny_pixart_fp8, cross, monkeypatch):
+    from workers.families import pixart
+    from workers.patches import break_attention, restore_attention
+
+    tr = tiny_pixart_fp8.transformer
+    break_attention(tr)
+    pixart.set_cross_attention(tiny_pixart_fp8, cross)
+    calls = []
+    kernel = norm_fusion.add_norm_quantize
+    monkeypatch.setattr(norm_fusion, "add_norm_quantize", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    try:
+        assert norm_fusion.fuse_block_norms(tr) == len(tr.transformer_blocks) == norm_fusion.fuse_block_norms(tr)
+        for i, block in enumerate(tr.transformer_blocks):
+            inputs = _block_inputs(block, seed=i)
+            with torch.no_grad():
+                got = block(**inputs)
+                assert type(block) is norm_fusion._block_class()
+                block.__class__ = type(block).__mro__[1]  # diffusers' BasicTransformerBlock again
+                want = block(**inputs)
+                block.__class__ = norm_fusion._block_class()
+            rel = ((got - want).abs().max() / want.abs().max()).item()
+            assert rel < 1e-3, (i, rel)  # float32 on a CPU: the same arithmetic, but for rounding order
+        # per block: the first norm, then the residual add for a varlen query, then the second norm
+        assert len(calls) == len(tr.transformer_blocks) * (3 if cross == "varlen" else 2)
+    finally:
+        norm_fusion.restore_block_norms(tr)
+        restore_attention(tr)
+        pixart.set_cross_attention(tiny_pixart_fp8, "padded")
+
+
+def test_without_the_engines_self_attention_a_fused_block_runs_diffusers_forward(tiny_pixart_fp8, monkeypatch):
+    tr = tiny_pixart_fp8.transformer
+    monkeypatch.setattr(norm_fusion, "add_norm_quantize", lambda *a, **k: pytest.fail("fused path taken"))
+    try:
+        norm_fusion.fuse_block_norms(tr)
+        block = tr.transformer_blocks[0]
+        with torch.no_grad():
+            out = block(**_block_inputs(block))
+        assert out.shape == (2, 16, block.norm1.normalized_shape[0])
+    finally:
+        norm_fusion.restore_block_norms(tr)
+    assert all(type(b).__name__ == "BasicTransformerBlock" for b in tr.transformer_blocks)
+
+
+def test_blocks_without_fp8_linears_and_dit_blocks_are_left_alone(tmp_path, monkeypatch):
+    from workers.loading import load_model
+    from workers.models.tiny_dit import write_tiny_dit
+    from workers.models.tiny_pixart import make_tiny_pixart
+
+    assert norm_fusion.fuse_block_norms(load_model(make_tiny_pixart(tmp_path / "p")).transformer) == 0
+    write_tiny_dit(tmp_path / "dit")
+    assert norm_fusion.fuse_block_norms(load_model(tmp_path / "dit", precision="fp8").transformer) == 0
+    monkeypatch.setattr(norm_fusion, "ENABLED", False)
+    assert norm_fusion.fuse_block_norms(load_model(make_tiny_pixart(tmp_path / "q"), precision="fp8").transformer) == 0
+
+
+def test_the_engine_fuses_pixart_fp8_norms_under_the_graph_backends_and_its_images_stay_the_same(tmp_path):
+    from workers.engine import Engine, EngineConfig
+    from workers.loading import load_model
+    from workers.models.tiny_pixart import make_tiny_pixart
+    from workers.spec import ItemSpec
+
+    folder = make_tiny_pixart(tmp_path / "p")
+    specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=3, guidance=1.0 + i, prompt=p,
+                      negative_prompt="small" if i % 2 else "") for i, p in enumerate(["a red cat", "the big blue house", "a dog"])]
+    runs = {}
+    for name, backend in (("fused", "breakable"), ("eager", "eager")):
+        model = load_model(folder, precision="fp8")
+        engine = Engine(model, EngineConfig(backend=backend, max_batch=4, cross_attention="varlen"))
+        patched = [type(b) is norm_fusion._block_class() for b in model.transformer.transformer_blocks]
+        assert all(patched) if backend != "eager" else not any(patched)
+        runs[name] = [r.latents for r in engine.generate(specs)]
+    for got, want in zip(runs["fused"], runs["eager"]):
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-3
