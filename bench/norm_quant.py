@@ -37,6 +37,8 @@ import torch.nn.functional as F
 
 from workers import fp8, norm_kernel, quant_kernel
 
+SYSTEMS = {"split": ("split", False), "split/persistent": ("split", True), "fused": ("fused", False),
+           "fused/persistent": ("fused", True), "kernel": ("kernel", False)}
 PERSISTENT_MAX = 4096  # the "persistent" systems: rows up to this many values reduced in registers
 
 SHAPES = [  # (where, batch rows, tokens, K)
@@ -150,7 +152,8 @@ def time_us(fn, args, calls: int = 50, repeats: int = 15) -> float:
 
 
 def compare(ref, got) -> dict:
-    """Share of codes that differ, and the largest dequantized difference over the row's peak."""
+    """Share of codes that differ, and the largest dequantized difference over the row's peak (``ref``: the
+first system's)."""
     (_, qa, sa), (_, qb, sb) = ref, got
     da, db = qa.float() * sa, qb.float() * sb
     peak = da.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
@@ -162,22 +165,24 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default="docs/benchmarks")
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS),
+                   help="the first is the one the others' codes are compared with")
     a = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     torch._inductor.config.force_disable_caches = True  # each system compiled under its own heuristic
-    systems = [("split", False), ("split", True), ("fused", False), ("fused", True), ("kernel", False)]
+    systems = [SYSTEMS[name] for name in a.systems]
     rows = []
     for where, b, t, k in (SHAPES if cuda else SMOKE_SHAPES):
         args = inputs(b, t, k, device, dtype)
-        row = {"where": where, "rows": b * t, "k": k, "us": {}, "vs_split": {}}
+        row = {"where": where, "rows": b * t, "k": k, "us": {}, "vs_first": {}}
         ref = None
         for kind, persistent in systems:
             name = f"{kind}{'/persistent' if persistent else ''}"
             fn = make_system(kind, persistent)
             got = fn(*args)
             ref = ref or got
-            row["vs_split"][name] = compare(ref, got)
+            row["vs_first"][name] = compare(ref, got)
             if cuda:
                 row["us"][name] = time_us(fn, args)
         persistent_reductions(None)
@@ -188,20 +193,20 @@ def main(argv=None) -> None:
         rows.append(row)
         print(row, flush=True)
     result = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-              "torch": torch.__version__, "rows": rows}
+              "torch": torch.__version__, "reference": a.systems[0], "rows": rows}
     write(result, Path(a.out), "norm_quant_smoke" if a.smoke else "norm_quant")
 
 
 def write(result: dict, out: Path, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
-    names = list(result["rows"][0]["vs_split"])
+    names = list(result["rows"][0]["vs_first"])
     lines = [f"# A block's norm and its FP8 quantization on {result['device']}", "",
              f"`python bench/norm_quant.py`; torch {result['torch']}. Median us of one call (50 calls timed by "
-             "CUDA events, 15 repeats); codes against the split system's.", "",
+             "CUDA events, 15 repeats); codes against the first system's.", "",
              "| where | rows x K | " + " | ".join(names) + " | best GB/s |", "|---|---|" + "---|" * (len(names) + 1)]
     for r in result["rows"]:
-        cells = [f"{r['us'].get(n, '-')} ({r['vs_split'][n]['codes_differ']:.3%} codes differ)" for n in names]
+        cells = [f"{r['us'].get(n, '-')} ({r['vs_first'][n]['codes_differ']:.3%} codes differ)" for n in names]
         lines.append(f"| {r['where']} | {r['rows']} x {r['k']} | " + " | ".join(cells) + f" | {r.get('gbs_best', '-')} |")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
 

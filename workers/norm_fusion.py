@@ -29,6 +29,8 @@ from torch import nn
 
 from workers.fp8 import Fp8Linear, Projection
 from workers.norm_kernel import add_norm_quantize
+from workers.patches import BreakableSelfAttention
+from workers.varlen import VarlenCrossAttention
 
 ENABLED = True  # the engine patches PixArt FP8 blocks (a benchmark turns it off to compare)
 
@@ -78,13 +80,9 @@ def restore_block_norms(transformer: nn.Module) -> None:
 def _forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
              timestep=None, cross_attention_kwargs=None, class_labels=None, added_cond_kwargs=None):
     """``BasicTransformerBlock.forward`` for ``ada_norm_single`` with the fused norms (module docstring)."""
-    from workers.patches import BreakableSelfAttention
-    from workers.varlen import VarlenCrossAttention
-
-    base = super(type(self), self).forward
     if not isinstance(self.attn1.processor, BreakableSelfAttention) or cross_attention_kwargs:
-        return base(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask, timestep,
-                    cross_attention_kwargs, class_labels, added_cond_kwargs)
+        return self._diffusers_forward(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                                       timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
     b, t, d = hidden_states.shape                                                # (B, T, D)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
         self.scale_shift_table[None] + timestep.reshape(b, 6, -1)).chunk(6, dim=1)  # (B, 1, D) each
@@ -117,4 +115,5 @@ def _block_class() -> type:
     """``BasicTransformerBlock`` with ``_forward``, made once (diffusers is imported only where a model is loaded)."""
     from diffusers.models.attention import BasicTransformerBlock
 
-    return type("FusedNormPixArtBlock", (BasicTransformerBlock,), {"forward": _forward, "__module__": __name__})
+    return type("FusedNormPixArtBlock", (BasicTransformerBlock,),
+                {"forward": _forward, "_diffusers_forward": BasicTransformerBlock.forward, "__module__": __name__})

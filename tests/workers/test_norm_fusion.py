@@ -121,7 +121,10 @@ def test_blocks_without_fp8_linears_and_dit_blocks_are_left_alone(tmp_path, monk
     assert norm_fusion.fuse_block_norms(load_model(make_tiny_pixart(tmp_path / "q"), precision="fp8").transformer) == 0
 
 
-def test_the_engine_fuses_pixart_fp8_norms_under_the_graph_backends_and_its_images_stay_the_same(tmp_path):
+@pytest.mark.slow
+def test_the_engine_fuses_pixart_fp8_norms_under_the_graph_backends_and_compiled_its_images_stay_the_same(tmp_path):
+    """The fused blocks under a blocks-scope compile: one graph for every block and bucket, no fallback,
+    and the latents of eager diffusers blocks (float32 on a CPU)."""
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
     from workers.models.tiny_pixart import make_tiny_pixart
@@ -131,11 +134,16 @@ def test_the_engine_fuses_pixart_fp8_norms_under_the_graph_backends_and_its_imag
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=3, guidance=1.0 + i, prompt=p,
                       negative_prompt="small" if i % 2 else "") for i, p in enumerate(["a red cat", "the big blue house", "a dog"])]
     runs = {}
-    for name, backend in (("fused", "breakable"), ("eager", "eager")):
+    for name, backend, compile_mode in (("fused", "breakable", "inductor"), ("eager", "eager", "off")):
         model = load_model(folder, precision="fp8")
-        engine = Engine(model, EngineConfig(backend=backend, max_batch=4, cross_attention="varlen"))
+        engine = Engine(model, EngineConfig(backend=backend, max_batch=4, cross_attention="varlen",
+                                            compile=compile_mode, compile_scope="blocks"))
         patched = [type(b) is norm_fusion._block_class() for b in model.transformer.transformer_blocks]
         assert all(patched) if backend != "eager" else not any(patched)
         runs[name] = [r.latents for r in engine.generate(specs)]
+        if compile_mode != "off":
+            (stats,) = engine.stats()["groups"].values()
+            c = stats["compile"]
+            assert c["compiled"] and c["fallback_reason"] is None and c["region_graphs"] == 1, c
     for got, want in zip(runs["fused"], runs["eager"]):
         assert ((got - want).abs().max() / want.abs().max()).item() < 1e-3
