@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from workers import fp8, norm_kernel, quant_kernel
 
 SYSTEMS = {"split": ("split", False), "split/persistent": ("split", True), "fused": ("fused", False),
-           "fused/persistent": ("fused", True), "kernel": ("kernel", False)}
+           "fused/persistent": ("fused", True), "kernel": ("kernel", False),
+           "kernel/one-warp": ("kernel/one-warp", False)}
 PERSISTENT_MAX = 4096  # the "persistent" systems: rows up to this many values reduced in registers
 
 SHAPES = [  # (where, batch rows, tokens, K)
@@ -86,6 +87,14 @@ def make_system(kind: str, persistent: bool):
     persistent_reductions(PERSISTENT_MAX if persistent else None)
     if kind == "kernel":
         return lambda x, y, gate, shift, scale: norm_kernel.add_norm_quantize(x, y, gate, shift, scale)
+    if kind == "kernel/one-warp":  # one warp a row whatever the rows (norm_kernel.warps_for's base)
+        def one_warp(*args):
+            wanted, norm_kernel.THREADS_WANTED = norm_kernel.THREADS_WANTED, 0
+            try:
+                return norm_kernel.add_norm_quantize(*args)
+            finally:
+                norm_kernel.THREADS_WANTED = wanted
+        return one_warp
     if kind == "split":
         inner = torch.compile(split_fn, fullgraph=True)
         return lambda *a: (lambda x, rows: (x, *quant_rows(rows)))(*inner(*a))
@@ -178,7 +187,7 @@ def main(argv=None) -> None:
         row = {"where": where, "rows": b * t, "k": k, "us": {}, "vs_first": {}}
         ref = None
         for kind, persistent in systems:
-            name = f"{kind}{'/persistent' if persistent else ''}"
+            name = f"{kind}{'/persistent' if persistent else ''}"  # the SYSTEMS key
             fn = make_system(kind, persistent)
             got = fn(*args)
             ref = ref or got

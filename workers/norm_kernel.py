@@ -119,6 +119,19 @@ def _vector(v: torch.Tensor | None, b: int, k: int, like: torch.Tensor) -> tuple
     return v, v.stride(0)
 
 
+THREADS_WANTED = 1 << 20  # about four waves of the H200's 132 x 2048 resident threads
+
+
+def warps_for(rows: int, block: int) -> int:
+    """Warps a row's program gets: one per 2048 lanes (64 values a thread, the row quantization's
+    measured plan) while the rows alone fill the GPU; for fewer rows, more warps a row (down to 8 values a
+    thread, up to 16 warps), so that about THREADS_WANTED threads run. On an H200 one warp a row ran
+    65536 rows of 1152 at 3 TB/s but 8192 rows 25% slower than Inductor's kernel (``bench/norm_quant.py``)."""
+    base = _warps(block, 64)
+    wanted = _next_pow2(-(-THREADS_WANTED // (32 * max(rows, 1))))
+    return max(base, min(16, block // 256, wanted))
+
+
 def launch(x, y, gate, shift, scale, norm: bool, eps: float):
     """The kernel on CUDA tensors: (x' or an empty tensor when ``y`` is None, codes, scales)."""
     b, t, k = x.shape
@@ -135,7 +148,7 @@ def launch(x, y, gate, shift, scale, norm: bool, eps: float):
     _add_norm_quant_kernel[(m,)](x, x if y is None else y, g, sh, sc, out if y is not None else x, q, s, k, t,
                                  sg, ssh, ssc, eps, ADD=y is not None, GATE=gate is not None, NORM=norm,
                                  SHIFT=shift is not None, SCALE=scale is not None, BLOCK=block,
-                                 num_warps=_warps(block, 64))
+                                 num_warps=warps_for(m, block))
     return out, q, s
 
 
