@@ -4,22 +4,26 @@ An FP8 linear fed by a norm (a block's adaLN: the residual add, LayerNorm, the m
 norm's output rows before its product. Two ways to run that in a compiled step:
 
   split        Inductor's kernel for the add + norm + modulation writes the bf16 rows, then the repo's
-               Triton row quantization (``workers.quant_kernel``) reads them and writes FP8 (what the
-               engine runs now): the rows cross memory three times
+               Triton row quantization (``workers.quant_kernel``) reads them and writes FP8: the rows
+               cross memory three times
   fused        the quantization written as PyTorch operations in the same compiled function, so Inductor
-               makes one kernel of the norm and the quantization: read once, FP8 written once
+               makes one kernel of the norm and the quantization (``workers.fp8.FUSE_INPUTS``)
   kernel       the repo's own Triton kernel of the add, norm, modulation and quantization
                (``workers.norm_kernel``, what PixArt's FP8 blocks run, ``workers.norm_fusion``): each
                row held in registers, each input read once and each output written once
+  kernel/one-warp  the same with one warp a row at every row count (``norm_kernel.warps_for``'s base)
 
-Each under Inductor's default choice of reduction (a row wider than 1024 values is reduced in a loop,
-read from memory once per loop) and with persistent reductions up to PERSISTENT_MAX values (the row
-held in registers; ``persistent_reductions``, through Inductor's ``InductorChoices`` hook). Shapes are the ones the families' steps run. Each system is timed as 50
-calls by CUDA events, median of 15 repeats; codes are compared with the split system's (the share of
-FP8 codes that differ, and the largest difference of the dequantized rows relative to the row's peak).
+split and fused each under Inductor's default choice of reduction (a row wider than 1024 values is reduced
+in a loop, read from memory once per loop) and, as split/persistent and fused/persistent, with persistent
+reductions up to PERSISTENT_MAX values (the row held in registers; ``persistent_reductions``, through
+Inductor's ``InductorChoices`` hook). Shapes are the ones the families' steps run. Each system is timed as
+50 calls captured in one CUDA graph and replayed (``--no-graph``: called from Python, which at the small
+shapes times the host's launch path), median of 15 repeats; codes are compared with the first system's
+(``--systems``; the share of FP8 codes that differ, and the largest difference of the dequantized rows
+relative to the row's peak).
 
     python bench/norm_quant.py                     # on a GPU
-    python bench/norm_quant.py --smoke             # CPU: small shapes, the fused system only checked
+    python bench/norm_quant.py --smoke             # CPU: small shapes, the codes only compared
 Writes norm_quant.json and norm_quant.md under --out (norm_quant_smoke.* with --smoke).
 """
 
@@ -144,16 +148,25 @@ def inputs(b: int, t: int, k: int, device: str, dtype: torch.dtype):
     return r(b, t, k), r(b, t, k), r(b, 1, k) * 0.2, r(b, 1, k) * 0.1, r(b, 1, k) * 0.1
 
 
-def time_us(fn, args, calls: int = 50, repeats: int = 15) -> float:
+def time_us(fn, args, calls: int = 50, repeats: int = 15, graph: bool = True) -> float:
+    """Median us of one call. ``graph``: ``calls`` calls captured in one CUDA graph and replayed, the GPU's
+    time alone, as the engine's steps replay them; otherwise called from Python, which at small shapes
+    measures the host's launch path (a Python Triton launch, a compiled wrapper) rather than the kernel."""
     for _ in range(3):
         fn(*args)
     torch.cuda.synchronize()
+    run = lambda: [fn(*args) for _ in range(calls)]
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        run = g.replay
+        run()
     out = []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for _ in range(calls):
-            fn(*args)
+        run()
         b.record()
         b.synchronize()
         out.append(a.elapsed_time(b) * 1000 / calls)
@@ -174,6 +187,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default="docs/benchmarks")
+    p.add_argument("--no-graph", action="store_true",
+                   help="time calls from Python instead of CUDA-graph replays (host launch cost included)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS),
                    help="the first is the one the others' codes are compared with")
     a = p.parse_args(argv)
@@ -193,7 +208,7 @@ def main(argv=None) -> None:
             ref = ref or got
             row["vs_first"][name] = compare(ref, got)
             if cuda:
-                row["us"][name] = time_us(fn, args)
+                row["us"][name] = time_us(fn, args, graph=not a.no_graph)
         persistent_reductions(None)
         bytes_min = b * t * k * (2 * 2 + 2 + 1) + b * t * 4  # x, y read; x, codes written; scales
         if cuda:
@@ -202,7 +217,8 @@ def main(argv=None) -> None:
         rows.append(row)
         print(row, flush=True)
     result = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-              "torch": torch.__version__, "reference": a.systems[0], "rows": rows}
+              "torch": torch.__version__, "reference": a.systems[0], "timing": "calls" if a.no_graph else "graph replays",
+              "rows": rows}
     write(result, Path(a.out), "norm_quant_smoke" if a.smoke else "norm_quant")
 
 
@@ -212,7 +228,7 @@ def write(result: dict, out: Path, name: str) -> None:
     names = list(result["rows"][0]["vs_first"])
     lines = [f"# A block's norm and its FP8 quantization on {result['device']}", "",
              f"`python bench/norm_quant.py`; torch {result['torch']}. Median us of one call (50 calls timed by "
-             "CUDA events, 15 repeats); codes against the first system's.", "",
+             f"CUDA events, 15 repeats; {result.get('timing', 'calls')}); codes against the first system's.", "",
              "| where | rows x K | " + " | ".join(names) + " | best GB/s |", "|---|---|" + "---|" * (len(names) + 1)]
     for r in result["rows"]:
         cells = [f"{r['us'].get(n, '-')} ({r['vs_first'][n]['codes_differ']:.3%} codes differ)" for n in names]

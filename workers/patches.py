@@ -33,6 +33,14 @@ def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     attention(q, k, v, out)
 
 
+def scaled_output(out: torch.Tensor, attn) -> torch.Tensor:
+    """``out / attn.rescale_output_factor``, as diffusers' processors end, without the division where the
+    factor is 1 (every family here): in a compiled block whose next consumer is an opaque op (the fused
+    norm, ``workers.norm_fusion``) a division by one is a pass of its own over the attention's output."""
+    factor = attn.rescale_output_factor
+    return out if factor == 1 else out / factor
+
+
 class AttentionScratch:
     """One allocation for q, k, v and the attention output, reused by every layer and bucket."""
 
@@ -97,7 +105,7 @@ class BreakableSelfAttention:
         split = lambda y: y.view(b, t, heads, d).transpose(1, 2)                # (B, h, T, d)
         attention_into(split(q), split(k), split(v), split(o))
         out = attn.to_out[1](attn.to_out[0](o.view(b, t, inner)))              # proj + dropout
-        return out / attn.rescale_output_factor
+        return scaled_output(out, attn)
 
 
 def break_attention(transformer: torch.nn.Module, fuse_qkv: bool = True) -> int:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from graphs import eager_on_graph
 from workers.fp8 import linear_into
-from workers.patches import AttentionScratch
+from workers.patches import AttentionScratch, scaled_output
 
 
 def key_lengths(mask: torch.Tensor | None, rows: int, keys: int, device: torch.device) -> torch.Tensor:
@@ -156,7 +156,7 @@ class VarlenCrossAttention:
         split = lambda y, n: y.view(b, n, heads, inner // heads)               # (B, n, h, d)
         varlen_attention_into(split(q, t), split(k, l), split(v, l), used, split(o, t))
         out = attn.to_out[1](attn.to_out[0](o.view(b, t, inner)))              # proj + dropout
-        return out / attn.rescale_output_factor
+        return scaled_output(out, attn)
 
 
 def varlen_cross_attention(transformer: torch.nn.Module, scratch: AttentionScratch | None = None) -> None:

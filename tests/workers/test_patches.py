@@ -163,3 +163,13 @@ def test_hoisting_leaves_other_families_alone_and_the_engine_hoists_under_graph_
         if m.precision == "bf16":
             for a, b in zip(got, want):
                 torch.testing.assert_close(a.latents, b.latents, rtol=1e-5, atol=1e-5)
+
+
+def test_the_attention_output_is_divided_only_by_a_factor_other_than_one():
+    from types import SimpleNamespace
+
+    from workers.patches import scaled_output
+
+    out = torch.randn(2, 3)
+    assert scaled_output(out, SimpleNamespace(rescale_output_factor=1.0)) is out  # no pass of its own
+    assert torch.equal(scaled_output(out, SimpleNamespace(rescale_output_factor=2.0)), out / 2)
