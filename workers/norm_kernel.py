@@ -126,7 +126,8 @@ def warps_for(rows: int, block: int) -> int:
     """Warps a row's program gets: one per 2048 lanes (64 values a thread, the row quantization's
     measured plan) while the rows alone fill the GPU; for fewer rows, more warps a row (down to 8 values a
     thread, up to 16 warps), so that about THREADS_WANTED threads run. On an H200 one warp a row ran
-    65536 rows of 1152 at 3 TB/s but 8192 rows 25% slower than Inductor's kernel (``bench/norm_quant.py``)."""
+    65536 rows of 1152 at 3 TB/s (``docs/benchmarks/norm_quant_kernel.md``); the split for fewer rows (a
+    1024 px image's 8192) is a choice its graph-replay timing has yet to confirm."""
     base = _warps(block, 64)
     wanted = _next_pow2(-(-THREADS_WANTED // (32 * max(rows, 1))))
     return max(base, min(16, block // 256, wanted))
