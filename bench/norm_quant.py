@@ -33,12 +33,12 @@ import argparse
 import functools
 import json
 import platform
-import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from graphs.runner import event_ms
 from workers import fp8, norm_kernel, quant_kernel
 
 SYSTEMS = {"split": ("split", False), "split/persistent": ("split", True), "fused": ("fused", False),
@@ -161,16 +161,7 @@ def time_us(fn, args, calls: int = 50, repeats: int = 15, graph: bool = True) ->
         with torch.cuda.graph(g):
             run()
         run = g.replay
-        run()
-    out = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1000 / calls)
-    return round(statistics.median(out), 2)
+    return round(event_ms(run, repeats) * 1000 / calls, 2)
 
 
 def compare(ref, got) -> dict:
