@@ -83,7 +83,7 @@ SYSTEMS = {  # name -> (backend, compile, precision, how compiled breaks get the
 }
 SYSTEMS.update({f"{name}+nofa4": SYSTEMS[name] for name in  # the same systems, FlashAttention-4 left out
                 ("breakable", "full+inductor", "full+inductor+blocks", "full+inductor+fp8", "full+inductor+fp8+blocks")})
-SYSTEMS.update({f"{name}+nonorms": SYSTEMS[name] for name in ("breakable+fp8", "full+inductor+fp8+blocks")})
+SYSTEMS.update({f"{name}+nonorms": SYSTEMS[name] for name in ("breakable+fp8", "full+inductor+fp8", "full+inductor+fp8+blocks")})
 # +torchquant: the FP8 systems with the activations quantized by PyTorch operations (what Inductor fuses
 # them into when compiled, the GELU with them) instead of workers.quant_kernel's Triton kernel
 # +nonorms: PixArt's FP8 blocks without their norms fused with the quantizations (workers.norm_fusion)
@@ -193,7 +193,9 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     block = {"warmup_s": round(warm_s, 2), "ms": {}, "max_abs_diff": {}, "rel_diff": {},
              "pool_mib": round(runner.stats()["pool_reserved_bytes"] / 2**20, 1),
              "compile": next(iter(stats.values())).get("compile"),
-             "segments_per_bucket": {b: s["segments"] for b, s in runner.stats()["buckets"].items()}}
+             "segments_per_bucket": {b: s["segments"] for b, s in runner.stats()["buckets"].items()},
+             "fused_norm_blocks": sum(type(b) is norm_fusion._block_class()
+                                      for b in getattr(model.transformer, "transformer_blocks", []))}
     with torch.no_grad():
         for n, inp in inputs.items():
             block["ms"][n] = round(median_ms(lambda: runner.run(**inp), iters(args, n)), 3)
