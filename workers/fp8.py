@@ -249,6 +249,8 @@ def linear_into(x: torch.Tensor, projections: list[tuple[nn.Module, torch.Tensor
     one (add)mm; ``Fp8Linear`` ones share one quantization of ``x`` (``quantized``: x's codes and row scales,
     made by the caller, e.g. with the norm that made x)."""
     fuse = all(p.fused_input for p, _ in projections if isinstance(p, Fp8Linear))
+    if quantized is not None and not all(isinstance(p, Fp8Linear) for p, _ in projections):
+        raise ValueError("rows quantized by the caller feed FP8 linears only")  # x may not be their rows
     for proj, out in projections:
         if isinstance(proj, Fp8Linear):
             if quantized is None:

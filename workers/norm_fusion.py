@@ -80,14 +80,16 @@ def restore_block_norms(transformer: nn.Module) -> None:
 def _forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
              timestep=None, cross_attention_kwargs=None, class_labels=None, added_cond_kwargs=None):
     """``BasicTransformerBlock.forward`` for ``ada_norm_single`` with the fused norms (module docstring)."""
-    if not isinstance(self.attn1.processor, BreakableSelfAttention) or cross_attention_kwargs:
+    proc = self.attn1.processor
+    if not isinstance(proc, BreakableSelfAttention) or not isinstance(proc.qkv, (Fp8Linear, type(None))) \
+            or cross_attention_kwargs:
         return self._diffusers_forward(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
                                        timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
     b, t, d = hidden_states.shape                                                # (B, T, D)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
         self.scale_shift_table[None] + timestep.reshape(b, 6, -1)).chunk(6, dim=1)  # (B, 1, D) each
     _, *rows = add_norm_quantize(hidden_states, shift=shift_msa, scale=scale_msa, eps=self.norm1.eps)
-    attn = self.attn1.processor(self.attn1, hidden_states, attention_mask=attention_mask, quantized=tuple(rows))
+    attn = proc(self.attn1, hidden_states, attention_mask=attention_mask, quantized=tuple(rows))
     if self.attn2 is not None:
         varlen = isinstance(self.attn2.processor, VarlenCrossAttention)
         if varlen:

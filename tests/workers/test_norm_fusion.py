@@ -147,3 +147,12 @@ def test_the_engine_fuses_pixart_fp8_norms_under_the_graph_backends_and_compiled
             assert c["compiled"] and c["fallback_reason"] is None and c["region_graphs"] == 1, c
     for got, want in zip(runs["fused"], runs["eager"]):
         assert ((got - want).abs().max() / want.abs().max()).item() < 1e-3
+
+
+def test_rows_quantized_by_the_caller_are_refused_for_a_plain_linear():
+    from torch import nn
+
+    lin = nn.Linear(16, 16)
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="FP8 linears only"):
+        fp8.linear_into(x, [(lin, torch.empty(4, 16))], quantized=fp8.quantize_rows(x))
