@@ -213,7 +213,7 @@ class Engine:
             if hasattr(family, "set_cross_attention"):
                 family.set_cross_attention(m, config.cross_attention)
             if config.backend != "eager" and config.attention_patch and family.BREAK_ATTENTION:
-                fuse_block_norms(m.transformer)  # PixArt's FP8 blocks: each norm and its quantization one kernel
+                fuse_block_norms(m.transformer)  # PixArt's and DiT's FP8 blocks: each norm and its quantization one kernel
             if hasattr(family, "attention_kernel"):
                 self.attention[m.name] = family.attention_kernel(m)
                 log.info("%s: %s", m.name, self.attention[m.name])

@@ -30,7 +30,7 @@ How
   3072 from 178 to 81 (``bench/norm_quant.py``, ``docs/benchmarks/norm_quant.md``). Inputs made elsewhere
   (an attention break's output, a product's, the prompt's states) keep the Triton kernel: Inductor's
   quantization alone is about three times slower than it.
-* PixArt's blocks go one step further (``workers.norm_fusion``): each norm, its modulation and the next
+* PixArt's and DiT's blocks go one step further (``workers.norm_fusion``): each norm, its modulation and the next
   linear's quantization are one kernel of our own (``workers.norm_kernel``), and the projections take its
   codes (``linear_into(..., quantized=...)``, ``Fp8Linear.mm_rows``).
 

@@ -1,4 +1,4 @@
-"""PixArt's FP8 blocks with each norm, its modulation and the next linear's quantization as one kernel.
+"""FP8 blocks with each norm, its modulation and the next linear's quantization as one kernel: PixArt, DiT.
 
 A PixArt block (diffusers' ``BasicTransformerBlock``, ``norm_type="ada_norm_single"``) runs, per step:
 
@@ -8,17 +8,21 @@ A PixArt block (diffusers' ``BasicTransformerBlock``, ``norm_type="ada_norm_sing
     n2 = LN(h) * (1 + scale_mlp) + shift_mlp          -> the feed-forward's first linear (quantized rows)
     h  = h + gate_mlp * ff(n2)
 
-With its linears in FP8, each arrow is a pass that makes the rows an FP8 product reads. Here each is one
+and a class-conditional DiT block (``norm_type="ada_norm_zero"``, no cross-attention) the same without the
+cross-attention, its six modulation vectors from ``norm1``'s adaLN-Zero (or the hoisted modulation,
+``workers.patches.HoistedModulation``), its second norm ``norm3``.
+
+With the linears in FP8, each arrow is a pass that makes the rows an FP8 product reads. Here each is one
 ``workers.norm_kernel.add_norm_quantize`` call that reads its inputs once and writes the FP8 codes (and the
 new residual) once, and the projections take those codes (``linear_into(..., quantized=...)``,
 ``Fp8Linear.mm_rows``) instead of quantizing again. The arithmetic is the block's, in float32 with one
 rounding to FP8 where eager rounds to bf16 after each operation first.
 
-``fuse_block_norms(transformer)`` gives the blocks that qualify (PixArt blocks whose attention, cross-attention
-query and feed-forward linears are FP8, no chunked feed-forward) a class whose ``forward`` does this; one class
-for all, so a blocks-scope compile still makes one graph. At each call it checks that the self-attention is
-the engine's (``BreakableSelfAttention``) and otherwise runs diffusers' forward unchanged; a padded
-cross-attention (diffusers' processor) quantizes its own query.
+``fuse_block_norms(transformer)`` gives the blocks that qualify (whose attention, cross-attention query and
+feed-forward linears are FP8, norms without affine parameters, no chunked feed-forward) a class whose
+``forward`` does this; one class for all, so a blocks-scope compile still makes one graph. At each call it
+checks that the self-attention is the engine's (``BreakableSelfAttention``) and otherwise runs diffusers'
+forward unchanged; a padded cross-attention (diffusers' processor) quantizes its own query.
 """
 
 from __future__ import annotations
@@ -32,21 +36,30 @@ from workers.norm_kernel import add_norm_quantize
 from workers.patches import BreakableSelfAttention
 from workers.varlen import VarlenCrossAttention
 
-ENABLED = True  # the engine patches PixArt FP8 blocks (a benchmark turns it off to compare)
+ENABLED = True  # the engine patches PixArt's and DiT's FP8 blocks (a benchmark turns it off to compare)
+
+
+def _plain_norm(n) -> bool:
+    return type(n) is nn.LayerNorm and not n.elementwise_affine
 
 
 def _qualifies(block: nn.Module) -> bool:
     from diffusers.models.attention import BasicTransformerBlock, FeedForward
+    from diffusers.models.normalization import AdaLayerNormZero
 
-    if type(block) is not BasicTransformerBlock or block.norm_type != "ada_norm_single":
+    if type(block) is not BasicTransformerBlock or block.pos_embed is not None or block.only_cross_attention \
+            or block._chunk_size is not None:
         return False
-    if block.pos_embed is not None or block.only_cross_attention or block._chunk_size is not None:
-        return False
-    norms = (block.norm1, block.norm2)
-    if any(type(n) is not nn.LayerNorm or n.elementwise_affine for n in norms):
+    if block.norm_type == "ada_norm_single":
+        norms_ok = _plain_norm(block.norm1) and _plain_norm(block.norm2)
+    elif block.norm_type == "ada_norm_zero":
+        norms_ok = (type(block.norm1) is AdaLayerNormZero and block.norm1.emb is not None
+                    and _plain_norm(block.norm1.norm) and _plain_norm(block.norm3) and block.attn2 is None)
+    else:
         return False
     ff = block.ff
-    if type(ff) is not FeedForward or not isinstance(ff.net[0], Projection) or not isinstance(ff.net[0].proj, Fp8Linear):
+    if not norms_ok or type(ff) is not FeedForward or not isinstance(ff.net[0], Projection) \
+            or not isinstance(ff.net[0].proj, Fp8Linear):
         return False
     attns = [block.attn1] + ([block.attn2] if block.attn2 is not None else [])
     return all(isinstance(a.to_q, Fp8Linear) for a in attns) and all(
@@ -79,20 +92,25 @@ def restore_block_norms(transformer: nn.Module) -> None:
 
 def _forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
              timestep=None, cross_attention_kwargs=None, class_labels=None, added_cond_kwargs=None):
-    """``BasicTransformerBlock.forward`` for ``ada_norm_single`` with the fused norms (module docstring)."""
+    """``BasicTransformerBlock.forward`` for ``ada_norm_single`` and ``ada_norm_zero`` with the fused norms
+    (module docstring)."""
     proc = self.attn1.processor
     if not isinstance(proc, BreakableSelfAttention) or not isinstance(proc.qkv, (Fp8Linear, type(None))) \
             or cross_attention_kwargs:
         return self._diffusers_forward(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
                                        timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
     b, t, d = hidden_states.shape                                                # (B, T, D)
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
-        self.scale_shift_table[None] + timestep.reshape(b, 6, -1)).chunk(6, dim=1)  # (B, 1, D) each
-    _, *rows = add_norm_quantize(hidden_states, shift=shift_msa, scale=scale_msa, eps=self.norm1.eps)
+    if self.norm_type == "ada_norm_zero":
+        emb = _ada_zero_modulation(self.norm1, timestep, class_labels, hidden_states.dtype)  # (B, 6D)
+        first_eps, second_eps = self.norm1.norm.eps, self.norm3.eps
+    else:
+        emb = self.scale_shift_table[None] + timestep.reshape(b, 6, -1)          # (B, 6, D)
+        first_eps, second_eps = self.norm1.eps, self.norm2.eps
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)  # (B, D) or (B, 1, D)
+    _, *rows = add_norm_quantize(hidden_states, shift=shift_msa, scale=scale_msa, eps=first_eps)
     attn = proc(self.attn1, hidden_states, attention_mask=attention_mask, quantized=tuple(rows))
     if self.attn2 is not None:
-        varlen = isinstance(self.attn2.processor, VarlenCrossAttention)
-        if varlen:
+        if isinstance(self.attn2.processor, VarlenCrossAttention):
             hidden_states, *rows = add_norm_quantize(hidden_states, attn, gate_msa, norm=False)
             attn = self.attn2.processor(self.attn2, hidden_states, encoder_hidden_states=encoder_hidden_states,
                                         attention_mask=encoder_attention_mask, quantized=tuple(rows))
@@ -101,15 +119,26 @@ def _forward(self, hidden_states, attention_mask=None, encoder_hidden_states=Non
             attn = self.attn2(hidden_states, encoder_hidden_states=encoder_hidden_states,
                               attention_mask=encoder_attention_mask)
         hidden_states, *rows = add_norm_quantize(hidden_states, attn, shift=shift_mlp, scale=scale_mlp,
-                                                 eps=self.norm2.eps)
+                                                 eps=second_eps)
     else:
-        hidden_states, *rows = add_norm_quantize(hidden_states, attn, gate_msa, shift_mlp, scale_mlp,
-                                                 eps=self.norm2.eps)
+        hidden_states, *rows = add_norm_quantize(hidden_states, attn, gate_msa, shift_mlp, scale_mlp, eps=second_eps)
     net = self.ff.net
     y = net[0].proj.mm_rows(*rows).view(b, t, -1)                                 # (B, T, inner)
     for module in net[1:]:
         y = module(y)
-    return gate_mlp * y + hidden_states
+    return gate_mlp.view(b, 1, d) * y + hidden_states
+
+
+def _ada_zero_modulation(norm, timestep, class_labels, dtype):
+    """(B, 6D): what diffusers' ``AdaLayerNormZero`` computes before its norm, ``linear(silu(emb(t, y)))``;
+    from the hoisted modulation where the engine hoisted it (the first block computes every block's)."""
+    hoisted = getattr(norm, "_hoisted", None)
+    if hoisted is None:
+        return norm.linear(norm.silu(norm.emb(timestep, class_labels, hidden_dtype=dtype)))
+    cache, index = hoisted
+    if index == 0:
+        cache.compute(timestep, class_labels, dtype)
+    return cache.value[index]
 
 
 @functools.cache
@@ -117,5 +146,5 @@ def _block_class() -> type:
     """``BasicTransformerBlock`` with ``_forward``, made once (diffusers is imported only where a model is loaded)."""
     from diffusers.models.attention import BasicTransformerBlock
 
-    return type("FusedNormPixArtBlock", (BasicTransformerBlock,),
+    return type("FusedNormBlock", (BasicTransformerBlock,),
                 {"forward": _forward, "_diffusers_forward": BasicTransformerBlock.forward, "__module__": __name__})

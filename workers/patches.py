@@ -226,6 +226,7 @@ def hoist_modulation(transformer: torch.nn.Module) -> bool:
         object.__setattr__(transformer, "_hoisted_modulation", cache)  # a plain reference, not a submodule
     for i, norm in enumerate(norms):
         norm.forward = _hoisted_norm_forward(cache, i)
+        object.__setattr__(norm, "_hoisted", (cache, i))  # for blocks that read the modulation (norm_fusion)
     return True
 
 
@@ -233,3 +234,4 @@ def restore_modulation(transformer: torch.nn.Module) -> None:
     """Undo ``hoist_modulation``: each block computes its own modulation again (the stacked weights stay)."""
     for blk in getattr(transformer, "transformer_blocks", []):
         blk.norm1.__dict__.pop("forward", None)
+        blk.norm1.__dict__.pop("_hoisted", None)

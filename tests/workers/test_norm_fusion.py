@@ -109,16 +109,47 @@ def test_without_the_engines_self_attention_a_fused_block_runs_diffusers_forward
     assert all(type(b).__name__ == "BasicTransformerBlock" for b in tr.transformer_blocks)
 
 
-def test_blocks_without_fp8_linears_and_dit_blocks_are_left_alone(tmp_path, monkeypatch):
+def test_blocks_without_fp8_linears_are_left_alone_and_dit_fp8_blocks_are_taken(tmp_path, monkeypatch):
     from workers.loading import load_model
     from workers.models.tiny_dit import write_tiny_dit
     from workers.models.tiny_pixart import make_tiny_pixart
 
     assert norm_fusion.fuse_block_norms(load_model(make_tiny_pixart(tmp_path / "p")).transformer) == 0
     write_tiny_dit(tmp_path / "dit")
-    assert norm_fusion.fuse_block_norms(load_model(tmp_path / "dit", precision="fp8").transformer) == 0
+    assert norm_fusion.fuse_block_norms(load_model(tmp_path / "dit").transformer) == 0
+    dit = load_model(tmp_path / "dit", precision="fp8").transformer
+    assert norm_fusion.fuse_block_norms(dit) == len(dit.transformer_blocks) > 0
     monkeypatch.setattr(norm_fusion, "ENABLED", False)
     assert norm_fusion.fuse_block_norms(load_model(make_tiny_pixart(tmp_path / "q"), precision="fp8").transformer) == 0
+
+
+@pytest.mark.parametrize("hoisted", [True, False])
+def test_fused_norm_dit_blocks_compute_what_diffusers_blocks_compute(tmp_path, hoisted, monkeypatch):
+    """DiT's adaLN-Zero blocks, their modulation from each block's norm1 or from the hoisted one: the whole
+    transformer with the fused blocks against diffusers' (float32 on a CPU)."""
+    from workers.loading import load_model
+    from workers.models.tiny_dit import write_tiny_dit
+    from workers.patches import break_attention, hoist_modulation, restore_modulation
+
+    write_tiny_dit(tmp_path / "dit")
+    tr = load_model(tmp_path / "dit", precision="fp8").transformer
+    break_attention(tr)
+    assert hoist_modulation(tr) if hoisted else True
+    calls = []
+    kernel = norm_fusion.add_norm_quantize
+    monkeypatch.setattr(norm_fusion, "add_norm_quantize", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    cfg = tr.config
+    x = torch.randn(3, cfg.in_channels, cfg.sample_size, cfg.sample_size, generator=g)
+    t, y = torch.tensor([10, 500, 999]), torch.tensor([0, 3, cfg.num_embeds_ada_norm])  # the last: the null class
+    with torch.no_grad():
+        assert norm_fusion.fuse_block_norms(tr) == len(tr.transformer_blocks)
+        got = tr(x, timestep=t, class_labels=y).sample
+        assert len(calls) == 2 * len(tr.transformer_blocks)
+        norm_fusion.restore_block_norms(tr)
+        want = tr(x, timestep=t, class_labels=y).sample
+    restore_modulation(tr)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-3
 
 
 @pytest.mark.slow
