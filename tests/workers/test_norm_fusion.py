@@ -162,8 +162,9 @@ def test_the_engine_fuses_pixart_fp8_norms_under_the_graph_backends_and_compiled
     from workers.spec import ItemSpec
 
     folder = make_tiny_pixart(tmp_path / "p")
+    prompts = ["a red cat", "the big blue house", "a dog"]
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=3, guidance=1.0 + i, prompt=p,
-                      negative_prompt="small" if i % 2 else "") for i, p in enumerate(["a red cat", "the big blue house", "a dog"])]
+                      negative_prompt="small" if i % 2 else "") for i, p in enumerate(prompts)]
     runs = {}
     for name, backend, compile_mode in (("fused", "breakable", "inductor"), ("eager", "eager", "off")):
         model = load_model(folder, precision="fp8")
