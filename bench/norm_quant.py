@@ -11,7 +11,7 @@ norm's output rows before its product. Two ways to run that in a compiled step:
   kernel       the repo's own Triton kernel of the add, norm, modulation and quantization
                (``workers.norm_kernel``, what PixArt's FP8 blocks run, ``workers.norm_fusion``): each
                row held in registers, each input read once and each output written once
-  kernel/one-warp  the same with one warp a row at every row count (``norm_kernel.warps_for``'s base)
+  kernel/one-warp  the same with one warp per 2048 lanes at every row count (``norm_kernel.base_warps``)
 
 split and fused each under Inductor's default choice of reduction (a row wider than 1024 values is reduced
 in a loop, read from memory once per loop) and, as split/persistent and fused/persistent, with persistent
@@ -91,13 +91,11 @@ def make_system(kind: str, persistent: bool):
     persistent_reductions(PERSISTENT_MAX if persistent else None)
     if kind == "kernel":
         return lambda x, y, gate, shift, scale: norm_kernel.add_norm_quantize(x, y, gate, shift, scale)
-    if kind == "kernel/one-warp":  # one warp a row whatever the rows (norm_kernel.warps_for's base)
-        def one_warp(*args):
-            wanted, norm_kernel.THREADS_WANTED = norm_kernel.THREADS_WANTED, 0
-            try:
-                return norm_kernel.add_norm_quantize(*args)
-            finally:
-                norm_kernel.THREADS_WANTED = wanted
+    if kind == "kernel/one-warp":  # one warp per 2048 lanes whatever the rows (norm_kernel.base_warps)
+        def one_warp(x, y, gate, shift, scale):
+            if not norm_kernel.available(x):
+                return norm_kernel.reference(x, y, gate, shift, scale)
+            return norm_kernel.launch(x, y, gate, shift, scale, True, 1e-6, warps=norm_kernel.base_warps(x.shape[-1]))
         return one_warp
     if kind == "split":
         inner = torch.compile(split_fn, fullgraph=True)

@@ -217,8 +217,7 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
         engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "", scope=args.scope,
                                                  cross_attention=args.cross_attention)
     block = result["systems"][name] = {"backend": backend}
-    block["fused_norm_blocks"] = sum(type(b) is norm_fusion._block_class()
-                                     for b in getattr(model.transformer, "transformer_blocks", []))
+    block["fused_norm_blocks"] = norm_fusion.fused_blocks(model.transformer)
     if model.card.family == "pixart":  # the mode the engine runs ("auto" resolved)
         from workers.families.pixart import DEFAULT_CROSS_ATTENTION
 

@@ -194,8 +194,7 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
              "pool_mib": round(runner.stats()["pool_reserved_bytes"] / 2**20, 1),
              "compile": next(iter(stats.values())).get("compile"),
              "segments_per_bucket": {b: s["segments"] for b, s in runner.stats()["buckets"].items()},
-             "fused_norm_blocks": sum(type(b) is norm_fusion._block_class()
-                                      for b in getattr(model.transformer, "transformer_blocks", []))}
+             "fused_norm_blocks": norm_fusion.fused_blocks(model.transformer)}
     with torch.no_grad():
         for n, inp in inputs.items():
             block["ms"][n] = round(median_ms(lambda: runner.run(**inp), iters(args, n)), 3)

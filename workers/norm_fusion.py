@@ -81,6 +81,11 @@ def fuse_block_norms(transformer: nn.Module) -> int:
     return count
 
 
+def fused_blocks(transformer: nn.Module) -> int:
+    """How many of ``transformer``'s blocks run the fused forward now."""
+    return sum(type(b) is _block_class() for b in getattr(transformer, "transformer_blocks", []))
+
+
 def restore_block_norms(transformer: nn.Module) -> None:
     """Undo ``fuse_block_norms``."""
     from diffusers.models.attention import BasicTransformerBlock
@@ -136,9 +141,7 @@ def _ada_zero_modulation(norm, timestep, class_labels, dtype):
     if hoisted is None:
         return norm.linear(norm.silu(norm.emb(timestep, class_labels, hidden_dtype=dtype)))
     cache, index = hoisted
-    if index == 0:
-        cache.compute(timestep, class_labels, dtype)
-    return cache.value[index]
+    return cache.block_value(index, timestep, class_labels, dtype)
 
 
 @functools.cache

@@ -122,19 +122,25 @@ def _vector(v: torch.Tensor | None, b: int, k: int, like: torch.Tensor) -> tuple
 THREADS_WANTED = 1 << 20  # about four waves of the H200's 132 x 2048 resident threads
 
 
+def base_warps(k: int) -> int:
+    """One warp per 2048 lanes of a row of ``k`` values (64 values a thread): ``warps_for`` with rows to spare."""
+    return _warps(_next_pow2(k), 64)
+
+
 def warps_for(rows: int, block: int) -> int:
     """Warps a row's program gets: one per 2048 lanes (64 values a thread, the row quantization's
     measured plan) while the rows alone fill the GPU; for fewer rows, more warps a row (down to 8 values a
     thread, up to 16 warps), so that about THREADS_WANTED threads run. On an H200 one warp a row ran
     65536 rows of 1152 at 3 TB/s (``docs/benchmarks/norm_quant_kernel.md``); the split for fewer rows (a
     1024 px image's 8192) is a choice its graph-replay timing has yet to confirm."""
-    base = _warps(block, 64)
+    base = base_warps(block)
     wanted = _next_pow2(-(-THREADS_WANTED // (32 * max(rows, 1))))
     return max(base, min(16, block // 256, wanted))
 
 
-def launch(x, y, gate, shift, scale, norm: bool, eps: float):
-    """The kernel on CUDA tensors: (x' or an empty tensor when ``y`` is None, codes, scales)."""
+def launch(x, y, gate, shift, scale, norm: bool, eps: float, warps: int | None = None):
+    """The kernel on CUDA tensors: (x' or an empty tensor when ``y`` is None, codes, scales); ``warps`` a
+    row, by default ``warps_for``'s (a benchmark compares others)."""
     b, t, k = x.shape
     x = x.contiguous()
     y = None if y is None else y.contiguous()
@@ -149,7 +155,7 @@ def launch(x, y, gate, shift, scale, norm: bool, eps: float):
     _add_norm_quant_kernel[(m,)](x, x if y is None else y, g, sh, sc, out if y is not None else x, q, s, k, t,
                                  sg, ssh, ssc, eps, ADD=y is not None, GATE=gate is not None, NORM=norm,
                                  SHIFT=shift is not None, SCALE=scale is not None, BLOCK=block,
-                                 num_warps=warps_for(m, block))
+                                 num_warps=warps or warps_for(m, block))
     return out, q, s
 
 

@@ -184,6 +184,13 @@ class HoistedModulation:
         emb = emb + self.tables[:, class_labels]                                          # + class rows
         self.value = torch.baddbmm(self.bm[:, None], torch.nn.functional.silu(emb), self.wm.transpose(1, 2))
 
+    def block_value(self, index: int, timestep: torch.Tensor, class_labels: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """(B, 6D): block ``index``'s modulation for this forward; the first block computes every block's."""
+        if index == 0:
+            self.compute(timestep, class_labels, dtype)
+        return self.value[index]
+
 
 def _stack_views(modules: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The modules' weights (and biases) stacked along a new first dimension; each module's own become views
@@ -204,9 +211,8 @@ def _stack_views(modules: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Te
 def _hoisted_norm_forward(cache: HoistedModulation, index: int):
     def forward(x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
         norm = cache.norms[index]
-        if index == 0:
-            cache.compute(timestep, class_labels, hidden_dtype or x.dtype)
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = cache.value[index].chunk(6, dim=1)
+        emb = cache.block_value(index, timestep, class_labels, hidden_dtype or x.dtype)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
         x = norm.norm(x) * (1 + scale_msa[:, None]) + shift_msa[:, None]
         return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
