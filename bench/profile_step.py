@@ -37,7 +37,8 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 SYSTEMS = {"plain": ("off", "bf16"), "fused": ("inductor", "bf16"), "fp8": ("off", "fp8"), "fused+fp8": ("inductor", "fp8"),
-           "fused+fp8+nonorms": ("inductor", "fp8")}  # +nonorms: PixArt's blocks without workers.norm_fusion
+           "fused+fp8+nonorms": ("inductor", "fp8"),  # +nonorms: PixArt's blocks without workers.norm_fusion
+           "fused+fp8+rawbreaks": ("inductor", "fp8")}  # +rawbreaks: without workers.patches.QUANTIZED_BREAKS
 # kernel name -> group, first match wins (CUDA kernel names, and aten operator names on a CPU)
 GROUPS = [
     # Inductor's own kernels (pointwise, reduction, persistent reduction) are never matrix products, whatever
@@ -211,25 +212,26 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
     kernels = _kernels()
     model = load_model(args.model, device=device, dtype=dtype, precision=precision)
     backend = "full" if compile_mode == "inductor" and model.card.family == "dit" else "breakable"
-    from workers import norm_fusion
+    from workers import norm_fusion, patches
 
-    with mock.patch.object(norm_fusion, "ENABLED", not name.endswith("+nonorms")):
+    with mock.patch.object(norm_fusion, "ENABLED", not name.endswith("+nonorms")), \
+            mock.patch.object(patches, "QUANTIZED_BREAKS", not name.endswith("+rawbreaks")):
         engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "", scope=args.scope,
                                                  cross_attention=args.cross_attention)
-    block = result["systems"][name] = {"backend": backend}
-    block["fused_norm_blocks"] = norm_fusion.fused_blocks(model.transformer)
-    if model.card.family == "pixart":  # the mode the engine runs ("auto" resolved)
-        from workers.families.pixart import DEFAULT_CROSS_ATTENTION
+        block = result["systems"][name] = {"backend": backend}
+        block["fused_norm_blocks"] = norm_fusion.fused_blocks(model.transformer)
+        if model.card.family == "pixart":  # the mode the engine runs ("auto" resolved)
+            from workers.families.pixart import DEFAULT_CROSS_ATTENTION
 
-        block["cross_attention"] = DEFAULT_CROSS_ATTENTION if args.cross_attention == "auto" else args.cross_attention
-    if compile_mode != "off":
-        block["scope"] = args.scope
-    for n in args.images:
-        inputs = kernels.step_inputs(model, n)
-        block[n] = summarise(profile(runner, inputs, args.iters, device == "cuda"), args.iters)
-        if args.by_shape:
-            block[n]["products"] = products_by_shape(runner, inputs, args.iters, device == "cuda",
-                                                     compiled=compile_mode != "off")
+            block["cross_attention"] = DEFAULT_CROSS_ATTENTION if args.cross_attention == "auto" else args.cross_attention
+        if compile_mode != "off":
+            block["scope"] = args.scope
+        for n in args.images:
+            inputs = kernels.step_inputs(model, n)
+            block[n] = summarise(profile(runner, inputs, args.iters, device == "cuda"), args.iters)
+            if args.by_shape:
+                block[n]["products"] = products_by_shape(runner, inputs, args.iters, device == "cuda",
+                                                         compiled=compile_mode != "off")
     del engine, runner, model
     kernels.free()
 

@@ -173,21 +173,25 @@ def use_cache_dir(path: str | os.PathLike) -> None:
     clear_caches()
 
 
-def opaque_break(fn: Callable, out: str = "out") -> None:
+def opaque_break(fn: Callable, out: str | tuple[str, ...] = "out") -> None:
     """Keep the ``@eager_on_graph`` function ``fn`` as one opaque call in compiled graphs.
 
-    fn's parameters are tensors; it writes its result into the one named ``out`` and returns None
-    (the breaks in ``workers`` do). Registered once per function, for the life of the process.
+    fn's parameters are tensors; it writes its result into the one named ``out`` (or each of the ones
+    named, e.g. FP8 codes and their scales) and returns None (the breaks in ``workers`` do). Registered
+    once per function, for the life of the process.
     """
     if fn in _OPAQUE:
         return
+    outs = (out,) if isinstance(out, str) else tuple(out)
     params = list(inspect.signature(fn).parameters)
-    if out not in params:
-        raise ValueError(f"{fn.__qualname__} has no parameter {out!r} to write its result into")
+    missing = [o for o in outs if o not in params]
+    if missing or not outs:
+        raise ValueError(f"{fn.__qualname__} has no parameter {missing[0] if missing else out!r} to write its result into")
     name = re.sub(r"\W", "_", f"{fn.__module__}_{fn.__qualname__}")
-    args = ", ".join(f"Tensor(a!) {p}" if p == out else f"Tensor {p}" for p in params)
+    alias = {o: chr(ord("a") + i) for i, o in enumerate(outs)}
+    args = ", ".join(f"Tensor({alias[p]}!) {p}" if p in alias else f"Tensor {p}" for p in params)
     _lib().define(f"{name}({args}) -> ()")
-    _lib().impl(name, _staged(fn, name, params.index(out)), "CompositeExplicitAutograd")  # a break under capture
+    _lib().impl(name, _staged(fn, name, {params.index(o) for o in outs}), "CompositeExplicitAutograd")
     torch.library.register_fake(f"graphs::{name}", lambda *args, **kwargs: None, lib=_lib())
     op = getattr(torch.ops.graphs, name)
     # dynamo calls the op where it would have inlined fn; eager callers still call fn itself
@@ -195,8 +199,9 @@ def opaque_break(fn: Callable, out: str = "out") -> None:
     _OPAQUE[fn] = name
 
 
-def _staged(fn: Callable, name: str, out: int) -> Callable:
-    """The op's body: fn itself, or under a breakable capture fn on staged copies (see above)."""
+def _staged(fn: Callable, name: str, outs: set[int]) -> Callable:
+    """The op's body: fn itself, or under a breakable capture fn on staged copies (see above); ``outs``: the
+    positions of the arguments fn writes."""
     from .breakable import _local
 
     def body(*args):
@@ -208,10 +213,11 @@ def _staged(fn: Callable, name: str, out: int) -> Callable:
             return fn(*[_alias(a) if isinstance(a, torch.Tensor) else a for a in args])
         staged = _STAGING.views(name, args)
         for i, (a, s) in enumerate(zip(args, staged)):
-            if i != out and isinstance(a, torch.Tensor):
+            if i not in outs and isinstance(a, torch.Tensor):
                 s.copy_(a)
         fn(*staged)
-        args[out].copy_(staged[out])
+        for i in sorted(outs):
+            args[i].copy_(staged[i])
 
     return body
 

@@ -46,10 +46,10 @@ from workers.families import compile_regions, family_of
 from workers.joint_attention import attention_inline, route_joint_attention
 from workers.loading import LoadedModel
 from workers.norm_fusion import fuse_block_norms
-from workers.patches import attention_into, break_attention, hoist_modulation
+from workers.patches import attention_into, attention_quantized_into, break_attention, hoist_modulation
 from workers.sdpa import CHOOSER
 from workers.sdpa import use_cache_dir as use_attention_cache
-from workers.varlen import varlen_attention_into
+from workers.varlen import varlen_attention_into, varlen_attention_quantized_into
 from workers.previews import preview_map_of, to_rgb
 from workers.spec import ItemSpec
 
@@ -502,8 +502,10 @@ def _prepare_compile(cache_dir: str) -> None:
     """Before compiling steps: the attention breaks stay opaque calls for dynamo (so a breakable capture
     still breaks there) and Inductor's cache goes where the config says."""
     opaque_break(attention_into)
+    opaque_break(attention_quantized_into, out=("codes", "scales"))
     opaque_break(attention_inline)
     opaque_break(varlen_attention_into)
+    opaque_break(varlen_attention_quantized_into, out=("codes", "scales"))
     if cache_dir:
         use_cache_dir(cache_dir)
 

@@ -101,6 +101,18 @@ def quantize_rows(x: torch.Tensor, gelu: str = "none", fuse: bool = False) -> tu
     return (x * scale.reciprocal().to(x.dtype)).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_rows_into(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """``quantize_rows(x)`` written into ``codes`` (M, K) and ``scales`` (M, 1): the same codes, into buffers
+    that must stay where they are (an attention break's output, ``workers.patches``). On CUDA the kernel
+    writes them directly; elsewhere the PyTorch rows are copied in."""
+    if ROW_KERNEL and quant_kernel.available(x):
+        quant_kernel.launch(x, "none", quant_kernel.plan_for(x.shape[-1]), out=(codes, scales))
+        return
+    q, s = quantize_rows(x)
+    codes.copy_(q)
+    scales.copy_(s)
+
+
 class Fp8Linear(nn.Module):
     """``nn.Linear`` with float8 weights (a scale per output row) and per-row dynamic activation scales."""
 

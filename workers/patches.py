@@ -22,8 +22,10 @@ from __future__ import annotations
 import torch
 
 from graphs import eager_on_graph
-from workers.fp8 import fuse_linears, linear_into
+from workers.fp8 import FP8, Fp8Linear, fuse_linears, linear_into, quantize_rows_into
 from workers.sdpa import attention
+
+QUANTIZED_BREAKS = True  # an FP8 output projection's rows quantized inside the break (a benchmark turns it off)
 
 
 @eager_on_graph
@@ -31,6 +33,26 @@ def attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     """(B, heads, T, d) x3 -> written into out (B, heads, T, d); runs eagerly between segments, by the
     kernel measured fastest for the shape on this GPU (``workers.sdpa``)."""
     attention(q, k, v, out)
+
+
+@eager_on_graph
+def attention_quantized_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, codes: torch.Tensor,
+                             scales: torch.Tensor) -> None:
+    """(B, heads, T, d) x3 -> the attention's rows (B*T, heads*d) as FP8 codes and (B*T, 1) row scales,
+    written into ``codes`` and ``scales``; runs eagerly between segments. The output projection's own
+    quantization of those rows, moved into the break: the kernel's result is read once, where copying it
+    into the scratch and quantizing it in the next segment read and wrote it twice."""
+    b, heads, t, d = q.shape
+    result = attention(q, k, v)                                                 # (B, h, T, d)
+    rows = result.transpose(1, 2).reshape(b * t, heads * d)  # a view where the kernel wrote (B, T, h, d) rows
+    quantize_rows_into(rows, codes, scales)
+
+
+def quantized_output(attn) -> bool:
+    """Whether ``attn``'s output projection takes its rows from the break as FP8 codes
+    (``attention_quantized_into``): an FP8 linear with no activation folded into it."""
+    proj = attn.to_out[0]
+    return QUANTIZED_BREAKS and isinstance(proj, Fp8Linear) and proj.gelu == "none" and proj.in_features % 16 == 0
 
 
 def scaled_output(out: torch.Tensor, attn) -> torch.Tensor:
@@ -56,6 +78,22 @@ class AttentionScratch:
         if torch.compiler.is_compiling():
             return tuple(torch.empty(rows, dim, dtype=like.dtype, device=like.device) for _ in range(4))
         return tuple(self._sized(4 * rows * dim, like).view(4, rows, dim).unbind(0))
+
+    @staticmethod
+    def quantized(slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An output slot (rows, dim) of two- or four-byte values as (rows, dim) FP8 codes and (rows, 1)
+        float32 scales in its first rows * (dim + 4) bytes (``dim`` a multiple of 16: the codes' rows and the
+        scales stay 16-byte aligned). While dynamo traces, fresh tensors (see ``views``)."""
+        rows, dim = slot.shape
+        if torch.compiler.is_compiling():
+            return (torch.empty(rows, dim, dtype=FP8, device=slot.device),
+                    torch.empty(rows, 1, dtype=torch.float32, device=slot.device))
+        if slot.element_size() < 2 or dim % 16 or not slot.is_contiguous():
+            raise ValueError(f"an output slot of {dim} {slot.dtype} values a row holds no FP8 codes and scales")
+        flat = slot.view(-1).view(torch.uint8)                                  # rows * dim * 2 bytes
+        codes = flat[:rows * dim].view(FP8).view(rows, dim)
+        scales = flat[rows * dim:rows * (dim + 4)].view(torch.float32).view(rows, 1)
+        return codes, scales
 
     def fused_views(self, rows: int, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The same scratch as (rows, 3 * dim) for a fused q|k|v projection (the slots of q, k and v side
@@ -103,6 +141,11 @@ class BreakableSelfAttention:
             linear_into(h2d, [(attn.to_q, q), (attn.to_k, k), (attn.to_v, v)], quantized)
         heads, d = attn.heads, inner // attn.heads
         split = lambda y: y.view(b, t, heads, d).transpose(1, 2)                # (B, h, T, d)
+        if quantized_output(attn):
+            codes, scales = self.scratch.quantized(o)                          # (B*T, inner), (B*T, 1)
+            attention_quantized_into(split(q), split(k), split(v), codes, scales)
+            out = attn.to_out[1](attn.to_out[0].mm_rows(codes, scales).view(b, t, -1))
+            return scaled_output(out, attn)
         attention_into(split(q), split(k), split(v), split(o))
         out = attn.to_out[1](attn.to_out[0](o.view(b, t, inner)))              # proj + dropout
         return scaled_output(out, attn)

@@ -222,14 +222,23 @@ if triton is not None:
         tl.store(s_ptr + row, scale)
 
 
-def launch(x: torch.Tensor, gelu: str, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+def launch(x: torch.Tensor, gelu: str, plan: Plan,
+           out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows_cuda`` by an explicit plan (the benchmark compares plans). Plans of one ``fast``
-    compute the same float32 arithmetic, so their outputs are bit-identical."""
+    compute the same float32 arithmetic, so their outputs are bit-identical. ``out``: the (M, K) codes,
+    rows of unit column stride, and the (M, 1) contiguous float32 scales to write (an attention break's
+    fixed buffers, ``workers.patches.attention_quantized_into``); else new tensors."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    q = torch.empty((m, k), dtype=FP8, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if out is None:
+        q = torch.empty((m, k), dtype=FP8, device=x.device)
+        scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    else:
+        q, scale = out
+        if q.shape != (m, k) or q.dtype != FP8 or q.stride(-1) != 1 or scale.shape != (m, 1) \
+                or scale.dtype != torch.float32 or not scale.is_contiguous():
+            raise ValueError(f"out must be ({m}, {k}) float8 e4m3 rows and ({m}, 1) contiguous float32 scales")
     if not m:
         return q, scale
     code = FAST_TANH if plan.fast and gelu == "tanh" else _CODES[gelu]

@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from graphs import eager_on_graph
-from workers.fp8 import linear_into
-from workers.patches import AttentionScratch, scaled_output
+from workers.fp8 import linear_into, quantize_rows_into
+from workers.patches import AttentionScratch, quantized_output, scaled_output
 
 
 def key_lengths(mask: torch.Tensor | None, rows: int, keys: int, device: torch.device) -> torch.Tensor:
@@ -81,6 +81,27 @@ def varlen_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, use
         _masked_into(q, k, v, used, out)
     else:
         _grouped_into(q, k, v, used, out)
+
+
+@eager_on_graph
+def varlen_attention_quantized_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor,
+                                    codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """As ``varlen_attention_into``, the result's rows (B*T, h*d) written as FP8 codes and row scales for the
+    output projection (``workers.patches.attention_quantized_into``): read once, not copied first."""
+    b, t, h, d = q.shape
+    used = used.clamp(1, k.shape[1])
+    if _flash_usable(q):
+        cu_q, cu_k = cu_seqlens(b, t, k.shape[1], q.device)
+        flat = lambda x: x.reshape(-1, h, d)                                    # (B*T or B*L, h, d)
+        rows = _flash_varlen(flat(q), flat(k), flat(v), cu_q, cu_k, t, k.shape[1], used).view(b * t, h * d)
+    else:
+        out = torch.empty_like(q)                                               # (B, T, h, d)
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            _masked_into(q, k, v, used, out)
+        else:
+            _grouped_into(q, k, v, used, out)
+        rows = out.view(b * t, h * d)
+    quantize_rows_into(rows, codes, scales)
 
 
 def _flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, used) -> torch.Tensor:
@@ -154,6 +175,11 @@ class VarlenCrossAttention:
         linear_into(ctx.reshape(b * l, -1), [(attn.to_k, k), (attn.to_v, v)])
         used = key_lengths(attention_mask, b, l, hidden_states.device)         # (B,) int32, in the segment
         split = lambda y, n: y.view(b, n, heads, inner // heads)               # (B, n, h, d)
+        if quantized_output(attn):
+            codes, scales = self.scratch.quantized(o)                          # (B*T, inner), (B*T, 1)
+            varlen_attention_quantized_into(split(q, t), split(k, l), split(v, l), used, codes, scales)
+            out = attn.to_out[1](attn.to_out[0].mm_rows(codes, scales).view(b, t, -1))
+            return scaled_output(out, attn)
         varlen_attention_into(split(q, t), split(k, l), split(v, l), used, split(o, t))
         out = attn.to_out[1](attn.to_out[0](o.view(b, t, inner)))              # proj + dropout
         return scaled_output(out, attn)

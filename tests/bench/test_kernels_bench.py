@@ -146,13 +146,15 @@ def test_a_nofa4_system_measures_pytorchs_kernels_only(tmp_path, monkeypatch):
 
 def test_nonorms_systems_run_pixarts_fp8_blocks_without_the_fused_norms(tmp_path):
     """``+nonorms`` restores diffusers' PixArt blocks that an earlier system's engine patched on the shared
-    model, and the two systems compute the same step (float32 on a CPU)."""
+    model, and the two systems compute the same step (float32 on a CPU); ``+rawbreaks`` (the attention breaks
+    write their output, the projections quantize it) computes exactly what the quantized breaks do."""
     from workers.models.tiny_pixart import make_tiny_pixart
 
     kernels = _load("step_kernels")
     model_dir = make_tiny_pixart(tmp_path / "tiny-pixart")
     kernels.main(["--smoke", "--model", str(model_dir), "--images", "1", "--max-batch", "1", "--no-start",
-                  "--systems", "breakable", "breakable+fp8", "breakable+fp8+nonorms", "--out", str(tmp_path / "out")])
+                  "--systems", "breakable", "breakable+fp8", "breakable+fp8+nonorms", "breakable+fp8+rawbreaks",
+                  "--out", str(tmp_path / "out")])
     report = json.loads((tmp_path / "out" / "kernels_smoke.json").read_text())
     assert report["errors"] == {}, report["errors"]
     systems = report["systems"]
@@ -160,3 +162,4 @@ def test_nonorms_systems_run_pixarts_fp8_blocks_without_the_fused_norms(tmp_path
     assert systems["breakable"]["fused_norm_blocks"] == 0  # bf16 (here float32) linears: nothing to fuse
     fused, plain = (systems[n]["rel_diff"]["1"] for n in ("breakable+fp8", "breakable+fp8+nonorms"))
     assert 0 < fused < 5e-2 and abs(fused - plain) < 1e-3, (fused, plain)
+    assert systems["breakable+fp8+rawbreaks"]["max_abs_diff"] == systems["breakable+fp8"]["max_abs_diff"]

@@ -149,6 +149,38 @@ def test_a_break_stays_a_call_in_the_compiled_step():
     assert step.graphs == 1  # the code compiled outside the capture is the code that runs inside it
 
 
+@eager_on_graph
+def rownorm_and_mean_into(h, out, mean):
+    """A break with two results (as an attention break writing FP8 codes and their scales)."""
+    out.copy_(h / (h.norm(dim=-1, keepdim=True) + 1.0))
+    mean.copy_(out.mean(dim=-1))
+
+
+@pytest.mark.parametrize("mode", ["aliased", "staged"])
+def test_a_break_writing_two_tensors_is_one_opaque_call_that_writes_both(mode, monkeypatch):
+    from graphs import compiled as comp
+
+    opaque_break(rownorm_and_mean_into, out=("out", "mean"))
+    monkeypatch.setattr(comp, "_break_args", [mode])
+
+    def plain(x, t):
+        h = F.gelu(x + t[:, None])                       # (b, 16)
+        out, mean = torch.empty_like(h), torch.empty(h.shape[0])
+        rownorm_and_mean_into(h, out, mean)
+        return {"y": x + 2 * out, "m": mean * 3}
+
+    step = CompiledStep(plain, "two outputs")
+    live = make_inputs(4)
+    step(**live)
+    with recording() as compiled_run:  # under a capture: the op's body on aliases or staged copies
+        got = step(**live)
+    assert_close(got, plain(**live))
+    assert compiled_run.breaks == [rownorm_and_mean_into.__wrapped__]  # still a break, once
+    assert step.graphs == 1  # the code compiled outside the capture is the code that ran inside it
+    with pytest.raises(ValueError, match="no parameter 'scales'"):
+        opaque_break(rownorm_into.__wrapped__, out=("out", "scales"))
+
+
 def test_an_unregistered_break_recompiles_when_a_capture_starts():
     """Why opaque_break exists: dynamo traces into a marked function, whose code reads the thread's
     capture state; the compiled step holds for "no capture" only, and inside a capture dynamo compiles
