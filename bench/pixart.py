@@ -625,6 +625,9 @@ def bench_mixed(model, s: Setup, prompts: list[str], save, ref=None) -> dict:
         pool = sum(g.runner.stats()["pool_reserved_bytes"] for g in engine.groups.values())  # one pool, shared
         block["pool_mb"] = round(pool / 2**20, 1)
         block["groups"] = len(engine.groups)
+        # each shape's measured ms per replay by bucket: what the splitter weighs padding against more replays by
+        block["replay_ms"] = {"x".join(map(str, g.shape)): {str(b): round(ms, 3) for b, ms in g.runner.replay_ms.items()}
+                              for g in engine.groups.values()}
         for load, jobs, stop in _runs(s, len(prompts)):
             model.cache.clear()
             timeline = Timeline() if load == float("inf") else None

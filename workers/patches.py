@@ -12,7 +12,8 @@ per bucket (about 14 GB of graph pool for DiT-XL/2 at 256 px, buckets 1..64). In
 the attention output of every layer live in ONE scratch allocation per transformer, made outside
 capture (warm-up runs the largest bucket first) and shared by all layers and all buckets: layers
 run one after another and buckets never replay concurrently (one runner lock), so sharing is safe.
-The break reads q, k, v from it and writes its fresh result into the output slot in place.
+The break reads q, k, v from it and writes its fresh result into the output slot in place (or, for an
+FP8 output projection, that result's FP8 codes and row scales: ``attention_quantized_into``).
 Consequence: a patched transformer must be served by one runner at a time. With the q, k, v projections
 fused (the default), their three slots are one (rows, 3 x inner) block written by one matrix product.
 """

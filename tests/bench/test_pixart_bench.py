@@ -231,6 +231,7 @@ def test_every_section_runs_end_to_end(tmp_path):
     assert all(r["images_per_s"] > 0 and r["unfinished"] == 0 for r in mixed["rows"])
     assert mixed["backlog_a"]["unfinished"] == mixed["backlog_d"]["unfinished"] == 0 and mixed["backlog_images"] == 189
     assert mixed["groups"] == 3 and mixed["pool_mb"] >= 0 and mixed["ratio_max"] > 0
+    assert len(mixed["replay_ms"]) == 3  # per shape (empty on a CPU: no graphs, nothing timed)
     assert mixed["decode_graphs"] is False and mixed["decode"] == "eager"  # --decode-graphs auto, no --compile
     assert [t["target"] for t in result["targets"]] == ["mixed: max sustained a >= 2.0x d"]
     assert "## Targets" in (tmp_path / "pixart_smoke.md").read_text()
