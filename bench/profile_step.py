@@ -38,7 +38,8 @@ import torch
 BENCH = Path(__file__).resolve().parent
 SYSTEMS = {"plain": ("off", "bf16"), "fused": ("inductor", "bf16"), "fp8": ("off", "fp8"), "fused+fp8": ("inductor", "fp8"),
            "fused+fp8+nonorms": ("inductor", "fp8"),  # +nonorms: PixArt's blocks without workers.norm_fusion
-           "fused+fp8+rawbreaks": ("inductor", "fp8")}  # +rawbreaks: without workers.patches.QUANTIZED_BREAKS
+           "fused+fp8+rawbreaks": ("inductor", "fp8"),  # +rawbreaks: without workers.patches.QUANTIZED_BREAKS
+           "fused+fp8+fastaccum": ("inductor", "fp8")}  # +fastaccum: with workers.fp8.FAST_ACCUM
 # kernel name -> group, first match wins (CUDA kernel names, and aten operator names on a CPU)
 GROUPS = [
     # Inductor's own kernels (pointwise, reduction, persistent reduction) are never matrix products, whatever
@@ -212,10 +213,11 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
     kernels = _kernels()
     model = load_model(args.model, device=device, dtype=dtype, precision=precision)
     backend = "full" if compile_mode == "inductor" and model.card.family == "dit" else "breakable"
-    from workers import norm_fusion, patches
+    from workers import fp8, norm_fusion, patches
 
     with mock.patch.object(norm_fusion, "ENABLED", not name.endswith("+nonorms")), \
-            mock.patch.object(patches, "QUANTIZED_BREAKS", not name.endswith("+rawbreaks")):
+            mock.patch.object(patches, "QUANTIZED_BREAKS", not name.endswith("+rawbreaks")), \
+            mock.patch.object(fp8, "FAST_ACCUM", name.endswith("+fastaccum")):
         engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "", scope=args.scope,
                                                  cross_attention=args.cross_attention)
         block = result["systems"][name] = {"backend": backend}

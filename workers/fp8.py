@@ -79,6 +79,11 @@ def _row_scales(x: torch.Tensor) -> torch.Tensor:
 
 
 ROW_KERNEL = True  # CUDA rows go through workers.quant_kernel (a benchmark turns it off to compare)
+# The products' accumulation: Hopper's FP8 tensor cores keep about 22 bits of a partial sum, and cuBLASLt by
+# default promotes the partial sums to float32 every few k-blocks; ``use_fast_accum`` skips that promotion
+# (faster, less exact; torchao's inference default). Off until measured on the families' outputs here
+# (the benchmarks' ``+fastaccum`` systems and ``--fp8-fast-accum``).
+FAST_ACCUM = False
 FUSE_INPUTS = True  # compiled steps quantize ``fused_input`` linears' rows in Inductor's kernel (see above)
 
 
@@ -153,12 +158,15 @@ class Fp8Linear(nn.Module):
         Inductor places the result itself."""
         bias = self._bias(dtype)
         fused = bias if dtype != torch.float32 else None
+        fast = FAST_ACCUM
         if out is None or torch.compiler.is_compiling():
-            y = torch._scaled_mm(xq, self.weight_fp8.t(), x_scale, self.weight_scale, bias=fused, out_dtype=dtype)
+            y = torch._scaled_mm(xq, self.weight_fp8.t(), x_scale, self.weight_scale, bias=fused, out_dtype=dtype,
+                                 use_fast_accum=fast)
             if bias is not None and fused is None:
                 y = y + bias
             return y if out is None else out.copy_(y)
-        torch._scaled_mm(xq, self.weight_fp8.t(), x_scale, self.weight_scale, bias=fused, out_dtype=dtype, out=out)
+        torch._scaled_mm(xq, self.weight_fp8.t(), x_scale, self.weight_scale, bias=fused, out_dtype=dtype,
+                         use_fast_accum=fast, out=out)
         if bias is not None and fused is None:
             out.add_(bias)
         return out

@@ -313,3 +313,18 @@ def test_each_measured_row_plan_holds_its_rows_and_others_get_a_split_or_whole_r
     assert quant_kernel.plan_for(2304).parts == (2048, 256) and quant_kernel.plan_for(2304).warps == 2
     wide = quant_kernel.plan_for(7 * 1024)  # 4096 + 2048 + 1024: three parts measured slower than a whole row
     assert wide.kind == "whole" and wide.block == 8192 and wide.warps == 4
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_fast_accumulation_reaches_every_product_only_when_asked(monkeypatch, fast):
+    """``FAST_ACCUM`` is the products' ``use_fast_accum``, in ``forward``, ``mm_into`` and ``mm_rows`` alike."""
+    layer, x = Fp8Linear(_linear(64, 32)), torch.randn(6, 64)
+    real, seen = torch._scaled_mm, []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, use_fast_accum=False, **kw: seen.append(use_fast_accum)
+                        or real(*a, use_fast_accum=use_fast_accum, **kw))
+    monkeypatch.setattr(fp8, "FAST_ACCUM", fast)
+    with torch.no_grad():
+        layer(x)
+        linear_into(x, [(layer, torch.empty(6, 32))])
+        layer.mm_rows(*fp8.quantize_rows(x))
+    assert seen == [fast] * 3

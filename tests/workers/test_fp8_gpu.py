@@ -86,6 +86,36 @@ def test_the_text_oracle_through_compiled_fp8_graphs_is_within_two_points():
     assert group["compile"]["compiled"] and group["compile"]["graphs"] == 1  # every bucket from one compile
 
 
+@pytest.mark.parametrize("k", [1152, 4608, 15360])
+def test_fast_accumulation_adds_little_to_the_products_fp8_error(k, monkeypatch):
+    """cuBLASLt's fast accumulation (``workers.fp8.FAST_ACCUM``) against float32 products of the same
+    weights and rows: its error stays within a tenth more than the promoted accumulation's, which is FP8's
+    own rounding of the rows and weights (the families' widths: 1152, FLUX's 15360 single-block input)."""
+    from workers import fp8
+
+    torch.manual_seed(k)
+    lin = torch.nn.Linear(k, 1024, device="cuda").bfloat16()
+    x = torch.randn(4096, k, device="cuda").bfloat16()
+    want = x.float() @ lin.weight.float().t() + lin.bias.float()
+    layer, err = fp8.Fp8Linear(lin), {}
+    for fast in (False, True):
+        monkeypatch.setattr(fp8, "FAST_ACCUM", fast)
+        with torch.no_grad():
+            got = layer(x).float()
+        err[fast] = ((got - want).norm() / want.norm()).item()
+    print(f"K={k}: relative error promoted {err[False]:.4e}, fast {err[True]:.4e}")
+    assert err[True] <= err[False] * 1.1 + 1e-4, err
+
+
+def test_the_text_oracle_with_fast_accumulation_is_within_two_points(monkeypatch):
+    from workers import fp8
+
+    monkeypatch.setattr(fp8, "FAST_ACCUM", True)
+    acc = text_oracle("cuda", "breakable")
+    print(f"digits-text oracle, FP8 with fast accumulation: {acc}")
+    assert acc["bf16"] >= 0.9 and acc["fp8"] >= acc["bf16"] - 0.02, acc
+
+
 def _rows(k: int) -> torch.Tensor:
     """333 bf16 rows of K, seeded by K, their magnitudes spread over 1e-2 .. 1e2."""
     torch.manual_seed(k)
