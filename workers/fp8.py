@@ -158,15 +158,14 @@ class Fp8Linear(nn.Module):
         Inductor places the result itself."""
         bias = self._bias(dtype)
         fused = bias if dtype != torch.float32 else None
-        fast = FAST_ACCUM
         if out is None or torch.compiler.is_compiling():
             y = torch._scaled_mm(xq, self.weight_fp8.t(), x_scale, self.weight_scale, bias=fused, out_dtype=dtype,
-                                 use_fast_accum=fast)
+                                 use_fast_accum=FAST_ACCUM)
             if bias is not None and fused is None:
                 y = y + bias
             return y if out is None else out.copy_(y)
         torch._scaled_mm(xq, self.weight_fp8.t(), x_scale, self.weight_scale, bias=fused, out_dtype=dtype,
-                         use_fast_accum=fast, out=out)
+                         use_fast_accum=FAST_ACCUM, out=out)
         if bias is not None and fused is None:
             out.add_(bias)
         return out

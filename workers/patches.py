@@ -56,6 +56,15 @@ def quantized_output(attn) -> bool:
     return QUANTIZED_BREAKS and isinstance(proj, Fp8Linear) and proj.gelu == "none" and proj.in_features % 16 == 0
 
 
+def project_output(attn, o: torch.Tensor, b: int, t: int,
+                   quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The processors' end: ``attn``'s output projection (and dropout) of the attention's rows ``o``
+    (B*T, inner), or of their FP8 codes and scales where the break made them (``quantized``), as (B, T, D)."""
+    proj = attn.to_out[0]
+    y = proj(o.view(b, t, -1)) if quantized is None else proj.mm_rows(*quantized).view(b, t, -1)
+    return scaled_output(attn.to_out[1](y), attn)
+
+
 def scaled_output(out: torch.Tensor, attn) -> torch.Tensor:
     """``out / attn.rescale_output_factor``, as diffusers' processors end, without the division where the
     factor is 1 (every family here): in a compiled block whose next consumer is an opaque op (the fused
@@ -91,7 +100,7 @@ class AttentionScratch:
                     torch.empty(rows, 1, dtype=torch.float32, device=slot.device))
         if slot.element_size() < 2 or dim % 16 or not slot.is_contiguous():
             raise ValueError(f"an output slot of {dim} {slot.dtype} values a row holds no FP8 codes and scales")
-        flat = slot.view(-1).view(torch.uint8)                                  # rows * dim * 2 bytes
+        flat = slot.view(-1).view(torch.uint8)                                  # rows * dim * element_size bytes
         codes = flat[:rows * dim].view(FP8).view(rows, dim)
         scales = flat[rows * dim:rows * (dim + 4)].view(torch.float32).view(rows, 1)
         return codes, scales
@@ -142,14 +151,12 @@ class BreakableSelfAttention:
             linear_into(h2d, [(attn.to_q, q), (attn.to_k, k), (attn.to_v, v)], quantized)
         heads, d = attn.heads, inner // attn.heads
         split = lambda y: y.view(b, t, heads, d).transpose(1, 2)                # (B, h, T, d)
-        if quantized_output(attn):
-            codes, scales = self.scratch.quantized(o)                          # (B*T, inner), (B*T, 1)
-            attention_quantized_into(split(q), split(k), split(v), codes, scales)
-            out = attn.to_out[1](attn.to_out[0].mm_rows(codes, scales).view(b, t, -1))
-            return scaled_output(out, attn)
-        attention_into(split(q), split(k), split(v), split(o))
-        out = attn.to_out[1](attn.to_out[0](o.view(b, t, inner)))              # proj + dropout
-        return scaled_output(out, attn)
+        codes = self.scratch.quantized(o) if quantized_output(attn) else None  # (B*T, inner), (B*T, 1)
+        if codes is not None:
+            attention_quantized_into(split(q), split(k), split(v), *codes)
+        else:
+            attention_into(split(q), split(k), split(v), split(o))
+        return project_output(attn, o, b, t, codes)
 
 
 def break_attention(transformer: torch.nn.Module, fuse_qkv: bool = True) -> int:

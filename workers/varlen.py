@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from graphs import eager_on_graph
 from workers.fp8 import linear_into, quantize_rows_into
-from workers.patches import AttentionScratch, quantized_output, scaled_output
+from workers.patches import AttentionScratch, project_output, quantized_output
 
 
 def key_lengths(mask: torch.Tensor | None, rows: int, keys: int, device: torch.device) -> torch.Tensor:
@@ -71,16 +71,7 @@ def varlen_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, use
                           out: torch.Tensor) -> None:
     """q (B, T, h, d), k and v (B, L, h, d), used (B,) keys per row -> out (B, T, h, d), row i attending
     to k[i, :used[i]]; runs eagerly between segments."""
-    used = used.clamp(1, k.shape[1])  # garbage at capture: keep reads inside k, v
-    if _flash_usable(q):
-        b, t, h, d = q.shape
-        cu_q, cu_k = cu_seqlens(b, t, k.shape[1], q.device)
-        flat = lambda x: x.reshape(-1, h, d)                                    # (B*T or B*L, h, d)
-        out.view(b * t, h, d).copy_(_flash_varlen(flat(q), flat(k), flat(v), cu_q, cu_k, t, k.shape[1], used))
-    elif q.is_cuda and torch.cuda.is_current_stream_capturing():
-        _masked_into(q, k, v, used, out)
-    else:
-        _grouped_into(q, k, v, used, out)
+    _varlen(q, k, v, used, out)
 
 
 @eager_on_graph
@@ -89,19 +80,25 @@ def varlen_attention_quantized_into(q: torch.Tensor, k: torch.Tensor, v: torch.T
     """As ``varlen_attention_into``, the result's rows (B*T, h*d) written as FP8 codes and row scales for the
     output projection (``workers.patches.attention_quantized_into``): read once, not copied first."""
     b, t, h, d = q.shape
-    used = used.clamp(1, k.shape[1])
+    quantize_rows_into(_varlen(q, k, v, used).view(b * t, h * d), codes, scales)
+
+
+def _varlen(q, k, v, used, out=None) -> torch.Tensor:
+    """The varlen attention (B, T, h, d) by the kernel the module docstring describes, into ``out`` where
+    given (else flash's own result, or a new tensor)."""
+    used = used.clamp(1, k.shape[1])  # garbage at capture: keep reads inside k, v
     if _flash_usable(q):
+        b, t, h, d = q.shape
         cu_q, cu_k = cu_seqlens(b, t, k.shape[1], q.device)
         flat = lambda x: x.reshape(-1, h, d)                                    # (B*T or B*L, h, d)
-        rows = _flash_varlen(flat(q), flat(k), flat(v), cu_q, cu_k, t, k.shape[1], used).view(b * t, h * d)
+        result = _flash_varlen(flat(q), flat(k), flat(v), cu_q, cu_k, t, k.shape[1], used).view(b, t, h, d)
+        return result if out is None else out.copy_(result)
+    out = torch.empty_like(q) if out is None else out                           # (B, T, h, d)
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        _masked_into(q, k, v, used, out)
     else:
-        out = torch.empty_like(q)                                               # (B, T, h, d)
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            _masked_into(q, k, v, used, out)
-        else:
-            _grouped_into(q, k, v, used, out)
-        rows = out.view(b * t, h * d)
-    quantize_rows_into(rows, codes, scales)
+        _grouped_into(q, k, v, used, out)
+    return out
 
 
 def _flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, used) -> torch.Tensor:
@@ -175,14 +172,12 @@ class VarlenCrossAttention:
         linear_into(ctx.reshape(b * l, -1), [(attn.to_k, k), (attn.to_v, v)])
         used = key_lengths(attention_mask, b, l, hidden_states.device)         # (B,) int32, in the segment
         split = lambda y, n: y.view(b, n, heads, inner // heads)               # (B, n, h, d)
-        if quantized_output(attn):
-            codes, scales = self.scratch.quantized(o)                          # (B*T, inner), (B*T, 1)
-            varlen_attention_quantized_into(split(q, t), split(k, l), split(v, l), used, codes, scales)
-            out = attn.to_out[1](attn.to_out[0].mm_rows(codes, scales).view(b, t, -1))
-            return scaled_output(out, attn)
-        varlen_attention_into(split(q, t), split(k, l), split(v, l), used, split(o, t))
-        out = attn.to_out[1](attn.to_out[0](o.view(b, t, inner)))              # proj + dropout
-        return scaled_output(out, attn)
+        codes = self.scratch.quantized(o) if quantized_output(attn) else None  # (B*T, inner), (B*T, 1)
+        if codes is not None:
+            varlen_attention_quantized_into(split(q, t), split(k, l), split(v, l), used, *codes)
+        else:
+            varlen_attention_into(split(q, t), split(k, l), split(v, l), used, split(o, t))
+        return project_output(attn, o, b, t, codes)
 
 
 def varlen_cross_attention(transformer: torch.nn.Module, scratch: AttentionScratch | None = None) -> None:
