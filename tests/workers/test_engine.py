@@ -196,3 +196,34 @@ def test_the_shapes_in_flight_are_the_active_requests_admission_keys(model):
     assert e.in_flight_shapes() == {spec_shape(a), spec_shape(b)} == {("digits", 0, 0), ("", 0, 0)}
     e.step()  # b finishes after its one step
     assert e.in_flight_shapes() == {spec_shape(a)}
+
+
+def test_warm_up_runs_on_a_requests_inputs_not_zeros(model):
+    """The buckets are warmed (and, on a GPU, timed for the splitter) on one row as a request makes it,
+    tiled: the class model's label, its default sampler's coefficients at the middle step, seeded noise."""
+    e = engine(model, max_batch=4)
+    group = next(iter(e.groups.values()))
+    example = e.warmup_example(model, group.shape)
+    assert set(example) == set(group.runner._in)
+    assert all(v.shape[0] == 1 for v in example.values())
+    assert example["x"].abs().sum() > 0 and example["coeffs"].abs().sum() > 0
+    assert float(example["guidance"]) == model.card.defaults["guidance"]
+    e.warmup()
+    x = group.runner.arena.tensor("in:x")  # every bucket's static rows hold the example, tiled
+    assert torch.equal(x, example["x"].expand_as(x))
+
+
+def test_a_text_models_warm_up_example_is_a_real_prompt_and_the_empty_negative(tmp_path):
+    from workers.engine import WARMUP_PROMPT
+    from workers.models.tiny_pixart import make_tiny_pixart
+
+    text = load_model(make_tiny_pixart(tmp_path / "pixart"))
+    e = engine(text, max_batch=2)
+    group = next(iter(e.groups.values()))
+    example = e.warmup_example(text, group.shape)
+    kept, neg = int(example["prompt_mask"].sum()), int(example["neg_mask"].sum())
+    tokens = len(text.tokenizer(WARMUP_PROMPT.lower()).input_ids)
+    assert kept == min(tokens, text.card.max_tokens) and 1 <= neg < kept  # zeros would keep no key at all
+    e.warmup()
+    r = ItemSpec(id="a", prompt="a cat", seed=3, sampler="dpmpp_2m", steps=3, guidance=4.5)
+    assert torch.isfinite(e.generate([r])[0].latents).all()
