@@ -11,6 +11,7 @@ full-size models are the built-ins with random weights, made on the GPU.
     python bench/fp8_quality.py                         # on a GPU with FP8 (compute capability 8.9+)
     python bench/fp8_quality.py --models dit-xl-2-256 flux-dev-1024 --images 2
     python bench/fp8_quality.py --smoke --out /tmp/q    # digits and digits-text on a CPU, float32
+    python bench/fp8_quality.py --fast-accum            # FP8 with promoted and with fast accumulation
 
 Writes fp8_quality.json and fp8_quality.md (fp8_quality_smoke.* with --smoke) under --out after each model.
 """
@@ -62,8 +63,12 @@ def specs(model, n: int) -> list:
             for i in range(n)]
 
 
-def generate(name: str, precision: str, n: int, device: str, dtype) -> tuple[list, dict]:
-    """The images of ``n`` items of ``name`` at ``precision``, and the model's settings."""
+def generate(name: str, precision: str, n: int, device: str, dtype, fast_accum: tuple[bool, ...] = (False,)
+             ) -> tuple[list, dict]:
+    """The images of ``n`` items of ``name`` at ``precision``, and the model's settings. With several
+    ``fast_accum`` values (``workers.fp8.FAST_ACCUM``, read at each product) the same loaded model generates
+    once per value, and the result is a list of image lists, one per value."""
+    from workers import fp8
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
 
@@ -71,8 +76,15 @@ def generate(name: str, precision: str, n: int, device: str, dtype) -> tuple[lis
     items = specs(model, n)
     engine = Engine(model, EngineConfig(backend="eager", max_batch=1))
     t0 = time.perf_counter()
-    results = engine.generate(items)
-    seconds = time.perf_counter() - t0
+    runs, before = [], fp8.FAST_ACCUM
+    try:
+        for value in fast_accum:
+            fp8.FAST_ACCUM = value
+            runs.append(engine.generate(items))
+    finally:
+        fp8.FAST_ACCUM = before
+    results = runs[0] if len(fast_accum) == 1 else runs
+    seconds = (time.perf_counter() - t0) / len(fast_accum)
     d = model.card.defaults
     info = {"sampler": d["sampler"], "steps": d["steps"], "guidance": d["guidance"], "family": model.card.family,
             "fp8_linears": getattr(model, "fp8_linears", 0), "generate_s": round(seconds, 2)}
@@ -104,9 +116,13 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | failed: {r['error']} | | | | | | |")
             continue
         i = r["settings"]
-        lines.append(f"| {name} | {i['family']} | {i['fp8_linears']} | {i['sampler']}, {i['steps']}, {i['guidance']} | "
-                     f"{r['median_psnr_db']} | {r['median_max_abs_diff']} | {r['median_mean_abs_diff']} | "
-                     f"{r['median_latent_rel_diff']} |")
+        both = "fast_accum" in r  # --fast-accum: the first FP8 run promoted its sums, the second did not
+        for label, q in ((f"{name}, promoted accumulation" if both else name, r),
+                         (f"{name}, fast accumulation", r.get("fast_accum"))):
+            if q is not None:
+                lines.append(f"| {label} | {i['family']} | {i['fp8_linears']} | {i['sampler']}, {i['steps']}, "
+                             f"{i['guidance']} | {q['median_psnr_db']} | {q['median_max_abs_diff']} | "
+                             f"{q['median_mean_abs_diff']} | {q['median_latent_rel_diff']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -116,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--images", type=int, default=2, help="items per model (default 2)")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     p.add_argument("--smoke", action="store_true", help=f"{' and '.join(SMOKE_MODELS)} on a CPU, float32")
+    p.add_argument("--fast-accum", action="store_true", help="FP8 twice against the same bf16 images: the products' "
+                   "sums promoted to float32 every few k-blocks, then cuBLASLt's fast accumulation "
+                   "(workers.fp8.FAST_ACCUM); the report's name gets _fastaccum")
     args = p.parse_args(argv)
+    from workers import fp8
     from workers.fp8 import unsupported_reason
 
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
@@ -128,14 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": " ".join(["python", "bench/fp8_quality.py", *(argv if argv is not None else sys.argv[1:])]),
               "hardware": hardware(), "images": args.images, "device": device, "models": {}}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "fp8_quality_smoke" if args.smoke else "fp8_quality"
+    stem = ("fp8_quality_smoke" if args.smoke else "fp8_quality") + ("_fastaccum" if args.fast_accum else "")
+    accum = (False, True) if args.fast_accum else (fp8.FAST_ACCUM,)
     for name in models:
         t0 = time.perf_counter()
         try:
             bf16, settings = generate(name, "bf16", args.images, device, dtype)
-            fp8, quantized = generate(name, "fp8", args.images, device, dtype)
+            fp8, quantized = generate(name, "fp8", args.images, device, dtype, accum)
             settings["fp8_linears"] = quantized["fp8_linears"]
-            report["models"][name] = {**compare(bf16, fp8), "settings": {**settings, "fp8_generate_s": quantized["generate_s"]}}
+            fast = {"fast_accum": compare(bf16, fp8[1])} if args.fast_accum else {}
+            report["models"][name] = {**compare(bf16, fp8[0] if args.fast_accum else fp8), **fast,
+                                      "settings": {**settings, "fp8_generate_s": quantized["generate_s"]}}
         except Exception as e:  # one model's failure is recorded; the others still run
             report["models"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         print(f"{name}: {time.perf_counter() - t0:.1f} s {json.dumps(report['models'][name])[:300]}", flush=True)
