@@ -39,7 +39,7 @@ BENCH = Path(__file__).resolve().parent
 SYSTEMS = {"plain": ("off", "bf16"), "fused": ("inductor", "bf16"), "fp8": ("off", "fp8"), "fused+fp8": ("inductor", "fp8"),
            "fused+fp8+nonorms": ("inductor", "fp8"),  # +nonorms: PixArt's blocks without workers.norm_fusion
            "fused+fp8+rawbreaks": ("inductor", "fp8"),  # +rawbreaks: without workers.patches.QUANTIZED_BREAKS
-           "fused+fp8+fastaccum": ("inductor", "fp8")}  # +fastaccum: with workers.fp8.FAST_ACCUM
+           "fused+fp8+promoted": ("inductor", "fp8")}  # +promoted: without workers.fp8.FAST_ACCUM
 # kernel name -> group, first match wins (CUDA kernel names, and aten operator names on a CPU)
 GROUPS = [
     # Inductor's own kernels (pointwise, reduction, persistent reduction) are never matrix products, whatever
@@ -217,7 +217,7 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
 
     with mock.patch.object(norm_fusion, "ENABLED", not name.endswith("+nonorms")), \
             mock.patch.object(patches, "QUANTIZED_BREAKS", not name.endswith("+rawbreaks")), \
-            mock.patch.object(fp8, "FAST_ACCUM", name.endswith("+fastaccum")):
+            mock.patch.object(fp8, "FAST_ACCUM", not name.endswith("+promoted")):
         engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "", scope=args.scope,
                                                  cross_attention=args.cross_attention)
         block = result["systems"][name] = {"backend": backend}

@@ -85,14 +85,15 @@ SYSTEMS.update({f"{name}+nofa4": SYSTEMS[name] for name in  # the same systems, 
                 ("breakable", "full+inductor", "full+inductor+blocks", "full+inductor+fp8", "full+inductor+fp8+blocks")})
 SYSTEMS.update({f"{name}+nonorms": SYSTEMS[name] for name in ("breakable+fp8", "full+inductor+fp8", "full+inductor+fp8+blocks")})
 SYSTEMS.update({f"{name}+rawbreaks": SYSTEMS[name] for name in ("breakable+fp8", "full+inductor+fp8", "full+inductor+fp8+blocks")})
-SYSTEMS.update({f"{name}+fastaccum": SYSTEMS[name] for name in ("breakable+fp8", "full+inductor+fp8", "full+inductor+fp8+blocks")})
+SYSTEMS.update({f"{name}+promoted": SYSTEMS[name] for name in ("breakable+fp8", "full+inductor+fp8", "full+inductor+fp8+blocks")})
 # +torchquant: the FP8 systems with the activations quantized by PyTorch operations (what Inductor fuses
 # them into when compiled, the GELU with them) instead of workers.quant_kernel's Triton kernel
 # +nonorms: PixArt's FP8 blocks without their norms fused with the quantizations (workers.norm_fusion)
 # +rawbreaks: the attention breaks write their bf16 output for the FP8 output projection to quantize, instead of
 # its FP8 codes (workers.patches.QUANTIZED_BREAKS)
-# +fastaccum: the FP8 products with cuBLASLt's fast accumulation (workers.fp8.FAST_ACCUM); their difference from
-# breakable (bf16) against the system's without it is the accuracy it costs
+# +promoted: the FP8 products without cuBLASLt's fast accumulation (workers.fp8.FAST_ACCUM off: the partial sums
+# promoted to float32 every few k-blocks); their difference from breakable (bf16) against the system's with it
+# is the accuracy fast accumulation costs
 # +nofa4: the system with FlashAttention-4 left out of the attention kernels measured per shape
 # (workers.sdpa.candidates: PyTorch's three only); without the package installed it is the system itself
 
@@ -376,7 +377,7 @@ def run(args, result: dict, save) -> None:
         with mock.patch.object(fp8, "ROW_KERNEL", not name.endswith("+torchquant")), \
                 mock.patch.object(sdpa, "candidates", offered), mock.patch.object(norm_fusion, "ENABLED", norms), \
                 mock.patch.object(patches, "QUANTIZED_BREAKS", not name.endswith("+rawbreaks")), \
-                mock.patch.object(fp8, "FAST_ACCUM", name.endswith("+fastaccum")):
+                mock.patch.object(fp8, "FAST_ACCUM", not name.endswith("+promoted")):
             result["systems"][name] = bench_system(models[precision], name, args, inputs, reference)
 
     if "diffusers" in args.systems:

@@ -154,7 +154,7 @@ def test_nonorms_systems_run_pixarts_fp8_blocks_without_the_fused_norms(tmp_path
     model_dir = make_tiny_pixart(tmp_path / "tiny-pixart")
     kernels.main(["--smoke", "--model", str(model_dir), "--images", "1", "--max-batch", "1", "--no-start",
                   "--systems", "breakable", "breakable+fp8", "breakable+fp8+nonorms", "breakable+fp8+rawbreaks",
-                  "breakable+fp8+fastaccum", "--out", str(tmp_path / "out")])
+                  "breakable+fp8+promoted", "--out", str(tmp_path / "out")])
     report = json.loads((tmp_path / "out" / "kernels_smoke.json").read_text())
     assert report["errors"] == {}, report["errors"]
     systems = report["systems"]
@@ -164,4 +164,4 @@ def test_nonorms_systems_run_pixarts_fp8_blocks_without_the_fused_norms(tmp_path
     assert 0 < fused < 5e-2 and abs(fused - plain) < 1e-3, (fused, plain)
     assert systems["breakable+fp8+rawbreaks"]["max_abs_diff"] == systems["breakable+fp8"]["max_abs_diff"]
     # a CPU's scaled product has one accumulation: the flag reaches it (test_fp8.py) and changes nothing here
-    assert systems["breakable+fp8+fastaccum"]["max_abs_diff"] == systems["breakable+fp8"]["max_abs_diff"]
+    assert systems["breakable+fp8+promoted"]["max_abs_diff"] == systems["breakable+fp8"]["max_abs_diff"]

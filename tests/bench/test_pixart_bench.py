@@ -271,7 +271,7 @@ def test_the_mixed_section_measures_the_engines_default_cross_attention():
     assert pb.Setup().cross_attention == pixart.DEFAULT_CROSS_ATTENTION
 
 
-def test_fast_accumulation_is_refused_without_fp8(capsys):
+def test_promoted_accumulation_is_refused_without_fp8(capsys):
     with pytest.raises(SystemExit):
-        pb.main(["--smoke", "--fp8-fast-accum"])
-    assert "--fp8-fast-accum needs --precision fp8" in capsys.readouterr().err
+        pb.main(["--smoke", "--fp8-promoted-accum"])
+    assert "--fp8-promoted-accum needs --precision fp8" in capsys.readouterr().err
