@@ -80,14 +80,19 @@ class AttentionScratch:
         self.buffer: torch.Tensor | None = None
         self._retired: list[torch.Tensor] = []  # graphs captured on an older buffer still read it
 
-    def views(self, rows: int, dim: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Four (rows, dim) views: q, k, v, out. While dynamo traces a compiled step (``graphs.compiled``),
-        four fresh tensors instead: an ``out=`` write into a slice of one fixed-size buffer makes dynamo
-        specialise the batch (torch 2.13), so the step would not compile with a dynamic batch; there the
+    def views(self, rows: int | tuple[int, int, int, int], dim: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Four (rows, dim) views: q, k, v, out (``rows``: one count for all four, or each one's). While dynamo
+        traces a compiled step (``graphs.compiled``), four fresh tensors of exactly those rows instead: an
+        ``out=`` write into a slice of one fixed-size buffer makes dynamo specialise the batch (torch 2.13), so
+        the step would not compile with a dynamic batch, and a product written into the first rows of a larger
+        fresh tensor is one more pass over it (Inductor scatters it into the rest, left undefined). There the
         tensors are Inductor's to place. Eager calls, and a compiled step's fallback, share the buffer."""
+        counts = (rows,) * 4 if isinstance(rows, int) else tuple(rows)
         if torch.compiler.is_compiling():
-            return tuple(torch.empty(rows, dim, dtype=like.dtype, device=like.device) for _ in range(4))
-        return tuple(self._sized(4 * rows * dim, like).view(4, rows, dim).unbind(0))
+            return tuple(torch.empty(n, dim, dtype=like.dtype, device=like.device) for n in counts)
+        most = max(counts)
+        slots = self._sized(4 * most * dim, like).view(4, most, dim).unbind(0)
+        return tuple(s[:n] for s, n in zip(slots, counts))
 
     @staticmethod
     def quantized(slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

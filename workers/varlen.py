@@ -166,8 +166,7 @@ class VarlenCrossAttention:
         ctx = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         b, t, _ = hidden_states.shape                                           # (B, T, D)
         l, inner, heads = ctx.shape[1], attn.to_q.out_features, attn.heads      # ctx (B, L, C)
-        slots = self.scratch.views(b * max(t, l), inner, hidden_states)         # (B*max(T, L), inner) x4
-        q, k, v, o = slots[0][:b * t], slots[1][:b * l], slots[2][:b * l], slots[3][:b * t]
+        q, k, v, o = self.scratch.views((b * t, b * l, b * l, b * t), inner, hidden_states)  # (B*T | B*L, inner)
         linear_into(hidden_states.reshape(b * t, -1), [(attn.to_q, q)], quantized)
         linear_into(ctx.reshape(b * l, -1), [(attn.to_k, k), (attn.to_v, v)])
         used = key_lengths(attention_mask, b, l, hidden_states.device)         # (B,) int32, in the segment
