@@ -558,7 +558,9 @@ def run_engine(engine, model, jobs: list[Job], prompts: list[str], s: Setup, sto
         admit = max(0, s.max_batch - engine.num_active)
         if admit and queue:  # as the service leases: shape-aware (workers.admission)
             mark("admit")
-            engine.add_many(admission.take(queue, admit, engine.in_flight_shapes()))
+            started = admission.take(queue, admit, engine.in_flight_shapes(), capacity=s.max_batch)
+            if started:  # none while a small group is held back (rule 4)
+                engine.add_many(started)
             mark("loop")
         if engine.num_active == 0:
             time.sleep(max(0.0, min(0.005, pending[0].arrival - now)) if pending else 0.0)

@@ -348,15 +348,19 @@ class Scheduler:
         """Lease queued items for ``w`` up to its room (``max_inflight``) and send them; ``expect``: items
         are known to be queued (``Store.lease``). With ``group_shapes``, items of the shapes ``w`` runs now
         are preferred (``workers.admission``): fewer, fuller replays per step."""
-        room = self.cfg.inflight() - len(w.leases)
+        capacity = self.cfg.inflight()
+        room = capacity - len(w.leases)
         if self.draining or room <= 0 or (w.reserved and w.leases):
             return
         prefer = {lease_shape(ls.model, ls.params) for ls in w.leases.values()} if self.sched.group_shapes else None
         leases = self.store.lease(f"{self.owner}/{w.key}", w.models, room, self.lease_seconds, isolate=w.reserved,
-                                  announce=False, expect=expect, prefer=prefer)
+                                  announce=False, expect=expect, prefer=prefer,
+                                  capacity=capacity if prefer is not None else None)
         returned = time.time()
         w.reserved = bool(leases) and leases[0].suspect  # stays reserved while its isolated group runs
-        w.queue_left = len(leases) == room
+        # more may be queued: the lease got all it asked for, or it may have held items back for a fuller
+        # group while the worker runs others (admission rule 4): the next finished items ask again
+        w.queue_left = len(leases) == room or bool(prefer)
         if leases:
             w.handle.submit.remote([ls.spec for ls in leases])
             sent = time.time()

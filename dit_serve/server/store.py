@@ -469,7 +469,8 @@ class Store:
 
     # -- leases ------------------------------------------------------------------------------------
     def lease(self, owner: str, models: list[str], limit: int, ttl: float, isolate: bool = False,
-              announce: bool = True, expect: bool = False, prefer: Collection[tuple] | None = None) -> list[Lease]:
+              announce: bool = True, expect: bool = False, prefer: Collection[tuple] | None = None,
+              capacity: int | None = None) -> list[Lease]:
         """Lease up to ``limit`` queued or lease-expired items of ``models``: highest priority first, then
         oldest job first. Items that crashed workers twice or more (suspects) are leased only with
         ``isolate`` (the caller's worker holds nothing else), in groups that halve with each further crash
@@ -482,7 +483,8 @@ class Store:
         ((model, width, height) as stored) the caller's worker runs now: the lease reads up to
         ``workers.admission.WINDOW`` x ``limit`` candidates and takes ``limit`` of them by shape-aware
         admission (the queue's head always, then items of those shapes and the head's, never past a
-        higher priority); None: the first ``limit`` in queue order."""
+        higher priority; with ``capacity``, the most items the worker holds, no other shape started for a
+        handful of items: ``workers.admission`` rule 4); None: the first ``limit`` in queue order."""
         now = time.time()
         if limit <= 0:
             return []
@@ -494,7 +496,7 @@ class Store:
             if level is None and prefer is not None:
                 rows = conn.execute(_LEASE_FRESH, {**args, "size": limit * admission.WINDOW}).all()
                 rows = [rows[i] for i in admission.choose(rows, limit, prefer, shape=_row_shape,
-                                                          priority=lambda r: r.priority)]
+                                                          priority=lambda r: r.priority, capacity=capacity)]
             elif level is None:
                 rows = conn.execute(_LEASE_FRESH, {**args, "size": limit}).all()
             else:

@@ -496,6 +496,23 @@ def test_a_lease_prefers_the_sizes_in_flight_after_the_head_and_never_past_a_pri
     assert store.lease("w", ["digits"], 9, ttl=30, prefer=set()) == []
 
 
+def test_a_lease_given_the_capacity_starts_no_size_for_a_handful_of_items(store):
+    """Admission rule 4 through the store: 8 in flight at most, so no other size starts for fewer than 2."""
+    def sized(w: int, n: int) -> str:
+        params = PARAMS.model_copy(update={"width": w, "height": w})
+        return store.create_job("digits", params, list(range(n)), list(range(n)))
+
+    a, b, c = sized(32, 5), sized(48, 1), sized(64, 6)
+    keys = lambda leases: [(ls.job_id, ls.index) for ls in leases]  # noqa: E731
+    got = store.lease("w", ["digits"], 6, ttl=30, prefer=set(), capacity=8)
+    assert keys(got) == [(a, i) for i in range(5)]  # the lone 48 px item would replay alone: it waits
+    assert store.get_job(b).state == "queued"
+    # the head (48 px) is not in flight and the room is under 2: nothing; then it starts, with 64 px items
+    assert store.lease("w", ["digits"], 1, ttl=30, prefer={("digits", 32, 32)}, capacity=8) == []
+    got = store.lease("w", ["digits"], 3, ttl=30, prefer={("digits", 32, 32)}, capacity=8)
+    assert keys(got) == [(b, 0), (c, 0), (c, 1)]
+
+
 def test_a_preferring_lease_takes_over_only_the_expired_rows_it_chose(store):
     small, big = (PARAMS.model_copy(update={"width": w, "height": w}) for w in (32, 64))
     first = store.create_job("digits", small, [0, 1], [0, 1])

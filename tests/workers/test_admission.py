@@ -99,3 +99,60 @@ def test_random_queues_keep_the_rules():
         for i in got:  # an unpreferred item only when no preferred one of its priority is left
             if q[i][0] not in preferred:
                 assert not any(q[j][0] in preferred and q[j][1] == q[i][1] for j in left)
+
+
+def test_with_the_capacity_no_shape_starts_as_a_small_group_beside_the_ones_in_flight():
+    a, b = ("a", 0), ("b", 0)
+    # the mixed benchmark's fourth round: 31 "a" left, "b"s behind; 32 in flight at most (least 8)
+    q = [a] * 31 + [b] * 40
+    assert admission.choose(q, 32, (), _shape, capacity=32) == list(range(31))  # one "b" would replay alone
+    assert admission.choose(q, 32, ("z",), _shape, capacity=32) == list(range(31))  # beside a shape in flight too
+    assert admission.choose(q, 32, ("z",), _shape) == list(range(32))  # without the capacity: rules 1-3 only
+    q = [a] * 20 + [b] * 40
+    assert admission.choose(q, 32, ("z",), _shape, capacity=32) == list(range(32))  # 12 "b": a group worth it
+    # the head's shape not in flight: nothing while the room is under 8, then the head and its shape
+    q = [b] * 40
+    assert admission.choose(q, 7, ("a",), _shape, capacity=32) == []
+    assert admission.choose(q, 8, ("a",), _shape, capacity=32) == list(range(8))
+    assert admission.choose([b, a, a], 2, ("a",), _shape, capacity=32) == []
+    assert admission.choose([a, b, a], 2, ("a",), _shape, capacity=32) == [0, 2]  # in flight: joins its group
+
+
+def test_a_small_new_group_is_cut_with_everything_after_it_never_overtaking_a_priority():
+    q = [("a", 5)] * 4 + [("b", 5)] + [("a", 1)] * 4
+    # the lone priority-5 "b" would start a group of one: it waits, and so do the priority-1 "a"s after it
+    assert admission.choose(q, 8, ("a",), _shape, _prio, capacity=16) == [0, 1, 2, 3]
+    assert admission.choose(q, 8, ("a",), _shape, _prio) == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+def test_a_held_head_starts_once_enough_of_what_is_in_flight_finished():
+    """8 in flight at most (least 2): a lone "z" at the head behind a stream of "a"s in flight waits one
+    admission while the room is 1, then starts; nothing is taken past it meanwhile."""
+    queue = [("z", 0)] + [("a", 0)] * 20
+    assert admission.take(queue, 1, {"a"}, _shape, capacity=8) == [] and len(queue) == 21
+    assert admission.take(queue, 2, {"a"}, _shape, capacity=8) == [("z", 0), ("a", 0)]
+
+
+def test_a_mixed_backlog_drains_without_small_groups():
+    """189 images of three shapes (63 each, interleaved) through 32 in flight, every round finishing
+    together: with the capacity no round starts a second shape beside the first for a handful of images,
+    and the rounds' replays at the splitter's greedy plan are fewer."""
+    def rounds(capacity):
+        queue, replays, counts = [("a", "b", "c")[i % 3] for i in range(189)], 0, []
+        while queue:
+            batch = admission.take(queue, 32, set(), lambda s: s, capacity=capacity)
+            flying = Counter(batch)
+            while len(batch) < 32 and queue:  # later admissions of the same round, as the loop makes them
+                more = admission.take(queue, 32 - len(batch), set(flying), lambda s: s, capacity=capacity)
+                if not more:
+                    break
+                batch += more
+                flying = Counter(batch)
+            counts.append(sorted(flying.values(), reverse=True))
+            replays += sum(len(split_batch(n, bucket_sizes(32))) for n in flying.values())
+        return counts, replays
+
+    held, with_small = rounds(32), rounds(None)
+    assert all(len(c) == 1 for c in held[0])  # every round one shape
+    assert any(min(c) < 8 for c in with_small[0] if len(c) > 1)  # rules 1-3 alone start groups of 1-2
+    assert held[1] < with_small[1]
