@@ -81,3 +81,30 @@ def test_a_fill_prefers_the_sizes_the_worker_runs_and_strict_order_is_a_switch(t
         sched._fill(w, expect=True)
         assert [spec.width for spec in sent[-1]] == want
     assert SchedulerConfig().group_shapes is True
+
+
+def test_a_fill_holds_a_new_size_back_until_a_quarter_of_the_room_is_free_and_asks_again(tmp_path):
+    """Admission rule 4 through ``_fill``: a worker holding 7 of 8 in-flight 32 px items gets nothing for a
+    queued 48 px job while its room is 1 (a group of one beside the 32 px one), but marks that more may be
+    queued, so the next finished item asks again; with 2 free the 48 px items start."""
+    from types import SimpleNamespace
+
+    from dit_serve.schemas import JobParams
+    from dit_serve.server.config import SchedulerConfig
+    from dit_serve.server.scheduler import Scheduler, _Worker
+    from dit_serve.server.store import Store
+
+    params = lambda w: JobParams(sampler="ddim", steps=5, guidance=1.0, width=w, height=w)  # noqa: E731
+    store = Store(f"sqlite:///{tmp_path}/s.db", tmp_path)
+    store.submit("digits", params(32), [1] * 7, list(range(7)))
+    store.submit("digits", params(48), [1] * 3, list(range(3)))
+    sent: list[list] = []
+    sched = Scheduler(store, WorkerConfig(max_batch=8, max_inflight=8), SchedulerConfig(), 30.0)
+    w = _Worker("w", None, SimpleNamespace(submit=SimpleNamespace(remote=sent.append)), None, models=["digits"])
+    sched.workers["w"] = w
+    w.leases = {ls.key: ls for ls in store.lease("other", ["digits"], 7, ttl=30)}  # the 32 px items run here
+    sched._fill(w, expect=True)
+    assert sent == [] and w.queue_left
+    w.leases.pop(next(iter(w.leases)))  # one finished: the room is 2
+    sched._fill(w, expect=True)
+    assert [spec.width for spec in sent[-1]] == [48, 48]
