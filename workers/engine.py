@@ -171,7 +171,7 @@ BASE_INPUTS = ("x", "t", "guidance", "coeffs", "hist", "noise")
 # What warm-up runs every bucket on before it captures and times it: a typical request, not zeros. The
 # timings are what the splitter weighs padding against more replays by, and zeros time another step than
 # a prompt's: an all-zero prompt mask makes PixArt's varlen cross-attention score every one of its 300 keys
-# (a real prompt keeps about 20), and zero rows quantize to zero codes. About 15 T5 tokens, a usual length.
+# (a real prompt keeps about 20), and zero rows quantize to zero codes. A prompt of a usual length.
 WARMUP_PROMPT = "a photograph of a red fox standing in fresh snow at the edge of a pine forest, morning light"
 
 
