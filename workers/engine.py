@@ -318,10 +318,19 @@ class Engine:
     def warmup_example(self, model: LoadedModel, shape: tuple[int, int, int]) -> dict[str, torch.Tensor] | None:
         """One row of the step's inputs as a request makes them (``WARMUP_PROMPT`` or class 0, the model's
         default sampler at its middle step, seeded noise), on the model's device; None for a model without a
-        card (zeros, then). Warm-up tiles it over every bucket's rows."""
-        card = model.card
-        if card is None:
+        card, or where making it failed (logged): warm-up then runs on zeros, which only its timings mind.
+        Warm-up tiles it over every bucket's rows."""
+        if model.card is None:
             return None
+        try:
+            return self._example(model, shape)
+        except Exception as e:  # the timings lose realism; serving must not fail on it
+            log.warning("%s: warm-up runs on zeros (its example failed: %s: %s)", model.name, type(e).__name__, e)
+            return None
+
+    @staticmethod
+    def _example(model: LoadedModel, shape: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+        card = model.card
         family = family_of(model)
         probe = ItemSpec(id="warmup", model=model.name, seed=0, prompt=WARMUP_PROMPT if card.conditioning == "text"
                          else "", sampler=card.defaults["sampler"], steps=int(card.defaults["steps"]),

@@ -227,3 +227,15 @@ def test_a_text_models_warm_up_example_is_a_real_prompt_and_the_empty_negative(t
     e.warmup()
     r = ItemSpec(id="a", prompt="a cat", seed=3, sampler="dpmpp_2m", steps=3, guidance=4.5)
     assert torch.isfinite(e.generate([r])[0].latents).all()
+
+
+def test_a_failed_warm_up_example_leaves_warm_up_on_zeros(model, monkeypatch, caplog):
+    from workers import engine as engine_mod
+
+    e = engine(model, max_batch=2)
+    monkeypatch.setattr(engine_mod.Engine, "_example", staticmethod(lambda *a: 1 / 0))
+    with caplog.at_level("WARNING", logger=engine_mod.log.name):
+        assert e.warmup_example(model, next(iter(e.groups.values())).shape) is None
+        e.warmup()
+    assert "warm-up runs on zeros" in caplog.text
+    assert e.generate([req(1)])[0].image.shape[:2] == (model.card.image_size,) * 2
