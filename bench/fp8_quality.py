@@ -65,9 +65,9 @@ def specs(model, n: int) -> list:
 
 def generate(name: str, precision: str, n: int, device: str, dtype, fast_accum: tuple[bool, ...] = (False,)
              ) -> tuple[list, dict]:
-    """The images of ``n`` items of ``name`` at ``precision``, and the model's settings. With several
-    ``fast_accum`` values (``workers.fp8.FAST_ACCUM``, read at each product) the same loaded model generates
-    once per value, and the result is a list of image lists, one per value."""
+    """The images of ``n`` items of ``name`` at ``precision``, one list per ``fast_accum`` value
+    (``workers.fp8.FAST_ACCUM``, read at each product: the same loaded model generates once per value),
+    and the model's settings."""
     from workers import fp8
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
@@ -83,7 +83,6 @@ def generate(name: str, precision: str, n: int, device: str, dtype, fast_accum: 
             runs.append(engine.generate(items))
     finally:
         fp8.FAST_ACCUM = before
-    results = runs[0] if len(fast_accum) == 1 else runs
     seconds = (time.perf_counter() - t0) / len(fast_accum)
     d = model.card.defaults
     info = {"sampler": d["sampler"], "steps": d["steps"], "guidance": d["guidance"], "family": model.card.family,
@@ -92,7 +91,7 @@ def generate(name: str, precision: str, n: int, device: str, dtype, fast_accum: 
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return results, info
+    return runs, info
 
 
 def hardware() -> dict:
@@ -153,11 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in models:
         t0 = time.perf_counter()
         try:
-            bf16, settings = generate(name, "bf16", args.images, device, dtype)
-            fp8, quantized = generate(name, "fp8", args.images, device, dtype, accum)
+            (bf16,), settings = generate(name, "bf16", args.images, device, dtype)
+            runs, quantized = generate(name, "fp8", args.images, device, dtype, accum)
             settings["fp8_linears"] = quantized["fp8_linears"]
-            fast = {"fast_accum": compare(bf16, fp8[1])} if args.fast_accum else {}
-            report["models"][name] = {**compare(bf16, fp8[0] if args.fast_accum else fp8), **fast,
+            fast = {"fast_accum": compare(bf16, runs[1])} if args.fast_accum else {}
+            report["models"][name] = {**compare(bf16, runs[0]), **fast,
                                       "settings": {**settings, "fp8_generate_s": quantized["generate_s"]}}
         except Exception as e:  # one model's failure is recorded; the others still run
             report["models"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}

@@ -29,6 +29,7 @@ whatever key the caller groups by (the service: model, width, height as stored).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Collection, Hashable, Sequence, TypeVar
 
 __all__ = ["SMALL_GROUP", "WINDOW", "choose", "shape_key", "spec_shape", "take"]
@@ -69,14 +70,9 @@ def _before_small_group(order: list[int], candidates: Sequence[T], shape: Callab
                         started: set, least: int) -> int:
     """How many of ``order`` (the picks, in admission order) come before the first item of a shape not in
     ``started`` that gets fewer than ``least`` of them (rule 4); all of them when there is none."""
-    counts: dict[Hashable, int] = {}
-    for i in order:
-        counts[shape(candidates[i])] = counts.get(shape(candidates[i]), 0) + 1
-    for n, i in enumerate(order):
-        s = shape(candidates[i])
-        if s not in started and counts[s] < least:
-            return n
-    return len(order)
+    shapes = [shape(candidates[i]) for i in order]
+    counts = Counter(shapes)
+    return next((n for n, s in enumerate(shapes) if s not in started and counts[s] < least), len(shapes))
 
 
 def shape_key(model: str, width: int, height: int) -> tuple[str, int, int]:

@@ -354,8 +354,7 @@ class Scheduler:
             return
         prefer = {lease_shape(ls.model, ls.params) for ls in w.leases.values()} if self.sched.group_shapes else None
         leases = self.store.lease(f"{self.owner}/{w.key}", w.models, room, self.lease_seconds, isolate=w.reserved,
-                                  announce=False, expect=expect, prefer=prefer,
-                                  capacity=capacity if prefer is not None else None)
+                                  announce=False, expect=expect, prefer=prefer, capacity=capacity)
         returned = time.time()
         w.reserved = bool(leases) and leases[0].suspect  # stays reserved while its isolated group runs
         # more may be queued: the lease got all it asked for, or it may have held items back for a fuller
