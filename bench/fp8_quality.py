@@ -12,6 +12,7 @@ full-size models are the built-ins with random weights, made on the GPU.
     python bench/fp8_quality.py --models dit-xl-2-256 flux-dev-1024 --images 2
     python bench/fp8_quality.py --smoke --out /tmp/q    # digits and digits-text on a CPU, float32
     python bench/fp8_quality.py --fast-accum            # FP8 with promoted and with fast accumulation
+    python bench/fp8_quality.py --attention             # FP8 linears with bf16, then with FP8 attention
 
 Writes fp8_quality.json and fp8_quality.md (fp8_quality_smoke.* with --smoke) under --out after each model.
 """
@@ -63,13 +64,16 @@ def specs(model, n: int) -> list:
             for i in range(n)]
 
 
-def generate(name: str, precision: str, n: int, device: str, dtype, fast_accum: tuple[bool, ...] = (False,)
+def generate(name: str, precision: str, n: int, device: str, dtype, variants: tuple = ((None, False),)
              ) -> tuple[list, dict]:
-    """The images of ``n`` items of ``name`` at ``precision``, one list per ``fast_accum`` value
-    (``workers.fp8.FAST_ACCUM``, read at each product: the same loaded model generates once per value),
-    and the model's settings."""
+    """The images of ``n`` items of ``name`` at ``precision``, one list per variant: (fast accumulation,
+    FP8 attention). Fast accumulation is ``workers.fp8.FAST_ACCUM`` (read at each product; None: as it is);
+    FP8 attention routes the joint attention of SD3 and FLUX.1 through ``workers.fp8_attention`` (the eager
+    engine keeps diffusers' processors otherwise). The same loaded model generates once per variant."""
     from workers import fp8
     from workers.engine import Engine, EngineConfig
+    from workers.families import family_of
+    from workers.joint_attention import restore_joint_attention, route_joint_attention
     from workers.loading import load_model
 
     model = load_model(name, device=device, dtype=dtype, precision=precision)
@@ -78,12 +82,17 @@ def generate(name: str, precision: str, n: int, device: str, dtype, fast_accum: 
     t0 = time.perf_counter()
     runs, before = [], fp8.FAST_ACCUM
     try:
-        for value in fast_accum:
-            fp8.FAST_ACCUM = value
+        for fast, attention in variants:
+            fp8.FAST_ACCUM = before if fast is None else fast
+            if attention and getattr(family_of(model), "JOINT_ATTENTION", False):
+                route_joint_attention(model.transformer, fp8=True)
+            else:
+                restore_joint_attention(model.transformer)
             runs.append(engine.generate(items))
     finally:
         fp8.FAST_ACCUM = before
-    seconds = (time.perf_counter() - t0) / len(fast_accum)
+        restore_joint_attention(model.transformer)
+    seconds = (time.perf_counter() - t0) / len(variants)
     d = model.card.defaults
     info = {"sampler": d["sampler"], "steps": d["steps"], "guidance": d["guidance"], "family": model.card.family,
             "fp8_linears": getattr(model, "fp8_linears", 0), "generate_s": round(seconds, 2)}
@@ -116,8 +125,10 @@ def markdown(report: dict) -> str:
             continue
         i = r["settings"]
         both = "fast_accum" in r  # --fast-accum: the first FP8 run promoted its sums, the second did not
-        for label, q in ((f"{name}, promoted accumulation" if both else name, r),
-                         (f"{name}, fast accumulation", r.get("fast_accum"))):
+        second = "fp8_attention" in r  # --attention: the first FP8 run's attention was bf16, the second's FP8
+        first = f"{name}, promoted accumulation" if both else f"{name}, bf16 attention" if second else name
+        for label, q in ((first, r), (f"{name}, fast accumulation", r.get("fast_accum")),
+                         (f"{name}, FP8 attention", r.get("fp8_attention"))):
             if q is not None:
                 lines.append(f"| {label} | {i['family']} | {i['fp8_linears']} | {i['sampler']}, {i['steps']}, "
                              f"{i['guidance']} | {q['median_psnr_db']} | {q['median_max_abs_diff']} | "
@@ -134,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fast-accum", action="store_true", help="FP8 twice against the same bf16 images: the products' "
                    "sums promoted to float32 every few k-blocks, then cuBLASLt's fast accumulation "
                    "(workers.fp8.FAST_ACCUM); the report's name gets _fastaccum")
+    p.add_argument("--attention", action="store_true", help="FP8 twice against the same bf16 images: bf16 attention, "
+                   "then FP8 attention where the family has it (SD3, FLUX.1: workers.fp8_attention, cuDNN's kernel on "
+                   "Hopper); the report's name gets _attention")
     args = p.parse_args(argv)
     from workers import fp8
     from workers.fp8 import unsupported_reason
@@ -147,15 +161,20 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": " ".join(["python", "bench/fp8_quality.py", *(argv if argv is not None else sys.argv[1:])]),
               "hardware": hardware(), "images": args.images, "device": device, "models": {}}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = ("fp8_quality_smoke" if args.smoke else "fp8_quality") + ("_fastaccum" if args.fast_accum else "")
-    accum = (False, True) if args.fast_accum else (fp8.FAST_ACCUM,)
+    stem = (("fp8_quality_smoke" if args.smoke else "fp8_quality") + ("_fastaccum" if args.fast_accum else "")
+            + ("_attention" if args.attention else ""))
+    variants = [(False, False), (True, False)] if args.fast_accum else [(None, False)]
+    if args.attention:
+        variants.append((None, True))
     for name in models:
         t0 = time.perf_counter()
         try:
             (bf16,), settings = generate(name, "bf16", args.images, device, dtype)
-            runs, quantized = generate(name, "fp8", args.images, device, dtype, accum)
+            runs, quantized = generate(name, "fp8", args.images, device, dtype, tuple(variants))
             settings["fp8_linears"] = quantized["fp8_linears"]
             fast = {"fast_accum": compare(bf16, runs[1])} if args.fast_accum else {}
+            if args.attention:
+                fast["fp8_attention"] = compare(bf16, runs[-1])
             report["models"][name] = {**compare(bf16, runs[0]), **fast,
                                       "settings": {**settings, "fp8_generate_s": quantized["generate_s"]}}
         except Exception as e:  # one model's failure is recorded; the others still run

@@ -109,7 +109,7 @@ class Setup:
     loads: tuple = (0.3, 0.6)        # offered images/s: ~2 and ~3 requests in the window; ~0.6 saturates a (est.)
     backlog_stop_s: float = 120.0
     compile: str = "off"             # our engines' steps: "inductor" compiles them inside the graphs
-    precision: str = "bf16"          # "fp8": the models' block linears as FP8 products (workers/fp8.py)
+    precision: str = "bf16"          # "fp8": the models' block linears as FP8 products (workers/fp8.py); "fp8+attention": and attention
     decode_graphs: str = "auto"      # mixed: system a's VAE decode captured: "on" | "off" | "auto" (with compile)
 
 
@@ -663,7 +663,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fresh", action="store_true", help="start a new report instead of merging into the one in --out")
     p.add_argument("--compile", choices=pb.COMPILE_CHOICES, default="off", help="our engines' steps compiled "
                    "(inductor-blocks: the transformer's blocks, one graph per block class)")
-    p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16", help="our models' block linears")
+    p.add_argument("--precision", choices=["bf16", "fp8", "fp8+attention"], default="bf16",
+                   help="our models' block linears (fp8), and their joint attention (fp8+attention)")
     p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto", help="mixed: system a's VAE "
                    "decode captured (auto: with --compile, compiled too; each size's cold compile takes 1-2 minutes)")
     args = p.parse_args(argv)

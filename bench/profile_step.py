@@ -39,7 +39,8 @@ BENCH = Path(__file__).resolve().parent
 SYSTEMS = {"plain": ("off", "bf16"), "fused": ("inductor", "bf16"), "fp8": ("off", "fp8"), "fused+fp8": ("inductor", "fp8"),
            "fused+fp8+nonorms": ("inductor", "fp8"),  # +nonorms: PixArt's blocks without workers.norm_fusion
            "fused+fp8+rawbreaks": ("inductor", "fp8"),  # +rawbreaks: without workers.patches.QUANTIZED_BREAKS
-           "fused+fp8+promoted": ("inductor", "fp8")}  # +promoted: without workers.fp8.FAST_ACCUM
+           "fused+fp8+promoted": ("inductor", "fp8"),  # +promoted: without workers.fp8.FAST_ACCUM
+           "fused+fp8+fp8attention": ("inductor", "fp8+attention")}  # SD3's, FLUX.1's attention in FP8 too
 # kernel name -> group, first match wins (CUDA kernel names, and aten operator names on a CPU)
 GROUPS = [
     # Inductor's own kernels (pointwise, reduction, persistent reduction) are never matrix products, whatever
@@ -207,7 +208,7 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
     from workers.loading import load_model
 
     compile_mode, precision = SYSTEMS[name]
-    if precision == "fp8" and (why := unsupported_reason(device)) is not None:
+    if precision != "bf16" and (why := unsupported_reason(device)) is not None:
         result["systems"][name] = {"skipped": why}
         return
     kernels = _kernels()

@@ -86,6 +86,8 @@ SYSTEMS.update({f"{name}+nofa4": SYSTEMS[name] for name in  # the same systems, 
 SYSTEMS.update({f"{name}+nonorms": SYSTEMS[name] for name in ("breakable+fp8", "full+inductor+fp8", "full+inductor+fp8+blocks")})
 SYSTEMS.update({f"{name}+rawbreaks": SYSTEMS[name] for name in ("breakable+fp8", "full+inductor+fp8", "full+inductor+fp8+blocks")})
 SYSTEMS.update({f"{name}+promoted": SYSTEMS[name] for name in ("breakable+fp8", "full+inductor+fp8", "full+inductor+fp8+blocks")})
+SYSTEMS.update({f"{name}+fp8attention": (*SYSTEMS[name][:2], "fp8+attention", *SYSTEMS[name][3:])
+                for name in ("breakable+fp8", "full+inductor+fp8", "full+inductor+fp8+blocks")})
 # +torchquant: the FP8 systems with the activations quantized by PyTorch operations (what Inductor fuses
 # them into when compiled, the GELU with them) instead of workers.quant_kernel's Triton kernel
 # +nonorms: PixArt's FP8 blocks without their norms fused with the quantizations (workers.norm_fusion)
@@ -94,6 +96,8 @@ SYSTEMS.update({f"{name}+promoted": SYSTEMS[name] for name in ("breakable+fp8", 
 # +promoted: the FP8 products without cuBLASLt's fast accumulation (workers.fp8.FAST_ACCUM off: the partial sums
 # promoted to float32 every few k-blocks); their difference from breakable (bf16) against the system's with it
 # is the accuracy fast accumulation costs
+# +fp8attention: the FP8 systems in precision "fp8+attention": SD3's and FLUX.1's joint attention in FP8 too
+# (workers.fp8_attention, cuDNN's kernel); the same FP8 model as the system without it, its attention routed anew
 # +nofa4: the system with FlashAttention-4 left out of the attention kernels measured per shape
 # (workers.sdpa.candidates: PyTorch's three only); without the package installed it is the system itself
 
@@ -336,7 +340,7 @@ def start(args, kind: str) -> dict:
 def run(args, result: dict, save) -> None:
     from workers.loading import load_model
 
-    from workers import fp8, norm_fusion, patches, sdpa
+    from workers import fp8, fp8_attention, norm_fusion, patches, sdpa
     from workers.fp8 import unsupported_reason
 
     for kind in ("cold", "warm") if args.start else ():  # first, while this process holds no GPU memory
@@ -364,21 +368,26 @@ def run(args, result: dict, save) -> None:
 
     def system(name: str) -> None:
         precision = SYSTEMS[name][2]
-        if precision == "fp8" and (why := unsupported_reason(device)) is not None:
+        if precision != "bf16" and (why := unsupported_reason(device)) is not None:
             result["systems"][name] = {"skipped": why}
             return
-        if precision not in models:  # the same seeded weights, its block linears in FP8
-            models[precision] = load_model(args.model, device=device, dtype=dtype, precision=precision)
+        if precision == "fp8+attention" and (why := fp8_attention.unavailable_reason(device)) is not None:
+            result["systems"][name] = {"skipped": why}
+            return
+        loaded = "fp8" if precision == "fp8+attention" else precision  # one FP8 load: the engine routes attention
+        if loaded not in models:  # the same seeded weights, its block linears in FP8
+            models[loaded] = load_model(args.model, device=device, dtype=dtype, precision=loaded)
         sdpa.CHOOSER.choices.clear()  # each system measures its own kernels per shape
         offered = (lambda q, k=None: sdpa.CANDIDATES) if name.endswith("+nofa4") else sdpa.candidates
         norms = not name.endswith("+nonorms")
         if not norms:  # an earlier system's engine patched the shared model's blocks
-            norm_fusion.restore_block_norms(models[precision].transformer)
+            norm_fusion.restore_block_norms(models[loaded].transformer)
         with mock.patch.object(fp8, "ROW_KERNEL", not name.endswith("+torchquant")), \
                 mock.patch.object(sdpa, "candidates", offered), mock.patch.object(norm_fusion, "ENABLED", norms), \
                 mock.patch.object(patches, "QUANTIZED_BREAKS", not name.endswith("+rawbreaks")), \
-                mock.patch.object(fp8, "FAST_ACCUM", not name.endswith("+promoted")):
-            result["systems"][name] = bench_system(models[precision], name, args, inputs, reference)
+                mock.patch.object(fp8, "FAST_ACCUM", not name.endswith("+promoted")), \
+                mock.patch.object(models[loaded], "precision", precision):
+            result["systems"][name] = bench_system(models[loaded], name, args, inputs, reference)
 
     if "diffusers" in args.systems:
         attempt(result, "diffusers", diffusers, save)

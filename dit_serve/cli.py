@@ -82,9 +82,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "eager", "full", "breakable", "graphs"],
                    help="auto: graphs on CUDA (whole-step graphs per model, breakable ones where a step has eager "
                         "breaks), eager on the CPU")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp8+attention"],
                    help="fp8: the transformer blocks' linears as FP8 matrix products (GPUs of compute capability "
-                        "8.9+, or the CPU); bf16: the model's dtype")
+                        "8.9+, or the CPU); fp8+attention: and SD3's and FLUX.1's joint attention in FP8 (Hopper, "
+                        "with the cuDNN frontend installed); bf16: the model's dtype")
 
 
 def _add_serve(sub) -> None:

@@ -70,7 +70,7 @@ class WorkerSpec:
     decode_graphs: bool = False       # the VAE decode captured too (EngineConfig)
     png_compress_level: int = PNG_COMPRESS_LEVEL  # zlib level of the finished images' PNGs (0-9)
     png_threads: int = 0              # threads encoding PNGs off the step loop (0: up to 4, one per core)
-    precision: tuple[tuple[str, str], ...] = ()  # (model, "bf16" | "fp8"); unlisted: the model's dtype
+    precision: tuple[tuple[str, str], ...] = ()  # (model, "bf16" | "fp8" | "fp8+attention"); unlisted: its dtype
     kernels: tuple[tuple[str, str], ...] = ()    # (model, "eager" | "fused"); unlisted: ``compile``
 
 

@@ -43,7 +43,8 @@ from workers.admission import spec_shape
 from workers.encoders import EncoderGraphs, padded_length
 from workers.epilogues import fuse_gelu_epilogues
 from workers.families import compile_regions, family_of
-from workers.joint_attention import attention_inline, route_joint_attention
+from workers import fp8_attention
+from workers.joint_attention import attention_fp8_inline, attention_inline, route_joint_attention
 from workers.loading import LoadedModel
 from workers.norm_fusion import fuse_block_norms
 from workers.patches import attention_into, attention_quantized_into, break_attention, hoist_modulation
@@ -213,7 +214,9 @@ class Engine:
                 if config.hoist_modulation:
                     hoist_modulation(m.transformer)
             if config.backend != "eager" and config.attention_patch and getattr(family, "JOINT_ATTENTION", False):
-                route_joint_attention(m.transformer)
+                fp8 = _fp8_attention(m)
+                if route_joint_attention(m.transformer, fp8=fp8) and fp8:
+                    self.attention[m.name] = "fp8 (cuDNN)"
             if config.backend != "eager" and config.gelu_epilogue:
                 fuse_gelu_epilogues(m.transformer)
             if hasattr(family, "set_cross_attention"):
@@ -535,12 +538,24 @@ def _group_stats(group: _Group) -> dict:
     return stats
 
 
+def _fp8_attention(model) -> bool:
+    """Whether a model's joint attention runs in FP8 (``workers.fp8_attention``): it was loaded in precision
+    "fp8+attention" (which ``load_model`` refuses where the GPU or the cuDNN frontend does not allow it)."""
+    if model.precision != "fp8+attention":
+        return False
+    why = fp8_attention.unavailable_reason(model.device)
+    if why is not None:  # a model loaded elsewhere and moved: its attention stays as the model's dtype
+        log.warning("%s: attention stays in %s: %s", model.name, str(model.dtype).removeprefix("torch."), why)
+    return why is None
+
+
 def _prepare_compile(cache_dir: str) -> None:
     """Before compiling steps: the attention breaks stay opaque calls for dynamo (so a breakable capture
     still breaks there) and Inductor's cache goes where the config says."""
     opaque_break(attention_into)
     opaque_break(attention_quantized_into, out=("codes", "scales"))
     opaque_break(attention_inline)
+    opaque_break(attention_fp8_inline)
     opaque_break(varlen_attention_into)
     opaque_break(varlen_attention_quantized_into, out=("codes", "scales"))
     if cache_dir:

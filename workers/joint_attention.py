@@ -15,15 +15,29 @@ see ``attention_inline`` as one opaque op (``graphs.compiled.opaque_break``, reg
 
 A call with an attention mask (neither pipeline passes one) runs diffusers' own path. On a CPU the chooser
 keeps PyTorch's rule, so a routed model computes what diffusers' computes (tested in float32).
+
+FP8 attention (``route_joint_attention(..., fp8=True)``; the engine asks for it for a model loaded in precision
+"fp8+attention": Hopper, the cuDNN frontend installed, ``workers.fp8_attention``): q, k and v become e4m3
+codes in the step's own code (Inductor writes them from the norm and rotary kernel, in place of bf16), the
+kernel is cuDNN's FP8 attention (``attention_fp8_inline``, opaque like ``attention_inline``), and its FP8
+output is turned back into bf16 as the output projection's input is made. q's and k's scales are fixed at
+load, from a bound: an RMS-normed head of d values is at most sqrt(d) times the norm's largest weight in
+magnitude, and the rotary embedding turns pairs of values without changing their length
+(``static_scale``); v's comes from its largest magnitude at run time. A model without q and k norms (SD3,
+not SD3.5) takes q's and k's from their largest magnitude too.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _get_qkv_projections
 
+from workers import fp8_attention
 from workers.sdpa import attention
 
 
@@ -33,8 +47,73 @@ def attention_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
     attention(q, k, v, out)
 
 
+def attention_fp8_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q: torch.Tensor,
+                         descale_k: torch.Tensor, descale_v: torch.Tensor, out: torch.Tensor) -> None:
+    """e4m3 codes (B, heads, T, d) x3 and their (1, 1, 1, 1) descales -> codes written into out (B, heads, T, d),
+    at v's scale halved (``fp8_attention.O_HEADROOM``), by cuDNN's FP8 kernel; captured inside the segment."""
+    fp8_attention.attention_codes(q, k, v, descale_q, descale_k, descale_v, out, 1.0 / math.sqrt(q.shape[-1]))
+
+
+@dataclass
+class Fp8Scales:
+    """FP8 attention's fixed scales for one attention module's q and k (None: from the tensor at run time),
+    powers of two, and their descales as (1, 1, 1, 1) float32 tensors on the model's device."""
+
+    q: float | None
+    k: float | None
+    descale_q: torch.Tensor | None
+    descale_k: torch.Tensor | None
+
+
+def static_scale(*norms) -> float | None:
+    """The largest power of two that keeps RMS-normed, rotated values within e4m3's 448, from the norms (the
+    joint q is normed by two: the image's and the text's): a norm over n values makes none larger than sqrt(n)
+    times its largest weight in magnitude, and a rotation of pairs keeps that bound. None when one is not an
+    RMS norm (no bound)."""
+    bound = 0.0
+    for norm in norms:
+        if norm is None or type(norm).__name__ != "RMSNorm":
+            return None
+        w = getattr(norm, "weight", None)
+        shape = getattr(norm, "normalized_shape", None) or getattr(norm, "dim", None)
+        n = w.numel() if w is not None else math.prod(shape)
+        bound = max(bound, math.sqrt(n) * (1.0 if w is None else float(w.detach().abs().max())))
+    if bound == 0.0:
+        return None
+    return 2.0 ** math.floor(math.log2(fp8_attention.FP8_MAX / bound))
+
+
+def fp8_scales(attn) -> Fp8Scales:
+    """The fixed scales of one diffusers ``Attention`` module's q and k (see ``static_scale``)."""
+    joint = attn.added_kv_proj_dim is not None
+    sq = static_scale(attn.norm_q, *((attn.norm_added_q,) if joint else ()))
+    sk = static_scale(attn.norm_k, *((attn.norm_added_k,) if joint else ()))
+    device = next(attn.parameters()).device
+    descale = lambda s: None if s is None else torch.full((1, 1, 1, 1), 1.0 / s, dtype=torch.float32, device=device)
+    return Fp8Scales(sq, sk, descale(sq), descale(sk))
+
+
+def _codes(x: torch.Tensor, scale: float | None, descale: torch.Tensor | None):
+    if scale is None:
+        return fp8_attention.quantize(x)
+    return (x.float() * scale).clamp(-fp8_attention.FP8_MAX, fp8_attention.FP8_MAX).to(fp8_attention.FP8), descale
+
+
+def fp8_joint_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scales: Fp8Scales) -> torch.Tensor:
+    """(B, T, heads, d) x3 -> the attention (B, T, heads, d) in query's dtype, through FP8 (see the module
+    docstring)."""
+    (q8, dq), (k8, dk) = _codes(query, scales.q, scales.descale_q), _codes(key, scales.k, scales.descale_k)
+    v8, dv = fp8_attention.quantize(value)
+    out = torch.empty_like(q8)                                                              # (B, T, h, d) e4m3
+    attention_fp8_inline(q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2), dq, dk, dv, out.transpose(1, 2))
+    return fp8_attention.dequantize(out, dv / fp8_attention.O_HEADROOM, query.shape[-1], query.dtype)
+
+
 class RoutedJointAttention(JointAttnProcessor2_0):
-    """SD3's joint attention (as JointAttnProcessor2_0, diffusers 0.42), its attention by ``attention_inline``."""
+    """SD3's joint attention (as JointAttnProcessor2_0, diffusers 0.42), its attention by ``attention_inline``
+    (or FP8, ``fp8_joint_attention``, where ``fp8`` holds its scales)."""
+
+    fp8: Fp8Scales | None = None
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
         if attention_mask is not None:
@@ -61,8 +140,11 @@ class RoutedJointAttention(JointAttnProcessor2_0):
             query = torch.cat([query, eq], dim=2)                                           # (B, h, T+L, d)
             key = torch.cat([key, ek], dim=2)
             value = torch.cat([value, ev], dim=2)
-        out = query.new_empty(batch_size, query.shape[2], attn.heads, head_dim)             # (B, T+L, h, d)
-        attention_inline(query, key, value, out.transpose(1, 2))
+        if self.fp8 is not None:
+            out = fp8_joint_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), self.fp8)
+        else:
+            out = query.new_empty(batch_size, query.shape[2], attn.heads, head_dim)         # (B, T+L, h, d)
+            attention_inline(query, key, value, out.transpose(1, 2))
         hidden_states = out.flatten(2, 3).to(query.dtype)                                   # (B, T+L, h*d)
         if encoder_hidden_states is not None:
             hidden_states, encoder_hidden_states = (hidden_states[:, : residual.shape[1]],
@@ -76,7 +158,10 @@ class RoutedJointAttention(JointAttnProcessor2_0):
 
 
 class RoutedFluxAttention(FluxAttnProcessor):
-    """FLUX.1's attention (as FluxAttnProcessor, diffusers 0.42), its attention by ``attention_inline``."""
+    """FLUX.1's attention (as FluxAttnProcessor, diffusers 0.42), its attention by ``attention_inline`` (or
+    FP8, ``fp8_joint_attention``, where ``fp8`` holds its scales)."""
+
+    fp8: Fp8Scales | None = None
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
@@ -97,8 +182,11 @@ class RoutedFluxAttention(FluxAttnProcessor):
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
             key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        out = torch.empty_like(query)                                                       # (B, L+T, h, d)
-        attention_inline(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), out.transpose(1, 2))
+        if self.fp8 is not None:
+            out = fp8_joint_attention(query, key, value, self.fp8)                         # (B, L+T, h, d)
+        else:
+            out = torch.empty_like(query)                                                   # (B, L+T, h, d)
+            attention_inline(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), out.transpose(1, 2))
         hidden_states = out.flatten(2, 3).to(query.dtype)                                   # (B, L+T, h*d)
         if encoder_hidden_states is not None:
             encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
@@ -112,13 +200,19 @@ class RoutedFluxAttention(FluxAttnProcessor):
 ROUTED = {JointAttnProcessor2_0: RoutedJointAttention, FluxAttnProcessor: RoutedFluxAttention}
 
 
-def route_joint_attention(transformer: torch.nn.Module) -> int:
-    """Swap every SD3 / FLUX.1 attention processor of ``transformer`` for its routed copy; returns how many."""
+def route_joint_attention(transformer: torch.nn.Module, fp8: bool = False) -> int:
+    """Swap every SD3 / FLUX.1 attention processor of ``transformer`` for its routed copy (FP8 attention where
+    ``fp8``, for heads a multiple of 16 as the kernel wants: FLUX.1's 128, SD3's 64); returns how many. A
+    routed processor is made again, with or without FP8 as asked."""
+    kinds = {**ROUTED, **{routed: routed for routed in ROUTED.values()}}
     n = 0
     for module in transformer.modules():
-        routed = ROUTED.get(type(getattr(module, "processor", None)))
+        routed = kinds.get(type(getattr(module, "processor", None)))
         if routed is not None:
-            module.set_processor(routed())
+            processor = routed()
+            if fp8 and (module.inner_dim // module.heads) % fp8_attention.ALIGN == 0:
+                processor.fp8 = fp8_scales(module)
+            module.set_processor(processor)
             n += 1
     return n
 

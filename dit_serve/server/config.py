@@ -140,10 +140,12 @@ class WorkerConfig(_Section):
     kernels: dict[str, Literal["eager", "fused"]] = Field(
         default_factory=dict, description="per model, over `compile`: 'fused' compiles its steps with Inductor "
         "inside the graphs (compile = 'inductor' for it alone), 'eager' runs the uncompiled kernels in the graphs")
-    precision: dict[str, Literal["bf16", "fp8"]] = Field(
+    precision: dict[str, Literal["bf16", "fp8", "fp8+attention"]] = Field(
         default_factory=dict, description="per model: 'fp8' runs its transformer blocks' linears as FP8 matrix "
-        "products (GPUs of compute capability 8.9+: Ada, Hopper; refused on others such as the A100); 'bf16' or "
-        "unlisted: the model's dtype (workers/fp8.py)")
+        "products (GPUs of compute capability 8.9+: Ada, Hopper; refused on others such as the A100); "
+        "'fp8+attention' also runs SD3's and FLUX.1's joint attention in FP8 (Hopper, with the cuDNN frontend: "
+        "pip install 'dit-serve[fp8-attention]'; faster, about 3 dB of PSNR lower, docs/benchmarks/"
+        "fp8_quality_attention.md); 'bf16' or unlisted: the model's dtype (workers/fp8.py)")
 
     @field_validator("warm_sizes")
     @classmethod

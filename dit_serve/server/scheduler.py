@@ -260,8 +260,9 @@ class Scheduler:
             log.info("%s ready: %s on %s (%s)", w.name, ", ".join(w.models), value["device"], value["backend"])
             for model, kernel in value.get("attention", {}).items():
                 log.info("%s: %s runs %s", w.name, model, kernel)
-            for model in [m for m, p in value.get("precision", {}).items() if p == "fp8"]:
-                log.info("%s: %s runs its blocks' linears in fp8", w.name, model)
+            for model, p in [(m, p) for m, p in value.get("precision", {}).items() if p != "bf16"]:
+                log.info("%s: %s runs %s in fp8", w.name, model,
+                         "its blocks' linears and attention" if p == "fp8+attention" else "its blocks' linears")
             for model in [m for m, k in value.get("kernels", {}).items() if k == "fused"]:
                 log.info("%s: %s runs compiled (fused) steps", w.name, model)
             return

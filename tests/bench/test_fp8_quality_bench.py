@@ -16,9 +16,9 @@ def _bench(monkeypatch):
     spec.loader.exec_module(q)
     seen, real = [], q.generate
 
-    def spy(name, precision, n, device, dtype, fast_accum=(False,)):
-        seen.append((precision, tuple(fast_accum)))
-        return real(name, precision, n, device, dtype, fast_accum)
+    def spy(name, precision, n, device, dtype, variants=((None, False),)):
+        seen.append((precision, tuple(variants)))
+        return real(name, precision, n, device, dtype, variants)
 
     monkeypatch.setattr(q, "generate", spy)
     return q, seen
@@ -30,7 +30,7 @@ def test_both_accumulations_are_reported_against_the_same_reference(tmp_path, mo
     q, seen = _bench(monkeypatch)
     before = fp8.FAST_ACCUM
     assert q.main(["--smoke", "--fast-accum", "--images", "1", "--models", "digits", "--out", str(tmp_path)]) == 0
-    assert seen == [("bf16", (False,)), ("fp8", (False, True))]  # one FP8 model load for both runs
+    assert seen == [("bf16", ((None, False),)), ("fp8", ((False, False), (True, False)))]  # one FP8 load for both
     assert fp8.FAST_ACCUM == before
     r = json.loads((tmp_path / "fp8_quality_smoke_fastaccum.json").read_text())["models"]["digits"]
     for run in (r, r["fast_accum"]):
@@ -44,6 +44,17 @@ def test_without_the_flag_fp8_runs_once_as_the_products_are_set(tmp_path, monkey
 
     q, seen = _bench(monkeypatch)
     assert q.main(["--smoke", "--images", "1", "--models", "digits", "--out", str(tmp_path)]) == 0
-    assert seen[1] == ("fp8", (fp8.FAST_ACCUM,))
+    assert seen[1] == ("fp8", ((None, False),))
     md = (tmp_path / "fp8_quality_smoke.md").read_text()
-    assert "| digits | dit |" in md and "accumulation" not in md
+    assert "| digits | dit |" in md and "accumulation" not in md and "attention" not in md
+
+
+def test_the_attention_flag_adds_an_fp8_attention_run_from_the_same_load(tmp_path, monkeypatch):
+    q, seen = _bench(monkeypatch)
+    assert q.main(["--smoke", "--attention", "--images", "1", "--models", "digits", "--out", str(tmp_path)]) == 0
+    assert seen[1] == ("fp8", ((None, False), (None, True)))
+    r = json.loads((tmp_path / "fp8_quality_smoke_attention.json").read_text())["models"]["digits"]
+    # DiT has no joint attention to route: its FP8-attention run is its bf16-attention run, image for image
+    assert r["fp8_attention"]["items"] == r["items"]
+    md = (tmp_path / "fp8_quality_smoke_attention.md").read_text()
+    assert "| digits, bf16 attention |" in md and "| digits, FP8 attention |" in md

@@ -83,5 +83,5 @@ def test_precision_and_kernels_are_per_served_model_and_a_name_not_served_is_ref
         build_catalog(Config().with_overrides(workers={"models": ("digits",), "kernels": {"x": "fused"}}))
     with pytest.raises(ConfigError, match="workers.kernels.digits: Input should be 'eager' or 'fused'"):
         Config().with_overrides(workers={"kernels": {"digits": "inductor"}})
-    with pytest.raises(ConfigError, match="workers.precision.digits: Input should be 'bf16' or 'fp8'"):
+    with pytest.raises(ConfigError, match="workers.precision.digits: Input should be 'bf16', 'fp8' or 'fp8\\+attention'"):
         Config().with_overrides(workers={"precision": {"digits": "fp4"}})

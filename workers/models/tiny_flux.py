@@ -28,9 +28,10 @@ DEV_SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_le
 SCHNELL_SCHEDULER = {**DEV_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False}
 
 
-def make_tiny_flux(path: Path, seed: int = 0, schnell: bool = False) -> Path:
+def make_tiny_flux(path: Path, seed: int = 0, schnell: bool = False, head_dim: int = 8) -> Path:
     """FLUX.1-dev's layout (guidance-distilled: the transformer embeds the guidance scale), or schnell's
-    (``schnell``: no guidance embedding, static shift 1)."""
+    (``schnell``: no guidance embedding, static shift 1). ``head_dim``: 2 heads of it (16 for FP8 attention,
+    whose kernel wants a multiple of 16)."""
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
@@ -47,9 +48,10 @@ def make_tiny_flux(path: Path, seed: int = 0, schnell: bool = False) -> Path:
     T5EncoderModel(T5Config(vocab_size=len(WORDS), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                             feed_forward_proj="gated-gelu")
                    ).save_pretrained(path / "text_encoder_2", safe_serialization=True, max_shard_size="40KB")
-    FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=8,
-                           num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                           guidance_embeds=not schnell, axes_dims_rope=(2, 2, 4)
+    FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
+                           attention_head_dim=head_dim, num_attention_heads=2, joint_attention_dim=32,
+                           pooled_projection_dim=32, guidance_embeds=not schnell,
+                           axes_dims_rope=(head_dim // 4, head_dim // 4, head_dim // 2)
                            ).save_pretrained(path / "transformer", safe_serialization=True, max_shard_size="40KB")
     AutoencoderKL(block_out_channels=[8, 8, 16, 16], down_block_types=["DownEncoderBlock2D"] * 4,
                   up_block_types=["UpDecoderBlock2D"] * 4, latent_channels=16, norm_num_groups=8,
