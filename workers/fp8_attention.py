@@ -10,7 +10,8 @@ v and the probabilities in float8 e4m3 and every accumulation in float32:
 
 * q, k, v are scaled per tensor by a power of two, ``2^floor(log2(448 / amax))`` (exact to undo), from each
   tensor's own largest magnitude, on the device (``quantize``): no host synchronisation, so the whole of it
-  captures into CUDA graphs and compiles.
+  captures into CUDA graphs and compiles. (The joint attention gives q and k fixed scales from their norms
+  instead, ``workers.joint_attention.static_scale``.)
 * The probabilities (in [0, 1] before the row sum divides them) enter the second product as codes of
   P * 256 (``P_SCALE``): scaled up, a small probability keeps a code instead of flushing to zero.
 * The output is FP8 too on Hopper (cuDNN's FP8 kernel there writes no bf16): a convex combination of v's
@@ -22,16 +23,18 @@ Heads whose size is not a multiple of 16 (DiT's and PixArt's 72) are padded with
 1/sqrt(72). The kernel itself is measured against the bf16 kernels by ``bench/fp8_sdpa.py``.
 
 Off CUDA, ``attention_codes`` runs the same arithmetic as PyTorch operations (``reference_codes``: float32,
-the unnormalised probabilities rounded to their codes, the row sums from the float32 ones): the CPU tests' path, and the GPU tests' reference for the kernel. It is not fast there
-and ``unavailable_reason`` keeps the engine from choosing it.
+the unnormalised probabilities rounded to their codes, the row sums from the float32 ones): the CPU tests'
+path, and the GPU tests' reference for the kernel. It is not fast there, and ``unavailable_reason`` keeps
+the engine from choosing it.
 
-Plans: one cuDNN graph per (q, k, v, output) shapes and strides on a device, built on first use (a few
-tens of ms, outside capture: the engine's warm-up meets every bucket's shape first) and kept for the process,
-with its workspace.
+Plans: one cuDNN graph per (q, k, v, output) shapes and strides on a device, built on first use (about 0.1 s
+each on an H200, the first 1-2 s with cuDNN's own start; outside capture: the engine's warm-up meets every
+bucket's shape first) and kept for the process, with its workspace.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 from dataclasses import dataclass
@@ -109,6 +112,14 @@ class _Plan:
 _PLANS: dict[tuple, _Plan] = {}
 _HANDLES: dict[int, object] = {}
 _CONSTANTS: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+@atexit.register
+def _release() -> None:
+    """The plans and handles let go before the interpreter's teardown, which otherwise finds the frontend's
+    graph objects still held here and reports each as a leak on stderr."""
+    _PLANS.clear()
+    _HANDLES.clear()
 
 
 def _key(q, k, v, o) -> tuple:

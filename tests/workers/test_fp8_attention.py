@@ -15,26 +15,16 @@ from workers import fp8_attention as fa
 from workers.joint_attention import RoutedFluxAttention, route_joint_attention, static_scale
 
 from .test_joint_attention import _flux_inputs, _run, _sd3_inputs
+from .test_joint_attention import _tiny_flux as _flux_of
+from .test_joint_attention import _tiny_sd3 as _sd3_of
 
 
-def _tiny_flux(head=16):
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(0)
-    return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
-                                  attention_head_dim=head, num_attention_heads=2, joint_attention_dim=32,
-                                  pooled_projection_dim=16, guidance_embeds=True,
-                                  axes_dims_rope=(head // 4, head // 4, head // 2)).eval()
+def _tiny_flux(head=16):  # heads of 16: the FP8 kernel's multiple
+    return _flux_of(head)
 
 
-def _tiny_sd3():
-    from diffusers import SD3Transformer2DModel
-
-    torch.manual_seed(0)
-    return SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
-                                 num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
-                                 pooled_projection_dim=16, out_channels=4, pos_embed_max_size=8,
-                                 qk_norm="rms_norm").eval()
+def _tiny_sd3(qk_norm="rms_norm"):
+    return _sd3_of(16, qk_norm)
 
 
 def _rel_rms(a, b):
@@ -129,6 +119,15 @@ def test_flux_q_and_k_take_fixed_scales_and_v_its_own():
     for p in processors:  # FLUX.1's q and k are RMS-normed: fixed, exact powers of two; descales on the device
         assert p.fp8.q is not None and p.fp8.k is not None
         assert p.fp8.descale_q.item() == 1.0 / p.fp8.q and p.fp8.descale_q.shape == (1, 1, 1, 1)
+
+
+def test_sd3_without_q_and_k_norms_scales_them_from_their_largest_magnitude():
+    model, x = _tiny_sd3(qk_norm=None), _sd3_inputs()  # SD3 (not 3.5): no bound, so no fixed scale
+    ref = _run(model, x)
+    route_joint_attention(model, fp8=True)
+    processors = [m.processor for m in model.modules() if hasattr(m, "processor")]
+    assert processors and all(p.fp8.q is None and p.fp8.k is None for p in processors)
+    assert 1e-4 < _rel_rms(_run(model, x), ref) < 0.05
 
 
 def test_heads_the_kernel_cannot_run_keep_their_attention():

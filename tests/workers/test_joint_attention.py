@@ -11,13 +11,14 @@ from workers.joint_attention import (RoutedFluxAttention, RoutedJointAttention, 
                                      route_joint_attention)
 
 
-def _tiny_flux():
+def _tiny_flux(head=8):
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(0)
     return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2,
-                                  attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
-                                  pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(2, 2, 4)).eval()
+                                  attention_head_dim=head, num_attention_heads=2, joint_attention_dim=32,
+                                  pooled_projection_dim=16, guidance_embeds=True,
+                                  axes_dims_rope=(head // 4, head // 4, head // 2)).eval()
 
 
 def _flux_inputs(b=2, tokens=16, text=5):
@@ -29,14 +30,14 @@ def _flux_inputs(b=2, tokens=16, text=5):
                 guidance=torch.full((b,), 3.5), img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(text, 3))
 
 
-def _tiny_sd3():
+def _tiny_sd3(head=8, qk_norm="rms_norm"):
     from diffusers import SD3Transformer2DModel
 
     torch.manual_seed(0)
-    return SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
-                                 num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16,
+    return SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=head,
+                                 num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=2 * head,
                                  pooled_projection_dim=16, out_channels=4, pos_embed_max_size=8,
-                                 qk_norm="rms_norm").eval()
+                                 qk_norm=qk_norm).eval()
 
 
 def _sd3_inputs(b=2, text=5):
