@@ -39,20 +39,12 @@ SHAPES = {  # name: (B, T, heads, d)
 }
 
 
-def graph_ms(fn, calls: int = 4, reps: int = 7) -> tuple[float, bool]:
-    """Median ms of one call as CUDA graph replays, and whether it captured (plain calls timed if not)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    except RuntimeError as e:
-        print(f"    not capturable: {str(e).splitlines()[0][:160]}", flush=True)
-        return sdpa.event_ms(fn, reps=reps, warmup=1), False
-    return sdpa.event_ms(graph.replay, reps=reps, warmup=1) / calls, True
+def graph_ms(fn) -> tuple[float, bool]:
+    """Median ms of one call as CUDA graph replays (4 calls a graph, median of 7), and whether it captured."""
+    ms, captured = sdpa.replay_ms(fn)
+    if not captured:
+        print("    not capturable: plain calls timed", flush=True)
+    return ms, captured
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> dict:

@@ -55,8 +55,13 @@ class Choice:
 
 
 def _cuda_ms(fn: Callable[[], object], calls: int = 4, reps: int = 7) -> float:
-    """Median ms of one ``fn()`` as the steps run it: ``calls`` calls captured in one CUDA graph, replayed
-    ``reps`` times, timed by CUDA events. A plain call's time holds its host work too (FlashAttention-4's
+    """Median ms of one ``fn()`` as the steps run it (``replay_ms``)."""
+    return replay_ms(fn, calls, reps)[0]
+
+
+def replay_ms(fn: Callable[[], object], calls: int = 4, reps: int = 7) -> tuple[float, bool]:
+    """Median ms of one ``fn()``: ``calls`` calls captured in one CUDA graph, replayed ``reps`` times, timed
+    by CUDA events; and whether it captured. A plain call's time holds its host work too (FlashAttention-4's
     Python launch path costs about 0.1 ms on a fast host), which a replay does not run. Where a kernel
     cannot be captured, its plain calls are timed instead."""
     for _ in range(2):  # compiles what compiles just in time, outside the capture
@@ -69,9 +74,9 @@ def _cuda_ms(fn: Callable[[], object], calls: int = 4, reps: int = 7) -> float:
                 fn()
     except RuntimeError as e:
         log.debug("attention kernel not capturable (%s): timing plain calls", str(e).splitlines()[0][:120])
-        return event_ms(fn, reps=reps, warmup=0)
+        return event_ms(fn, reps=reps, warmup=0), False
     try:
-        return event_ms(graph.replay, reps=reps, warmup=1) / calls
+        return event_ms(graph.replay, reps=reps, warmup=1) / calls, True
     finally:
         del graph
 
