@@ -1,6 +1,8 @@
 """An FP8 attention kernel (Triton), measured against PyTorch's kernels by ``bench/row_kernels.py``.
 
-Not used by the engine: a candidate, kept with its measurements for the kernel work that continues from it.
+Not used by the engine: a candidate, kept with its measurements. The engine's FP8 attention (precision
+"fp8+attention") is cuDNN's kernel (``workers/fp8_attention.py``), which on an H200 ran FLUX.1 1024's attention
+in 290 us where this one took 374 and bf16 cuDNN 408-433 (``docs/benchmarks/fp8_sdpa.md``).
 
 What it computes: softmax(q k^T / sqrt(d)) v without a mask, for (B, heads, T, d) inputs. q, k and v are
 scaled per (batch, head) by their largest magnitude into float8 e4m3 (``quantize_qkv``; v stored
