@@ -43,7 +43,6 @@ from workers.admission import spec_shape
 from workers.encoders import EncoderGraphs, padded_length
 from workers.epilogues import fuse_gelu_epilogues
 from workers.families import compile_regions, family_of
-from workers import fp8_attention
 from workers.joint_attention import attention_fp8_inline, attention_inline, route_joint_attention
 from workers.loading import LoadedModel
 from workers.norm_fusion import fuse_block_norms
@@ -540,13 +539,8 @@ def _group_stats(group: _Group) -> dict:
 
 def _fp8_attention(model) -> bool:
     """Whether a model's joint attention runs in FP8 (``workers.fp8_attention``): it was loaded in precision
-    "fp8+attention" (which ``load_model`` refuses where the GPU or the cuDNN frontend does not allow it)."""
-    if model.precision != "fp8+attention":
-        return False
-    why = fp8_attention.unavailable_reason(model.device)
-    if why is not None:  # a model loaded elsewhere and moved: its attention stays as the model's dtype
-        log.warning("%s: attention stays in %s: %s", model.name, str(model.dtype).removeprefix("torch."), why)
-    return why is None
+    "fp8+attention", which ``load_model`` refuses where the GPU or the cuDNN frontend does not allow it."""
+    return model.precision == "fp8+attention"
 
 
 def _prepare_compile(cache_dir: str) -> None:

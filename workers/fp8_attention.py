@@ -35,6 +35,7 @@ bucket's shape first) and kept for the process, with its workspace.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -50,22 +51,15 @@ O_HEADROOM = 0.5  # the output's codes at half v's scale
 ALIGN = 16  # cuDNN's FP8 attention wants the head size a multiple of this
 
 
-_UNSET = object()
-_cudnn = _UNSET
-
-
+@functools.cache
 def _frontend():
     """The cuDNN frontend's Python package, or None where it is not installed or does not import."""
-    global _cudnn
-    if _cudnn is _UNSET:
-        try:
-            import cudnn
-        except Exception as e:  # noqa: BLE001 - an optional kernel: any import failure means "not there"
-            log.debug("cuDNN frontend not available: %s", e)
-            _cudnn = None
-        else:
-            _cudnn = cudnn
-    return _cudnn
+    try:
+        import cudnn
+    except Exception as e:  # noqa: BLE001 - an optional kernel: any import failure means "not there"
+        log.debug("cuDNN frontend not available: %s", e)
+        return None
+    return cudnn
 
 
 def unavailable_reason(device: str | torch.device) -> str | None:
@@ -95,6 +89,11 @@ def quantize(x: torch.Tensor, d: int | None = None) -> tuple[torch.Tensor, torch
     if d is not None and d > x.shape[-1]:
         codes = torch.nn.functional.pad(codes.view(torch.uint8), (0, d - x.shape[-1])).view(FP8)
     return codes, scale.reciprocal().reshape(1, 1, 1, 1)
+
+
+def output_descale(descale_v: torch.Tensor) -> torch.Tensor:
+    """The output codes' descale, from v's: the output is written at v's scale times ``O_HEADROOM``."""
+    return descale_v / O_HEADROOM
 
 
 def dequantize(codes: torch.Tensor, descale: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
@@ -176,9 +175,9 @@ def reference_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q
     p = torch.exp(s - s.amax(dim=-1, keepdim=True))                             # unnormalised, in (0, 1]
     codes = (p * P_SCALE).to(FP8).float() / P_SCALE                             # the probabilities' codes
     o = (codes @ vf) / p.sum(dim=-1, keepdim=True)                              # the row sums from float32
-    scale_o = descale_v.reciprocal() * O_HEADROOM
-    out.copy_((o * scale_o.reshape(())).clamp(-FP8_MAX, FP8_MAX).to(FP8))
-    return scale_o.reciprocal()
+    descale_o = output_descale(descale_v)
+    out.copy_((o / descale_o.reshape(())).clamp(-FP8_MAX, FP8_MAX).to(FP8))
+    return descale_o
 
 
 def attention_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q: torch.Tensor,
@@ -195,14 +194,14 @@ def attention_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q
         plan = _PLANS[key] = _build(q, k, v, out, softmax_scale)
         log.info("FP8 attention plan for %s (workspace %d bytes)", "x".join(map(str, q.shape)), plan.workspace.numel())
     descale_s, scale_s, amax = _constants(q.device)
-    scale_o = descale_v.reciprocal() * O_HEADROOM
+    descale_o = output_descale(descale_v)
     tq, tk, tv, dq, dk, dv, ds, ss, so, to, amax_s, amax_o = plan.tensors
     pack = {tq: q, tk: k, tv: v, dq: descale_q, dk: descale_k, dv: descale_v, ds: descale_s, ss: scale_s,
-            so: scale_o, to: out, amax_s: amax[0:1], amax_o: amax[1:2]}
+            so: descale_o.reciprocal(), to: out, amax_s: amax[0:1], amax_o: amax[1:2]}
     handle = _handle(q.device)
     _frontend().set_stream(handle, torch.cuda.current_stream(q.device).cuda_stream)
     plan.graph.execute(pack, plan.workspace, handle=handle)
-    return scale_o.reciprocal()
+    return descale_o
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -50,7 +50,7 @@ def attention_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
 def attention_fp8_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q: torch.Tensor,
                          descale_k: torch.Tensor, descale_v: torch.Tensor, out: torch.Tensor) -> None:
     """e4m3 codes (B, heads, T, d) x3 and their (1, 1, 1, 1) descales -> codes written into out (B, heads, T, d),
-    at v's scale halved (``fp8_attention.O_HEADROOM``), by cuDNN's FP8 kernel; captured inside the segment."""
+    at ``fp8_attention.output_descale(descale_v)``, by cuDNN's FP8 kernel; captured inside the segment."""
     fp8_attention.attention_codes(q, k, v, descale_q, descale_k, descale_v, out, 1.0 / math.sqrt(q.shape[-1]))
 
 
@@ -106,7 +106,7 @@ def fp8_joint_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     v8, dv = fp8_attention.quantize(value)
     out = torch.empty_like(q8)                                                              # (B, T, h, d) e4m3
     attention_fp8_inline(q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2), dq, dk, dv, out.transpose(1, 2))
-    return fp8_attention.dequantize(out, dv / fp8_attention.O_HEADROOM, query.shape[-1], query.dtype)
+    return fp8_attention.dequantize(out, fp8_attention.output_descale(dv), query.shape[-1], query.dtype)
 
 
 class RoutedJointAttention(JointAttnProcessor2_0):

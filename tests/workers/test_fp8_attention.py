@@ -159,7 +159,6 @@ def test_the_engine_routes_fp8_attention_for_a_model_in_fp8_plus_attention(tmp_p
     specs = [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=2, guidance=3.5, prompt="a red cat")
              for i in range(2)]
     want = Engine(model, EngineConfig(backend="breakable", max_batch=2)).generate(specs)
-    monkeypatch.setattr(fa, "unavailable_reason", lambda device: None)  # the kernel's CPU reference stands in
     model.precision = "fp8+attention"
     engine = Engine(model, EngineConfig(backend="breakable", max_batch=2))
     assert engine.attention[model.name] == "fp8 (cuDNN)"
