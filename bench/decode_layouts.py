@@ -1,14 +1,16 @@
-"""The VAE decode as the engine captures it (``workers.engine.decode_runner``, compiled), per bucket, under
-cuDNN's convolution autotuning and with channels-last weights, on a GPU.
+"""The VAE decode as the engine captures it (``workers.engine.decode_runner``, compiled), per bucket, with and
+without cuDNN's convolution autotuning and channels-last weights, on a GPU.
 
 For a model (default PixArt-Σ 512's VAE, bf16) each variant builds the decode runner with buckets up to 16
 images (``DECODE_PIXELS`` raised for the probe) and reads its warm-up's replay timings (median of its timed
 replays per bucket): ms per replay and per image. Variants:
 
-    plain                    the engine's decode as it is (cuDNN's heuristics pick each convolution's algorithm)
+    plain                    contiguous weights, cuDNN's heuristics pick each convolution's algorithm
     benchmark                torch.backends.cudnn.benchmark on: each convolution shape timed once, the fastest kept
     channels-last            the VAE's weights in channels-last (NHWC) memory format, cuDNN's heuristics
     channels-last+benchmark  both
+    engine                   what the engine does (``workers.engine.warm_decoder``): both, the flag on for the
+                             warm-up only
 
 The largest difference of each variant's pixels from plain's on one batch is reported beside them.
 
@@ -26,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VARIANTS = ("plain", "benchmark", "channels-last", "channels-last+benchmark")
+VARIANTS = ("plain", "benchmark", "channels-last", "channels-last+benchmark", "engine")
 
 
 def main() -> None:
@@ -45,12 +47,16 @@ def main() -> None:
               "cudnn": torch.backends.cudnn.version(), "latent": list(shape), "variants": {}}
     ref = None
     for name in VARIANTS:
-        torch.backends.cudnn.benchmark = name.endswith("benchmark")
-        if name == "channels-last":  # and it stays so for the variant after it
-            model.vae.to(memory_format=torch.channels_last)
         t0 = time.perf_counter()
-        runner = eng.decode_runner(model, shape, compiled=True)
-        runner.warmup()
+        runner = eng.decode_runner(model, shape, compiled=True)  # the engine's: the VAE in channels-last
+        if name == "engine":
+            eng.warm_decoder(runner)  # the engine's warm-up: autotuned, the flag restored after
+        else:
+            layout = torch.channels_last if name.startswith("channels-last") else torch.contiguous_format
+            model.vae.to(memory_format=layout)
+            torch.backends.cudnn.benchmark = name.endswith("benchmark")
+            runner.warmup()
+            torch.backends.cudnn.benchmark = False
         ready = time.perf_counter() - t0
         pixels = runner.run(latents=probe)["pixels"].clone()
         ref = pixels if ref is None else ref
