@@ -88,6 +88,10 @@ SYSTEMS.update({f"{name}+rawbreaks": SYSTEMS[name] for name in ("breakable+fp8",
 SYSTEMS.update({f"{name}+promoted": SYSTEMS[name] for name in ("breakable+fp8", "full+inductor+fp8", "full+inductor+fp8+blocks")})
 SYSTEMS.update({f"{name}+fp8attention": (*SYSTEMS[name][:2], "fp8+attention", *SYSTEMS[name][3:])
                 for name in ("breakable+fp8", "full+inductor+fp8", "full+inductor+fp8+blocks")})
+SYSTEMS.update({f"{name}+unfolded": SYSTEMS[name] for name in ("full+inductor+fp8+blocks",
+                                                                  "full+inductor+fp8+blocks+fp8attention")})
+# +unfolded: FLUX.1's FP8 single blocks with their MLP's GELU as a pass of its own and proj_out's input concatenated
+# and quantized after it, instead of folded into one quantization of the two (workers.fp8.fold_single_block_gelus)
 # +torchquant: the FP8 systems with the activations quantized by PyTorch operations (what Inductor fuses
 # them into when compiled, the GELU with them) instead of workers.quant_kernel's Triton kernel
 # +nonorms: PixArt's FP8 blocks without their norms fused with the quantizations (workers.norm_fusion)
@@ -380,6 +384,7 @@ def run(args, result: dict, save) -> None:
         sdpa.CHOOSER.choices.clear()  # each system measures its own kernels per shape
         offered = (lambda q, k=None: sdpa.CANDIDATES) if name.endswith("+nofa4") else sdpa.candidates
         norms = not name.endswith("+nonorms")
+        unfolded = fp8.unfold_single_block_gelus(models[loaded].transformer) if name.endswith("+unfolded") else 0
         if not norms:  # an earlier system's engine patched the shared model's blocks
             norm_fusion.restore_block_norms(models[loaded].transformer)
         with mock.patch.object(fp8, "ROW_KERNEL", not name.endswith("+torchquant")), \
@@ -388,6 +393,8 @@ def run(args, result: dict, save) -> None:
                 mock.patch.object(fp8, "FAST_ACCUM", not name.endswith("+promoted")), \
                 mock.patch.object(models[loaded], "precision", precision):
             result["systems"][name] = bench_system(models[loaded], name, args, inputs, reference)
+        if unfolded:
+            fp8.fold_single_block_gelus(models[loaded].transformer)
 
     if "diffusers" in args.systems:
         attempt(result, "diffusers", diffusers, save)

@@ -43,6 +43,8 @@ runs on PyTorch's CPU kernel, which is what the tests use; it is not faster ther
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -106,6 +108,17 @@ def quantize_rows(x: torch.Tensor, gelu: str = "none", fuse: bool = False) -> tu
         x = F.gelu(x, approximate="tanh" if gelu == "tanh" else "none")
     scale = _row_scales(x)
     return (x * scale.reciprocal().to(x.dtype)).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_pair(a: torch.Tensor, b: torch.Tensor, gelu: str = "tanh") -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, KA), (M, KB) -> ``quantize_rows`` of ``cat([a, gelu(b)], -1)``: the codes (M, KA + KB) and (M, 1)
+    scales. On CUDA one kernel (``quant_kernel.launch_pair``) reads both and writes the codes: neither the
+    activation nor the concatenation is written. Elsewhere, those operations in PyTorch."""
+    if ROW_KERNEL and quant_kernel.pair_available(a, b):
+        return torch.ops.dit_serve.quantize_pair(a, b, gelu)
+    if gelu != "none":
+        b = F.gelu(b, approximate="tanh" if gelu == "tanh" else "none")
+    return quantize_rows(torch.cat([a, b], dim=-1))
 
 
 def quantize_rows_into(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
@@ -200,6 +213,7 @@ def quantize_linears(transformer: nn.Module) -> list[str]:
             parent._modules[child] = Fp8Linear(module)
             done.append(f"{list_name}.{name}")
     fold_gelus(transformer)
+    fold_single_block_gelus(transformer)
     mark_fused_inputs(transformer)
     return done
 
@@ -262,6 +276,67 @@ def fold_gelus(transformer: nn.Module) -> int:
                 net[i] = Projection(act.proj)
                 folded += 1
     return folded
+
+
+def _fp8_single_block_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                              joint_attention_kwargs=None):
+    """diffusers' ``FluxSingleTransformerBlock.forward`` (0.42) with FP8 ``proj_mlp`` and ``proj_out``: the
+    MLP's product is left without its GELU, and ``proj_out``'s input, cat([attention, gelu(mlp)]), is quantized
+    by ``quantize_pair`` straight from the two (the activation and the concatenation never written)."""
+    text_seq_len = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)        # (B, L+N, D)
+    residual = hidden_states
+    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)                   # (B, L+N, D), (B, D)
+    mlp = self.proj_mlp(norm_hidden_states)                                         # (B, L+N, 4D), before GELU
+    attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
+                            **(joint_attention_kwargs or {}))                        # (B, L+N, D)
+    lead = attn_output.shape[:-1]
+    codes, scales = quantize_pair(attn_output.reshape(-1, attn_output.shape[-1]), mlp.reshape(-1, mlp.shape[-1]),
+                                  self._mlp_gelu)                                    # (B*(L+N), 5D)
+    out = self.proj_out.mm_rows(codes, scales).view(*lead, -1)                      # (B, L+N, D)
+    hidden_states = residual + gate.unsqueeze(1) * out
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+def fold_single_block_gelus(transformer: nn.Module) -> int:
+    """FLUX.1's single blocks with FP8 ``proj_mlp`` and ``proj_out``: the MLP's GELU moves into ``proj_out``'s
+    input quantization (``_fp8_single_block_forward``, by the blocks' class: one class for all, so a
+    blocks-scope compile makes one graph of them); the same function. Returns how many were folded."""
+    try:
+        from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+    except ImportError:  # pragma: no cover - diffusers is a dependency
+        return 0
+    folded = 0
+    for block in getattr(transformer, "single_transformer_blocks", []):
+        if type(block) is not FluxSingleTransformerBlock or not isinstance(block.proj_mlp, Fp8Linear) \
+                or not isinstance(block.proj_out, Fp8Linear) or block.proj_out.gelu != "none" \
+                or not isinstance(block.act_mlp, nn.GELU):
+            continue
+        block.__class__ = _fp8_single_block_class()
+        block._mlp_gelu = "tanh" if block.act_mlp.approximate == "tanh" else "erf"
+        folded += 1
+    return folded
+
+
+def unfold_single_block_gelus(transformer: nn.Module) -> int:
+    """Undo ``fold_single_block_gelus`` (diffusers' forward again: a benchmark compares the two); returns how
+    many blocks."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    blocks = [b for b in getattr(transformer, "single_transformer_blocks", []) if type(b) is _fp8_single_block_class()]
+    for block in blocks:
+        block.__class__ = FluxSingleTransformerBlock
+    return len(blocks)
+
+
+@functools.cache
+def _fp8_single_block_class() -> type:
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    return type("Fp8FluxSingleBlock", (FluxSingleTransformerBlock,),
+                {"forward": _fp8_single_block_forward, "__module__": __name__})
 
 
 def linear_into(x: torch.Tensor, projections: list[tuple[nn.Module, torch.Tensor]],

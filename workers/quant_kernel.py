@@ -222,6 +222,69 @@ if triton is not None:
         tl.store(s_ptr + row, scale)
 
 
+    @triton.jit
+    def _pair_kernel(a_ptr, b_ptr, q_ptr, s_ptr, KA, KB, stride_a, stride_b, stride_q, GELU: tl.constexpr,
+                     A0: tl.constexpr, A1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr):
+        """One row of cat([a, gelu(b)]) quantized, ``a`` and ``b`` read from their own tensors, each held as
+        one or two powers of two (A0 + A1 >= KA, B0 + B1 >= KB)."""
+        row = tl.program_id(0).to(tl.int64)
+        ar, br, qr = a_ptr + row * stride_a, b_ptr + row * stride_b, q_ptr + row * stride_q
+        a0, oa0 = _part(ar, 0, KA, A0, 0)
+        peak = tl.max(tl.abs(a0), axis=0)
+        if A1 > 0:
+            a1, oa1 = _part(ar, A0, KA, A1, 0)
+            peak = tl.maximum(peak, tl.max(tl.abs(a1), axis=0))
+        b0, ob0 = _part(br, 0, KB, B0, GELU)
+        peak = tl.maximum(peak, tl.max(tl.abs(b0), axis=0))
+        if B1 > 0:
+            b1, ob1 = _part(br, B0, KB, B1, GELU)
+            peak = tl.maximum(peak, tl.max(tl.abs(b1), axis=0))
+        scale = tl.maximum(peak / 448.0, 1e-12)
+        inv = 1.0 / scale
+        _put(qr, oa0, a0, inv, KA)
+        if A1 > 0:
+            _put(qr, oa1, a1, inv, KA)
+        _put(qr + KA, ob0, b0, inv, KB)
+        if B1 > 0:
+            _put(qr + KA, ob1, b1, inv, KB)
+        tl.store(s_ptr + row, scale)
+
+
+def pair_parts(k: int) -> tuple[int, int]:
+    """K as two powers of two (the second 0 when one holds it): split_parts's first two parts when they hold
+    K, else one power of two with lanes past K masked (3072 -> (2048, 1024), 12288 -> (8192, 4096))."""
+    parts = split_parts(k)
+    if len(parts) == 1:
+        return parts[0], 0
+    if len(parts) == 2:
+        return parts
+    return _next_pow2(k), 0
+
+
+def pair_available(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``launch_pair`` serves the rows ``a`` and ``b``: both served by the row kernel, one row count."""
+    return available(a) and available(b) and a.shape[0] == b.shape[0] and a.shape[-1] + b.shape[-1] <= MAX_K
+
+
+def launch_pair(a: torch.Tensor, b: torch.Tensor, gelu: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes (M, KA + KB) and (M, 1) scales of ``cat([a, gelu(b)], -1)`` row by row, without the
+    concatenation or the activation ever written: FLUX.1's single blocks, whose output projection reads the
+    attention beside the MLP's activation (``workers.fp8.quantize_pair``). One read of each, one write of the
+    codes; the tanh GELU by the approximate instruction, as the feed-forwards' folded GELU."""
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    (m, ka), kb = a.shape, b.shape[-1]
+    q = torch.empty((m, ka + kb), dtype=FP8, device=a.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=a.device)
+    if not m:
+        return q, scale
+    (a0, a1), (b0, b1) = pair_parts(ka), pair_parts(kb)
+    code = FAST_TANH if gelu == "tanh" else _CODES[gelu]
+    _pair_kernel[(m,)](a, b, q, scale, ka, kb, a.stride(0), b.stride(0), q.stride(0), GELU=code,
+                       A0=a0, A1=a1, B0=b0, B1=b1, num_warps=_warps(a0 + a1 + b0 + b1, 64))
+    return q, scale
+
+
 def launch(x: torch.Tensor, gelu: str, plan: Plan,
            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_rows_cuda`` by an explicit plan (the benchmark compares plans). Plans of one ``fast``
@@ -271,3 +334,15 @@ def quantize_rows_cuda(x: torch.Tensor, gelu: str) -> tuple[torch.Tensor, torch.
 def _(x: torch.Tensor, gelu: str) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     return x.new_empty((m, k), dtype=FP8), x.new_empty((m, 1), dtype=torch.float32)
+
+
+@torch.library.custom_op("dit_serve::quantize_pair", mutates_args=())
+def quantize_pair_cuda(a: torch.Tensor, b: torch.Tensor, gelu: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, KA), (M, KB) CUDA -> (M, KA + KB) float8 e4m3 and (M, 1) float32 scales of cat([a, gelu(b)])."""
+    return launch_pair(a, b, gelu)
+
+
+@quantize_pair_cuda.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, gelu: str) -> tuple[torch.Tensor, torch.Tensor]:
+    m = a.shape[0]
+    return a.new_empty((m, a.shape[-1] + b.shape[-1]), dtype=FP8), a.new_empty((m, 1), dtype=torch.float32)

@@ -224,3 +224,40 @@ def test_the_row_kernel_compiles_once_for_a_dynamic_batch_and_captures_into_a_gr
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out, fn(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("ka,kb", [(3072, 12288), (1152, 4608), (80, 320)])
+def test_the_pair_kernel_quantizes_the_concatenation_without_writing_it(ka, kb):
+    """``quant_kernel.launch_pair(a, b, gelu)`` (FLUX.1's single blocks: attention beside the MLP) against the
+    row kernel: without GELU, bit-identical to quantizing cat([a, b]) (rows where either part holds the peak,
+    a zero row); with the tanh GELU and a below the activation's peak, b's codes and the scales are the row
+    kernel's for gelu(b) bit for bit and a's are a over those scales. Compiled, one graph for every batch."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from workers import fp8, quant_kernel
+
+    torch.manual_seed(ka + kb)
+    a, b = _rows(ka + kb)[:, :ka].contiguous(), _rows(kb)
+    a[::2] *= 100  # a holds the peak in half the rows
+    a[3], b[3] = 0, 0
+    q, s = quant_kernel.launch_pair(a, b, "none")
+    wq, ws = quant_kernel.launch(torch.cat([a, b], dim=1), "none", quant_kernel.plan_for(ka + kb))
+    assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
+    small = a * 1e-4
+    q, s = quant_kernel.launch_pair(small, b, "tanh")
+    bq, bs = quant_kernel.launch(b, "tanh", quant_kernel.split_plan(kb, fast=True))
+    assert torch.equal(q[:, ka:].view(torch.uint8), bq.view(torch.uint8)) and torch.equal(s, bs)
+    aq = (small.float() * (1.0 / s)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert (_codes(q[:, :ka]) - _codes(aq)).abs().max().item() <= 1
+
+    def fn(a, b):
+        q, s = fp8.quantize_pair(a, b, "tanh")
+        return q.float() * s
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(fn, dynamic=True, backend=counter)
+    for m in (2, 6, 130):
+        x, y = a[:m].contiguous(), b[:m].contiguous()
+        torch.testing.assert_close(compiled(x, y), fn(x, y), rtol=0, atol=0)
+    assert counter.frame_count == 1
