@@ -9,8 +9,7 @@ replays per bucket): ms per replay and per image. Variants:
     benchmark                torch.backends.cudnn.benchmark on: each convolution shape timed once, the fastest kept
     channels-last            the VAE's weights in channels-last (NHWC) memory format, cuDNN's heuristics
     channels-last+benchmark  both
-    engine                   what the engine does (``workers.engine.warm_decoder``): both, the flag on for the
-                             warm-up only
+    engine                   what the engine does (``workers.engine.decode_runner``): channels-last on CUDA
 
 The largest difference of each variant's pixels from plain's on one batch is reported beside them.
 
@@ -49,14 +48,12 @@ def main() -> None:
     for name in VARIANTS:
         t0 = time.perf_counter()
         runner = eng.decode_runner(model, shape, compiled=True)  # the engine's: the VAE in channels-last
-        if name == "engine":
-            eng.warm_decoder(runner)  # the engine's warm-up: autotuned, the flag restored after
-        else:
+        if name != "engine":  # "engine": the layout decode_runner chose, cuDNN's heuristics
             layout = torch.channels_last if name.startswith("channels-last") else torch.contiguous_format
             model.vae.to(memory_format=layout)
-            torch.backends.cudnn.benchmark = name.endswith("benchmark")
-            runner.warmup()
-            torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.benchmark = name.endswith("benchmark")
+        runner.warmup()
+        torch.backends.cudnn.benchmark = False
         ready = time.perf_counter() - t0
         pixels = runner.run(latents=probe)["pixels"].clone()
         ref = pixels if ref is None else ref

@@ -40,7 +40,9 @@ SYSTEMS = {"plain": ("off", "bf16"), "fused": ("inductor", "bf16"), "fp8": ("off
            "fused+fp8+nonorms": ("inductor", "fp8"),  # +nonorms: PixArt's blocks without workers.norm_fusion
            "fused+fp8+rawbreaks": ("inductor", "fp8"),  # +rawbreaks: without workers.patches.QUANTIZED_BREAKS
            "fused+fp8+promoted": ("inductor", "fp8"),  # +promoted: without workers.fp8.FAST_ACCUM
-           "fused+fp8+fp8attention": ("inductor", "fp8+attention")}  # SD3's, FLUX.1's attention in FP8 too
+           "fused+fp8+fp8attention": ("inductor", "fp8+attention"),
+           "fused+fp8+fp8attention+unfolded": ("inductor", "fp8+attention")}  # +unfolded: FLUX.1's single blocks'
+# GELU a pass of its own (workers.fp8.unfold_single_block_gelus)  # SD3's, FLUX.1's attention in FP8 too
 # kernel name -> group, first match wins (CUDA kernel names, and aten operator names on a CPU)
 GROUPS = [
     # Inductor's own kernels (pointwise, reduction, persistent reduction) are never matrix products, whatever
@@ -68,13 +70,13 @@ def group_of(name: str) -> str:
     return next((g for g, pattern in GROUPS if pattern.search(name)), "other")
 
 
-def summarise(kernels: dict[str, float], steps: int) -> dict:
-    """Per-step ms by group (descending) and the ten heaviest kernels, from total ms per kernel name."""
+def summarise(kernels: dict[str, float], steps: int, top_n: int = 10) -> dict:
+    """Per-step ms by group (descending) and the ``top_n`` heaviest kernels, from total ms per kernel name."""
     groups: dict[str, float] = {}
     for name, ms in kernels.items():
         groups[group_of(name)] = groups.get(group_of(name), 0.0) + ms / steps
     total = sum(groups.values()) or 1.0
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:top_n]
     return {"total_ms": round(total, 3),
             "groups": {g: {"ms": round(ms, 3), "share": round(ms / total, 4)}
                        for g, ms in sorted(groups.items(), key=lambda kv: -kv[1])},
@@ -213,6 +215,10 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
         return
     kernels = _kernels()
     model = load_model(args.model, device=device, dtype=dtype, precision=precision)
+    if name.endswith("+unfolded"):
+        from workers.fp8 import unfold_single_block_gelus
+
+        unfold_single_block_gelus(model.transformer)
     backend = "full" if compile_mode == "inductor" and model.card.family == "dit" else "breakable"
     from workers import fp8, norm_fusion, patches
 
@@ -231,7 +237,7 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
             block["scope"] = args.scope
         for n in args.images:
             inputs = kernels.step_inputs(model, n)
-            block[n] = summarise(profile(runner, inputs, args.iters, device == "cuda"), args.iters)
+            block[n] = summarise(profile(runner, inputs, args.iters, device == "cuda"), args.iters, args.top)
             if args.by_shape:
                 block[n]["products"] = products_by_shape(runner, inputs, args.iters, device == "cuda",
                                                          compiled=compile_mode != "off")
@@ -320,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--images", type=int, nargs="+", default=[1, 64])
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--top", type=int, default=10, help="how many of the heaviest kernels each row lists")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     p.add_argument("--smoke", action="store_true", help="digits on a CPU, 1 and 4 images, plain and fp8")
     p.add_argument("--scope", choices=["step", "blocks"], default="step",

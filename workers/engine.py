@@ -264,7 +264,7 @@ class Engine:
             log.info("capturing %s at latent shape %s on first use", model.name, "x".join(map(str, shape)))
             runner.warmup(example=self.warmup_example(model, shape))
             if decoder is not None:
-                warm_decoder(decoder)
+                decoder.warmup()
         return key
 
     def _graph_encoder(self, model: LoadedModel) -> None:
@@ -309,7 +309,7 @@ class Engine:
             if not group.runner.warmed:
                 group.runner.warmup(example=self.warmup_example(group.model, group.shape))
             if group.decoder is not None and not group.decoder.warmed:
-                warm_decoder(group.decoder)
+                group.decoder.warmup()
             for line in CHOOSER.summary()[known:]:  # the attention shapes this group's warm-up measured
                 log.info("%s at %s: attention %s", group.model.name, "x".join(map(str, group.shape)), line)
         for m in self.models.values():
@@ -580,9 +580,11 @@ def decode_runner(model: LoadedModel, shape: tuple[int, int, int], pool=None, st
     breaks) on CUDA, eager elsewhere, in the step's pool; batches up to DECODE_PIXELS of output, larger
     ones in chunks of that. ``compiled``: the decode compiled by Inductor first (``CompiledStep``: one
     compile for every batch), as the model's step is (on an H200, PixArt-Σ's 512 px decode took 7.2 ms
-    as a compiled graph against 20.6 as a plain one)."""
+    as a compiled graph against 20.6 as a plain one), with the VAE's weights in channels-last on CUDA (the
+    compiled graph's convolutions then run cuDNN's NHWC kernels: PixArt-Σ 512's decode at the 4-image bucket
+    5.34 ms an image against 8.44; cuDNN's autotuning adds nothing to either, ``bench/decode_layouts.py``)."""
     c, h, w = shape
-    if compiled and model.device.type == "cuda":  # see warm_decoder: channels-last is what cuDNN tunes fastest
+    if compiled and model.device.type == "cuda":  # NHWC weights: cuDNN's NHWC convolutions (see the docstring)
         model.vae.to(memory_format=torch.channels_last)
     factor = model.image_size // model.latent_shape[1]  # the VAE's upsampling
     out = (model.vae.config.out_channels, h * factor, w * factor)
@@ -593,21 +595,6 @@ def decode_runner(model: LoadedModel, shape: tuple[int, int, int], pool=None, st
     return GraphRunner(fn, {"latents": TensorSpec(tuple(shape), torch.float32)},
                        {"pixels": TensorSpec(out, torch.float32)}, max_batch=1 << (largest.bit_length() - 1),
                        backend="full", device=model.device, pool=pool, stream=stream)
-
-
-def warm_decoder(decoder: GraphRunner) -> None:
-    """Warm up and capture a decode runner with cuDNN's autotuning on (``torch.backends.cudnn.benchmark``):
-    each bucket's eager warm-up times the convolution algorithms once for its shapes and its capture keeps
-    the fastest; the flag is restored after, so nothing else in the process is tuned (or slowed by tuning).
-    A compiled decode on CUDA also holds the VAE's weights in channels-last (``decode_runner``). On an H200
-    the pair took PixArt-Σ 512's captured decode from 8.45 to 5.32 ms an image at the 4-image bucket, where
-    either alone gained nothing (``bench/decode_layouts.py``, ``docs/benchmarks/decode_layouts.md``)."""
-    before = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = True
-    try:
-        decoder.warmup()
-    finally:
-        torch.backends.cudnn.benchmark = before
 
 
 DECODE_CONVERT = 8  # images converted to uint8 and copied to the host at once

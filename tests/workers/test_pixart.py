@@ -292,38 +292,6 @@ def test_a_compiled_decode_compiles_once_and_makes_the_plain_decodes_images(mode
         assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
 
 
-def test_a_decoder_warms_up_under_cudnn_autotuning_and_the_flag_is_restored():
-    """``warm_decoder``: the decode runner's warm-up (where each bucket's convolutions run eagerly before their
-    capture) sees ``torch.backends.cudnn.benchmark`` on; after it, even when the warm-up fails, the flag is what
-    it was, so nothing else in the process is autotuned."""
-    from workers import engine as eng
-
-    seen = []
-
-    class Runner:
-        def __init__(self, fail):
-            self.fail = fail
-
-        def warmup(self):
-            seen.append(torch.backends.cudnn.benchmark)
-            if self.fail:
-                raise RuntimeError("capture failed")
-
-    before = torch.backends.cudnn.benchmark
-    try:
-        for flag in (False, True):
-            torch.backends.cudnn.benchmark = flag
-            eng.warm_decoder(Runner(fail=False))
-            assert torch.backends.cudnn.benchmark is flag
-        torch.backends.cudnn.benchmark = False
-        with pytest.raises(RuntimeError, match="capture failed"):
-            eng.warm_decoder(Runner(fail=True))
-        assert torch.backends.cudnn.benchmark is False
-    finally:
-        torch.backends.cudnn.benchmark = before
-    assert seen == [True, True, True]
-
-
 def test_warm_up_captures_the_shortest_encoder_length_before_the_first_request(model):
     """An engine's warm-up asks its text-encoder graphs for the shortest padded length (most prompts), so the
     first request does not pay that capture (on a CPU the runner is eager; the same calls capture on a GPU)."""

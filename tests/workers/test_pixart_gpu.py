@@ -255,4 +255,3 @@ def test_a_compiled_captured_decode_makes_the_plain_decodes_images(pixart_cuda):
         assert np.abs(a.image.astype(int) - b.image.astype(int)).max() <= 1
     conv = next(m for m in pixart_cuda.vae.modules() if isinstance(m, torch.nn.Conv2d))
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)  # the compiled decode's layout
-    assert not torch.backends.cudnn.benchmark  # autotuned for the decode's warm-up only
