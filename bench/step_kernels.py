@@ -90,6 +90,9 @@ SYSTEMS.update({f"{name}+fp8attention": (*SYSTEMS[name][:2], "fp8+attention", *S
                 for name in ("breakable+fp8", "full+inductor+fp8", "full+inductor+fp8+blocks")})
 SYSTEMS.update({f"{name}+unfolded": SYSTEMS[name] for name in ("full+inductor+fp8+blocks",
                                                                   "full+inductor+fp8+blocks+fp8attention")})
+SYSTEMS["full+inductor+fp8+blocks+fp8attention+requantized"] = SYSTEMS["full+inductor+fp8+blocks+fp8attention"]
+# +requantized: FP8 attention's output turned into bf16 and quantized again by the output projections, instead of
+# read as codes (workers.joint_attention.HAND_CODES off)
 # +unfolded: FLUX.1's FP8 single blocks with their MLP's GELU as a pass of its own and proj_out's input concatenated
 # and quantized after it, instead of folded into one quantization of the two (workers.fp8.fold_single_block_gelus)
 # +torchquant: the FP8 systems with the activations quantized by PyTorch operations (what Inductor fuses
@@ -344,7 +347,7 @@ def start(args, kind: str) -> dict:
 def run(args, result: dict, save) -> None:
     from workers.loading import load_model
 
-    from workers import fp8, fp8_attention, norm_fusion, patches, sdpa
+    from workers import fp8, fp8_attention, joint_attention, norm_fusion, patches, sdpa
     from workers.fp8 import unsupported_reason
 
     for kind in ("cold", "warm") if args.start else ():  # first, while this process holds no GPU memory
@@ -391,6 +394,7 @@ def run(args, result: dict, save) -> None:
                 mock.patch.object(sdpa, "candidates", offered), mock.patch.object(norm_fusion, "ENABLED", norms), \
                 mock.patch.object(patches, "QUANTIZED_BREAKS", not name.endswith("+rawbreaks")), \
                 mock.patch.object(fp8, "FAST_ACCUM", not name.endswith("+promoted")), \
+                mock.patch.object(joint_attention, "HAND_CODES", not name.endswith("+requantized")), \
                 mock.patch.object(models[loaded], "precision", precision):
             result["systems"][name] = bench_system(models[loaded], name, args, inputs, reference)
         if unfolded:

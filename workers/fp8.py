@@ -30,6 +30,10 @@ How
   3072 from 178 to 81 (``bench/norm_quant.py``, ``docs/benchmarks/norm_quant.md``). Inputs made elsewhere
   (an attention break's output, a product's, the prompt's states) keep the Triton kernel: Inductor's
   quantization alone is about three times slower than it.
+* FLUX.1's single blocks run ``proj_out(cat([attention, gelu(proj_mlp(x))]))``: their GELU moves into
+  ``proj_out``'s quantization too, which reads the attention and the MLP's product from where they are
+  (``quantize_pair``, ``fold_single_block_gelus``): the activation and the concatenation are never written
+  (on an H200, FLUX.1-dev 1024's FP8 step 2.2-3.9 ms faster, ``docs/benchmarks/kernels_flux1024_fp8_pair.md``).
 * PixArt's and DiT's blocks go one step further (``workers.norm_fusion``): each norm, its modulation and the next
   linear's quantization are one kernel of our own (``workers.norm_kernel``), and the projections take its
   codes (``linear_into(..., quantized=...)``, ``Fp8Linear.mm_rows``).
@@ -110,12 +114,16 @@ def quantize_rows(x: torch.Tensor, gelu: str = "none", fuse: bool = False) -> tu
     return (x * scale.reciprocal().to(x.dtype)).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def quantize_pair(a: torch.Tensor, b: torch.Tensor, gelu: str = "tanh") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_pair(a: torch.Tensor, b: torch.Tensor, gelu: str = "tanh",
+                  a_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, KA), (M, KB) -> ``quantize_rows`` of ``cat([a, gelu(b)], -1)``: the codes (M, KA + KB) and (M, 1)
-    scales. On CUDA one kernel (``quant_kernel.launch_pair``) reads both and writes the codes: neither the
-    activation nor the concatenation is written. Elsewhere, those operations in PyTorch."""
+    scales. ``a_scale``: ``a`` is e4m3 codes at that one-element float32 descale (FP8 attention's output),
+    read as ``a * a_scale``. On CUDA one kernel (``quant_kernel.launch_pair``) reads both and writes the codes:
+    neither the activation nor the concatenation is written. Elsewhere, those operations in PyTorch."""
     if ROW_KERNEL and quant_kernel.pair_available(a, b):
-        return torch.ops.dit_serve.quantize_pair(a, b, gelu)
+        return torch.ops.dit_serve.quantize_pair(a, b, gelu, a_scale)
+    if a_scale is not None:
+        a = (a.float() * a_scale.reshape(())).to(b.dtype)
     if gelu != "none":
         b = F.gelu(b, approximate="tanh" if gelu == "tanh" else "none")
     return quantize_rows(torch.cat([a, b], dim=-1))
@@ -288,11 +296,17 @@ def _fp8_single_block_forward(self, hidden_states, encoder_hidden_states, temb, 
     residual = hidden_states
     norm_hidden_states, gate = self.norm(hidden_states, emb=temb)                   # (B, L+N, D), (B, D)
     mlp = self.proj_mlp(norm_hidden_states)                                         # (B, L+N, 4D), before GELU
-    attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
-                            **(joint_attention_kwargs or {}))                        # (B, L+N, D)
+    coded = None  # FP8 attention's output codes, read as they are (workers.joint_attention.HAND_CODES)
+    if not joint_attention_kwargs and hasattr(self.attn.processor, "attention_codes"):
+        coded = self.attn.processor.attention_codes(self.attn, norm_hidden_states, image_rotary_emb)
+    if coded is None:
+        attn_output, descale = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
+                                         **(joint_attention_kwargs or {})), None     # (B, L+N, D)
+    else:
+        attn_output, descale = coded                                                 # (B, L+N, D) e4m3, (1, 1, 1, 1)
     lead = attn_output.shape[:-1]
     codes, scales = quantize_pair(attn_output.reshape(-1, attn_output.shape[-1]), mlp.reshape(-1, mlp.shape[-1]),
-                                  self._mlp_gelu)                                    # (B*(L+N), 5D)
+                                  self._mlp_gelu, descale)                           # (B*(L+N), 5D)
     out = self.proj_out.mm_rows(codes, scales).view(*lead, -1)                      # (B, L+N, D)
     hidden_states = residual + gate.unsqueeze(1) * out
     if hidden_states.dtype == torch.float16:

@@ -20,7 +20,10 @@ FP8 attention (``route_joint_attention(..., fp8=True)``; the engine asks for it 
 "fp8+attention": Hopper, the cuDNN frontend installed, ``workers.fp8_attention``): q, k and v become e4m3
 codes in the step's own code (Inductor writes them from the norm and rotary kernel, in place of bf16), the
 kernel is cuDNN's FP8 attention (``attention_fp8_inline``, opaque like ``attention_inline``), and its FP8
-output is turned back into bf16 as the output projection's input is made. q's and k's scales are fixed at
+output (e4m3 at one per-tensor scale) goes to FLUX.1's FP8 output projections as it is: the double blocks'
+``to_out`` and ``to_add_out`` multiply the codes at that scale (``project_codes``), the single blocks' output
+quantization reads them beside the MLP (``workers.fp8.quantize_pair``). Elsewhere (SD3, bf16 projections) it is
+turned back into bf16 as the output projection's input is made. q's and k's scales are fixed at
 load, from a bound: an RMS-normed head of d values is at most sqrt(d) times the norm's largest weight in
 magnitude, and the rotary embedding turns pairs of values without changing their length
 (``static_scale``); v's comes from its largest magnitude at run time. A model without q and k norms (SD3,
@@ -99,14 +102,42 @@ def _codes(x: torch.Tensor, scale: float | None, descale: torch.Tensor | None):
     return (x.float() * scale).clamp(-fp8_attention.FP8_MAX, fp8_attention.FP8_MAX).to(fp8_attention.FP8), descale
 
 
-def fp8_joint_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scales: Fp8Scales) -> torch.Tensor:
-    """(B, T, heads, d) x3 -> the attention (B, T, heads, d) in query's dtype, through FP8 (see the module
-    docstring)."""
+def fp8_joint_attention_codes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              scales: Fp8Scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, heads, d) x3 -> the attention's e4m3 codes (B, T, heads, d) and their (1, 1, 1, 1) float32
+    descale, through FP8 (see the module docstring; d a multiple of 16, so nothing is padded)."""
     (q8, dq), (k8, dk) = _codes(query, scales.q, scales.descale_q), _codes(key, scales.k, scales.descale_k)
     v8, dv = fp8_attention.quantize(value)
     out = torch.empty_like(q8)                                                              # (B, T, h, d) e4m3
     attention_fp8_inline(q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2), dq, dk, dv, out.transpose(1, 2))
-    return fp8_attention.dequantize(out, fp8_attention.output_descale(dv), query.shape[-1], query.dtype)
+    return out, fp8_attention.output_descale(dv)
+
+
+def fp8_joint_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scales: Fp8Scales) -> torch.Tensor:
+    """(B, T, heads, d) x3 -> the attention (B, T, heads, d) in query's dtype, through FP8."""
+    codes, descale = fp8_joint_attention_codes(query, key, value, scales)
+    return fp8_attention.dequantize(codes, descale, query.shape[-1], query.dtype)
+
+
+# FP8 output projections take the FP8 attention's codes as they are (``project_codes``): its output is e4m3
+# already, so turning it into bf16 and quantizing it again row by row only adds a pass each way and a second
+# rounding. Off: dequantized, then quantized by the projection (a benchmark compares the two).
+HAND_CODES = True
+
+
+def takes_codes(*projections) -> bool:
+    """Whether ``projections`` all take codes straight from FP8 attention: FP8 linears applying no activation."""
+    from workers.fp8 import Fp8Linear
+
+    return HAND_CODES and all(isinstance(p, Fp8Linear) and p.gelu == "none" for p in projections)
+
+
+def project_codes(proj, codes: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """``proj`` (an ``Fp8Linear``) of e4m3 codes (..., K) at one (1, 1, 1, 1) descale -> (..., N) in the
+    model's dtype: the product's row scales are that descale for every row."""
+    lead, rows = codes.shape[:-1], codes.reshape(-1, codes.shape[-1])
+    scale = descale.reshape(1, 1).expand(rows.shape[0], 1).contiguous()                   # (M, 1) float32
+    return proj.mm_rows(rows, scale).view(*lead, -1)
 
 
 class RoutedJointAttention(JointAttnProcessor2_0):
@@ -163,10 +194,17 @@ class RoutedFluxAttention(FluxAttnProcessor):
 
     fp8: Fp8Scales | None = None
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 image_rotary_emb=None):
-        if attention_mask is not None or self._parallel_config is not None:
-            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+    def attention_codes(self, attn, hidden_states, image_rotary_emb=None):
+        """A single block's FP8 attention as e4m3 codes (B, T, heads * d) and their (1, 1, 1, 1) descale, for an
+        output projection that takes them (``workers.fp8.quantize_pair``); None where this processor does not
+        run FP8 attention (then call it as usual)."""
+        if not HAND_CODES or self.fp8 is None or self._parallel_config is not None or attn.added_kv_proj_dim is not None:
+            return None
+        codes, descale = fp8_joint_attention_codes(*self._qkv(attn, hidden_states, None, image_rotary_emb), self.fp8)
+        return codes.flatten(2, 3), descale
+
+    def _qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb):
+        """q, k and v (B, L+T, heads, d): projected, normed, the text's before the image's, rotated."""
         query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
             attn, hidden_states, encoder_hidden_states)
         query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))                       # (B, T, h, d)
@@ -182,6 +220,19 @@ class RoutedFluxAttention(FluxAttnProcessor):
         if image_rotary_emb is not None:
             query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
             key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        return query, key, value
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        if attention_mask is not None or self._parallel_config is not None:
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        query, key, value = self._qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+        if self.fp8 is not None and encoder_hidden_states is not None and takes_codes(attn.to_out[0], attn.to_add_out):
+            codes, descale = fp8_joint_attention_codes(query, key, value, self.fp8)       # (B, L+T, h, d) e4m3
+            text, image = codes.flatten(2, 3).split_with_sizes(
+                [encoder_hidden_states.shape[1], hidden_states.shape[1]], dim=1)
+            return (attn.to_out[1](project_codes(attn.to_out[0], image, descale)),
+                    project_codes(attn.to_add_out, text, descale))
         if self.fp8 is not None:
             out = fp8_joint_attention(query, key, value, self.fp8)                         # (B, L+T, h, d)
         else:

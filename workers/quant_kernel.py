@@ -223,16 +223,22 @@ if triton is not None:
 
 
     @triton.jit
-    def _pair_kernel(a_ptr, b_ptr, q_ptr, s_ptr, KA, KB, stride_a, stride_b, stride_q, GELU: tl.constexpr,
+    def _pair_kernel(a_ptr, b_ptr, q_ptr, s_ptr, a_scale_ptr, KA, KB, stride_a, stride_b, stride_q,
+                     GELU: tl.constexpr, A_SCALED: tl.constexpr,
                      A0: tl.constexpr, A1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr):
         """One row of cat([a, gelu(b)]) quantized, ``a`` and ``b`` read from their own tensors, each held as
-        one or two powers of two (A0 + A1 >= KA, B0 + B1 >= KB)."""
+        one or two powers of two (A0 + A1 >= KA, B0 + B1 >= KB); ``A_SCALED``: a is read times *a_scale_ptr."""
         row = tl.program_id(0).to(tl.int64)
         ar, br, qr = a_ptr + row * stride_a, b_ptr + row * stride_b, q_ptr + row * stride_q
         a0, oa0 = _part(ar, 0, KA, A0, 0)
+        if A_SCALED:
+            a_scale = tl.load(a_scale_ptr)
+            a0 = a0 * a_scale
         peak = tl.max(tl.abs(a0), axis=0)
         if A1 > 0:
             a1, oa1 = _part(ar, A0, KA, A1, 0)
+            if A_SCALED:
+                a1 = a1 * a_scale
             peak = tl.maximum(peak, tl.max(tl.abs(a1), axis=0))
         b0, ob0 = _part(br, 0, KB, B0, GELU)
         peak = tl.maximum(peak, tl.max(tl.abs(b0), axis=0))
@@ -266,11 +272,13 @@ def pair_available(a: torch.Tensor, b: torch.Tensor) -> bool:
     return available(a) and available(b) and a.shape[0] == b.shape[0] and a.shape[-1] + b.shape[-1] <= MAX_K
 
 
-def launch_pair(a: torch.Tensor, b: torch.Tensor, gelu: str) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_pair(a: torch.Tensor, b: torch.Tensor, gelu: str,
+                a_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The codes (M, KA + KB) and (M, 1) scales of ``cat([a, gelu(b)], -1)`` row by row, without the
     concatenation or the activation ever written: FLUX.1's single blocks, whose output projection reads the
     attention beside the MLP's activation (``workers.fp8.quantize_pair``). One read of each, one write of the
-    codes; the tanh GELU by the approximate instruction, as the feed-forwards' folded GELU."""
+    codes; the tanh GELU by the approximate instruction, as the feed-forwards' folded GELU. ``a_scale``: a
+    one-element float32 tensor ``a`` is multiplied by as it is read (``a`` FP8 attention's e4m3 output)."""
     a = a if a.stride(-1) == 1 else a.contiguous()
     b = b if b.stride(-1) == 1 else b.contiguous()
     (m, ka), kb = a.shape, b.shape[-1]
@@ -280,8 +288,10 @@ def launch_pair(a: torch.Tensor, b: torch.Tensor, gelu: str) -> tuple[torch.Tens
         return q, scale
     (a0, a1), (b0, b1) = pair_parts(ka), pair_parts(kb)
     code = FAST_TANH if gelu == "tanh" else _CODES[gelu]
-    _pair_kernel[(m,)](a, b, q, scale, ka, kb, a.stride(0), b.stride(0), q.stride(0), GELU=code,
-                       A0=a0, A1=a1, B0=b0, B1=b1, num_warps=_warps(a0 + a1 + b0 + b1, 64))
+    scaled = a_scale is not None
+    _pair_kernel[(m,)](a, b, q, scale, a_scale if scaled else scale, ka, kb, a.stride(0), b.stride(0), q.stride(0),
+                       GELU=code, A_SCALED=scaled, A0=a0, A1=a1, B0=b0, B1=b1,
+                       num_warps=_warps(a0 + a1 + b0 + b1, 64))
     return q, scale
 
 
@@ -337,12 +347,14 @@ def _(x: torch.Tensor, gelu: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.library.custom_op("dit_serve::quantize_pair", mutates_args=())
-def quantize_pair_cuda(a: torch.Tensor, b: torch.Tensor, gelu: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, KA), (M, KB) CUDA -> (M, KA + KB) float8 e4m3 and (M, 1) float32 scales of cat([a, gelu(b)])."""
-    return launch_pair(a, b, gelu)
+def quantize_pair_cuda(a: torch.Tensor, b: torch.Tensor, gelu: str,
+                       a_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, KA), (M, KB) CUDA -> (M, KA + KB) float8 e4m3 and (M, 1) float32 scales of cat([a * a_scale, gelu(b)])
+    (``a_scale`` None: a itself)."""
+    return launch_pair(a, b, gelu, a_scale)
 
 
 @quantize_pair_cuda.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, gelu: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _(a: torch.Tensor, b: torch.Tensor, gelu: str, a_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     m = a.shape[0]
     return a.new_empty((m, a.shape[-1] + b.shape[-1]), dtype=FP8), a.new_empty((m, 1), dtype=torch.float32)

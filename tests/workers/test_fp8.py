@@ -275,7 +275,7 @@ def test_flux_single_blocks_fold_their_gelu_into_the_output_projections_quantiza
     assert type(unfolded.single_transformer_blocks[0]).__name__ == "FluxSingleTransformerBlock"
     calls = []
     real = fp8.quantize_pair
-    monkeypatch.setattr(fp8, "quantize_pair", lambda a, b, gelu="tanh": calls.append(gelu) or real(a, b, gelu))
+    monkeypatch.setattr(fp8, "quantize_pair", lambda a, b, gelu="tanh", s=None: calls.append(gelu) or real(a, b, gelu, s))
     g = torch.Generator().manual_seed(0)
     cfg = model.transformer.config
     n, text = 16, 5

@@ -175,3 +175,32 @@ def test_the_engine_routes_fp8_attention_for_a_model_in_fp8_plus_attention(tmp_p
     model.precision = "fp8"  # and back: an engine made now routes the attention in the model's dtype
     Engine(model, EngineConfig(backend="breakable", max_batch=2))
     assert all(m.processor.fp8 is None for m in model.transformer.modules() if hasattr(m, "processor"))
+
+
+def test_fp8_output_projections_take_the_attentions_codes_as_they_are(monkeypatch):
+    """FLUX.1 in FP8 linears and FP8 attention: the double blocks' ``to_out`` and ``to_add_out`` multiply the
+    attention's e4m3 codes at its one descale (``project_codes``), the single blocks' output quantization
+    reads them (``quantize_pair``'s ``a_scale``): no bf16 copy in between. The model stays within FP8's error of
+    float32, and of the path that dequantizes and quantizes again (``HAND_CODES`` off)."""
+    from workers import fp8
+    from workers import joint_attention as ja
+
+    ref_model, x = _tiny_flux(), _flux_inputs()
+    ref = _run(ref_model, x)
+    model = _tiny_flux()
+    fp8.quantize_linears(model)
+    assert route_joint_attention(model, fp8=True) == 3
+    projected, scaled = [], []
+    real_project, real_pair = ja.project_codes, fp8.quantize_pair
+    monkeypatch.setattr(ja, "project_codes", lambda p, c, d: projected.append(c.dtype) or real_project(p, c, d))
+    monkeypatch.setattr(fp8, "quantize_pair", lambda a, b, g="tanh", s=None: scaled.append(
+        (a.dtype, s is not None)) or real_pair(a, b, g, s))
+    coded = _run(model, x)
+    assert projected == [fa.FP8, fa.FP8]  # one double block: its image's and its text's projections
+    assert scaled == [(fa.FP8, True)] * 2  # two single blocks
+    monkeypatch.setattr(ja, "HAND_CODES", False)
+    projected.clear(), scaled.clear()
+    requantized = _run(model, x)
+    assert projected == [] and all(not s for _, s in scaled) and len(scaled) == 2
+    assert 1e-4 < _rel_rms(coded, ref) < 0.02, _rel_rms(coded, ref)  # 0.4% here, as the requantized path's
+    assert 0 < _rel_rms(coded, requantized) < 0.01, _rel_rms(coded, requantized)

@@ -231,7 +231,8 @@ def test_the_pair_kernel_quantizes_the_concatenation_without_writing_it(ka, kb):
     """``quant_kernel.launch_pair(a, b, gelu)`` (FLUX.1's single blocks: attention beside the MLP) against the
     row kernel: without GELU, bit-identical to quantizing cat([a, b]) (rows where either part holds the peak,
     a zero row); with the tanh GELU and a below the activation's peak, b's codes and the scales are the row
-    kernel's for gelu(b) bit for bit and a's are a over those scales. Compiled, one graph for every batch."""
+    kernel's for gelu(b) bit for bit and a's are a over those scales; e4m3 codes for a at a descale give what
+    their bf16 values give. Compiled, one graph for every batch."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from workers import fp8, quant_kernel
@@ -249,6 +250,11 @@ def test_the_pair_kernel_quantizes_the_concatenation_without_writing_it(ka, kb):
     assert torch.equal(q[:, ka:].view(torch.uint8), bq.view(torch.uint8)) and torch.equal(s, bs)
     aq = (small.float() * (1.0 / s)).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert (_codes(q[:, :ka]) - _codes(aq)).abs().max().item() <= 1
+    codes = (a.float() / 64).clamp(-448, 448).to(torch.float8_e4m3fn)  # e4m3 codes at a descale of 2^-3
+    descale = torch.full((1, 1, 1, 1), 0.125, device="cuda")
+    q, s = quant_kernel.launch_pair(codes, b, "tanh", descale)
+    wq, ws = quant_kernel.launch_pair((codes.float() * 0.125).bfloat16(), b, "tanh")  # exact in bf16
+    assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
 
     def fn(a, b):
         q, s = fp8.quantize_pair(a, b, "tanh")
