@@ -489,8 +489,9 @@ class Timeline:
     clock) at each boundary between the loop's phases, read after the run. The GPU time between two marks
     is the work the host queued in the first phase plus any time the GPU sat waiting for it, so the phases
     add up to the run's wall time: "loop" (the benchmark's own bookkeeping), "admit" (``add_many``: plans,
-    prompt encoding, uploads), "step" (the replays), "finish" (decoding the finished images and copying
-    them to the host). Also counts the replays per bucket."""
+    prompt encoding, uploads), "step" (the replays), and the finished images' "decode" (the VAE, its captured
+    replays when the decode is in graphs) and "convert" (``workers.engine.decode``'s resizing, conversion to
+    bytes and copy to the host, and the host's waits for them). Also counts the replays per bucket."""
 
     def __init__(self) -> None:
         self.marks: list[tuple[str, object, float]] = []
@@ -505,17 +506,33 @@ class Timeline:
         self.marks.append((phase, ev, time.perf_counter()))
 
     def watch(self, engine) -> None:
-        """Mark "finish" around the engine's decoding of finished images (back to "step" after)."""
-        plain = engine._finish
+        """Mark "decode" and "convert" in the engine's finishing of images (back to "step" after): the
+        engine's ``_finish`` runs the VAE, then hands its pixels to the module's ``decode`` to convert."""
+        from workers import engine as eng
+
+        plain, convert = engine._finish, eng.decode
+        self._unwatch = (engine, convert)
 
         def finish(group, done):
-            self.mark("finish")
+            self.mark("decode")
             try:
                 return plain(group, done)
             finally:
                 self.mark("step")
 
+        def converting(*args, **kwargs):
+            self.mark("convert")
+            return convert(*args, **kwargs)
+
         engine._finish = finish
+        eng.decode = converting  # the engine's _finish looks it up when it runs
+
+    def unwatch(self) -> None:
+        """The engine's own ``_finish`` and the module's own ``decode`` again (after ``watch``)."""
+        from workers import engine as eng
+
+        engine, eng.decode = self._unwatch
+        del engine._finish
 
     def count(self, engine) -> None:
         """The replays the engine's next step runs (each group's plan for its rows)."""
@@ -635,9 +652,12 @@ def bench_mixed(model, s: Setup, prompts: list[str], save, ref=None) -> dict:
             timeline = Timeline() if load == float("inf") else None
             if timeline is not None:
                 timeline.watch(engine)
-            run_engine(engine, model, jobs, prompts, s, stop, timeline)
+            try:
+                run_engine(engine, model, jobs, prompts, s, stop, timeline)
+            finally:
+                if timeline is not None:
+                    timeline.unwatch()
             if timeline is not None:
-                del engine._finish  # the engine's own method again
                 block["backlog_a_phases"] = timeline.summary()
             _record(block, "a", load, jobs, stop, s, save)
         block["padding_fraction"] = round(engine.padded_rows / max(1, engine.padded_rows + engine.real_rows), 4)
@@ -773,6 +793,10 @@ def phases_markdown(ph: dict) -> list[str]:
              "| phase | GPU ms | host ms | share |", "|---|---|---|---|"]
     lines += [f"| {k} | {ph['gpu_ms'].get(k, '-')} | {ph['host_ms'].get(k, '-')} | {v / total:.1%} |"
               for k, v in sorted(clock.items(), key=lambda kv: -kv[1])]
+    if "decode" in clock:  # earlier reports had the two as one phase, "finish"
+        both = lambda d: round(d.get("decode", 0.0) + d.get("convert", 0.0), 1) if d else "-"  # noqa: E731
+        lines.append(f"| finish (decode + convert) | {both(ph['gpu_ms'])} | {both(ph['host_ms'])} | "
+                     f"{(clock.get('decode', 0.0) + clock.get('convert', 0.0)) / total:.1%} |")
     return lines + [""]
 
 

@@ -238,11 +238,12 @@ def test_every_section_runs_end_to_end(tmp_path):
     assert [t["target"] for t in result["targets"]] == ["mixed: max sustained a >= 2.0x d"]
     assert "## Targets" in (tmp_path / "pixart_smoke.md").read_text()
     phases = mixed["backlog_a_phases"]  # the backlog run of a, by phase (host clock on a CPU)
-    assert set(phases["host_ms"]) == {"loop", "admit", "step", "finish"} and phases["gpu_ms"] == {}
+    assert set(phases["host_ms"]) == {"loop", "admit", "step", "decode", "convert"} and phases["gpu_ms"] == {}
     makespan_ms = 189 / mixed["backlog_a"]["images_per_s"] * 1000
     assert 0.5 * makespan_ms < sum(phases["host_ms"].values()) < makespan_ms + 50  # the phases tile the run
     assert sum(int(b) * n for b, n in phases["replays"].items()) >= 189 * pb.smoke().steps  # every image's steps
     assert "Where system a's backlog run went" in (tmp_path / "pixart_smoke.md").read_text()
+    assert "| finish (decode + convert) |" in (tmp_path / "pixart_smoke.md").read_text()
 
 
 def test_a_tuned_run_gives_diffusers_a_plain_transformer_loaded_when_its_turn_comes(tmp_path):
