@@ -102,6 +102,8 @@ class Setup:
     compile: str = "off"              # our engines' steps: "inductor" compiles them inside the graphs
     precision: str = "bf16"           # "fp8": the model's block linears as FP8 products (workers/fp8.py)
     decode_graphs: str = "auto"       # mixed: system a's VAE decode captured: "on" | "off" | "auto" (with compile)
+    overlap_finish: bool = False      # mixed: system a's finished images handed out a step later, their decode
+                                      # and copies overlapping that step (EngineConfig.overlap_finish)
 
 
 COMPILE_CHOICES = ("off", "inductor", "inductor-blocks")  # --compile: -blocks compiles the transformer's blocks
@@ -490,8 +492,8 @@ class Timeline:
     is the work the host queued in the first phase plus any time the GPU sat waiting for it, so the phases
     add up to the run's wall time: "loop" (the benchmark's own bookkeeping), "admit" (``add_many``: plans,
     prompt encoding, uploads), "step" (the replays), and the finished images' "decode" (the VAE, its captured
-    replays when the decode is in graphs) and "convert" (``workers.engine.decode``'s resizing, conversion to
-    bytes and copy to the host, and the host's waits for them). Also counts the replays per bucket."""
+    replays when the decode is in graphs) and "convert" (``workers.engine.decode_start``'s resizing, conversion
+    to bytes and copy to the host, and the host's waits for them). Also counts the replays per bucket."""
 
     def __init__(self) -> None:
         self.marks: list[tuple[str, object, float]] = []
@@ -507,10 +509,11 @@ class Timeline:
 
     def watch(self, engine) -> None:
         """Mark "decode" and "convert" in the engine's finishing of images (back to "step" after): the
-        engine's ``_finish`` runs the VAE, then hands its pixels to the module's ``decode`` to convert."""
+        engine's ``_finish`` runs the VAE, then hands its pixels to the module's ``decode_start`` to convert
+        (with ``overlap_finish`` the copies are waited for in the next step, and counted there)."""
         from workers import engine as eng
 
-        plain, convert = engine._finish, eng.decode
+        plain, convert = engine._finish, eng.decode_start
         self._unwatch = (engine, convert)
 
         def finish(group, done):
@@ -525,13 +528,13 @@ class Timeline:
             return convert(*args, **kwargs)
 
         engine._finish = finish
-        eng.decode = converting  # the engine's _finish looks it up when it runs
+        eng.decode_start = converting  # the engine's _finish (and decode) look it up when they run
 
     def unwatch(self) -> None:
-        """The engine's own ``_finish`` and the module's own ``decode`` again (after ``watch``)."""
+        """The engine's own ``_finish`` and the module's own ``decode_start`` again (after ``watch``)."""
         from workers import engine as eng
 
-        engine, eng.decode = self._unwatch
+        engine, eng.decode_start = self._unwatch
         del engine._finish
 
     def count(self, engine) -> None:
@@ -564,7 +567,7 @@ def run_engine(engine, model, jobs: list[Job], prompts: list[str], s: Setup, sto
     queue: list = []  # arrived images not yet in the engine
     mark = timeline.mark if timeline is not None else (lambda phase: None)
     mark("loop")
-    while pending or queue or engine.num_active:
+    while pending or queue or engine.num_active or engine.num_finishing:
         now = time.perf_counter() - start
         if now > stop_s:
             for rid in list(engine.progress()):  # leave the engine empty for the next point
@@ -579,7 +582,7 @@ def run_engine(engine, model, jobs: list[Job], prompts: list[str], s: Setup, sto
             if started:  # none while a small group is held back (rule 4)
                 engine.add_many(started)
             mark("loop")
-        if engine.num_active == 0:
+        if engine.num_active == 0 and not engine.num_finishing:
             time.sleep(max(0.0, min(0.005, pending[0].arrival - now)) if pending else 0.0)
             continue
         if timeline is not None:
@@ -587,11 +590,10 @@ def run_engine(engine, model, jobs: list[Job], prompts: list[str], s: Setup, sto
         mark("step")
         results = engine.step()
         mark("loop")
-        for r in results:
+        for r in results:  # on the host already: no wait for the GPU, which may be running the next step
             j = by_id[int(r.request.id.split(":")[0])]
             j.done_images += 1
             if j.done_images == j.n:
-                sync()
                 j.finished = time.perf_counter() - start
 
 
@@ -633,9 +635,11 @@ def bench_mixed(model, s: Setup, prompts: list[str], save, ref=None) -> dict:
              "steps": s.steps, "guidance": s.guidance, "max_batch": s.max_batch, "wait_s": s.wait_s,
              "window_s": s.window_s, "drain_s": s.drain_s, "cross_attention": s.cross_attention,
              "backlog_images": sum(j.n for j in backlog(s.mixed_sizes, len(prompts))),
-             "rows": [], "max_images_per_s": {}, "decode_graphs": mixed_decode_graphs(s), "decode": decode_kind(s)}
+             "rows": [], "max_images_per_s": {}, "decode_graphs": mixed_decode_graphs(s), "decode": decode_kind(s),
+             "overlap_finish": s.overlap_finish}
     engine = Engine(model, EngineConfig(backend="breakable", max_batch=s.max_batch, cross_attention=s.cross_attention,
-                                        decode_graphs=block["decode_graphs"], **compile_kwargs(s.compile)))
+                                        decode_graphs=block["decode_graphs"], overlap_finish=s.overlap_finish,
+                                        **compile_kwargs(s.compile)))
     try:
         t0 = time.perf_counter()
         engine.warmup(sizes=made)
@@ -853,6 +857,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--precision", choices=["bf16", "fp8"], default="bf16", help="our model's block linears")
     p.add_argument("--decode-graphs", choices=["auto", "on", "off"], default="auto", help="mixed: system a's VAE "
                    "decode captured (auto: with --compile, compiled too; each size's cold compile takes about a minute)")
+    p.add_argument("--overlap-finish", action="store_true", help="mixed: system a hands finished images out a step "
+                   "later, their decode and copies overlapping it (EngineConfig.overlap_finish); the report's name "
+                   "gets _overlap")
     p.add_argument("--fp8-promoted-accum", action="store_true", help="with --precision fp8: the products without "
                    "cuBLASLt's fast accumulation (workers.fp8.FAST_ACCUM off); the report's name gets _promoted")
     args = p.parse_args(argv)
@@ -867,7 +874,7 @@ def main(argv: list[str] | None = None) -> None:
     s = smoke() if args.smoke else Setup()
     over = {"loads": tuple(args.loads) if args.loads else None, "window_s": args.window,
             "cross_attention": args.cross_attention, "compile": args.compile, "precision": args.precision,
-            "decode_graphs": args.decode_graphs}
+            "decode_graphs": args.decode_graphs, "overlap_finish": args.overlap_finish or None}
     s = Setup(**{**s.__dict__, **{k: v for k, v in over.items() if v is not None}})
     if args.smoke:
         import tempfile
@@ -881,7 +888,7 @@ def main(argv: list[str] | None = None) -> None:
                                                              dtype=torch.bfloat16, precision=precision)
         resolutions = args.resolutions
     name = ("pixart_smoke" if args.smoke else "pixart") + tuned_suffix(s.compile, s.precision) \
-        + ("_promoted" if args.fp8_promoted_accum else "")
+        + ("_promoted" if args.fp8_promoted_accum else "") + ("_overlap" if args.overlap_finish else "")
     head = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "diffusers": diffusers.__version__, "argv": argv}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -196,8 +196,9 @@ class Worker:
     # -- the step loop (its own thread) -------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._admit(block=self.engine.num_active == 0)
-            if self.engine.num_active:
+            busy = self.engine.num_active or self.engine.num_finishing  # finishing: handed out by the next step
+            self._admit(block=not busy)
+            if self.engine.num_active or self.engine.num_finishing:
                 self._step()
 
     def _admit(self, block: bool) -> None:

@@ -73,6 +73,17 @@ class Preview:
 
 
 @dataclass
+class _Finishing:
+    """Finished requests whose images and latents are on their way to the host (``overlap_finish``)."""
+
+    done: list  # the _Active requests, in order
+    images: "_Images"
+    latents: torch.Tensor       # (B, C, H, W) float32 on the host, valid once ``ready``
+    ready: object = None        # a torch.cuda.Event recorded after the copies; None: already on the host
+    cancelled: set = field(default_factory=set)
+
+
+@dataclass
 class _PendingPreviews:
     """A batch of previews on its way to the host: ``host`` (B, h, w, c) uint8, valid once ``ready``."""
 
@@ -109,6 +120,9 @@ class EngineConfig:
     decode_graphs: bool = False   # the VAE decode of each group captured too (backend "full", power-of-two
                                   # batches up to DECODE_PIXELS of output, the step's pool), compiled when the step
                                   # is: 2-3x faster on an H200, off by default for the cold compile it adds per size
+    overlap_finish: bool = False  # finished images' decode and copies to the host (pinned, on CUDA) are queued and
+                                  # handed out by the next step() call, after it has queued its replays, so the GPU
+                                  # does not wait while the host converts them; at once when nothing else is active
 
     def __post_init__(self) -> None:
         for mode in (self.compile, *dict(self.compile_models).values()):
@@ -232,6 +246,7 @@ class Engine:
         self.padded_rows = 0  # bucket rows replayed without a sample in them (padding waste)
         self.previews_made = 0
         self._previews: list[_PendingPreviews] = []
+        self._finishing: list[_Finishing] = []
 
     def _group(self, model: LoadedModel, shape: tuple[int, int, int]) -> GraphKey:
         """The group of ``model`` at latent ``shape``, made on first use. Groups of every shape capture into
@@ -384,34 +399,65 @@ class Engine:
                        {k: _upload(v, device) for k, v in cond.items()})
 
     def cancel(self, request_id: str) -> bool:
-        """Drop a request at this step boundary; True if it was active."""
+        """Drop a request at this step boundary; True if it was active (or finished and not yet handed out)."""
         for group in self.groups.values():
             for i, a in enumerate(group.active):
                 if a.req.id == request_id:
                     del group.active[i]
                     return True
+        for rec in self._finishing:
+            if any(a.req.id == request_id for a in rec.done) and request_id not in rec.cancelled:
+                rec.cancelled.add(request_id)
+                return True
         return False
 
     @property
     def num_active(self) -> int:
         return sum(len(g.active) for g in self.groups.values())
 
+    @property
+    def num_finishing(self) -> int:
+        """Requests whose steps are done and whose images the next step() call hands out (``overlap_finish``)."""
+        return sum(len(rec.done) - len(rec.cancelled) for rec in self._finishing)
+
     def in_flight_shapes(self) -> set[tuple[str, int, int]]:
         """The shapes of the active requests (``workers.admission.spec_shape``)."""
         return {spec_shape(a.req) for g in self.groups.values() for a in g.active}
 
     def progress(self) -> dict[str, tuple[int, int]]:
-        return {a.req.id: (a.step, a.plan.num_steps) for g in self.groups.values() for a in g.active}
+        """Steps done and planned per request not yet handed out (a finishing one's steps are all done)."""
+        finishing = {a.req.id: (a.step, a.plan.num_steps) for rec in self._finishing for a in rec.done
+                     if a.req.id not in rec.cancelled}
+        return {**finishing, **{a.req.id: (a.step, a.plan.num_steps) for g in self.groups.values() for a in g.active}}
 
     # -- the step loop ---------------------------------------------------------------------------
     def step(self, on_progress: ProgressFn | None = None) -> list[ImageResult]:
-        """Advance every active request one denoising step; return the ones that finished."""
+        """Advance every active request one denoising step; return the ones that finished (with
+        ``overlap_finish``: the ones that finished at the previous call, and this call's too when no request is
+        left active)."""
+        earlier, self._finishing = self._finishing, []
         finished: list[ImageResult] = []
         for group in self.groups.values():
             if group.active:
                 finished += self._step_group(group, on_progress)
         self.steps_run += 1
+        finished += self._hand_out(earlier)  # queued before this step's replays: the GPU runs those meanwhile
+        if self._finishing and not self.num_active:  # nothing left to overlap with
+            finished += self._hand_out(self._finishing)
+            self._finishing = []
         return finished
+
+    @staticmethod
+    def _hand_out(records: list[_Finishing]) -> list[ImageResult]:
+        """The results of finished requests whose copies were queued: waits for the copies."""
+        out = []
+        for rec in records:
+            if rec.ready is not None:
+                rec.ready.synchronize()
+            images = rec.images.get()
+            out += [ImageResult(a.req, images[i], rec.latents[i]) for i, a in enumerate(rec.done)
+                    if a.req.id not in rec.cancelled]
+        return out
 
     def _step_group(self, group: _Group, on_progress: ProgressFn | None) -> list[ImageResult]:
         active = group.active
@@ -487,9 +533,15 @@ class Engine:
     def _finish(self, group: _Group, done: list[_Active]) -> list[ImageResult]:
         latents = torch.stack([a.x for a in done])  # (B, C, H, W)
         pixels = None if group.decoder is None else group.decoder.run(latents=latents)["pixels"]
-        images = decode(group.model, latents, [(a.req.out_width, a.req.out_height) for a in done], pixels)
-        cpu = latents.float().cpu()
-        return [ImageResult(a.req, images[i], cpu[i]) for i, a in enumerate(done)]
+        sizes = [(a.req.out_width, a.req.out_height) for a in done]
+        if not self.config.overlap_finish:
+            images = decode(group.model, latents, sizes, pixels)
+            cpu = latents.float().cpu()
+            return [ImageResult(a.req, images[i], cpu[i]) for i, a in enumerate(done)]
+        queued = decode_start(group.model, latents, sizes, pixels, queued=True)  # nothing here waits for the GPU
+        host, ready = _to_host(latents.float())
+        self._finishing.append(_Finishing(done, queued, host, ready))
+        return []
 
     def _key(self, req: ItemSpec) -> GraphKey:
         name = req.model or next(iter(self.models))
@@ -600,27 +652,66 @@ def decode_runner(model: LoadedModel, shape: tuple[int, int, int], pool=None, st
 DECODE_CONVERT = 8  # images converted to uint8 and copied to the host at once
 
 
-@torch.no_grad()
 def decode(model: LoadedModel, latents: torch.Tensor, out_sizes: list[tuple[int, int]] | None = None,
            pixels: torch.Tensor | None = None) -> list[np.ndarray]:
     """Latents (B, C, h, w) -> uint8 images; pixel-space models are their own image. ``out_sizes`` (width,
     height per image; (0, 0) keeps the size) resizes and centre-crops, as the reference pipelines do.
     ``pixels``: the VAE's decode of ``latents`` made already (a captured decode), else it is made here."""
+    return decode_start(model, latents, out_sizes, pixels).get()
+
+
+class _Images:
+    """Images on their way to the host (``decode_start``): ``get()`` waits for their copies."""
+
+    def __init__(self, n: int) -> None:
+        self.parts: list[tuple[list[int], torch.Tensor]] = []  # (image indices, (b, H, W, c) uint8 on the host)
+        self.n, self.ready = n, None
+
+    def get(self) -> list[np.ndarray]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        images: list[np.ndarray] = [None] * self.n  # type: ignore[list-item]
+        for rows, host in self.parts:
+            host = host.numpy()
+            for j, i in enumerate(rows):
+                images[i] = host[j, ..., 0] if host.shape[-1] == 1 else host[j]
+        return images
+
+
+@torch.no_grad()
+def decode_start(model: LoadedModel, latents: torch.Tensor, out_sizes: list[tuple[int, int]] | None = None,
+                 pixels: torch.Tensor | None = None, queued: bool = False) -> _Images:
+    """``decode``'s conversions; ``_Images.get()`` returns the images. ``queued``: nothing here waits for the
+    GPU (on CUDA the images are copied into pinned host memory without a wait, and ``get()`` waits for the
+    copies); else each chunk is copied to the host at once, as ``decode`` does."""
     if pixels is None:
         pixels = latents.float() if model.vae is None else _vae_pixels(model, latents)
     by_size: dict[tuple[int, int], list[int]] = {}  # the images of one output size convert and cross together:
     for i, size in enumerate(out_sizes or [(0, 0)] * len(pixels)):  # one copy to the host, not one per image
         by_size.setdefault(tuple(size), []).append(i)
-    images: list[np.ndarray] = [None] * len(pixels)  # type: ignore[list-item]
+    out = _Images(len(pixels))
     for (w, h), same in by_size.items():
         for at in range(0, len(same), DECODE_CONVERT):  # chunks bound the float copies on the device
             rows = same[at:at + DECODE_CONVERT]
             img = pixels if len(rows) == len(pixels) else pixels[rows]              # (b, c, H, W)
             img = (resize_and_crop(img, w, h) if w else img).clamp(-1, 1)  # a copy: the decode's output stays
-            host = img.add_(1).mul_(127.5).round_().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-            for j, i in enumerate(rows):
-                images[i] = host[j, ..., 0] if host.shape[-1] == 1 else host[j]
-    return images
+            img = img.add_(1).mul_(127.5).round_().to(torch.uint8).permute(0, 2, 3, 1)  # (b, H, W, c)
+            host, ready = _to_host(img) if queued else (img.cpu(), None)
+            out.parts.append((rows, host))
+            out.ready = ready or out.ready  # the last copy's event: the copies run in order on the stream
+    return out
+
+
+def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """``t`` copied to the host: on CUDA into pinned memory without waiting, with an event recorded after the
+    copy (None elsewhere: copied at once)."""
+    if t.device.type != "cuda":
+        return t.cpu(), None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def resize_and_crop(pixels: torch.Tensor, width: int, height: int) -> torch.Tensor:

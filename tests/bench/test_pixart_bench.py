@@ -110,6 +110,8 @@ class _Engine:
     def __init__(self, steps=3):
         self.active, self.steps, self.in_flight, self.added, self.shapes = {}, steps, [], [], {}
 
+    num_finishing = 0  # results are handed out by the step that finishes them
+
     @property
     def num_active(self):
         return len(self.active)
