@@ -590,10 +590,12 @@ def run_engine(engine, model, jobs: list[Job], prompts: list[str], s: Setup, sto
         mark("step")
         results = engine.step()
         mark("loop")
-        for r in results:  # on the host already: no wait for the GPU, which may be running the next step
+        for r in results:
             j = by_id[int(r.request.id.split(":")[0])]
             j.done_images += 1
             if j.done_images == j.n:
+                if not s.overlap_finish:  # as measured before; overlapped, the GPU is running the next step
+                    sync()                # and the images are on the host already: no wait
                 j.finished = time.perf_counter() - start
 
 
