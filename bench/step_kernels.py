@@ -91,6 +91,9 @@ SYSTEMS.update({f"{name}+fp8attention": (*SYSTEMS[name][:2], "fp8+attention", *S
 SYSTEMS.update({f"{name}+unfolded": SYSTEMS[name] for name in ("full+inductor+fp8+blocks",
                                                                   "full+inductor+fp8+blocks+fp8attention")})
 SYSTEMS["full+inductor+fp8+blocks+fp8attention+requantized"] = SYSTEMS["full+inductor+fp8+blocks+fp8attention"]
+SYSTEMS["full+inductor+fp8+blocks+fp8attention+inductorcodes"] = SYSTEMS["full+inductor+fp8+blocks+fp8attention"]
+# +inductorcodes: FLUX.1's q, k, v codes for FP8 attention made by Inductor from the norms and the rotation in the
+# step's code, instead of by workers.rope_kernel's two kernels
 # +requantized: FP8 attention's output turned into bf16 and quantized again by the output projections, instead of
 # read as codes (workers.joint_attention.HAND_CODES off)
 # +unfolded: FLUX.1's FP8 single blocks with their MLP's GELU as a pass of its own and proj_out's input concatenated
@@ -347,7 +350,7 @@ def start(args, kind: str) -> dict:
 def run(args, result: dict, save) -> None:
     from workers.loading import load_model
 
-    from workers import fp8, fp8_attention, joint_attention, norm_fusion, patches, sdpa
+    from workers import fp8, fp8_attention, joint_attention, norm_fusion, patches, rope_kernel, sdpa
     from workers.fp8 import unsupported_reason
 
     for kind in ("cold", "warm") if args.start else ():  # first, while this process holds no GPU memory
@@ -395,6 +398,7 @@ def run(args, result: dict, save) -> None:
                 mock.patch.object(patches, "QUANTIZED_BREAKS", not name.endswith("+rawbreaks")), \
                 mock.patch.object(fp8, "FAST_ACCUM", not name.endswith("+promoted")), \
                 mock.patch.object(joint_attention, "HAND_CODES", not name.endswith("+requantized")), \
+                mock.patch.object(rope_kernel, "ENABLED", not name.endswith("+inductorcodes")), \
                 mock.patch.object(models[loaded], "precision", precision):
             result["systems"][name] = bench_system(models[loaded], name, args, inputs, reference)
         if unfolded:

@@ -18,8 +18,9 @@ keeps PyTorch's rule, so a routed model computes what diffusers' computes (teste
 
 FP8 attention (``route_joint_attention(..., fp8=True)``; the engine asks for it for a model loaded in precision
 "fp8+attention": Hopper, the cuDNN frontend installed, ``workers.fp8_attention``): q, k and v become e4m3
-codes in the step's own code (Inductor writes them from the norm and rotary kernel, in place of bf16), the
-kernel is cuDNN's FP8 attention (``attention_fp8_inline``, opaque like ``attention_inline``), and its FP8
+codes straight from the projections, FLUX.1's by two kernels of our own (``workers.rope_kernel``: the norms,
+the rotary embedding and the codes in one pass over q, k and v, then v's codes; SD3's in the step's own code,
+where Inductor writes them from its norm kernel in place of bf16), the kernel is cuDNN's FP8 attention (``attention_fp8_inline``, opaque like ``attention_inline``), and its FP8
 output (e4m3 at one per-tensor scale) goes to FLUX.1's FP8 output projections as it is: the double blocks'
 ``to_out`` and ``to_add_out`` multiply the codes at that scale (``project_codes``), the single blocks' output
 quantization reads them beside the MLP (``workers.fp8.quantize_pair``). Elsewhere (SD3, bf16 projections) it is
@@ -40,7 +41,7 @@ from diffusers.models.attention_processor import JointAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _get_qkv_projections
 
-from workers import fp8_attention
+from workers import fp8_attention, rope_kernel
 from workers.sdpa import attention
 
 
@@ -107,10 +108,24 @@ def fp8_joint_attention_codes(query: torch.Tensor, key: torch.Tensor, value: tor
     """(B, T, heads, d) x3 -> the attention's e4m3 codes (B, T, heads, d) and their (1, 1, 1, 1) float32
     descale, through FP8 (see the module docstring; d a multiple of 16, so nothing is padded)."""
     (q8, dq), (k8, dk) = _codes(query, scales.q, scales.descale_q), _codes(key, scales.k, scales.descale_k)
-    v8, dv = fp8_attention.quantize(value)
+    return attend_codes(q8, k8, *fp8_attention.quantize(value), dq, dk)
+
+
+def attend_codes(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_v: torch.Tensor,
+                 descale_q: torch.Tensor, descale_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 q, k, v (B, T, heads, d) and their descales -> the attention's codes (B, T, heads, d) and their
+    (1, 1, 1, 1) float32 descale."""
     out = torch.empty_like(q8)                                                              # (B, T, h, d) e4m3
-    attention_fp8_inline(q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2), dq, dk, dv, out.transpose(1, 2))
-    return out, fp8_attention.output_descale(dv)
+    attention_fp8_inline(q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2), descale_q, descale_k,
+                         descale_v, out.transpose(1, 2))
+    return out, fp8_attention.output_descale(descale_v)
+
+
+def _plain_rms(norm, d: int) -> bool:
+    """Whether ``norm`` is an RMS norm over d values with a weight, a set eps and no bias (``rope_kernel``'s)."""
+    if type(norm).__name__ != "RMSNorm" or getattr(norm, "weight", None) is None or getattr(norm, "bias", None) is not None:
+        return False
+    return getattr(norm, "eps", None) is not None and norm.weight.shape == (d,)
 
 
 def fp8_joint_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scales: Fp8Scales) -> torch.Tensor:
@@ -200,8 +215,41 @@ class RoutedFluxAttention(FluxAttnProcessor):
         run FP8 attention (then call it as usual)."""
         if not HAND_CODES or self.fp8 is None or self._parallel_config is not None or attn.added_kv_proj_dim is not None:
             return None
-        codes, descale = fp8_joint_attention_codes(*self._qkv(attn, hidden_states, None, image_rotary_emb), self.fp8)
+        codes, descale = self._fp8_attention(attn, hidden_states, None, image_rotary_emb)
         return codes.flatten(2, 3), descale
+
+    def _fp8_attention(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb):
+        """The FP8 attention's codes (B, L+T, heads, d) and their descale: q, k and v made into codes by
+        ``rope_kernel`` straight from the projections where its contract holds, else ``_qkv`` then
+        ``fp8_joint_attention_codes``."""
+        coded = self._qkv_codes(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+        if coded is None:
+            return fp8_joint_attention_codes(*self._qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb),
+                                             self.fp8)
+        return attend_codes(*coded, self.fp8.descale_q, self.fp8.descale_k)
+
+    def _qkv_codes(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb):
+        """q8, k8, v8 (B, L+T, heads, d) e4m3 and v's descale by ``rope_kernel.joint_codes``: q and k with fixed
+        scales, RMS norms with weights and one eps, the rotary embedding over all L+T tokens (or none); else
+        None."""
+        joint = attn.added_kv_proj_dim is not None
+        norms = (attn.norm_q, attn.norm_k, *((attn.norm_added_q, attn.norm_added_k) if joint else ()))
+        if not rope_kernel.ENABLED or self.fp8.q is None or self.fp8.k is None or joint != (encoder_hidden_states is not None) \
+                or not all(_plain_rms(n, attn.head_dim) for n in norms) or len({n.eps for n in norms}) != 1:
+            return None
+        tokens = hidden_states.shape[1] + (encoder_hidden_states.shape[1] if joint else 0)
+        cos, sin = image_rotary_emb if image_rotary_emb is not None else (None, None)
+        if cos is not None and (cos.shape != (tokens, attn.head_dim) or sin.shape != cos.shape):
+            return None
+        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states)
+        heads = lambda y: y.unflatten(-1, (-1, attn.head_dim))                              # (B, T, h, d)
+        text = None
+        if joint:
+            text = (heads(encoder_query), heads(encoder_key), heads(encoder_value), attn.norm_added_q.weight,
+                    attn.norm_added_k.weight)
+        return rope_kernel.joint_codes(heads(query), heads(key), heads(value), attn.norm_q.weight, attn.norm_k.weight,
+                                       self.fp8.descale_q, self.fp8.descale_k, cos, sin, text, norms[0].eps)
 
     def _qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb):
         """q, k and v (B, L+T, heads, d): projected, normed, the text's before the image's, rotated."""
@@ -226,19 +274,21 @@ class RoutedFluxAttention(FluxAttnProcessor):
                  image_rotary_emb=None):
         if attention_mask is not None or self._parallel_config is not None:
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-        query, key, value = self._qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
         if self.fp8 is not None and encoder_hidden_states is not None and takes_codes(attn.to_out[0], attn.to_add_out):
-            codes, descale = fp8_joint_attention_codes(query, key, value, self.fp8)       # (B, L+T, h, d) e4m3
-            text, image = codes.flatten(2, 3).split_with_sizes(
+            codes, descale = self._fp8_attention(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+            text, image = codes.flatten(2, 3).split_with_sizes(                               # (B, L+T, h, d) e4m3
                 [encoder_hidden_states.shape[1], hidden_states.shape[1]], dim=1)
             return (attn.to_out[1](project_codes(attn.to_out[0], image, descale)),
                     project_codes(attn.to_add_out, text, descale))
+        dtype = hidden_states.dtype
         if self.fp8 is not None:
-            out = fp8_joint_attention(query, key, value, self.fp8)                         # (B, L+T, h, d)
+            codes, descale = self._fp8_attention(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+            out = fp8_attention.dequantize(codes, descale, codes.shape[-1], dtype)           # (B, L+T, h, d)
         else:
+            query, key, value = self._qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
             out = torch.empty_like(query)                                                   # (B, L+T, h, d)
             attention_inline(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), out.transpose(1, 2))
-        hidden_states = out.flatten(2, 3).to(query.dtype)                                   # (B, L+T, h*d)
+        hidden_states = out.flatten(2, 3).to(dtype)                                         # (B, L+T, h*d)
         if encoder_hidden_states is not None:
             encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
                 [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1)
