@@ -122,7 +122,9 @@ class EngineConfig:
                                   # is: 2-3x faster on an H200, off by default for the cold compile it adds per size
     overlap_finish: bool = False  # finished images' decode and copies to the host (pinned, on CUDA) are queued and
                                   # handed out by the next step() call, after it has queued its replays, so the GPU
-                                  # does not wait while the host converts them; at once when nothing else is active
+                                  # does not wait while the host converts them; at once when nothing else is active;
+                                  # off: PixArt-Σ 512's mixed backlog gained nothing on an H200 (its finish is the
+                                  # GPU's decode, docs/benchmarks/pixart_mixed_overlap_finish.md)
 
     def __post_init__(self) -> None:
         for mode in (self.compile, *dict(self.compile_models).values()):

@@ -9,7 +9,8 @@ block), concatenated text first, rotated by the rotary embedding, times their fi
 the scale of its largest magnitude, which no kernel knows before it has read all of v. Inductor makes one
 reduction kernel of the norm, rotation and codes that also takes v's largest magnitude, and more kernels for
 v's codes and the text/image concatenation: on an H200, FLUX.1-dev 1024's FP8 step spent 7.4 ms in them
-(``docs/benchmarks/profile_flux-dev-1024_fp8codes.md``) where their reads and writes cost about 2.5.
+(``docs/benchmarks/profile_flux-dev-1024_fp8codes.md``) where their reads and writes cost about 2.5; these two take 3.8
+(``profile_flux-dev-1024_fp8rope.md``).
 
 Here:
 
