@@ -37,12 +37,14 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 SYSTEMS = {"plain": ("off", "bf16"), "fused": ("inductor", "bf16"), "fp8": ("off", "fp8"), "fused+fp8": ("inductor", "fp8"),
-           "fused+fp8+nonorms": ("inductor", "fp8"),  # +nonorms: PixArt's blocks without workers.norm_fusion
+           "fused+fp8+nonorms": ("inductor", "fp8"),  # +nonorms: the blocks without workers.norm_fusion
            "fused+fp8+rawbreaks": ("inductor", "fp8"),  # +rawbreaks: without workers.patches.QUANTIZED_BREAKS
            "fused+fp8+promoted": ("inductor", "fp8"),  # +promoted: without workers.fp8.FAST_ACCUM
            "fused+fp8+fp8attention": ("inductor", "fp8+attention"),
            "fused+fp8+fp8attention+unfolded": ("inductor", "fp8+attention"),
-           "fused+fp8+fp8attention+inductorcodes": ("inductor", "fp8+attention")}
+           "fused+fp8+fp8attention+inductorcodes": ("inductor", "fp8+attention"),
+           "fused+fp8+fp8attention+nonorms": ("inductor", "fp8+attention"),
+           "fused+fp8+fp8attention+nohoist": ("inductor", "fp8+attention")}  # +nohoist: without workers.modulation
 # fp8attention: SD3's, FLUX.1's attention in FP8 too; +unfolded: FLUX.1's single blocks' GELU a pass of its own
 # (workers.fp8.unfold_single_block_gelus); +inductorcodes: FLUX.1's q, k, v codes by Inductor's kernels, not
 # workers.rope_kernel's
@@ -223,10 +225,11 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
 
         unfold_single_block_gelus(model.transformer)
     backend = "full" if compile_mode == "inductor" and model.card.family == "dit" else "breakable"
-    from workers import fp8, norm_fusion, patches, rope_kernel
+    from workers import fp8, modulation, norm_fusion, patches, rope_kernel
 
     with mock.patch.object(norm_fusion, "ENABLED", not name.endswith("+nonorms")), \
             mock.patch.object(rope_kernel, "ENABLED", not name.endswith("+inductorcodes")), \
+            mock.patch.object(modulation, "ENABLED", not name.endswith("+nohoist")), \
             mock.patch.object(patches, "QUANTIZED_BREAKS", not name.endswith("+rawbreaks")), \
             mock.patch.object(fp8, "FAST_ACCUM", not name.endswith("+promoted")):
         engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "", scope=args.scope,

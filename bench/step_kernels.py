@@ -92,6 +92,11 @@ SYSTEMS.update({f"{name}+unfolded": SYSTEMS[name] for name in ("full+inductor+fp
                                                                   "full+inductor+fp8+blocks+fp8attention")})
 SYSTEMS["full+inductor+fp8+blocks+fp8attention+requantized"] = SYSTEMS["full+inductor+fp8+blocks+fp8attention"]
 SYSTEMS["full+inductor+fp8+blocks+fp8attention+inductorcodes"] = SYSTEMS["full+inductor+fp8+blocks+fp8attention"]
+SYSTEMS["full+inductor+fp8+blocks+fp8attention+nonorms"] = SYSTEMS["full+inductor+fp8+blocks+fp8attention"]
+SYSTEMS.update({f"{name}+nohoist": SYSTEMS[name] for name in ("full+inductor+blocks", "full+inductor+fp8+blocks",
+                                                                 "full+inductor+fp8+blocks+fp8attention")})
+# +nohoist: SD3's and FLUX.1's norms each multiply their own modulation, instead of one product of the step's
+# embedding for all of them (workers.modulation)
 # +inductorcodes: FLUX.1's q, k, v codes for FP8 attention made by Inductor from the norms and the rotation in the
 # step's code, instead of by workers.rope_kernel's two kernels
 # +requantized: FP8 attention's output turned into bf16 and quantized again by the output projections, instead of
@@ -100,7 +105,8 @@ SYSTEMS["full+inductor+fp8+blocks+fp8attention+inductorcodes"] = SYSTEMS["full+i
 # and quantized after it, instead of folded into one quantization of the two (workers.fp8.fold_single_block_gelus)
 # +torchquant: the FP8 systems with the activations quantized by PyTorch operations (what Inductor fuses
 # them into when compiled, the GELU with them) instead of workers.quant_kernel's Triton kernel
-# +nonorms: PixArt's FP8 blocks without their norms fused with the quantizations (workers.norm_fusion)
+# +nonorms: PixArt's, DiT's and FLUX.1's FP8 blocks without their norms fused with the quantizations
+# (workers.norm_fusion; FLUX.1's norms and quantizations then by Inductor)
 # +rawbreaks: the attention breaks write their bf16 output for the FP8 output projection to quantize, instead of
 # its FP8 codes (workers.patches.QUANTIZED_BREAKS)
 # +promoted: the FP8 products without cuBLASLt's fast accumulation (workers.fp8.FAST_ACCUM off: the partial sums
@@ -191,6 +197,7 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     from workers import norm_fusion, sdpa
     from workers.families import family_of
     from workers.joint_attention import restore_joint_attention
+    from workers.modulation import restore_temb_modulation
     from workers.patches import restore_attention, restore_modulation
 
     from graphs.compiled import break_args as current_break_args
@@ -204,6 +211,7 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
             restore_attention(model.transformer)
             restore_modulation(model.transformer)
         restore_joint_attention(model.transformer)
+        restore_temb_modulation(model.transformer)
     set_break_args(break_args)
     try:
         engine, runner, warm_s = build_engine(model, backend, compile_mode, args.max_batch, str(args.cache),
@@ -350,7 +358,7 @@ def start(args, kind: str) -> dict:
 def run(args, result: dict, save) -> None:
     from workers.loading import load_model
 
-    from workers import fp8, fp8_attention, joint_attention, norm_fusion, patches, rope_kernel, sdpa
+    from workers import fp8, fp8_attention, joint_attention, modulation, norm_fusion, patches, rope_kernel, sdpa
     from workers.fp8 import unsupported_reason
 
     for kind in ("cold", "warm") if args.start else ():  # first, while this process holds no GPU memory
@@ -390,6 +398,8 @@ def run(args, result: dict, save) -> None:
         sdpa.CHOOSER.choices.clear()  # each system measures its own kernels per shape
         offered = (lambda q, k=None: sdpa.CANDIDATES) if name.endswith("+nofa4") else sdpa.candidates
         norms = not name.endswith("+nonorms")
+        if name.endswith("+unfolded"):  # FLUX.1's fused single blocks are folded ones: their own class first
+            norm_fusion.restore_block_norms(models[loaded].transformer)
         unfolded = fp8.unfold_single_block_gelus(models[loaded].transformer) if name.endswith("+unfolded") else 0
         if not norms:  # an earlier system's engine patched the shared model's blocks
             norm_fusion.restore_block_norms(models[loaded].transformer)
@@ -399,6 +409,7 @@ def run(args, result: dict, save) -> None:
                 mock.patch.object(fp8, "FAST_ACCUM", not name.endswith("+promoted")), \
                 mock.patch.object(joint_attention, "HAND_CODES", not name.endswith("+requantized")), \
                 mock.patch.object(rope_kernel, "ENABLED", not name.endswith("+inductorcodes")), \
+                mock.patch.object(modulation, "ENABLED", not name.endswith("+nohoist")), \
                 mock.patch.object(models[loaded], "precision", precision):
             result["systems"][name] = bench_system(models[loaded], name, args, inputs, reference)
         if unfolded:

@@ -69,6 +69,10 @@ lose is fusion across a block boundary (a residual add with the next block's nor
 * The batch: a region's tensor arguments whose first size equals the first one's (the rows: images, or
   twice that with CFG) are marked dynamic, and those whose first size is a multiple of it (rows x heads)
   may be dynamic (dynamo relates them to the rows); one row is left static (its own graph, as above).
+* Strides: a region's tensor arguments are made contiguous (the first block's input has the patch
+  embedding's strides), and one row's leading stride is the one a fresh tensor has (``_standard``): FLUX.1's
+  single blocks hand on views of the text's and the image's halves of one buffer, contiguous at one row but
+  with the buffer's stride, which dynamo's guards compare (a second single-block graph, measured slower).
 * Counting: ``graphs`` (and ``one_row_graphs``) count the calls that compiled, so one compile for every
   bucket reads 1 in both scopes; ``region_graphs`` counts the graphs Inductor made (a block class whose
   instances differ, such as SD3's last block without a text output, makes more than one).
@@ -307,8 +311,8 @@ class CompiledStep:
         """One region's call inside this step: its batch marked dynamic (unless one row), compiled."""
         # contiguous: the first block's input comes from the patch embedding with other strides than the
         # blocks' outputs, and strides are guarded (a copy there, nothing for the others)
-        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
-        kwargs = {k: a.contiguous() if isinstance(a, torch.Tensor) else a for k, a in kwargs.items()}
+        args = tuple(_standard(a) if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: _standard(a) if isinstance(a, torch.Tensor) else a for k, a in kwargs.items()}
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         rows = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
         if rows > 1:
@@ -357,3 +361,14 @@ class CompiledStep:
                 "compile_s": round(self.compile_s, 3),
                 "fx_cache_hits": self.cache_hits, "fx_cache_misses": self.cache_misses,
                 "fallback_reason": self.fallback_reason}
+
+
+def _standard(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous, with a leading dimension of one given the stride a fresh tensor has: a view of one
+    image's rows out of a wider buffer (FLUX.1's single blocks hand on the text's and the image's halves of
+    one) is contiguous already but keeps the buffer's stride there, which dynamo's guards compare, so one
+    row would compile once per stride (measured: a second single-block graph, slower)."""
+    t = t.contiguous()
+    if t.dim() > 1 and t.shape[0] == 1 and t.stride(0) != t.shape[1] * t.stride(1):
+        t = t[0].unsqueeze(0)
+    return t

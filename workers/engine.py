@@ -45,6 +45,7 @@ from workers.epilogues import fuse_gelu_epilogues
 from workers.families import compile_regions, family_of
 from workers.joint_attention import attention_fp8_inline, attention_inline, route_joint_attention
 from workers.loading import LoadedModel
+from workers.modulation import hoist_temb_modulation, restore_temb_modulation
 from workers.norm_fusion import fuse_block_norms
 from workers.patches import attention_into, attention_quantized_into, break_attention, hoist_modulation
 from workers.sdpa import CHOOSER
@@ -101,7 +102,9 @@ class EngineConfig:
                                   # (q, k, v one product, the kernel measured fastest per shape): an eager
                                   # break under `breakable`, captured inside the graph under `full`
     hoist_modulation: bool = True  # the same families under both graph backends: every block's adaLN
-                                   # modulation computed at once by the first (workers.patches.HoistedModulation)
+                                   # modulation computed at once by the first (workers.patches.HoistedModulation);
+                                   # SD3's and FLUX.1's by one product of the step's embedding
+                                   # (workers.modulation)
     gelu_epilogue: bool = True    # every family under both graph backends: tanh-GELU feed-forwards with the GELU in
                                   # the product's epilogue on CUDA, FLUX's single blocks without their concatenation
                                   # (workers.epilogues)
@@ -228,6 +231,11 @@ class Engine:
                     break_attention(m.transformer)
                 if config.hoist_modulation:
                     hoist_modulation(m.transformer)
+            if getattr(family, "JOINT_ATTENTION", False):  # SD3's and FLUX.1's norms' modulation: one product a step
+                if config.backend != "eager" and config.hoist_modulation:
+                    hoist_temb_modulation(m.transformer)
+                else:
+                    restore_temb_modulation(m.transformer)
             if config.backend != "eager" and config.attention_patch and getattr(family, "JOINT_ATTENTION", False):
                 fp8 = _fp8_attention(m)
                 if route_joint_attention(m.transformer, fp8=fp8) and fp8:
@@ -236,8 +244,9 @@ class Engine:
                 fuse_gelu_epilogues(m.transformer)
             if hasattr(family, "set_cross_attention"):
                 family.set_cross_attention(m, config.cross_attention)
-            if config.backend != "eager" and config.attention_patch and family.BREAK_ATTENTION:
-                fuse_block_norms(m.transformer)  # PixArt's and DiT's FP8 blocks: each norm and its quantization one kernel
+            if config.backend != "eager" and config.attention_patch and (
+                    family.BREAK_ATTENTION or getattr(family, "JOINT_ATTENTION", False)):
+                fuse_block_norms(m.transformer)  # PixArt's, DiT's, FLUX.1's FP8 blocks: each norm and its codes one kernel
             if hasattr(family, "attention_kernel"):
                 self.attention[m.name] = family.attention_kernel(m)
                 log.info("%s: %s", m.name, self.attention[m.name])

@@ -34,7 +34,7 @@ How
   ``proj_out``'s quantization too, which reads the attention and the MLP's product from where they are
   (``quantize_pair``, ``fold_single_block_gelus``): the activation and the concatenation are never written
   (on an H200, FLUX.1-dev 1024's FP8 step 2.2-3.9 ms faster, ``docs/benchmarks/kernels_flux1024_fp8_pair.md``).
-* PixArt's and DiT's blocks go one step further (``workers.norm_fusion``): each norm, its modulation and the next
+* PixArt's, DiT's and FLUX.1's blocks go one step further (``workers.norm_fusion``): each norm, its modulation and the next
   linear's quantization are one kernel of our own (``workers.norm_kernel``), and the projections take its
   codes (``linear_into(..., quantized=...)``, ``Fp8Linear.mm_rows``).
 

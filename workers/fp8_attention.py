@@ -96,6 +96,12 @@ def output_descale(descale_v: torch.Tensor) -> torch.Tensor:
     return descale_v / O_HEADROOM
 
 
+def output_scale(descale_v: torch.Tensor) -> torch.Tensor:
+    """The output's scale (what the kernel multiplies by: ``1 / output_descale``), from v's descale; exact, both
+    being powers of two."""
+    return O_HEADROOM / descale_v
+
+
 def dequantize(codes: torch.Tensor, descale: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
     """The output's codes (..., padded d) -> (..., d) in ``dtype``."""
     return (codes[..., :d].float() * descale.reshape(())).to(dtype)
@@ -144,6 +150,18 @@ def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 def _build(q, k, v, o, softmax_scale: float) -> _Plan:
     cudnn = _frontend()
+    graph, tensors = operation_graph(q, k, v, o, softmax_scale)
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    workspace = torch.empty(max(1, graph.get_workspace_size()), dtype=torch.uint8, device=q.device)
+    return _Plan(graph, tensors, workspace)
+
+
+def operation_graph(q, k, v, o, softmax_scale: float) -> tuple[object, tuple]:
+    """The frontend's graph of the attention for these layouts, built up to its plans (``_build`` asks for
+    heuristics mode A's; ``bench/fp8_sdpa_plans.py`` for every mode's), and its tensors as ``_Plan`` keeps them."""
+    cudnn = _frontend()
     e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
     graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=fp32, compute_data_type=fp32,
                           handle=_handle(q.device))
@@ -159,11 +177,7 @@ def _build(q, k, v, o, softmax_scale: float) -> _Plan:
         amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
     graph.validate()
     graph.build_operation_graph()
-    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    graph.check_support()
-    graph.build_plans()
-    workspace = torch.empty(max(1, graph.get_workspace_size()), dtype=torch.uint8, device=q.device)
-    return _Plan(graph, (tq, tk, tv, dq, dk, dv, ds, ss, so, to, amax_s, amax_o), workspace)
+    return graph, (tq, tk, tv, dq, dk, dv, ds, ss, so, to, amax_s, amax_o)
 
 
 def reference_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q: torch.Tensor,
@@ -182,22 +196,26 @@ def reference_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q
 
 def attention_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q: torch.Tensor,
                     descale_k: torch.Tensor, descale_v: torch.Tensor, out: torch.Tensor,
-                    softmax_scale: float) -> torch.Tensor:
+                    softmax_scale: float, scale_o: torch.Tensor | None = None) -> torch.Tensor | None:
     """The kernel on codes: (B, heads, T, d) e4m3 q, k, v (any strides with d contiguous) and their
     (1, 1, 1, 1) descales -> ``out`` (B, heads, Tq, d) e4m3 codes; returns the output's descale (a tensor, on
-    the device). A plan is built the first time a layout is met; off CUDA, ``reference_codes``."""
+    the device). ``scale_o``: ``output_scale(descale_v)`` made by the caller (``workers.rope_kernel`` writes it
+    beside v's descale), then nothing is computed here and None is returned. A plan is built the first time a
+    layout is met; off CUDA, ``reference_codes``."""
     if not q.is_cuda:
-        return reference_codes(q, k, v, descale_q, descale_k, descale_v, out, softmax_scale)
+        descale_o = reference_codes(q, k, v, descale_q, descale_k, descale_v, out, softmax_scale)
+        return None if scale_o is not None else descale_o
     key = _key(q, k, v, out) + (softmax_scale,)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _build(q, k, v, out, softmax_scale)
         log.info("FP8 attention plan for %s (workspace %d bytes)", "x".join(map(str, q.shape)), plan.workspace.numel())
     descale_s, scale_s, amax = _constants(q.device)
-    descale_o = output_descale(descale_v)
+    descale_o = None if scale_o is not None else output_descale(descale_v)
     tq, tk, tv, dq, dk, dv, ds, ss, so, to, amax_s, amax_o = plan.tensors
     pack = {tq: q, tk: k, tv: v, dq: descale_q, dk: descale_k, dv: descale_v, ds: descale_s, ss: scale_s,
-            so: descale_o.reciprocal(), to: out, amax_s: amax[0:1], amax_o: amax[1:2]}
+            so: descale_o.reciprocal() if scale_o is None else scale_o, to: out, amax_s: amax[0:1],
+            amax_o: amax[1:2]}
     handle = _handle(q.device)
     _frontend().set_stream(handle, torch.cuda.current_stream(q.device).cuda_stream)
     plan.graph.execute(pack, plan.workspace, handle=handle)

@@ -52,10 +52,13 @@ def attention_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
 
 
 def attention_fp8_inline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q: torch.Tensor,
-                         descale_k: torch.Tensor, descale_v: torch.Tensor, out: torch.Tensor) -> None:
+                         descale_k: torch.Tensor, descale_v: torch.Tensor, scale_o: torch.Tensor,
+                         out: torch.Tensor) -> None:
     """e4m3 codes (B, heads, T, d) x3 and their (1, 1, 1, 1) descales -> codes written into out (B, heads, T, d),
-    at ``fp8_attention.output_descale(descale_v)``, by cuDNN's FP8 kernel; captured inside the segment."""
-    fp8_attention.attention_codes(q, k, v, descale_q, descale_k, descale_v, out, 1.0 / math.sqrt(q.shape[-1]))
+    at ``fp8_attention.output_descale(descale_v)`` (``scale_o`` its reciprocal, ``output_scale``), by cuDNN's
+    FP8 kernel; captured inside the segment."""
+    fp8_attention.attention_codes(q, k, v, descale_q, descale_k, descale_v, out, 1.0 / math.sqrt(q.shape[-1]),
+                                  scale_o)
 
 
 @dataclass
@@ -112,13 +115,17 @@ def fp8_joint_attention_codes(query: torch.Tensor, key: torch.Tensor, value: tor
 
 
 def attend_codes(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_v: torch.Tensor,
-                 descale_q: torch.Tensor, descale_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 descale_q: torch.Tensor, descale_k: torch.Tensor, descale_o: torch.Tensor | None = None,
+                 scale_o: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 q, k, v (B, T, heads, d) and their descales -> the attention's codes (B, T, heads, d) and their
-    (1, 1, 1, 1) float32 descale."""
+    (1, 1, 1, 1) float32 descale. ``descale_o``, ``scale_o``: the output's descale and scale where the codes'
+    maker wrote them (``rope_kernel``), else computed from v's here."""
     out = torch.empty_like(q8)                                                              # (B, T, h, d) e4m3
+    if scale_o is None:
+        descale_o, scale_o = fp8_attention.output_descale(descale_v), fp8_attention.output_scale(descale_v)
     attention_fp8_inline(q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2), descale_q, descale_k,
-                         descale_v, out.transpose(1, 2))
-    return out, fp8_attention.output_descale(descale_v)
+                         descale_v, scale_o, out.transpose(1, 2))
+    return out, descale_o
 
 
 def _plain_rms(norm, d: int) -> bool:
@@ -209,27 +216,40 @@ class RoutedFluxAttention(FluxAttnProcessor):
 
     fp8: Fp8Scales | None = None
 
-    def attention_codes(self, attn, hidden_states, image_rotary_emb=None):
+    # ``projected`` (in the methods below): the six projections ``_get_qkv_projections`` would make (q, k, v of
+    # the image's states, then the text's, None for a single block), made by the caller from rows it
+    # quantized with its norm (``workers.norm_fusion``); ``hidden_states`` and ``encoder_hidden_states`` then
+    # give only the shapes and the dtype.
+
+    def attention_codes(self, attn, hidden_states, image_rotary_emb=None, projected=None):
         """A single block's FP8 attention as e4m3 codes (B, T, heads * d) and their (1, 1, 1, 1) descale, for an
         output projection that takes them (``workers.fp8.quantize_pair``); None where this processor does not
         run FP8 attention (then call it as usual)."""
         if not HAND_CODES or self.fp8 is None or self._parallel_config is not None or attn.added_kv_proj_dim is not None:
             return None
-        codes, descale = self._fp8_attention(attn, hidden_states, None, image_rotary_emb)
+        codes, descale = self._fp8_attention(attn, hidden_states, None, image_rotary_emb, projected)
         return codes.flatten(2, 3), descale
 
-    def _fp8_attention(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb):
+    def _fp8_attention(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb, projected=None):
         """The FP8 attention's codes (B, L+T, heads, d) and their descale: q, k and v made into codes by
         ``rope_kernel`` straight from the projections where its contract holds, else ``_qkv`` then
         ``fp8_joint_attention_codes``."""
-        coded = self._qkv_codes(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+        coded = self._qkv_codes(attn, hidden_states, encoder_hidden_states, image_rotary_emb, projected)
         if coded is None:
-            return fp8_joint_attention_codes(*self._qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb),
-                                             self.fp8)
-        return attend_codes(*coded, self.fp8.descale_q, self.fp8.descale_k)
+            return fp8_joint_attention_codes(
+                *self._qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb, projected), self.fp8)
+        q8, k8, v8, descale_v, descale_o, scale_o = coded
+        return attend_codes(q8, k8, v8, descale_v, self.fp8.descale_q, self.fp8.descale_k, descale_o, scale_o)
 
-    def _qkv_codes(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb):
-        """q8, k8, v8 (B, L+T, heads, d) e4m3 and v's descale by ``rope_kernel.joint_codes``: q and k with fixed
+    @staticmethod
+    def _projections(attn, hidden_states, encoder_hidden_states, projected):
+        if projected is not None:
+            return projected
+        return _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+
+    def _qkv_codes(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb, projected=None):
+        """q8, k8, v8 (B, L+T, heads, d) e4m3, v's descale and the attention output's descale and scale, by
+        ``rope_kernel.joint_codes``: q and k with fixed
         scales, RMS norms with weights and one eps, the rotary embedding over all L+T tokens (or none); else
         None."""
         joint = attn.added_kv_proj_dim is not None
@@ -241,20 +261,21 @@ class RoutedFluxAttention(FluxAttnProcessor):
         cos, sin = image_rotary_emb if image_rotary_emb is not None else (None, None)
         if cos is not None and (cos.shape != (tokens, attn.head_dim) or sin.shape != cos.shape):
             return None
-        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states)
+        query, key, value, encoder_query, encoder_key, encoder_value = self._projections(
+            attn, hidden_states, encoder_hidden_states, projected)
         heads = lambda y: y.unflatten(-1, (-1, attn.head_dim))                              # (B, T, h, d)
         text = None
         if joint:
             text = (heads(encoder_query), heads(encoder_key), heads(encoder_value), attn.norm_added_q.weight,
                     attn.norm_added_k.weight)
         return rope_kernel.joint_codes(heads(query), heads(key), heads(value), attn.norm_q.weight, attn.norm_k.weight,
-                                       self.fp8.descale_q, self.fp8.descale_k, cos, sin, text, norms[0].eps)
+                                       self.fp8.descale_q, self.fp8.descale_k, cos, sin, text, norms[0].eps,
+                                       output_scales=True)
 
-    def _qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb):
+    def _qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb, projected=None):
         """q, k and v (B, L+T, heads, d): projected, normed, the text's before the image's, rotated."""
-        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states)
+        query, key, value, encoder_query, encoder_key, encoder_value = self._projections(
+            attn, hidden_states, encoder_hidden_states, projected)
         query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))                       # (B, T, h, d)
         key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
         value = value.unflatten(-1, (-1, attn.head_dim))
@@ -271,21 +292,25 @@ class RoutedFluxAttention(FluxAttnProcessor):
         return query, key, value
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 image_rotary_emb=None):
+                 image_rotary_emb=None, projected=None):
         if attention_mask is not None or self._parallel_config is not None:
+            if projected is not None:
+                raise ValueError("projections made by the caller need the routed path (no mask, no parallelism)")
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         if self.fp8 is not None and encoder_hidden_states is not None and takes_codes(attn.to_out[0], attn.to_add_out):
-            codes, descale = self._fp8_attention(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+            codes, descale = self._fp8_attention(attn, hidden_states, encoder_hidden_states, image_rotary_emb,
+                                                 projected)
             text, image = codes.flatten(2, 3).split_with_sizes(                               # (B, L+T, h, d) e4m3
                 [encoder_hidden_states.shape[1], hidden_states.shape[1]], dim=1)
             return (attn.to_out[1](project_codes(attn.to_out[0], image, descale)),
                     project_codes(attn.to_add_out, text, descale))
         dtype = hidden_states.dtype
         if self.fp8 is not None:
-            codes, descale = self._fp8_attention(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+            codes, descale = self._fp8_attention(attn, hidden_states, encoder_hidden_states, image_rotary_emb,
+                                                 projected)
             out = fp8_attention.dequantize(codes, descale, codes.shape[-1], dtype)           # (B, L+T, h, d)
         else:
-            query, key, value = self._qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+            query, key, value = self._qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb, projected)
             out = torch.empty_like(query)                                                   # (B, L+T, h, d)
             attention_inline(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), out.transpose(1, 2))
         hidden_states = out.flatten(2, 3).to(dtype)                                         # (B, L+T, h*d)

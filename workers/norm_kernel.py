@@ -19,6 +19,10 @@ quantization's measured plan) and makes one read of each input and one write of 
                                             i*T .. (i+1)*T - 1, T the tokens an image has)
     q, s = e4m3 codes of n and its row scales (largest magnitude / 448), as ``workers.fp8.quantize_rows``
 
+With ``text`` (B, L, K) and no ``y``, the rows are cat([text, x], dim=1), read from where they are: FLUX.1's
+single blocks normalise the text's and the image's tokens together (``workers.norm_fusion``), and the
+concatenation is never written.
+
 in float32 throughout, rounded once to FP8 (the eager path rounds to bf16 after the norm and after each
 modulation operation first). ``dit_serve::add_norm_quantize`` is a ``torch.library`` custom op with a fake
 implementation, so a compiled block calls it as one opaque kernel and CUDA graphs capture it. Off CUDA, or
@@ -46,18 +50,25 @@ def available(x: torch.Tensor) -> bool:
 
 def add_norm_quantize(x: torch.Tensor, y: torch.Tensor | None = None, gate: torch.Tensor | None = None,
                       shift: torch.Tensor | None = None, scale: torch.Tensor | None = None, norm: bool = True,
-                      eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      eps: float = 1e-6, text: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x', codes, scales) for x, y of (B, T, K) and gate, shift, scale of B * K values each ((B, 1, K) or
     (B, K), any batch stride), as the module docstring says: x' (B, T, K) is x itself when ``y`` is None;
-    codes (B*T, K) float8 e4m3 and scales (B*T, 1) float32, so that n ~ codes * scales row by row."""
+    codes (B*T, K) float8 e4m3 and scales (B*T, 1) float32, so that n ~ codes * scales row by row. With
+    ``text`` (B, L, K) (and no ``y``) the rows are cat([text, x], dim=1): codes (B*(L+T), K), and x' is x."""
+    if text is not None and (y is not None or text.shape[0] != x.shape[0] or text.shape[2] != x.shape[2]):
+        raise ValueError(f"text rows {tuple(text.shape)} go with image rows {tuple(x.shape)} and no residual add")
     if available(x):
-        out, q, s = torch.ops.dit_serve.add_norm_quantize(x, y, gate, shift, scale, norm, eps)
+        out, q, s = torch.ops.dit_serve.add_norm_quantize(x, y, gate, shift, scale, norm, eps, text)
         return (x if y is None else out), q, s
-    return reference(x, y, gate, shift, scale, norm, eps)
+    return reference(x, y, gate, shift, scale, norm, eps, text)
 
 
-def reference(x, y=None, gate=None, shift=None, scale=None, norm: bool = True, eps: float = 1e-6):
+def reference(x, y=None, gate=None, shift=None, scale=None, norm: bool = True, eps: float = 1e-6, text=None):
     """``add_norm_quantize`` in PyTorch operations, float32 throughout."""
+    if text is not None:
+        _, q, s = reference(torch.cat([text, x], dim=1), None, gate, shift, scale, norm, eps)
+        return x, q, s
     b, t, k = x.shape
     per_image = lambda v: v.reshape(b, 1, k).float()
     out = x
@@ -78,15 +89,21 @@ def reference(x, y=None, gate=None, shift=None, scale=None, norm: bool = True, e
 if triton is not None:
 
     @triton.jit
-    def _add_norm_quant_kernel(x_ptr, y_ptr, g_ptr, sh_ptr, sc_ptr, xo_ptr, q_ptr, s_ptr, K, T,
+    def _add_norm_quant_kernel(x_ptr, y_ptr, g_ptr, sh_ptr, sc_ptr, xo_ptr, q_ptr, s_ptr, t_ptr, K, T, L,
                                stride_g, stride_sh, stride_sc, eps,
                                ADD: tl.constexpr, GATE: tl.constexpr, NORM: tl.constexpr, SHIFT: tl.constexpr,
-                               SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                               SCALE: tl.constexpr, TEXT: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         image = row // T
         offs = tl.arange(0, BLOCK)
         mask = offs < K
-        x = tl.load(x_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
+        if TEXT:  # rows of cat([text, x]): T = L + x's tokens, the first L of an image's rows the text's
+            t = row - image * T
+            lead = t < L  # one of the two loads runs, the other is masked off
+            x = tl.load(t_ptr + (image * L + t) * K + offs, mask=mask & lead, other=0.0).to(tl.float32) \
+                + tl.load(x_ptr + (image * (T - L) + t - L) * K + offs, mask=mask & (t >= L), other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
         if ADD:  # constexpr: the parts a call has are compiled in, the others are not
             y = tl.load(y_ptr + row * K + offs, mask=mask, other=0.0).to(tl.float32)
             if GATE:
@@ -138,12 +155,16 @@ def warps_for(rows: int, block: int) -> int:
     return max(base, min(16, block // 256, wanted))
 
 
-def launch(x, y, gate, shift, scale, norm: bool, eps: float, warps: int | None = None):
+def launch(x, y, gate, shift, scale, norm: bool, eps: float, warps: int | None = None, text=None):
     """The kernel on CUDA tensors: (x' or an empty tensor when ``y`` is None, codes, scales); ``warps`` a
-    row, by default ``warps_for``'s (a benchmark compares others)."""
+    row, by default ``warps_for``'s (a benchmark compares others); ``text``: rows before x's (no ``y``)."""
     b, t, k = x.shape
     x = x.contiguous()
     y = None if y is None else y.contiguous()
+    lead = 0 if text is None else text.shape[1]
+    if text is not None:
+        text = text.contiguous()
+    t += lead
     m = b * t
     q = torch.empty((m, k), dtype=FP8, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
@@ -152,9 +173,10 @@ def launch(x, y, gate, shift, scale, norm: bool, eps: float, warps: int | None =
         return out, q, s
     (g, sg), (sh, ssh), (sc, ssc) = (_vector(v, b, k, x) for v in (gate, shift, scale))
     block = _next_pow2(k)
-    _add_norm_quant_kernel[(m,)](x, x if y is None else y, g, sh, sc, out if y is not None else x, q, s, k, t,
-                                 sg, ssh, ssc, eps, ADD=y is not None, GATE=gate is not None, NORM=norm,
-                                 SHIFT=shift is not None, SCALE=scale is not None, BLOCK=block,
+    _add_norm_quant_kernel[(m,)](x, x if y is None else y, g, sh, sc, out if y is not None else x, q, s,
+                                 x if text is None else text, k, t, lead, sg, ssh, ssc, eps, ADD=y is not None,
+                                 GATE=gate is not None, NORM=norm, SHIFT=shift is not None,
+                                 SCALE=scale is not None, TEXT=text is not None, BLOCK=block,
                                  num_warps=warps or warps_for(m, block))
     return out, q, s
 
@@ -162,16 +184,19 @@ def launch(x, y, gate, shift, scale, norm: bool, eps: float, warps: int | None =
 @torch.library.custom_op("dit_serve::add_norm_quantize", mutates_args=())
 def add_norm_quantize_cuda(x: torch.Tensor, y: torch.Tensor | None, gate: torch.Tensor | None,
                            shift: torch.Tensor | None, scale: torch.Tensor | None, norm: bool,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(B, T, K) CUDA rows -> (x + gate * y, or an empty tensor without y; (B*T, K) e4m3 codes; (B*T, 1) scales)."""
+                           eps: float, text: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, T, K) CUDA rows -> (x + gate * y, or an empty tensor without y; (B*T, K) e4m3 codes; (B*T, 1) scales);
+    with ``text`` (B, L, K) the codes and scales are those of cat([text, x]), B*(L+T) rows."""
     if triton is None:  # pragma: no cover - ``available`` keeps such calls on the PyTorch path
-        out, q, s = reference(x, y, gate, shift, scale, norm, eps)
+        out, q, s = reference(x, y, gate, shift, scale, norm, eps, text)
         return (out.clone() if y is not None else x.new_empty(0)), q, s
-    return launch(x, y, gate, shift, scale, norm, eps)
+    return launch(x, y, gate, shift, scale, norm, eps, text=text)
 
 
 @add_norm_quantize_cuda.register_fake
-def _(x, y, gate, shift, scale, norm, eps):
+def _(x, y, gate, shift, scale, norm, eps, text=None):
     b, t, k = x.shape
+    t += 0 if text is None else text.shape[1]
     out = x.new_empty((b, t, k)) if y is not None else x.new_empty(0)
     return out, x.new_empty((b * t, k), dtype=FP8), x.new_empty((b * t, 1), dtype=torch.float32)

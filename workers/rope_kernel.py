@@ -50,9 +50,12 @@ def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and d >= 16 and d & (d - 1) == 0
 
 
-def joint_codes(q, k, v, weight_q, weight_k, descale_q, descale_k, cos=None, sin=None, text=None, eps=1e-6):
+def joint_codes(q, k, v, weight_q, weight_k, descale_q, descale_k, cos=None, sin=None, text=None, eps=1e-6,
+                output_scales: bool = False):
     """q, k, v (B, N, heads, d) -> e4m3 codes q8, k8, v8 (B, L+N, heads, d) and v's descale (1, 1, 1, 1)
     float32, the text's L tokens first (``text``: its (q, k, v, weight_q, weight_k), L tokens; None: L = 0).
+    ``output_scales``: the attention output's descale and scale from v's too (``fp8_attention.output_descale``,
+    ``output_scale``; written by the kernel that writes v's, so they cost no kernels of their own): six tensors.
 
     q and k are RMS-normed over d (``eps``) times ``weight_q`` / ``weight_k`` (d,), rotated by ``cos``, ``sin``
     (L+N, d) as diffusers' ``apply_rotary_emb`` (pairs 2i, 2i+1; None: not rotated), and coded at
@@ -60,9 +63,12 @@ def joint_codes(q, k, v, weight_q, weight_k, descale_q, descale_k, cos=None, sin
     largest magnitude (``fp8_attention.quantize``)."""
     tq, tk, tv, twq, twk = text if text is not None else (None,) * 5
     if available(q):
-        return torch.ops.dit_serve.joint_qkv_codes(q, k, v, weight_q, weight_k, descale_q, descale_k, tq, tk, tv,
-                                                   twq, twk, cos, sin, eps)
-    return reference(q, k, v, weight_q, weight_k, descale_q, descale_k, cos, sin, text, eps)
+        codes = torch.ops.dit_serve.joint_qkv_codes(q, k, v, weight_q, weight_k, descale_q, descale_k, tq, tk, tv,
+                                                    twq, twk, cos, sin, eps)
+    else:
+        codes = reference(q, k, v, weight_q, weight_k, descale_q, descale_k, cos, sin, text, eps)
+        codes = (*codes, fp8_attention.output_descale(codes[3]), fp8_attention.output_scale(codes[3]))
+    return tuple(codes) if output_scales else tuple(codes[:4])
 
 
 def _normed(x, w, eps):
@@ -162,8 +168,8 @@ if triton is not None:
         tl.atomic_max(amax_ptr, peak)
 
     @triton.jit
-    def _v_kernel(v_ptr, o_ptr, amax_ptr, descale_ptr, T, t0, svb, svt, svh, ob, ot, oh,
-                  D: tl.constexpr, BT: tl.constexpr, WRITE_DESCALE: tl.constexpr):
+    def _v_kernel(v_ptr, o_ptr, amax_ptr, descale_ptr, descale_o_ptr, scale_o_ptr, headroom, T, t0, svb, svt, svh,
+                  ob, ot, oh, D: tl.constexpr, BT: tl.constexpr, WRITE_DESCALE: tl.constexpr):
         tb, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         t = (tb * BT + tl.arange(0, BT)).to(tl.int64)
         tmask = t < T
@@ -177,21 +183,23 @@ if triton is not None:
         tl.store(o_ptr + b * ob + (t0 + t)[:, None] * ot + h * oh + d[None, :], codes.to(tl.float8e4nv),
                  mask=tmask[:, None])
         if WRITE_DESCALE:
-            if (tb == 0) & (h == 0) & (b == 0):
+            if (tb == 0) & (h == 0) & (b == 0):  # the output's too: powers of two, so exact
                 tl.store(descale_ptr, tl.math.div_rn(1.0, scale))
+                tl.store(descale_o_ptr, tl.math.div_rn(1.0, scale * headroom))
+                tl.store(scale_o_ptr, scale * headroom)
 
 
 def launch(q, k, v, weight_q, weight_k, descale_q, descale_k, text=None, cos=None, sin=None, eps=1e-6,
            plan: Plan | None = None):
     """The two kernels (see the module docstring), ``_qk_kernel`` by ``plan`` (default ``PLAN``): returns q8, k8,
-    v8 (B, L+N, heads, d) e4m3 and v's descale (1, 1, 1, 1) float32."""
+    v8 (B, L+N, heads, d) e4m3, v's descale and the attention output's descale and scale (1, 1, 1, 1) float32."""
     plan = plan or PLAN
     parts = ([text[:5]] if text is not None else []) + [(q, k, v, weight_q, weight_k)]
     b, _, heads, d = q.shape
     total = sum(p[0].shape[1] for p in parts)
     q8, k8, v8 = (torch.empty((b, total, heads, d), dtype=FP8, device=q.device) for _ in range(3))
     amax = torch.zeros(1, dtype=torch.float32, device=q.device)
-    descale_v = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
+    descale_v, descale_o, scale_o = (torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device) for _ in range(3))
     rope = cos is not None
     if rope and (cos.stride(-1) != 1 or sin.stride() != cos.stride()):
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -211,12 +219,15 @@ def launch(q, k, v, weight_q, weight_k, descale_q, descale_k, text=None, cos=Non
         t0 += t
     for i, (pv, t, start) in enumerate(spans):
         if t and b:
-            _v_kernel[(triton.cdiv(t, plan.v_tokens), heads, b)](pv, v8, amax, descale_v, t, start, *pv.stride()[:3],
-                                                                 ob, ot, oh, D=d, BT=plan.v_tokens,
-                                                                 WRITE_DESCALE=i == 0, num_warps=4)
+            _v_kernel[(triton.cdiv(t, plan.v_tokens), heads, b)](pv, v8, amax, descale_v, descale_o, scale_o,
+                                                                 fp8_attention.O_HEADROOM, t, start,
+                                                                 *pv.stride()[:3], ob, ot, oh, D=d,
+                                                                 BT=plan.v_tokens, WRITE_DESCALE=i == 0, num_warps=4)
     if not (t0 and b):
         descale_v.fill_(1.0)
-    return q8, k8, v8, descale_v
+        descale_o.copy_(fp8_attention.output_descale(descale_v))
+        scale_o.copy_(fp8_attention.output_scale(descale_v))
+    return q8, k8, v8, descale_v, descale_o, scale_o
 
 
 @torch.library.custom_op("dit_serve::joint_qkv_codes", mutates_args=())
@@ -225,8 +236,9 @@ def joint_qkv_codes_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weig
                          text_q: torch.Tensor | None, text_k: torch.Tensor | None, text_v: torch.Tensor | None,
                          text_weight_q: torch.Tensor | None, text_weight_k: torch.Tensor | None,
                          cos: torch.Tensor | None, sin: torch.Tensor | None,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``joint_codes`` on CUDA (the text's five tensors all given or all None)."""
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor]:
+    """``joint_codes(..., output_scales=True)`` on CUDA (the text's five tensors all given or all None)."""
     text = None if text_q is None else (text_q, text_k, text_v, text_weight_q, text_weight_k)
     return launch(q, k, v, weight_q, weight_k, descale_q, descale_k, text, cos, sin, eps)
 
@@ -237,4 +249,5 @@ def _(q, k, v, weight_q, weight_k, descale_q, descale_k, text_q, text_k, text_v,
     b, n, heads, d = q.shape
     total = n + (0 if text_q is None else text_q.shape[1])
     new = lambda: q.new_empty((b, total, heads, d), dtype=FP8)
-    return new(), new(), new(), q.new_empty((1, 1, 1, 1), dtype=torch.float32)
+    scalar = lambda: q.new_empty((1, 1, 1, 1), dtype=torch.float32)
+    return new(), new(), new(), scalar(), scalar(), scalar()

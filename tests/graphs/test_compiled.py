@@ -282,6 +282,38 @@ def test_a_region_called_outside_its_step_runs_its_own_forward():
     assert run.breaks == [rownorm_into.__wrapped__] * 2  # the breaks stay calls inside compiled blocks
 
 
+class SplitBlock(torch.nn.Module):
+    """A block that hands on one of two halves of one buffer, as FLUX.1's single blocks do (the text's and the
+    image's rows): its output is a view with the buffer's strides."""
+
+    def __init__(self, g: torch.Generator) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16, generator=g) / 4)
+
+    def forward(self, x, t):
+        both = torch.cat([x[:, :2] * 0.5, x + torch.tanh(x @ self.w) * t[:, None, None]], dim=1)
+        return both[:, 2:]                                                   # rows 2.. of a wider buffer
+
+
+def test_one_row_handed_on_as_a_view_of_a_wider_buffer_compiles_once():
+    g = torch.Generator().manual_seed(0)
+    stack = torch.nn.ModuleList([SplitBlock(g) for _ in range(4)])
+
+    def plain(x, t):
+        h = x
+        for block in stack:
+            h = block(h, t)
+        return {"y": h}
+
+    live = {"x": torch.randn(1, 6, 16, generator=g), "t": torch.randn(1, generator=g)}
+    step = CompiledStep(plain, "split", regions=list(stack))
+    with torch.no_grad():
+        want = plain(**live)["y"]
+        for _ in range(2):
+            torch.testing.assert_close(step(**live)["y"], want)
+    assert step.region_graphs == 1, step.stats()  # no second graph for the views' strides
+
+
 class OtherBlock(Block):
     """Block's arithmetic under a code object no other test compiled (dynamo keeps sizes and strides it saw
     per code object: the runner's static inputs in another test would add guards here)."""

@@ -115,3 +115,56 @@ def test_fused_norm_pixart_blocks_on_the_kernel_stay_close_to_diffusers_blocks(t
         rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
         print(f"{cross}: fused block vs diffusers' block, relative error {rel:.4f}")
         assert rel < 2e-2
+
+
+@pytest.mark.parametrize("shape", [(1, 4096, 512, 3072), (3, 7, 5, 100), (2, 64, 0, 1152)])
+def test_text_rows_are_read_before_the_images_as_their_concatenation(shape):
+    """FLUX.1's single blocks: the text's rows then the image's, read from where they are (``text=``)."""
+    from workers import norm_kernel
+
+    b, n, l, k = shape
+    inp = _inputs(b, n, k)
+    text = (torch.randn(b, l, k, device="cuda", generator=torch.Generator("cuda").manual_seed(3)) * 2).bfloat16()
+    got = norm_kernel.add_norm_quantize(inp["x"], shift=inp["shift"], scale=inp["scale"], text=text)
+    want = norm_kernel.reference(torch.cat([text, inp["x"]], dim=1), shift=inp["shift"], scale=inp["scale"])
+    assert got[0] is inp["x"] and got[1].shape == (b * (n + l), k)
+    _close((want[0], *got[1:]), want, True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp8", "fp8+attention"])
+def test_fused_norm_flux_blocks_in_compiled_graphs_stay_close_to_their_own_forward(tmp_path, precision):
+    """The tiny FLUX.1 in FP8 through the engine's compiled graphs (blocks scope, three buckets): with its blocks'
+    norms fused (and one product for each stream's q, k, v) against the same model without, one compiled graph
+    for all buckets, every block fused."""
+    from unittest import mock
+
+    from workers import fp8_attention, norm_fusion
+    from workers.engine import Engine, EngineConfig
+    from workers.loading import load_model
+    from workers.models.tiny_flux import make_tiny_flux
+    from workers.spec import ItemSpec
+
+    if precision == "fp8+attention" and (why := fp8_attention.unavailable_reason("cuda")) is not None:
+        pytest.skip(why)
+    model = load_model(make_tiny_flux(tmp_path / "flux", head_dim=16), device="cuda", dtype=torch.bfloat16,
+                       precision=precision)
+    specs = [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=2, guidance=1.0 + i % 4,
+                      prompt=("a red cat", "the big blue house", "a dog")[i % 3]) for i in range(13)]
+    config = EngineConfig(backend="graphs", max_batch=8, compile="inductor", compile_scope="blocks")
+    with mock.patch.object(norm_fusion, "ENABLED", False):
+        plain = Engine(model, config)
+    tr = model.transformer
+    assert norm_fusion.fused_blocks(tr) == 0
+    want = plain.generate(specs)
+    del plain
+    engine = Engine(model, config)
+    assert norm_fusion.fused_blocks(tr) == len(tr.transformer_blocks) + len(tr.single_transformer_blocks)
+    got = engine.generate(specs)
+    (stats,) = engine.stats()["groups"].values()
+    assert stats["compile"]["compiled"] and stats["compile"]["fallback_reason"] is None, stats["compile"]
+    assert stats["compile"]["graphs"] == 1 and stats["compile"]["one_row_graphs"] <= 1, stats["compile"]
+    errs = [((g.latents - w.latents).float().norm() / w.latents.float().norm()).item() for g, w in zip(got, want)]
+    print(f"FLUX.1 tiny {precision}, fused norms against Inductor's: latents rel. diff max {max(errs):.4f}")
+    assert max(errs) < 0.05, errs
+    norm_fusion.restore_block_norms(tr)

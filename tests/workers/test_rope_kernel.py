@@ -57,6 +57,9 @@ def test_the_reference_codes_what_diffusers_norms_and_rotates():
         assert torch.allclose(codes.float() * descale.item(), want, rtol=2 ** -3, atol=2 ** -9 * 448 * descale.item())
     v8_want, dv_want = fa.quantize(v)  # v exactly as the attention's own quantization
     assert torch.equal(v8.view(torch.uint8), v8_want.view(torch.uint8)) and torch.equal(dv, dv_want)
+    *codes, descale_o, scale_o = rope_kernel.joint_codes(*image, dq, dk, cos, sin, text=text, output_scales=True)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(codes, (q8, k8, v8)))
+    assert torch.equal(descale_o, dv / fa.O_HEADROOM) and torch.equal(scale_o * descale_o, torch.ones_like(dv))
 
 
 def test_each_part_is_normed_by_its_own_weights_and_rotation_is_optional():

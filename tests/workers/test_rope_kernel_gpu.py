@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers import fp8_attention as fa
+
 pytestmark = pytest.mark.gpu
 
 
@@ -50,8 +52,9 @@ def test_the_kernels_compute_what_the_reference_does(shape, rope):
     image, text, cos, sin, dq, dk = _inputs(*shape, strided=n == 300)
     if not rope:
         cos = sin = None
-    got = rope_kernel.joint_codes(*image, dq, dk, cos, sin, text=text)
+    got = rope_kernel.joint_codes(*image, dq, dk, cos, sin, text=text, output_scales=True)
     want = rope_kernel.reference(*image, dq, dk, cos, sin, text=text)
+    assert torch.equal(got[4], fa.output_descale(want[3])) and torch.equal(got[5], fa.output_scale(want[3]))
     for g, w in zip(got[:3], want[:3]):
         assert g.shape == w.shape == (b, n + l, heads, d) and g.dtype == w.dtype == torch.float8_e4m3fn
     assert torch.equal(got[2].view(torch.uint8), want[2].view(torch.uint8))  # v

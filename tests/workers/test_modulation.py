@@ -1,0 +1,170 @@
+"""SD3's and FLUX.1's modulation linears hoisted into one product of the step's embedding
+(``workers.modulation``): the transformer computes what it computed, each norm reads its slice of the one
+product, the weights are views of one stack, and the engine hoists under the graph backends only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from workers import modulation
+
+from .test_norm_fusion import _flux_call
+
+
+@pytest.fixture
+def tiny_flux(tmp_path):
+    from workers.loading import load_model
+    from workers.models.tiny_flux import make_tiny_flux
+
+    return load_model(make_tiny_flux(tmp_path / "flux"))
+
+
+def _sd3_call(tr, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cfg = tr.config
+    return dict(hidden_states=torch.randn(2, cfg.in_channels, cfg.sample_size, cfg.sample_size, generator=g),
+                encoder_hidden_states=torch.randn(2, 7, cfg.joint_attention_dim, generator=g),
+                pooled_projections=torch.randn(2, cfg.pooled_projection_dim, generator=g),
+                timestep=torch.tensor([500.0, 20.0]))
+
+
+def _watch(linears):
+    """Whether each linear was called with its hoisted slice in place (forward hooks, eager calls)."""
+    seen = []
+    handles = [lin.register_forward_hook(lambda mod, a, out: seen.append(mod._hoisted is not None and out is mod._hoisted))
+               for lin in linears]
+    return seen, handles
+
+
+def test_flux_norms_read_their_slices_of_one_product_and_the_output_is_the_same(tiny_flux, monkeypatch):
+    tr = tiny_flux.transformer
+    inputs = _flux_call(tr)
+    keys = set(tr.state_dict())
+    with torch.no_grad():
+        want = tr(**inputs).sample
+        assert modulation.hoist_temb_modulation(tr)
+        cache = tr._temb_modulation
+        # a double block's two norms, the single block's, the output norm's
+        assert modulation.hoisted(tr) == len(cache.linears) == 2 * len(tr.transformer_blocks) + \
+            len(tr.single_transformer_blocks) + 1
+        computed = []
+        real = cache.compute
+        monkeypatch.setattr(cache, "compute", lambda temb: computed.append(temb.shape) or real(temb))
+        seen, handles = _watch(cache.linears)
+        got = tr(**inputs).sample
+    for h in handles:
+        h.remove()
+    assert computed == [(2, tr.config.num_attention_heads * tr.config.attention_head_dim)]  # once a forward
+    assert seen == [True] * len(cache.linears)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert all(lin._hoisted is None for lin in cache.linears)  # taken back after the forward
+    assert set(tr.state_dict()) == keys
+    ptr = cache.weight.untyped_storage().data_ptr()
+    assert all(lin.weight.untyped_storage().data_ptr() == ptr for lin in cache.linears)
+    assert cache.weight.shape == (sum(cache.widths), cache.linears[0].in_features)
+
+
+def test_hoisting_again_keeps_the_stack_and_restoring_gives_plain_linears(tiny_flux):
+    tr = tiny_flux.transformer
+    inputs = _flux_call(tr, seed=1)
+    with torch.no_grad():
+        want = tr(**inputs).sample
+        assert modulation.hoist_temb_modulation(tr)
+        cache = tr._temb_modulation
+        assert modulation.hoist_temb_modulation(tr) and tr._temb_modulation is cache  # the same stacked weights
+        assert len(tr.time_text_embed._forward_hooks) == 1 and len(tr._forward_hooks) == 1  # not hooked twice
+        modulation.restore_temb_modulation(tr)
+        assert modulation.hoisted(tr) == 0 and all(type(lin) is nn.Linear for lin in cache.linears)
+        assert not tr.time_text_embed._forward_hooks and not tr._forward_hooks
+        torch.testing.assert_close(tr(**inputs).sample, want, rtol=1e-5, atol=1e-6)
+        assert modulation.hoist_temb_modulation(tr) and tr._temb_modulation is cache
+
+
+def test_a_block_called_outside_a_transformer_forward_multiplies_its_own(tiny_flux):
+    tr = tiny_flux.transformer
+    block = tr.single_transformer_blocks[0]
+    g = torch.Generator().manual_seed(2)
+    d = block.norm.linear.in_features
+    args = dict(hidden_states=torch.randn(2, 6, d, generator=g), encoder_hidden_states=torch.randn(2, 3, d, generator=g),
+                temb=torch.randn(2, d, generator=g))
+    with torch.no_grad():
+        want = block(**args)
+        modulation.hoist_temb_modulation(tr)
+        tr(**_flux_call(tr))  # leaves nothing behind
+        got = block(**args)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sd3_and_sd35_norms_are_hoisted_too(tmp_path):
+    from workers.loading import load_model
+    from workers.models.tiny_sd3 import make_tiny_sd3
+
+    tr = load_model(make_tiny_sd3(tmp_path / "sd3")).transformer
+    inputs = _sd3_call(tr)
+    with torch.no_grad():
+        want = tr(**inputs).sample
+        assert modulation.hoist_temb_modulation(tr)
+        kinds = {type(m).__name__ for m in tr.modules() if getattr(m, "linear", None) in tr._temb_modulation.linears}
+        # SD3.5's dual-attention norm and the last block's continuous one (FLUX.1's single-block norm is not SD3's)
+        assert kinds == set(modulation.NORM_TYPES) - {"AdaLayerNormZeroSingle"}
+        got = tr(**inputs).sample
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_flux_with_fused_norms_reads_the_hoisted_modulation(tmp_path):
+    from workers import norm_fusion
+
+    from .test_norm_fusion import _tiny_flux_fp8
+
+    tr = _tiny_flux_fp8(tmp_path, fp8_attention=True).transformer
+    norm_fusion.fuse_block_norms(tr)
+    inputs = _flux_call(tr)
+    with torch.no_grad():
+        want = tr(**inputs).sample
+        assert modulation.hoist_temb_modulation(tr)
+        seen, handles = _watch(tr._temb_modulation.linears)
+        got = tr(**inputs).sample
+    for h in handles:
+        h.remove()
+    assert seen and all(seen)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_transformer_hoists_in_one_graph(tiny_flux):
+    tr = tiny_flux.transformer
+    inputs = _flux_call(tr, seed=3)
+    with torch.no_grad():
+        want = tr(**inputs).sample
+        modulation.hoist_temb_modulation(tr)
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        got = torch.compile(tr, backend="eager", fullgraph=True)(**inputs).sample
+    assert counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_other_models_and_the_switch_leave_everything_alone(tmp_path, monkeypatch):
+    from workers.loading import load_model
+    from workers.models.tiny_flux import make_tiny_flux
+    from workers.models.tiny_pixart import make_tiny_pixart
+
+    assert not modulation.hoist_temb_modulation(load_model(make_tiny_pixart(tmp_path / "p")).transformer)
+    tr = load_model(make_tiny_flux(tmp_path / "f")).transformer
+    monkeypatch.setattr(modulation, "ENABLED", False)
+    assert not modulation.hoist_temb_modulation(tr) and modulation.hoisted(tr) == 0
+
+
+def test_the_engine_hoists_under_the_graph_backends_only(tiny_flux):
+    from workers.engine import Engine, EngineConfig
+
+    tr = tiny_flux.transformer
+    Engine(tiny_flux, EngineConfig(backend="graphs", max_batch=2))
+    assert modulation.hoisted(tr) == len(tr._temb_modulation.linears) > 0
+    Engine(tiny_flux, EngineConfig(backend="eager", max_batch=2))
+    assert modulation.hoisted(tr) == 0
+    Engine(tiny_flux, EngineConfig(backend="graphs", max_batch=2, hoist_modulation=False))
+    assert modulation.hoisted(tr) == 0

@@ -1,0 +1,155 @@
+"""Every adaLN modulation of an MMDiT step in one matrix product: FLUX.1 and SD3 (``hoist_temb_modulation``).
+
+Why
+---
+In diffusers' FLUX.1 and SD3 transformers each block's norms make their own modulation from the step's
+embedding ``temb`` (timestep, guidance and pooled prompt): ``linear(silu(temb))``, a (B, D) x (D, kD) product
+per norm (FLUX.1: 2 x 19 double-block norms of 6D, 38 single-block ones of 3D, the output norm's 2D). At the
+few rows of a small batch these products read their weights and little else (FLUX.1-dev: 6.5 GB of bf16
+weights a step at any batch), 57+ launches of a product, its split-K reduction and the SiLU. Their input is
+the same for every norm, so one product of silu(temb) with all those weights side by side gives them all at
+once, one read of the weights at the bandwidth a long product reaches.
+
+How
+---
+``hoist_temb_modulation(transformer)`` stacks the linears' weights and biases into one (sum kD, D) matrix
+whose slices the linears' own parameters become (no memory added once done; the stacking holds both copies
+for a moment). A forward hook on ``time_text_embed`` computes the product from its output, and gives each
+linear its slice (``_hoisted``: a (B, kD) view); each linear's class becomes ``HoistedLinear``, whose forward
+returns that slice instead of multiplying; a hook on the transformer's output takes the slices back, so a
+call of a block outside a transformer forward multiplies as before. The same arithmetic as the blocks' own
+(one product instead of many: the sums' order may differ, as between two cuBLAS kernels). One class and
+views of one shape for every norm of a kind, so a blocks-scope compile still makes one graph per kind of
+block (the views' rows marked dynamic as the blocks' arguments are); in a captured step the product is one
+kernel of the graph.
+
+Only diffusers' ``AdaLayerNormZero`` (without its own embedding), ``AdaLayerNormZeroSingle``,
+``SD35AdaLayerNormZeroX`` and ``AdaLayerNormContinuous`` norms with plain linears of ``temb``'s width and a
+SiLU, in a transformer whose ``time_text_embed`` makes the ``temb`` its blocks read (FLUX.1's and SD3's
+forward, diffusers 0.42); otherwise nothing changes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ENABLED = True  # the engine hoists FLUX.1's and SD3's modulation (a benchmark turns it off to compare)
+NORM_TYPES = ("AdaLayerNormZero", "AdaLayerNormZeroSingle", "SD35AdaLayerNormZeroX", "AdaLayerNormContinuous")
+
+
+class HoistedLinear(nn.Linear):
+    """A modulation linear whose product the transformer's ``TembModulation`` made for this forward."""
+
+    _hoisted: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hoisted = self._hoisted
+        if hoisted is None or hoisted.shape[0] != x.shape[0]:
+            return F.linear(x, self.weight, self.bias)
+        return hoisted
+
+
+class TembModulation:
+    """The stacked weights of ``linears`` and the hooks that give each its slice of one product."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.linears = linears
+        self.widths = [lin.out_features for lin in linears]
+        self.weight = _stack(linears, "weight")  # (sum kD, D)
+        self.bias = _stack(linears, "bias")      # (sum kD,)
+        self.hooks: list = []
+
+    def compute(self, temb: torch.Tensor) -> None:
+        """Each linear's slice of silu(temb) times the stacked weights, for this forward."""
+        y = torch.addmm(self.bias, F.silu(temb), self.weight.t())                     # (B, sum kD)
+        for lin, view in zip(self.linears, y.split(self.widths, dim=1)):
+            if view.shape[0] > 1 and not torch.compiler.is_compiling():  # its rows are the batch's: dynamic
+                torch._dynamo.maybe_mark_dynamic(view, 0)  # where a compiled block's arguments are (blocks scope)
+            object.__setattr__(lin, "_hoisted", view)
+
+    def clear(self) -> None:
+        for lin in self.linears:
+            object.__setattr__(lin, "_hoisted", None)
+
+
+def _stack(linears: list[nn.Linear], name: str) -> torch.Tensor:
+    """The linears' ``name`` tensors concatenated along their first dimension; each linear's becomes a view."""
+    whole = torch.cat([getattr(lin, name).detach() for lin in linears], dim=0)
+    offset = 0
+    for lin in linears:
+        n = lin.out_features
+        setattr(lin, name, nn.Parameter(whole[offset:offset + n], requires_grad=False))
+        offset += n
+    return whole
+
+
+def modulation_linears(transformer: nn.Module) -> list[nn.Linear] | None:
+    """The linears of ``silu(temb)`` in ``transformer``'s norms (module docstring), or None where it does not
+    qualify."""
+    embed = getattr(transformer, "time_text_embed", None)
+    if embed is None or type(transformer).__name__ not in ("FluxTransformer2DModel", "SD3Transformer2DModel"):
+        return None
+    linears = []
+    for module in transformer.modules():
+        if type(module).__name__ not in NORM_TYPES:
+            continue
+        lin, silu = getattr(module, "linear", None), getattr(module, "silu", None)
+        if getattr(module, "emb", None) is not None or type(silu) is not nn.SiLU \
+                or type(lin) not in (nn.Linear, HoistedLinear) or lin.bias is None:
+            return None
+        linears.append(lin)
+    if not linears or len({(lin.in_features, lin.weight.dtype, lin.weight.device) for lin in linears}) != 1:
+        return None
+    return linears
+
+
+def hoist_temb_modulation(transformer: nn.Module) -> bool:
+    """Route ``transformer``'s modulation linears through one ``TembModulation`` (module docstring); False, and
+    nothing changed, where it does not qualify. Hoisting again reuses the stacked weights (a second engine on
+    one model must not move the weights the first one's graphs read)."""
+    if not ENABLED:  # off: whatever an earlier call hoisted is undone
+        restore_temb_modulation(transformer)
+        return False
+    linears = modulation_linears(transformer)
+    if linears is None:
+        return False
+    cache = getattr(transformer, "_temb_modulation", None)
+    if cache is None or cache.linears != linears or not _views_of(cache):
+        cache = TembModulation(linears)
+        object.__setattr__(transformer, "_temb_modulation", cache)  # a plain reference, not a submodule
+    for hook in cache.hooks:
+        hook.remove()
+    cache.hooks = [transformer.time_text_embed.register_forward_hook(lambda mod, args, out: cache.compute(out)),
+                   transformer.register_forward_hook(lambda mod, args, out: cache.clear())]
+    for lin in linears:
+        lin.__class__ = HoistedLinear
+    cache.clear()
+    return True
+
+
+def _views_of(cache: TembModulation) -> bool:
+    """Whether the linears' weights are still views of the cache's stack (nothing replaced them since)."""
+    ptr = cache.weight.untyped_storage().data_ptr()
+    return all(lin.weight.untyped_storage().data_ptr() == ptr for lin in cache.linears)
+
+
+def restore_temb_modulation(transformer: nn.Module) -> None:
+    """Undo ``hoist_temb_modulation``: each norm multiplies its own again (the stacked weights stay)."""
+    cache = getattr(transformer, "_temb_modulation", None)
+    if cache is None:
+        return
+    for hook in cache.hooks:
+        hook.remove()
+    cache.hooks = []
+    cache.clear()
+    for lin in cache.linears:
+        if type(lin) is HoistedLinear:
+            lin.__class__ = nn.Linear
+
+
+def hoisted(transformer: nn.Module) -> int:
+    """How many modulation linears of ``transformer`` are hoisted now."""
+    cache = getattr(transformer, "_temb_modulation", None)
+    return 0 if cache is None or not cache.hooks else sum(type(lin) is HoistedLinear for lin in cache.linears)
