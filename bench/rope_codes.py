@@ -16,7 +16,11 @@ part), 24 heads of 128. Each system's call is captured 20 times into one CUDA gr
 time alone); median us of one call over 15 replays. ``GB/s``: the least traffic (q, k, v read once in bf16,
 three sets of codes written) over that time. Codes against ``rope_kernel.reference``'s.
 
+With ``--bf16`` the same for bf16 attention (``rope_kernel.joint_qkv``: q and k normed and rotated, v beside them,
+all bf16; ``inductor`` then the same path without the codes); bf16 values against ``rope_kernel.reference_qkv``'s.
+
     python bench/rope_codes.py            # on a GPU; writes docs/benchmarks/rope_codes.{json,md}
+    python bench/rope_codes.py --bf16     # docs/benchmarks/rope_qkv_bf16.{json,md}
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ def inputs(b, n, l, heads, d, seed=0):
     return image, text, angles.cos(), angles.sin()
 
 
-def inductor_system(scale_q: float, scale_k: float, eps: float = 1e-6):
+def inductor_system(scale_q: float | None, scale_k: float | None, eps: float = 1e-6):
+    """The compiled path before the kernels; without scales (bf16 attention) it returns q, k and v as they are."""
     from diffusers.models.embeddings import apply_rotary_emb
 
     def path(image, text, cos, sin):
@@ -73,6 +78,8 @@ def inductor_system(scale_q: float, scale_k: float, eps: float = 1e-6):
             k = torch.cat([norm(text[1], text[4]), k], dim=1)
             v = torch.cat([text[2], v], dim=1)
         q, k = apply_rotary_emb(q, (cos, sin), sequence_dim=1), apply_rotary_emb(k, (cos, sin), sequence_dim=1)
+        if scale_q is None:
+            return q, k, v
         code = lambda x, s: (x.float() * s).clamp(-fa.FP8_MAX, fa.FP8_MAX).to(fa.FP8)
         v8, dv = fa.quantize(v)
         return code(q, scale_q), code(k, scale_k), v8, dv
@@ -87,23 +94,30 @@ def differ(got, want) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    p.add_argument("--stem", default="rope_codes")
+    p.add_argument("--stem", default=None, help="rope_codes, or rope_qkv_bf16 with --bf16")
+    p.add_argument("--bf16", action="store_true", help="bf16 attention's pass (rope_kernel.joint_qkv)")
     a = p.parse_args(argv)
+    a.stem = a.stem or ("rope_qkv_bf16" if a.bf16 else "rope_codes")
     scale_q, scale_k = 16.0, 16.0
     dq = torch.full((1, 1, 1, 1), 1 / scale_q, device="cuda")
     dk = torch.full((1, 1, 1, 1), 1 / scale_k, device="cuda")
-    systems = {"inductor": None, **{plan_name(p): p for p in PLANS}}
+    systems = {"inductor": None, **{plan_name(p): p for p in PLANS if not (a.bf16 and p.v_tokens != 32)}}
     rows = []
     for where, shape in SHAPES.items():
         image, text, cos, sin = inputs(*shape)
-        want = rope_kernel.reference(*image, dq, dk, cos, sin, text=text)
+        if a.bf16:
+            want = rope_kernel.reference_qkv(*image, cos, sin, text=text)
+        else:
+            want = rope_kernel.reference(*image, dq, dk, cos, sin, text=text)
         b, n, l, heads, d = shape
-        traffic = b * (n + l) * heads * d * 3 * (2 + 1)
+        traffic = b * (n + l) * heads * d * 3 * (2 + (2 if a.bf16 else 1))
         row = {"where": where, "shape": dict(zip("bnlhd", shape)), "us": {}, "GB/s": {}, "codes_differ": {}}
         for name, plan in systems.items():
             if plan is None:
-                fn = inductor_system(scale_q, scale_k)
+                fn = inductor_system(None, None) if a.bf16 else inductor_system(scale_q, scale_k)
                 call = lambda: fn(image, text, cos, sin)
+            elif a.bf16:
+                call = (lambda plan: lambda: rope_kernel.launch_qkv(*image, text, cos, sin, plan=plan))(plan)
             else:
                 call = (lambda plan: lambda: rope_kernel.launch(*image, dq, dk, text, cos, sin, plan=plan))(plan)
             row["codes_differ"][name] = differ(call(), want)
@@ -118,8 +132,9 @@ def main(argv=None) -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"{a.stem}.json").write_text(json.dumps(report, indent=1))
     names = list(systems)
-    lines = [f"# FLUX.1's q, k, v codes for FP8 attention on {report['device']}", "",
-             f"`python bench/rope_codes.py`; torch {report['torch']}, triton {report['triton']}. Median us of one call "
+    title = "q, k, v for bf16 attention" if a.bf16 else "q, k, v codes for FP8 attention"
+    lines = [f"# FLUX.1's {title} on {report['device']}", "",
+             f"`python bench/rope_codes.py{' --bf16' if a.bf16 else ''}`; torch {report['torch']}, triton {report['triton']}. Median us of one call "
              "(20 calls in a CUDA graph, 15 replays); GB/s of the least traffic; largest share of codes that differ "
              "from the reference's (q, k or v).", "",
              "| system | " + " | ".join(r["where"] for r in rows) + " |", "|---|" + "---|" * len(rows)]

@@ -95,6 +95,9 @@ SYSTEMS["full+inductor+fp8+blocks+fp8attention+inductorcodes"] = SYSTEMS["full+i
 SYSTEMS["full+inductor+fp8+blocks+fp8attention+nonorms"] = SYSTEMS["full+inductor+fp8+blocks+fp8attention"]
 SYSTEMS.update({f"{name}+nohoist": SYSTEMS[name] for name in ("full+inductor+blocks", "full+inductor+fp8+blocks",
                                                                  "full+inductor+fp8+blocks+fp8attention")})
+SYSTEMS.update({f"{name}+bf16rope": SYSTEMS[name] for name in ("full+inductor+blocks", "full+inductor+fp8+blocks")})
+# +bf16rope: FLUX.1's bf16 attention takes q, k, v from workers.rope_kernel.joint_qkv (one pass of the norms, the
+# rotary embedding and the concatenation) instead of Inductor's kernels (rope_kernel.BF16, off by default)
 # +nohoist: SD3's and FLUX.1's norms each multiply their own modulation, instead of one product of the step's
 # embedding for all of them (workers.modulation)
 # +inductorcodes: FLUX.1's q, k, v codes for FP8 attention made by Inductor from the norms and the rotation in the
@@ -410,6 +413,7 @@ def run(args, result: dict, save) -> None:
                 mock.patch.object(joint_attention, "HAND_CODES", not name.endswith("+requantized")), \
                 mock.patch.object(rope_kernel, "ENABLED", not name.endswith("+inductorcodes")), \
                 mock.patch.object(modulation, "ENABLED", not name.endswith("+nohoist")), \
+                mock.patch.object(rope_kernel, "BF16", name.endswith("+bf16rope")), \
                 mock.patch.object(models[loaded], "precision", precision):
             result["systems"][name] = bench_system(models[loaded], name, args, inputs, reference)
         if unfolded:

@@ -249,13 +249,25 @@ class RoutedFluxAttention(FluxAttnProcessor):
 
     def _qkv_codes(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb, projected=None):
         """q8, k8, v8 (B, L+T, heads, d) e4m3, v's descale and the attention output's descale and scale, by
-        ``rope_kernel.joint_codes``: q and k with fixed
-        scales, RMS norms with weights and one eps, the rotary embedding over all L+T tokens (or none); else
-        None."""
+        ``rope_kernel.joint_codes`` where its contract holds (``_kernel_args``) and q and k have fixed scales;
+        else None."""
+        if not rope_kernel.ENABLED or self.fp8.q is None or self.fp8.k is None:
+            return None
+        args = self._kernel_args(attn, hidden_states, encoder_hidden_states, image_rotary_emb, projected)
+        if args is None:
+            return None
+        q, k, v, wq, wk, cos, sin, text, eps = args
+        return rope_kernel.joint_codes(q, k, v, wq, wk, self.fp8.descale_q, self.fp8.descale_k, cos, sin, text, eps,
+                                       output_scales=True)
+
+    def _kernel_args(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb, projected):
+        """The arguments of ``rope_kernel``'s passes, (q, k, v (B, T, h, d), q's and k's norm weights, cos, sin,
+        the text's five or None, eps), where its contract holds: RMS norms with weights and one eps, the rotary
+        embedding over all L+T tokens (or none); else None. Projects (or takes ``projected``)."""
         joint = attn.added_kv_proj_dim is not None
         norms = (attn.norm_q, attn.norm_k, *((attn.norm_added_q, attn.norm_added_k) if joint else ()))
-        if not rope_kernel.ENABLED or self.fp8.q is None or self.fp8.k is None or joint != (encoder_hidden_states is not None) \
-                or not all(_plain_rms(n, attn.head_dim) for n in norms) or len({n.eps for n in norms}) != 1:
+        if joint != (encoder_hidden_states is not None) or not all(_plain_rms(n, attn.head_dim) for n in norms) \
+                or len({n.eps for n in norms}) != 1:
             return None
         tokens = hidden_states.shape[1] + (encoder_hidden_states.shape[1] if joint else 0)
         cos, sin = image_rotary_emb if image_rotary_emb is not None else (None, None)
@@ -268,12 +280,16 @@ class RoutedFluxAttention(FluxAttnProcessor):
         if joint:
             text = (heads(encoder_query), heads(encoder_key), heads(encoder_value), attn.norm_added_q.weight,
                     attn.norm_added_k.weight)
-        return rope_kernel.joint_codes(heads(query), heads(key), heads(value), attn.norm_q.weight, attn.norm_k.weight,
-                                       self.fp8.descale_q, self.fp8.descale_k, cos, sin, text, norms[0].eps,
-                                       output_scales=True)
+        return (heads(query), heads(key), heads(value), attn.norm_q.weight, attn.norm_k.weight, cos, sin, text,
+                norms[0].eps)
 
     def _qkv(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb, projected=None):
-        """q, k and v (B, L+T, heads, d): projected, normed, the text's before the image's, rotated."""
+        """q, k and v (B, L+T, heads, d): projected, normed, the text's before the image's, rotated; by
+        ``rope_kernel.joint_qkv`` in one pass where ``rope_kernel.BF16`` is on and its contract holds."""
+        if rope_kernel.BF16:
+            args = self._kernel_args(attn, hidden_states, encoder_hidden_states, image_rotary_emb, projected)
+            if args is not None:
+                return rope_kernel.joint_qkv(*args)
         query, key, value, encoder_query, encoder_key, encoder_value = self._projections(
             attn, hidden_states, encoder_hidden_states, projected)
         query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))                       # (B, T, h, d)

@@ -14,7 +14,7 @@ How
 ---
 ``hoist_temb_modulation(transformer)`` stacks the linears' weights and biases into one (sum kD, D) matrix
 whose slices the linears' own parameters become (no memory added once done; the stacking holds both copies
-for a moment). A forward hook on ``time_text_embed`` computes the product from its output, and gives each
+for a moment, or goes through host memory where the GPU has no room for both). A forward hook on ``time_text_embed`` computes the product from its output, and gives each
 linear its slice (``_hoisted``: a (B, kD) view); each linear's class becomes ``HoistedLinear``, whose forward
 returns that slice instead of multiplying; a hook on the transformer's output takes the slices back, so a
 call of a block outside a transformer forward multiplies as before. The same arithmetic as the blocks' own
@@ -74,9 +74,29 @@ class TembModulation:
             object.__setattr__(lin, "_hoisted", None)
 
 
+def _free_bytes(device: torch.device) -> int:
+    """Memory ``device`` can still hand out (unbounded off CUDA)."""
+    if device.type != "cuda":
+        return 1 << 62
+    free, _ = torch.cuda.mem_get_info(device)
+    return free
+
+
 def _stack(linears: list[nn.Linear], name: str) -> torch.Tensor:
-    """The linears' ``name`` tensors concatenated along their first dimension; each linear's becomes a view."""
-    whole = torch.cat([getattr(lin, name).detach() for lin in linears], dim=0)
+    """The linears' ``name`` tensors concatenated along their first dimension; each linear's becomes a view.
+    Where the device cannot hold the stack beside the parts (FLUX.1-dev's weights: 6.5 GB in bf16), the parts
+    go through host memory first, so the stacking needs no more device memory than the parts had."""
+    parts = [getattr(lin, name).detach() for lin in linears]
+    device = parts[0].device
+    need = sum(p.numel() for p in parts) * parts[0].element_size()
+    if _free_bytes(device) < need + (256 << 20):  # a margin for the allocator
+        host = [p.cpu() for p in parts]
+        for lin in linears:  # the device copies go before the stack is made
+            setattr(lin, name, None)
+        del parts
+        whole = torch.cat(host, dim=0).to(device)
+    else:
+        whole = torch.cat(parts, dim=0)
     offset = 0
     for lin in linears:
         n = lin.out_features

@@ -22,6 +22,10 @@ Here:
 * ``_v_kernel``: v's codes at 2^floor(log2(448 / amax)), as ``workers.fp8_attention.quantize`` (the
   exponent taken from the float's bits, exact), into the same layout; one program writes the descale.
 
+* ``joint_qkv`` (``BF16``, off until measured on a GPU): the same pass for bf16 attention, q and k normed
+  and rotated into the joint layout in the model's dtype and v copied beside them, one kernel (no codes, so
+  no largest magnitude to wait for); what FLUX.1's routed processor hands its bf16 attention kernel.
+
 Arithmetic: float32 throughout, rounded once to e4m3 (diffusers' eager path rounds to bf16 after the norm
 and after the rotation first); v's codes are what ``fp8_attention.quantize`` writes. ``joint_codes`` is a
 ``torch.library`` custom op (``dit_serve::joint_qkv_codes``) with a fake implementation, so a compiled block
@@ -42,6 +46,7 @@ if triton is not None:
     import triton.language as tl
 
 ENABLED = True  # FLUX.1's FP8 attention makes its q, k, v codes here (a benchmark turns it off to compare)
+BF16 = False  # FLUX.1's bf16 attention takes q, k, v from ``joint_qkv`` (off until measured on a GPU)
 
 
 def available(x: torch.Tensor) -> bool:
@@ -71,6 +76,15 @@ def joint_codes(q, k, v, weight_q, weight_k, descale_q, descale_k, cos=None, sin
     return tuple(codes) if output_scales else tuple(codes[:4])
 
 
+def joint_qkv(q, k, v, weight_q, weight_k, cos=None, sin=None, text=None, eps=1e-6):
+    """``joint_codes`` for bf16 attention: q, k (normed, rotated) and v (B, L+N, heads, d) in q's dtype, the
+    text's tokens first; float32 arithmetic, rounded once."""
+    tq, tk, tv, twq, twk = text if text is not None else (None,) * 5
+    if available(q):
+        return tuple(torch.ops.dit_serve.joint_qkv(q, k, v, weight_q, weight_k, tq, tk, tv, twq, twk, cos, sin, eps))
+    return reference_qkv(q, k, v, weight_q, weight_k, cos, sin, text, eps)
+
+
 def _normed(x, w, eps):
     xf = x.float()
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
@@ -84,8 +98,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * c + torch.stack([-im, re], dim=-1).flatten(-2) * s
 
 
-def reference(q, k, v, weight_q, weight_k, descale_q, descale_k, cos=None, sin=None, text=None, eps=1e-6):
-    """``joint_codes`` in PyTorch operations, float32 throughout."""
+def _joint_float(q, k, v, weight_q, weight_k, cos, sin, text, eps):
+    """q, k normed and rotated (float32) and v, each (B, L+N, heads, d), the text's first."""
     qs, ks, vs = [_normed(q, weight_q, eps)], [_normed(k, weight_k, eps)], [v]
     if text is not None:
         tq, tk, tv, twq, twk = text
@@ -95,9 +109,21 @@ def reference(q, k, v, weight_q, weight_k, descale_q, descale_k, cos=None, sin=N
     qf, kf = torch.cat(qs, dim=1), torch.cat(ks, dim=1)
     if cos is not None:
         qf, kf = rotate(qf, cos, sin), rotate(kf, cos, sin)
+    return qf, kf, torch.cat(vs, dim=1)
+
+
+def reference(q, k, v, weight_q, weight_k, descale_q, descale_k, cos=None, sin=None, text=None, eps=1e-6):
+    """``joint_codes`` in PyTorch operations, float32 throughout."""
+    qf, kf, vj = _joint_float(q, k, v, weight_q, weight_k, cos, sin, text, eps)
     code = lambda x, descale: (x / descale.reshape(())).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    v8, descale_v = fp8_attention.quantize(torch.cat(vs, dim=1))
+    v8, descale_v = fp8_attention.quantize(vj)
     return code(qf, descale_q), code(kf, descale_k), v8, descale_v
+
+
+def reference_qkv(q, k, v, weight_q, weight_k, cos=None, sin=None, text=None, eps=1e-6):
+    """``joint_qkv`` in PyTorch operations, float32 throughout, rounded once to q's dtype."""
+    qf, kf, vj = _joint_float(q, k, v, weight_q, weight_k, cos, sin, text, eps)
+    return qf.to(q.dtype), kf.to(q.dtype), vj.to(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -120,8 +146,10 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope_store(x_ptr, sb, st, sh, w, wp, o_ptr, c, s, inv, eps, b, h, t, m, t0, ob, ot, oh,
-                         D: tl.constexpr, BT: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr):
-        """Tokens ``t`` (BT,) of head ``h`` of image ``b``: normed, rotated, coded at ``inv``, stored at t0 + t."""
+                         D: tl.constexpr, BT: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr,
+                         CODES: tl.constexpr):
+        """Tokens ``t`` (BT,) of head ``h`` of image ``b``: normed, rotated, coded at ``inv`` (or, not ``CODES``,
+        rounded to the output's dtype), stored at t0 + t."""
         d = tl.arange(0, D)
         base = x_ptr + b * sb + t[:, None] * st + h * sh
         x = tl.load(base + d[None, :], mask=m, other=0.0).to(tl.float32)                 # (BT, D)
@@ -135,13 +163,19 @@ if triton is not None:
                 xp = tl.load(base + (d ^ 1)[None, :], mask=m, other=0.0).to(tl.float32)
                 yp = xp * r[:, None] * wp[None, :]
             y = y * c + yp * s
-        codes = tl.clamp(y * inv, -448.0, 448.0)
-        tl.store(o_ptr + b * ob + (t0 + t)[:, None] * ot + h * oh + d[None, :], codes.to(tl.float8e4nv), mask=m)
+        out = o_ptr + b * ob + (t0 + t)[:, None] * ot + h * oh + d[None, :]
+        if CODES:
+            tl.store(out, tl.clamp(y * inv, -448.0, 448.0).to(tl.float8e4nv), mask=m)
+        else:
+            tl.store(out, y.to(o_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
 
     @triton.jit
     def _qk_kernel(q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, dq_ptr, dk_ptr, oq_ptr, ok_ptr, amax_ptr, cos_ptr, sin_ptr,
-                   T, t0, H, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, ob, ot, oh, scs, eps,
-                   D: tl.constexpr, BT: tl.constexpr, HB: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr):
+                   ov_ptr, T, t0, H, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, ob, ot, oh, scs, eps,
+                   D: tl.constexpr, BT: tl.constexpr, HB: tl.constexpr, ROPE: tl.constexpr, SPLIT: tl.constexpr,
+                   CODES: tl.constexpr = True):
+        # CODES: q's and k's e4m3 codes and v's largest magnitude; else q and k in the outputs' dtype and v
+        # copied into ``ov_ptr`` beside them (bf16 attention)
         tb, hg, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         t = (tb * BT + tl.arange(0, BT)).to(tl.int64)
         tmask = (t < T)[:, None]
@@ -154,18 +188,25 @@ if triton is not None:
             s = tl.load(sin_ptr + rows, mask=tmask, other=0.0).to(tl.float32) * tl.where((d & 1) == 0, -1.0, 1.0)[None, :]
         wq, wk = tl.load(wq_ptr + d).to(tl.float32), tl.load(wk_ptr + d).to(tl.float32)
         wqp, wkp = tl.load(wq_ptr + (d ^ 1)).to(tl.float32), tl.load(wk_ptr + (d ^ 1)).to(tl.float32)
-        inv_q, inv_k = tl.math.div_rn(1.0, tl.load(dq_ptr)), tl.math.div_rn(1.0, tl.load(dk_ptr))
+        inv_q = 1.0
+        inv_k = 1.0
+        if CODES:
+            inv_q, inv_k = tl.math.div_rn(1.0, tl.load(dq_ptr)), tl.math.div_rn(1.0, tl.load(dk_ptr))
         peak = 0.0
         for i in tl.static_range(HB):
             h = hg * HB + i
             m = tmask & (h < H)
             _norm_rope_store(q_ptr, sqb, sqt, sqh, wq, wqp, oq_ptr, c, s, inv_q, eps, b, h, t, m, t0, ob, ot, oh,
-                             D, BT, ROPE, SPLIT)
+                             D, BT, ROPE, SPLIT, CODES)
             _norm_rope_store(k_ptr, skb, skt, skh, wk, wkp, ok_ptr, c, s, inv_k, eps, b, h, t, m, t0, ob, ot, oh,
-                             D, BT, ROPE, SPLIT)
+                             D, BT, ROPE, SPLIT, CODES)
             v = tl.load(v_ptr + b * svb + t[:, None] * svt + h * svh + d[None, :], mask=m, other=0.0)
-            peak = tl.maximum(peak, tl.max(tl.max(tl.abs(v.to(tl.float32)), axis=1), axis=0))
-        tl.atomic_max(amax_ptr, peak)
+            if CODES:
+                peak = tl.maximum(peak, tl.max(tl.max(tl.abs(v.to(tl.float32)), axis=1), axis=0))
+            else:
+                tl.store(ov_ptr + b * ob + (t0 + t)[:, None] * ot + h * oh + d[None, :], v, mask=m)
+        if CODES:
+            tl.atomic_max(amax_ptr, peak)
 
     @triton.jit
     def _v_kernel(v_ptr, o_ptr, amax_ptr, descale_ptr, descale_o_ptr, scale_o_ptr, headroom, T, t0, svb, svt, svh,
@@ -212,7 +253,7 @@ def launch(q, k, v, weight_q, weight_k, descale_q, descale_k, text=None, cos=Non
         t = pq.shape[1]
         if t and b:
             grid = (triton.cdiv(t, plan.tokens), triton.cdiv(heads, plan.heads), b)
-            _qk_kernel[grid](pq, pk, pv, wq, wk, descale_q, descale_k, q8, k8, amax, cs, ss, t, t0, heads,
+            _qk_kernel[grid](pq, pk, pv, wq, wk, descale_q, descale_k, q8, k8, amax, cs, ss, q8, t, t0, heads,
                              *pq.stride()[:3], *pk.stride()[:3], *pv.stride()[:3], ob, ot, oh, scs, eps,
                              D=d, BT=plan.tokens, HB=plan.heads, ROPE=rope, SPLIT=plan.split, num_warps=plan.warps)
         spans.append((pv, t, t0))
@@ -228,6 +269,53 @@ def launch(q, k, v, weight_q, weight_k, descale_q, descale_k, text=None, cos=Non
         descale_o.copy_(fp8_attention.output_descale(descale_v))
         scale_o.copy_(fp8_attention.output_scale(descale_v))
     return q8, k8, v8, descale_v, descale_o, scale_o
+
+
+def launch_qkv(q, k, v, weight_q, weight_k, text=None, cos=None, sin=None, eps=1e-6, plan: Plan | None = None):
+    """``_qk_kernel`` without codes (``joint_qkv``): q, k normed and rotated and v copied, each (B, L+N, heads, d)
+    in q's dtype; one launch a part (the text's, the image's), nothing to wait for between them."""
+    plan = plan or PLAN
+    parts = ([text[:5]] if text is not None else []) + [(q, k, v, weight_q, weight_k)]
+    b, _, heads, d = q.shape
+    total = sum(p[0].shape[1] for p in parts)
+    oq, ok, ov = (torch.empty((b, total, heads, d), dtype=q.dtype, device=q.device) for _ in range(3))
+    rope = cos is not None
+    if rope and (cos.stride(-1) != 1 or sin.stride() != cos.stride()):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    unused = torch.empty(1, dtype=torch.float32, device=q.device)  # the codes' scales and largest magnitude
+    cs, ss = (cos, sin) if rope else (unused, unused)
+    scs = cos.stride(0) if rope else 0
+    ob, ot, oh = oq.stride(0), oq.stride(1), oq.stride(2)
+    t0 = 0
+    for pq, pk, pv, wq, wk in parts:
+        pq, pk, pv = (x if x.stride(-1) == 1 else x.contiguous() for x in (pq, pk, pv))
+        t = pq.shape[1]
+        if t and b:
+            grid = (triton.cdiv(t, plan.tokens), triton.cdiv(heads, plan.heads), b)
+            _qk_kernel[grid](pq, pk, pv, wq, wk, unused, unused, oq, ok, unused, cs, ss, ov, t, t0, heads,
+                             *pq.stride()[:3], *pk.stride()[:3], *pv.stride()[:3], ob, ot, oh, scs, eps,
+                             D=d, BT=plan.tokens, HB=plan.heads, ROPE=rope, SPLIT=plan.split, CODES=False,
+                             num_warps=plan.warps)
+        t0 += t
+    return oq, ok, ov
+
+
+@torch.library.custom_op("dit_serve::joint_qkv", mutates_args=())
+def joint_qkv_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, weight_q: torch.Tensor, weight_k: torch.Tensor,
+                   text_q: torch.Tensor | None, text_k: torch.Tensor | None, text_v: torch.Tensor | None,
+                   text_weight_q: torch.Tensor | None, text_weight_k: torch.Tensor | None,
+                   cos: torch.Tensor | None, sin: torch.Tensor | None,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``joint_qkv`` on CUDA (the text's five tensors all given or all None)."""
+    text = None if text_q is None else (text_q, text_k, text_v, text_weight_q, text_weight_k)
+    return launch_qkv(q, k, v, weight_q, weight_k, text, cos, sin, eps)
+
+
+@joint_qkv_cuda.register_fake
+def _(q, k, v, weight_q, weight_k, text_q, text_k, text_v, text_weight_q, text_weight_k, cos, sin, eps):
+    b, n, heads, d = q.shape
+    total = n + (0 if text_q is None else text_q.shape[1])
+    return tuple(q.new_empty((b, total, heads, d)) for _ in range(3))
 
 
 @torch.library.custom_op("dit_serve::joint_qkv_codes", mutates_args=())

@@ -192,3 +192,22 @@ def test_hoisted_sd3_blocks_compile_once_for_every_bucket_and_make_the_eager_lat
     assert stats["compile"]["graphs"] == 1, stats["compile"]  # one batch-dynamic compile for buckets 2 and 4
     for g, w in zip(got, want):
         torch.testing.assert_close(g.latents, w.latents, rtol=1e-4, atol=1e-4)
+
+
+def test_without_room_for_two_copies_the_stack_goes_through_host_memory(tiny_flux, monkeypatch):
+    tr = tiny_flux.transformer
+    inputs = _flux_call(tr, seed=4)
+    with torch.no_grad():
+        want = tr(**inputs).sample
+        staged = []
+        real_cpu = torch.Tensor.cpu
+        monkeypatch.setattr(modulation, "_free_bytes", lambda device: 0)
+        monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: staged.append(self.shape) or real_cpu(self, *a, **k))
+        assert modulation.hoist_temb_modulation(tr)
+        monkeypatch.undo()
+        got = tr(**inputs).sample
+    cache = tr._temb_modulation
+    assert len(staged) == 2 * len(cache.linears)  # every weight and bias, once
+    ptr = cache.weight.untyped_storage().data_ptr()
+    assert all(lin.weight.untyped_storage().data_ptr() == ptr for lin in cache.linears)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -122,3 +122,37 @@ def test_norms_or_rotations_the_kernel_does_not_cover_keep_the_path_before(chang
     if change == "bias":
         del attn.norm_q.bias
     assert (processor._qkv_codes(attn, h, e, (torch.ones(21, 16), torch.zeros(21, 16))) is None) == (change == "eps")
+
+
+def test_the_bf16_pass_is_what_diffusers_norms_rotates_and_concatenates():
+    image, text, cos, sin = _parts(seed=5)
+    q, k, v = rope_kernel.joint_qkv(*image, cos, sin, text=text)
+    want = _diffusers(image, text, cos, sin)
+    for got, w in zip((q, k, v), want):
+        assert got.shape == (2, 17, 3, 16) and got.dtype == image[0].dtype
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)
+    single = rope_kernel.joint_qkv(*image)  # one part, no rotary embedding: the norms and v as they are
+    torch.testing.assert_close(single[2], image[2], rtol=0, atol=0)
+    torch.testing.assert_close(single[0], rope_kernel._normed(image[0], image[3], 1e-6))
+    half = rope_kernel.reference_qkv(*(x.bfloat16() for x in image[:3]), *image[3:], cos[5:], sin[5:])
+    assert all(x.dtype == torch.bfloat16 for x in half)  # rounded once, to the projections' dtype
+
+
+def test_routed_flux_in_bf16_takes_the_one_pass_where_switched_on(monkeypatch):
+    """bf16 attention (no FP8): with ``rope_kernel.BF16`` the double block and both single blocks take q, k, v
+    from ``joint_qkv``; the model computes what diffusers' norms and rotation give (float32 on a CPU)."""
+    model, x = _tiny_flux(), _flux_inputs()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.RMSNorm):
+                m.weight.normal_(1.0, 0.2)
+    assert route_joint_attention(model) == 3
+    before = _run(model, x)
+    calls = []
+    real = rope_kernel.joint_qkv
+    monkeypatch.setattr(rope_kernel, "joint_qkv", lambda *a, **kw: calls.append(a[7] is not None) or real(*a, **kw))
+    assert _run(model, x) is not None and calls == []  # off by default
+    monkeypatch.setattr(rope_kernel, "BF16", True)
+    out = _run(model, x)
+    assert sorted(calls) == [False, False, True]  # 2 single blocks, 1 double block with its text
+    assert _rel_rms(out, before) < 1e-5, _rel_rms(out, before)

@@ -93,3 +93,47 @@ def test_the_kernels_compile_once_for_a_dynamic_batch_and_replay_from_a_cuda_gra
     want = block(*static)
     assert torch.equal(out[0], want[0]) and torch.equal(out[2].view(torch.uint8), want[2].view(torch.uint8))
     assert torch.equal(out[3], want[3])
+
+
+@pytest.mark.parametrize("shape", [(1, 4096, 512, 24, 128), (1, 4608, 0, 24, 128), (3, 37, 5, 3, 64)])
+def test_the_bf16_pass_computes_what_its_reference_does(shape):
+    """``joint_qkv`` (bf16 attention's q, k, v): v copied as it is, q and k within one bf16 step of the float32
+    reference rounded once (the sums in another order)."""
+    from workers import rope_kernel
+
+    b, n, l, heads, d = shape
+    image, text, cos, sin, _, _ = _inputs(*shape, strided=n == 4096)
+    got = rope_kernel.joint_qkv(*image, cos, sin, text=text)
+    want = rope_kernel.reference_qkv(*image, cos, sin, text=text)
+    assert all(g.shape == w.shape == (b, n + l, heads, d) and g.dtype == torch.bfloat16 for g, w in zip(got, want))
+    assert torch.equal(got[2], want[2])
+    for g, w in zip(got[:2], want[:2]):
+        assert (g != w).float().mean() <= 0.01
+        torch.testing.assert_close(g.float(), w.float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_the_bf16_pass_compiles_once_for_a_dynamic_batch_and_replays_from_a_cuda_graph():
+    from workers import rope_kernel
+
+    def block(image, text, cos, sin):
+        q, k, v = rope_kernel.joint_qkv(*image, cos, sin, text=text)
+        return q * 2, k, v
+
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    fn = torch.compile(block, fullgraph=True, dynamic=True)
+    for b in (2, 3, 4):
+        image, text, cos, sin, _, _ = _inputs(b, 256, 64, 4, 128, seed=b)
+        assert all(torch.equal(x, y) for x, y in zip(fn(image, text, cos, sin), block(image, text, cos, sin)))
+    assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
+    image, text, cos, sin, _, _ = _inputs(2, 256, 64, 4, 128, seed=9)
+    fn(image, text, cos, sin)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(image, text, cos, sin)
+    fresh = _inputs(2, 256, 64, 4, 128, seed=10)
+    for mine, new in zip(image + text, fresh[0] + fresh[1]):
+        mine.copy_(new)
+    graph.replay()
+    assert all(torch.equal(x, y) for x, y in zip(out, block(image, text, cos, sin)))
