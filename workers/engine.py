@@ -226,17 +226,18 @@ class Engine:
             m.text_graphs = None
         for m in models:
             family = family_of(m)
+            joint = getattr(family, "JOINT_ATTENTION", False)
             if config.backend != "eager" and family.BREAK_ATTENTION:
                 if config.attention_patch:
                     break_attention(m.transformer)
                 if config.hoist_modulation:
                     hoist_modulation(m.transformer)
-            if getattr(family, "JOINT_ATTENTION", False):  # SD3's and FLUX.1's norms' modulation: one product a step
+            if joint:  # SD3's and FLUX.1's norms' modulation: one product a step
                 if config.backend != "eager" and config.hoist_modulation:
                     hoist_temb_modulation(m.transformer)
                 else:
                     restore_temb_modulation(m.transformer)
-            if config.backend != "eager" and config.attention_patch and getattr(family, "JOINT_ATTENTION", False):
+            if config.backend != "eager" and config.attention_patch and joint:
                 fp8 = _fp8_attention(m)
                 if route_joint_attention(m.transformer, fp8=fp8) and fp8:
                     self.attention[m.name] = "fp8 (cuDNN)"
@@ -244,8 +245,7 @@ class Engine:
                 fuse_gelu_epilogues(m.transformer)
             if hasattr(family, "set_cross_attention"):
                 family.set_cross_attention(m, config.cross_attention)
-            if config.backend != "eager" and config.attention_patch and (
-                    family.BREAK_ATTENTION or getattr(family, "JOINT_ATTENTION", False)):
+            if config.backend != "eager" and config.attention_patch and (family.BREAK_ATTENTION or joint):
                 fuse_block_norms(m.transformer)  # PixArt's, DiT's, FLUX.1's FP8 blocks: each norm and its codes one kernel
             if hasattr(family, "attention_kernel"):
                 self.attention[m.name] = family.attention_kernel(m)

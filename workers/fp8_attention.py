@@ -211,15 +211,14 @@ def attention_codes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q
         plan = _PLANS[key] = _build(q, k, v, out, softmax_scale)
         log.info("FP8 attention plan for %s (workspace %d bytes)", "x".join(map(str, q.shape)), plan.workspace.numel())
     descale_s, scale_s, amax = _constants(q.device)
-    descale_o = None if scale_o is not None else output_descale(descale_v)
     tq, tk, tv, dq, dk, dv, ds, ss, so, to, amax_s, amax_o = plan.tensors
     pack = {tq: q, tk: k, tv: v, dq: descale_q, dk: descale_k, dv: descale_v, ds: descale_s, ss: scale_s,
-            so: descale_o.reciprocal() if scale_o is None else scale_o, to: out, amax_s: amax[0:1],
+            so: output_scale(descale_v) if scale_o is None else scale_o, to: out, amax_s: amax[0:1],
             amax_o: amax[1:2]}
     handle = _handle(q.device)
     _frontend().set_stream(handle, torch.cuda.current_stream(q.device).cuda_stream)
     plan.graph.execute(pack, plan.workspace, handle=handle)
-    return descale_o
+    return None if scale_o is not None else output_descale(descale_v)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

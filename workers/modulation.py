@@ -12,10 +12,10 @@ once, one read of the weights at the bandwidth a long product reaches.
 
 How
 ---
-``hoist_temb_modulation(transformer)`` stacks the linears' weights and biases into one (sum kD, D) matrix
-whose slices the linears' own parameters become (no memory added once done; the stacking holds both copies
-for a moment, or goes through host memory where the GPU has no room for both). A forward hook on ``time_text_embed`` computes the product from its output, and gives each
-linear its slice (``_hoisted``: a (B, kD) view); each linear's class becomes ``HoistedLinear``, whose forward
+``hoist_temb_modulation(transformer)`` fuses the linears into one of (sum kD, D) (``workers.fp8.fuse_linears``,
+whose weights the linears' own become views of: no memory added once done; the fusing holds both copies for a
+moment, or goes through host memory where the GPU has no room for both). A forward hook on
+``time_text_embed`` computes its product from that output, and gives each linear its slice (``_hoisted``: a (B, kD) view); each linear's class becomes ``HoistedLinear``, whose forward
 returns that slice instead of multiplying; a hook on the transformer's output takes the slices back, so a
 call of a block outside a transformer forward multiplies as before. The same arithmetic as the blocks' own
 (one product instead of many: the sums' order may differ, as between two cuBLAS kernels). One class and
@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.fp8 import fuse_linears
+
 ENABLED = True  # the engine hoists FLUX.1's and SD3's modulation (a benchmark turns it off to compare)
 NORM_TYPES = ("AdaLayerNormZero", "AdaLayerNormZeroSingle", "SD35AdaLayerNormZeroX", "AdaLayerNormContinuous")
 
@@ -52,18 +54,22 @@ class HoistedLinear(nn.Linear):
 
 
 class TembModulation:
-    """The stacked weights of ``linears`` and the hooks that give each its slice of one product."""
+    """One linear of all ``linears`` side by side (``workers.fp8.fuse_linears``: their weights become its views)
+    and the hooks that give each linear its slice of its product."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], product: nn.Linear) -> None:
         self.linears = linears
         self.widths = [lin.out_features for lin in linears]
-        self.weight = _stack(linears, "weight")  # (sum kD, D)
-        self.bias = _stack(linears, "bias")      # (sum kD,)
+        self.product = product                   # (sum kD, D) weight, (sum kD,) bias
         self.hooks: list = []
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.product.weight
 
     def compute(self, temb: torch.Tensor) -> None:
         """Each linear's slice of silu(temb) times the stacked weights, for this forward."""
-        y = torch.addmm(self.bias, F.silu(temb), self.weight.t())                     # (B, sum kD)
+        y = self.product(F.silu(temb))                                                  # (B, sum kD)
         for lin, view in zip(self.linears, y.split(self.widths, dim=1)):
             if view.shape[0] > 1 and not torch.compiler.is_compiling():  # its rows are the batch's: dynamic
                 torch._dynamo.maybe_mark_dynamic(view, 0)  # where a compiled block's arguments are (blocks scope)
@@ -72,37 +78,6 @@ class TembModulation:
     def clear(self) -> None:
         for lin in self.linears:
             object.__setattr__(lin, "_hoisted", None)
-
-
-def _free_bytes(device: torch.device) -> int:
-    """Memory ``device`` can still hand out (unbounded off CUDA)."""
-    if device.type != "cuda":
-        return 1 << 62
-    free, _ = torch.cuda.mem_get_info(device)
-    return free
-
-
-def _stack(linears: list[nn.Linear], name: str) -> torch.Tensor:
-    """The linears' ``name`` tensors concatenated along their first dimension; each linear's becomes a view.
-    Where the device cannot hold the stack beside the parts (FLUX.1-dev's weights: 6.5 GB in bf16), the parts
-    go through host memory first, so the stacking needs no more device memory than the parts had."""
-    parts = [getattr(lin, name).detach() for lin in linears]
-    device = parts[0].device
-    need = sum(p.numel() for p in parts) * parts[0].element_size()
-    if _free_bytes(device) < need + (256 << 20):  # a margin for the allocator
-        host = [p.cpu() for p in parts]
-        for lin in linears:  # the device copies go before the stack is made
-            setattr(lin, name, None)
-        del parts
-        whole = torch.cat(host, dim=0).to(device)
-    else:
-        whole = torch.cat(parts, dim=0)
-    offset = 0
-    for lin in linears:
-        n = lin.out_features
-        setattr(lin, name, nn.Parameter(whole[offset:offset + n], requires_grad=False))
-        offset += n
-    return whole
 
 
 def modulation_linears(transformer: nn.Module) -> list[nn.Linear] | None:
@@ -135,24 +110,17 @@ def hoist_temb_modulation(transformer: nn.Module) -> bool:
     linears = modulation_linears(transformer)
     if linears is None:
         return False
+    restore_temb_modulation(transformer)  # plain linears, no hooks: fuse_linears takes only nn.Linear parts
+    product = fuse_linears(linears)       # the same product while the linears' weights are still its views
     cache = getattr(transformer, "_temb_modulation", None)
-    if cache is None or cache.linears != linears or not _views_of(cache):
-        cache = TembModulation(linears)
+    if cache is None or cache.product is not product:
+        cache = TembModulation(linears, product)
         object.__setattr__(transformer, "_temb_modulation", cache)  # a plain reference, not a submodule
-    for hook in cache.hooks:
-        hook.remove()
     cache.hooks = [transformer.time_text_embed.register_forward_hook(lambda mod, args, out: cache.compute(out)),
                    transformer.register_forward_hook(lambda mod, args, out: cache.clear())]
     for lin in linears:
         lin.__class__ = HoistedLinear
-    cache.clear()
     return True
-
-
-def _views_of(cache: TembModulation) -> bool:
-    """Whether the linears' weights are still views of the cache's stack (nothing replaced them since)."""
-    ptr = cache.weight.untyped_storage().data_ptr()
-    return all(lin.weight.untyped_storage().data_ptr() == ptr for lin in cache.linears)
 
 
 def restore_temb_modulation(transformer: nn.Module) -> None:

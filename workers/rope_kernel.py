@@ -230,34 +230,57 @@ if triton is not None:
                 tl.store(scale_o_ptr, scale * headroom)
 
 
-def launch(q, k, v, weight_q, weight_k, descale_q, descale_k, text=None, cos=None, sin=None, eps=1e-6,
-           plan: Plan | None = None):
-    """The two kernels (see the module docstring), ``_qk_kernel`` by ``plan`` (default ``PLAN``): returns q8, k8,
-    v8 (B, L+N, heads, d) e4m3, v's descale and the attention output's descale and scale (1, 1, 1, 1) float32."""
-    plan = plan or PLAN
-    parts = ([text[:5]] if text is not None else []) + [(q, k, v, weight_q, weight_k)]
+def _parts(q, k, v, weight_q, weight_k, text) -> list[tuple]:
+    """The text's (q, k, v, weights) then the image's: the order of the joint layout's tokens."""
+    return ([text[:5]] if text is not None else []) + [(q, k, v, weight_q, weight_k)]
+
+
+def _joint_outputs(q, parts, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three (B, L+N, heads, d) tensors of ``dtype`` for the parts' tokens side by side."""
     b, _, heads, d = q.shape
     total = sum(p[0].shape[1] for p in parts)
-    q8, k8, v8 = (torch.empty((b, total, heads, d), dtype=FP8, device=q.device) for _ in range(3))
-    amax = torch.zeros(1, dtype=torch.float32, device=q.device)
-    descale_v, descale_o, scale_o = (torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device) for _ in range(3))
+    return tuple(torch.empty((b, total, heads, d), dtype=dtype, device=q.device) for _ in range(3))
+
+
+def _qk_launches(parts, cos, sin, eps, plan: Plan, oq, ok, ov, descale_q, descale_k, amax, codes: bool) -> list:
+    """``_qk_kernel`` over each part into ``oq``, ``ok`` (and ``ov``: v's copy without ``codes``), the parts' tokens
+    one after another; returns each part's (v, tokens, first token) for the v kernel. ``amax`` also stands in for
+    cos and sin without a rotary embedding."""
+    b, _, heads, d = parts[-1][0].shape
     rope = cos is not None
     if rope and (cos.stride(-1) != 1 or sin.stride() != cos.stride()):
         cos, sin = cos.contiguous(), sin.contiguous()
     cs, ss = (cos, sin) if rope else (amax, amax)
     scs = cos.stride(0) if rope else 0
-    ob, ot, oh = q8.stride(0), q8.stride(1), q8.stride(2)
+    ob, ot, oh = oq.stride(0), oq.stride(1), oq.stride(2)
     t0, spans = 0, []
     for pq, pk, pv, wq, wk in parts:
         pq, pk, pv = (x if x.stride(-1) == 1 else x.contiguous() for x in (pq, pk, pv))
         t = pq.shape[1]
         if t and b:
             grid = (triton.cdiv(t, plan.tokens), triton.cdiv(heads, plan.heads), b)
-            _qk_kernel[grid](pq, pk, pv, wq, wk, descale_q, descale_k, q8, k8, amax, cs, ss, q8, t, t0, heads,
+            _qk_kernel[grid](pq, pk, pv, wq, wk, descale_q, descale_k, oq, ok, amax, cs, ss, ov, t, t0, heads,
                              *pq.stride()[:3], *pk.stride()[:3], *pv.stride()[:3], ob, ot, oh, scs, eps,
-                             D=d, BT=plan.tokens, HB=plan.heads, ROPE=rope, SPLIT=plan.split, num_warps=plan.warps)
+                             D=d, BT=plan.tokens, HB=plan.heads, ROPE=rope, SPLIT=plan.split, CODES=codes,
+                             num_warps=plan.warps)
         spans.append((pv, t, t0))
         t0 += t
+    return spans
+
+
+def launch(q, k, v, weight_q, weight_k, descale_q, descale_k, text=None, cos=None, sin=None, eps=1e-6,
+           plan: Plan | None = None):
+    """The two kernels (see the module docstring), ``_qk_kernel`` by ``plan`` (default ``PLAN``): returns q8, k8,
+    v8 (B, L+N, heads, d) e4m3, v's descale and the attention output's descale and scale (1, 1, 1, 1) float32."""
+    plan = plan or PLAN
+    parts = _parts(q, k, v, weight_q, weight_k, text)
+    b, _, heads, d = q.shape
+    q8, k8, v8 = _joint_outputs(q, parts, FP8)
+    amax = torch.zeros(1, dtype=torch.float32, device=q.device)
+    descale_v, descale_o, scale_o = (torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device) for _ in range(3))
+    spans = _qk_launches(parts, cos, sin, eps, plan, q8, k8, q8, descale_q, descale_k, amax, codes=True)
+    t0 = sum(t for _, t, _ in spans)
+    ob, ot, oh = q8.stride(0), q8.stride(1), q8.stride(2)
     for i, (pv, t, start) in enumerate(spans):
         if t and b:
             _v_kernel[(triton.cdiv(t, plan.v_tokens), heads, b)](pv, v8, amax, descale_v, descale_o, scale_o,
@@ -275,28 +298,10 @@ def launch_qkv(q, k, v, weight_q, weight_k, text=None, cos=None, sin=None, eps=1
     """``_qk_kernel`` without codes (``joint_qkv``): q, k normed and rotated and v copied, each (B, L+N, heads, d)
     in q's dtype; one launch a part (the text's, the image's), nothing to wait for between them."""
     plan = plan or PLAN
-    parts = ([text[:5]] if text is not None else []) + [(q, k, v, weight_q, weight_k)]
-    b, _, heads, d = q.shape
-    total = sum(p[0].shape[1] for p in parts)
-    oq, ok, ov = (torch.empty((b, total, heads, d), dtype=q.dtype, device=q.device) for _ in range(3))
-    rope = cos is not None
-    if rope and (cos.stride(-1) != 1 or sin.stride() != cos.stride()):
-        cos, sin = cos.contiguous(), sin.contiguous()
+    parts = _parts(q, k, v, weight_q, weight_k, text)
+    oq, ok, ov = _joint_outputs(q, parts, q.dtype)
     unused = torch.empty(1, dtype=torch.float32, device=q.device)  # the codes' scales and largest magnitude
-    cs, ss = (cos, sin) if rope else (unused, unused)
-    scs = cos.stride(0) if rope else 0
-    ob, ot, oh = oq.stride(0), oq.stride(1), oq.stride(2)
-    t0 = 0
-    for pq, pk, pv, wq, wk in parts:
-        pq, pk, pv = (x if x.stride(-1) == 1 else x.contiguous() for x in (pq, pk, pv))
-        t = pq.shape[1]
-        if t and b:
-            grid = (triton.cdiv(t, plan.tokens), triton.cdiv(heads, plan.heads), b)
-            _qk_kernel[grid](pq, pk, pv, wq, wk, unused, unused, oq, ok, unused, cs, ss, ov, t, t0, heads,
-                             *pq.stride()[:3], *pk.stride()[:3], *pv.stride()[:3], ob, ot, oh, scs, eps,
-                             D=d, BT=plan.tokens, HB=plan.heads, ROPE=rope, SPLIT=plan.split, CODES=False,
-                             num_warps=plan.warps)
-        t0 += t
+    _qk_launches(parts, cos, sin, eps, plan, oq, ok, ov, unused, unused, unused, codes=False)
     return oq, ok, ov
 
 

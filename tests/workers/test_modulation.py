@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from workers import modulation
+from workers import fp8, modulation
 
 from .test_norm_fusion import _flux_call
 
@@ -201,7 +201,7 @@ def test_without_room_for_two_copies_the_stack_goes_through_host_memory(tiny_flu
         want = tr(**inputs).sample
         staged = []
         real_cpu = torch.Tensor.cpu
-        monkeypatch.setattr(modulation, "_free_bytes", lambda device: 0)
+        monkeypatch.setattr(fp8, "_free_bytes", lambda device: 0)
         monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: staged.append(self.shape) or real_cpu(self, *a, **k))
         assert modulation.hoist_temb_modulation(tr)
         monkeypatch.undo()
