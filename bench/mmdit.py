@@ -347,7 +347,10 @@ def bench_step(model, s: Setup, batches: tuple, prompts: list[str], ref=None) ->
 
 
 def _time_runner(model, backend: str, inputs: dict, block: dict, s: Setup) -> None:
+    from workers.engine import table_inputs
+
     runner = build_runner(model, backend, max(inputs))
+    inputs = {b: table_inputs(model, inp) for b, inp in inputs.items()}  # where the step reads modulation tables
     t0 = time.perf_counter()
     runner.warmup(example=inputs[max(inputs)])  # real prompts' encodings in the static inputs, not zeros
     pb.sync()

@@ -44,7 +44,9 @@ SYSTEMS = {"plain": ("off", "bf16"), "fused": ("inductor", "bf16"), "fp8": ("off
            "fused+fp8+fp8attention+unfolded": ("inductor", "fp8+attention"),
            "fused+fp8+fp8attention+inductorcodes": ("inductor", "fp8+attention"),
            "fused+fp8+fp8attention+nonorms": ("inductor", "fp8+attention"),
-           "fused+fp8+fp8attention+nohoist": ("inductor", "fp8+attention")}  # +nohoist: without workers.modulation
+           "fused+fp8+fp8attention+nohoist": ("inductor", "fp8+attention"),
+           "fused+fp8+fp8attention+notables": ("inductor", "fp8+attention"),
+           "fused+notables": ("inductor", "bf16")}  # +nohoist: without workers.modulation
 # fp8attention: SD3's, FLUX.1's attention in FP8 too; +unfolded: FLUX.1's single blocks' GELU a pass of its own
 # (workers.fp8.unfold_single_block_gelus); +inductorcodes: FLUX.1's q, k, v codes by Inductor's kernels, not
 # workers.rope_kernel's
@@ -226,10 +228,12 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
         unfold_single_block_gelus(model.transformer)
     backend = "full" if compile_mode == "inductor" and model.card.family == "dit" else "breakable"
     from workers import fp8, modulation, norm_fusion, patches, rope_kernel
+    from workers.engine import table_inputs
 
     with mock.patch.object(norm_fusion, "ENABLED", not name.endswith("+nonorms")), \
             mock.patch.object(rope_kernel, "ENABLED", not name.endswith("+inductorcodes")), \
             mock.patch.object(modulation, "ENABLED", not name.endswith("+nohoist")), \
+            mock.patch.object(modulation, "TABLES", not name.endswith("+notables")), \
             mock.patch.object(patches, "QUANTIZED_BREAKS", not name.endswith("+rawbreaks")), \
             mock.patch.object(fp8, "FAST_ACCUM", not name.endswith("+promoted")):
         engine, runner, _ = kernels.build_engine(model, backend, compile_mode, max(args.images), "", scope=args.scope,
@@ -243,7 +247,7 @@ def run_system(args, name: str, device: str, dtype, result: dict) -> None:
         if compile_mode != "off":
             block["scope"] = args.scope
         for n in args.images:
-            inputs = kernels.step_inputs(model, n)
+            inputs = table_inputs(model, kernels.step_inputs(model, n))  # with the step's tables where it reads some
             block[n] = summarise(profile(runner, inputs, args.iters, device == "cuda"), args.iters, args.top)
             if args.by_shape:
                 block[n]["products"] = products_by_shape(runner, inputs, args.iters, device == "cuda",

@@ -95,9 +95,13 @@ SYSTEMS["full+inductor+fp8+blocks+fp8attention+inductorcodes"] = SYSTEMS["full+i
 SYSTEMS["full+inductor+fp8+blocks+fp8attention+nonorms"] = SYSTEMS["full+inductor+fp8+blocks+fp8attention"]
 SYSTEMS.update({f"{name}+nohoist": SYSTEMS[name] for name in ("full+inductor+blocks", "full+inductor+fp8+blocks",
                                                                  "full+inductor+fp8+blocks+fp8attention")})
-SYSTEMS.update({f"{name}+bf16rope": SYSTEMS[name] for name in ("full+inductor+blocks", "full+inductor+fp8+blocks")})
-# +bf16rope: FLUX.1's bf16 attention takes q, k, v from workers.rope_kernel.joint_qkv (one pass of the norms, the
-# rotary embedding and the concatenation) instead of Inductor's kernels (rope_kernel.BF16, off by default)
+SYSTEMS.update({f"{name}+inductorqkv": SYSTEMS[name] for name in ("full+inductor+blocks", "full+inductor+fp8+blocks")})
+SYSTEMS.update({f"{name}+notables": SYSTEMS[name] for name in ("full+inductor+blocks", "full+inductor+fp8+blocks",
+                                                                  "full+inductor+fp8+blocks+fp8attention")})
+# +inductorqkv: FLUX.1's bf16 attention takes q, k, v from Inductor's kernels of the norms, the rotary embedding and
+# the concatenation, instead of workers.rope_kernel.joint_qkv's one pass (rope_kernel.BF16 off)
+# +notables: SD3's and FLUX.1's step multiplies its modulation itself (the one hoisted product a step), instead of
+# reading its rows of the requests' modulation tables made at admission (workers.modulation.TABLES off)
 # +nohoist: SD3's and FLUX.1's norms each multiply their own modulation, instead of one product of the step's
 # embedding for all of them (workers.modulation)
 # +inductorcodes: FLUX.1's q, k, v codes for FP8 attention made by Inductor from the norms and the rotation in the
@@ -200,6 +204,7 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
     from workers import norm_fusion, sdpa
     from workers.families import family_of
     from workers.joint_attention import restore_joint_attention
+    from workers.engine import table_inputs
     from workers.modulation import restore_temb_modulation
     from workers.patches import restore_attention, restore_modulation
 
@@ -229,6 +234,7 @@ def bench_system(model, name: str, args, inputs: dict, reference: dict) -> dict:
              "fused_norm_blocks": norm_fusion.fused_blocks(model.transformer)}
     with torch.no_grad():
         for n, inp in inputs.items():
+            inp = table_inputs(model, inp)  # the modulation tables where this system's step reads them
             block["ms"][n] = round(median_ms(lambda: runner.run(**inp), iters(args, n)), 3)
             x_next = runner.run(**inp)["x_next"].float()
             if name == "breakable":
@@ -413,7 +419,8 @@ def run(args, result: dict, save) -> None:
                 mock.patch.object(joint_attention, "HAND_CODES", not name.endswith("+requantized")), \
                 mock.patch.object(rope_kernel, "ENABLED", not name.endswith("+inductorcodes")), \
                 mock.patch.object(modulation, "ENABLED", not name.endswith("+nohoist")), \
-                mock.patch.object(rope_kernel, "BF16", name.endswith("+bf16rope")), \
+                mock.patch.object(rope_kernel, "BF16", not name.endswith("+inductorqkv")), \
+                mock.patch.object(modulation, "TABLES", not name.endswith("+notables")), \
                 mock.patch.object(models[loaded], "precision", precision):
             result["systems"][name] = bench_system(models[loaded], name, args, inputs, reference)
         if unfolded:

@@ -171,6 +171,7 @@ class _Active:
     rows: torch.Tensor           # (S, 1 + 9) the plan's timestep and coefficients per step, on the device
     guidance: torch.Tensor       # () float32, on the device
     cond: dict[str, torch.Tensor]  # the family's conditioning (labels; prompt encodings), on the device
+    tables: dict[str, torch.Tensor] = field(default_factory=dict)  # the family's per-step inputs, (S, ...) each
     step: int = 0
 
 
@@ -201,8 +202,32 @@ def step_specs(model: LoadedModel, shape: tuple[int, int, int] | None = None
     lat, f32 = tuple(shape or model.latent_shape), torch.float32
     inputs = {"x": TensorSpec(lat, f32), "t": TensorSpec((), f32), "guidance": TensorSpec((), f32),
               "coeffs": TensorSpec((9,), f32), "hist": TensorSpec(lat, f32), "noise": TensorSpec(lat, f32),
-              **family_of(model).cond_specs(model)}
+              **family_of(model).cond_specs(model), **table_specs(model)}
     return inputs, {"x_next": TensorSpec(lat, f32), "hist_next": TensorSpec(lat, f32)}
+
+
+def table_specs(model: LoadedModel) -> dict[str, TensorSpec]:
+    """The family's per-step inputs known at admission (``step_tables``; e.g. SD3's and FLUX.1's modulation,
+    ``workers.modulation``), per sample; none for most families."""
+    family = family_of(model)
+    return family.table_specs(model) if hasattr(family, "table_specs") else {}
+
+
+def step_tables(model: LoadedModel, plans: list[Plan], reqs: list[ItemSpec],
+                conds: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Each request's ``table_specs`` inputs at every step of its plan ((S, ...) each, on the model's device)."""
+    if not table_specs(model):
+        return [{} for _ in reqs]
+    return family_of(model).step_tables(model, plans, reqs, conds)
+
+
+def table_inputs(model: LoadedModel, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``inputs`` (a step's rows) with their ``table_specs`` inputs added where the step takes some and they
+    are missing: what a caller that makes a step's inputs itself (a benchmark) passes to the engine's runners."""
+    specs = table_specs(model)
+    if not specs or specs.keys() <= inputs.keys():
+        return inputs
+    return {**inputs, **family_of(model).table_inputs(model, inputs)}
 
 
 class Engine:
@@ -368,9 +393,10 @@ class Engine:
         cond = family.encode(model, [probe])[0]
         gen = torch.Generator("cpu").manual_seed(0)
         i = plan.num_steps // 2
+        tables = step_tables(model, [plan], [probe], [cond])[0]
         row = {"x": torch.randn(shape, generator=gen), "t": plan.timesteps[i], "coeffs": plan.coeffs[i],
                "guidance": torch.tensor(probe.guidance), "hist": torch.randn(shape, generator=gen),
-               "noise": torch.randn(shape, generator=gen), **cond}
+               "noise": torch.randn(shape, generator=gen), **cond, **{k: v[i] for k, v in tables.items()}}
         return {k: v.to(model.device)[None] for k, v in row.items()}
 
     # -- admission and cancellation -------------------------------------------------------------
@@ -391,12 +417,14 @@ class Engine:
             extra = family.plan_kwargs(group.model, group.shape) if hasattr(family, "plan_kwargs") else {}
             plans = [make_plan(r.sampler, r.steps, group.model.schedule, eta=r.eta, **extra) for r in group_reqs]
             conds = family_of(group.model).encode(group.model, group_reqs)
-            admitted += [(group, r, p, c) for r, p, c in zip(group_reqs, plans, conds)]
-        for group, req, plan, cond in admitted:
-            group.active.append(self._admit(group, req, plan, cond))
+            tables = step_tables(group.model, plans, group_reqs, conds)
+            admitted += [(group, r, p, c, tb) for r, p, c, tb in zip(group_reqs, plans, conds, tables)]
+        for group, req, plan, cond, tables in admitted:
+            group.active.append(self._admit(group, req, plan, cond, tables))
 
     @staticmethod
-    def _admit(group: _Group, req: ItemSpec, plan: Plan, cond: dict[str, torch.Tensor]) -> _Active:
+    def _admit(group: _Group, req: ItemSpec, plan: Plan, cond: dict[str, torch.Tensor],
+               tables: dict[str, torch.Tensor]) -> _Active:
         model = group.model
         gen = torch.Generator("cpu").manual_seed(req.seed)
         x = torch.randn(group.shape, generator=gen) * plan.init_sigma  # (C, H, W)
@@ -407,7 +435,7 @@ class Engine:
         guidance = torch.tensor(req.guidance, dtype=torch.float32)
         return _Active(req, plan, _upload(x, device), torch.zeros(x.shape, device=device), gen,
                        _upload(rows, device), _upload(guidance, device),
-                       {k: _upload(v, device) for k, v in cond.items()})
+                       {k: _upload(v, device) for k, v in cond.items()}, tables)
 
     def cancel(self, request_id: str) -> bool:
         """Drop a request at this step boundary; True if it was active (or finished and not yet handed out)."""
@@ -477,6 +505,7 @@ class Engine:
         self.padded_rows += sum(group.runner.plan(len(active))) - len(active)
         rows = torch.stack([a.rows[a.step] for a in active])  # (B, 10): timestep, then the 9 coefficients
         cond = {k: torch.stack([a.cond[k] for a in active]) for k in active[0].cond}
+        cond.update({k: torch.stack([a.tables[k][a.step] for a in active]) for k in active[0].tables})
         out = group.runner.run(
             x=torch.stack([a.x for a in active]), t=rows[:, 0], coeffs=rows[:, 1:],
             guidance=torch.stack([a.guidance for a in active]), hist=torch.stack([a.hist for a in active]),

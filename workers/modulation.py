@@ -23,6 +23,17 @@ views of one shape for every norm of a kind, so a blocks-scope compile still mak
 block (the views' rows marked dynamic as the blocks' arguments are); in a captured step the product is one
 kernel of the graph.
 
+Tables (``TABLES``)
+-------------------
+The step's embedding depends on the timestep, the guidance scale and the pooled prompt, all known when a
+request is admitted. So the engine computes each request's modulation for all of its steps then, one product
+of S rows (``TembModulation.table``; ``table_specs`` / ``step_tables`` in ``workers.families.flux`` and
+``sd3``), and the step hands its rows of that table to the transformer (``give``): the step runs neither the
+product (FLUX.1-dev: 6.5 GB of weights read a step, about 1.55 ms on an H200) nor the embedding's small
+kernels (``time_text_embed`` returns a stand-in whose value nothing reads). One read of the weights a request
+instead of one a step; the table costs (S, sum kD) in the model's dtype a request (FLUX.1-dev, 28 steps:
+59 MB). A step called without the table computes the product itself, as above.
+
 Only diffusers' ``AdaLayerNormZero`` (without its own embedding), ``AdaLayerNormZeroSingle``,
 ``SD35AdaLayerNormZeroX`` and ``AdaLayerNormContinuous`` norms with plain linears of ``temb``'s width and a
 SiLU, in a transformer whose ``time_text_embed`` makes the ``temb`` its blocks read (FLUX.1's and SD3's
@@ -31,6 +42,8 @@ forward, diffusers 0.42); otherwise nothing changes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,6 +51,7 @@ from torch import nn
 from workers.fp8 import fuse_linears
 
 ENABLED = True  # the engine hoists FLUX.1's and SD3's modulation (a benchmark turns it off to compare)
+TABLES = True  # with it hoisted, the engine computes each request's modulation for all its steps at admission
 NORM_TYPES = ("AdaLayerNormZero", "AdaLayerNormZeroSingle", "SD35AdaLayerNormZeroX", "AdaLayerNormContinuous")
 
 
@@ -62,22 +76,66 @@ class TembModulation:
         self.widths = [lin.out_features for lin in linears]
         self.product = product                   # (sum kD, D) weight, (sum kD,) bias
         self.hooks: list = []
+        self.given: torch.Tensor | None = None  # this forward's (B, sum kD) product, computed beforehand
 
     @property
     def weight(self) -> torch.Tensor:
         return self.product.weight
 
+    @property
+    def width(self) -> int:
+        """sum kD: the width of one row of the product (of a modulation table)."""
+        return sum(self.widths)
+
+    def table(self, temb: torch.Tensor) -> torch.Tensor:
+        """(S, sum kD): the product of S rows of ``temb`` at once (a request's steps, ``workers.families``)."""
+        return self.product(F.silu(temb))
+
     def compute(self, temb: torch.Tensor) -> None:
-        """Each linear's slice of silu(temb) times the stacked weights, for this forward."""
-        y = self.product(F.silu(temb))                                                  # (B, sum kD)
+        """Each linear's slice of silu(temb) times the stacked weights, for this forward (of the product
+        ``give`` handed over, if any)."""
+        y = self.given if self.given is not None else self.product(F.silu(temb))      # (B, sum kD)
         for lin, view in zip(self.linears, y.split(self.widths, dim=1)):
             if view.shape[0] > 1 and not torch.compiler.is_compiling():  # its rows are the batch's: dynamic
                 torch._dynamo.maybe_mark_dynamic(view, 0)  # where a compiled block's arguments are (blocks scope)
             object.__setattr__(lin, "_hoisted", view)
 
     def clear(self) -> None:
+        object.__setattr__(self, "given", None)
         for lin in self.linears:
             object.__setattr__(lin, "_hoisted", None)
+
+
+@functools.cache
+def _given_embed_class(base: type) -> type:
+    """``base`` (the transformer's ``time_text_embed`` class) returning a stand-in for ``temb`` when the
+    forward's modulation was given (``give``): its value is read by nothing but the hoisted linears, which
+    return their slices instead, so the embedding's dozen small kernels are not run."""
+
+    def forward(self, *args, **kwargs):
+        cache = self._temb_modulation
+        given = cache.given if cache is not None else None
+        if given is None:
+            return base.forward(self, *args, **kwargs)
+        return given[:, : cache.linears[0].in_features]  # (B, D): the rows and dtype temb has, no kernel
+
+    return type(f"Given{base.__name__}", (base,), {"forward": forward, "_temb_modulation": None,
+                                                    "__module__": __name__})
+
+
+def give(transformer: nn.Module, product: torch.Tensor) -> None:
+    """The next forward of ``transformer`` reads its modulation from ``product`` (B, width) (rows of a
+    ``TembModulation.table``) instead of computing it; taken back after that forward. Nothing where the
+    modulation is not hoisted (then its norms compute their own)."""
+    cache = temb_modulation(transformer)
+    if cache is not None:
+        object.__setattr__(cache, "given", product)
+
+
+def temb_modulation(transformer: nn.Module) -> TembModulation | None:
+    """The transformer's hoisted modulation, while hoisted (else None)."""
+    cache = getattr(transformer, "_temb_modulation", None)
+    return cache if cache is not None and cache.hooks else None
 
 
 def modulation_linears(transformer: nn.Module) -> list[nn.Linear] | None:
@@ -116,10 +174,13 @@ def hoist_temb_modulation(transformer: nn.Module) -> bool:
     if cache is None or cache.product is not product:
         cache = TembModulation(linears, product)
         object.__setattr__(transformer, "_temb_modulation", cache)  # a plain reference, not a submodule
-    cache.hooks = [transformer.time_text_embed.register_forward_hook(lambda mod, args, out: cache.compute(out)),
+    embed = transformer.time_text_embed
+    cache.hooks = [embed.register_forward_hook(lambda mod, args, out: cache.compute(out)),
                    transformer.register_forward_hook(lambda mod, args, out: cache.clear())]
     for lin in linears:
         lin.__class__ = HoistedLinear
+    embed.__class__ = _given_embed_class(type(embed))
+    object.__setattr__(embed, "_temb_modulation", cache)
     return True
 
 
@@ -132,6 +193,10 @@ def restore_temb_modulation(transformer: nn.Module) -> None:
         hook.remove()
     cache.hooks = []
     cache.clear()
+    embed = transformer.time_text_embed
+    if type(embed).__module__ == __name__:
+        embed.__class__ = type(embed).__mro__[1]
+        embed.__dict__.pop("_temb_modulation", None)
     for lin in cache.linears:
         if type(lin) is HoistedLinear:
             lin.__class__ = nn.Linear

@@ -22,9 +22,11 @@ Here:
 * ``_v_kernel``: v's codes at 2^floor(log2(448 / amax)), as ``workers.fp8_attention.quantize`` (the
   exponent taken from the float's bits, exact), into the same layout; one program writes the descale.
 
-* ``joint_qkv`` (``BF16``, off until measured on a GPU): the same pass for bf16 attention, q and k normed
-  and rotated into the joint layout in the model's dtype and v copied beside them, one kernel (no codes, so
-  no largest magnitude to wait for); what FLUX.1's routed processor hands its bf16 attention kernel.
+* ``joint_qkv`` (``BF16``): the same pass for bf16 attention, q and k normed and rotated into the joint
+  layout in the model's dtype and v copied beside them, one kernel (no codes, so no largest magnitude to wait
+  for); what FLUX.1's routed processor hands its bf16 attention kernel, by ``BF16_PLAN`` (one head of 16
+  tokens a program: 53.4 us a double block against Inductor's 168.9 on an H200,
+  ``docs/benchmarks/rope_qkv_bf16.md``; FLUX.1-dev 1024's bf16 step 124.36 ms against 128.49).
 
 Arithmetic: float32 throughout, rounded once to e4m3 (diffusers' eager path rounds to bf16 after the norm
 and after the rotation first); v's codes are what ``fp8_attention.quantize`` writes. ``joint_codes`` is a
@@ -46,7 +48,7 @@ if triton is not None:
     import triton.language as tl
 
 ENABLED = True  # FLUX.1's FP8 attention makes its q, k, v codes here (a benchmark turns it off to compare)
-BF16 = False  # FLUX.1's bf16 attention takes q, k, v from ``joint_qkv`` (off until measured on a GPU)
+BF16 = True  # FLUX.1's bf16 attention takes q, k, v from ``joint_qkv`` (a benchmark turns it off to compare)
 
 
 def available(x: torch.Tensor) -> bool:
@@ -140,6 +142,7 @@ class Plan:
 
 
 PLAN = Plan()
+BF16_PLAN = Plan(tokens=16, heads=1)  # the fastest for ``joint_qkv`` at FLUX.1's shapes (rope_qkv_bf16.md)
 
 
 if triton is not None:
@@ -297,7 +300,7 @@ def launch(q, k, v, weight_q, weight_k, descale_q, descale_k, text=None, cos=Non
 def launch_qkv(q, k, v, weight_q, weight_k, text=None, cos=None, sin=None, eps=1e-6, plan: Plan | None = None):
     """``_qk_kernel`` without codes (``joint_qkv``): q, k normed and rotated and v copied, each (B, L+N, heads, d)
     in q's dtype; one launch a part (the text's, the image's), nothing to wait for between them."""
-    plan = plan or PLAN
+    plan = plan or BF16_PLAN
     parts = _parts(q, k, v, weight_q, weight_k, text)
     oq, ok, ov = _joint_outputs(q, parts, q.dtype)
     unused = torch.empty(1, dtype=torch.float32, device=q.device)  # the codes' scales and largest magnitude

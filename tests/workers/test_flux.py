@@ -250,3 +250,38 @@ def test_encodings_are_cached_by_the_prompt_as_given(dev):
     assert dev.cache["A cat"][0] is first
     embeds, pooled = first, dev.cache["A cat"][1]
     assert embeds.shape == (MAX_TOKENS, 32) and pooled.shape == (32,)
+
+
+def test_the_graph_engine_reading_its_modulation_tables_equals_the_pipeline(dev_dir):
+    """Under the graph backends each request's modulation is made at admission for all of its steps
+    (``workers.modulation``, tables) and the rotary tables once per shape: still the pipeline's latents."""
+    from workers.engine import step_specs
+
+    model = load_model(dev_dir)  # its own: the graph engine patches the transformer it serves
+    specs = [ItemSpec(id="a", seed=1, sampler="flow_euler", steps=4, guidance=3.5, prompt="a red cat"),
+             ItemSpec(id="b", seed=2, sampler="flow_euler", steps=3, guidance=7.0, prompt="The big blue house")]
+    engine = Engine(model, EngineConfig(backend="graphs", max_batch=4))
+    assert "modulation" in step_specs(model)[0]
+    _assert_equal_to_pipeline(model, specs, engine.generate(specs))
+
+
+def test_the_rotary_tables_are_made_once_per_shape_and_a_plain_call_makes_its_own(dev_dir, monkeypatch):
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    model = load_model(dev_dir)
+    calls = []
+    real = FluxPosEmbed.forward
+    monkeypatch.setattr(FluxPosEmbed, "forward", lambda self, ids: calls.append(ids.shape[0]) or real(self, ids))
+    specs = [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=3, guidance=3.5, prompt="a cat")
+             for i in range(2)]
+    Engine(model, EAGER).generate(specs)
+    _, h, w = model.latent_shape
+    assert calls == [MAX_TOKENS + (h // 2) * (w // 2)]  # made with the step, none in its 3 steps
+    tr = model.transformer
+    assert type(tr.pos_embed).__name__ == "GivenFluxPosEmbed" and tr.pos_embed._given_rotary is None
+    ids = torch.zeros(5, 3)
+    torch.testing.assert_close(tr.pos_embed(ids), real(tr.pos_embed, ids))  # nothing handed over: its own
+    monkeypatch.setattr(flux, "ROTARY_ONCE", False)
+    calls.clear()
+    Engine(model, EAGER).generate(specs[:1])
+    assert len(calls) == 3  # switched off: the transformer's own, every step

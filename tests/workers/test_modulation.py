@@ -211,3 +211,80 @@ def test_without_room_for_two_copies_the_stack_goes_through_host_memory(tiny_flu
     ptr = cache.weight.untyped_storage().data_ptr()
     assert all(lin.weight.untyped_storage().data_ptr() == ptr for lin in cache.linears)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _tiny(kind, tmp_path):
+    from workers.loading import load_model
+    from workers.models.tiny_flux import make_tiny_flux
+    from workers.models.tiny_sd3 import make_tiny_sd3
+
+    make = make_tiny_flux if kind == "flux" else make_tiny_sd3
+    return load_model(make(tmp_path / kind))
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd3"])
+def test_each_requests_modulation_table_gives_the_steps_what_their_own_product_gives(kind, tmp_path, monkeypatch):
+    """With tables (the default), the engine computes a request's modulation for all of its steps at admission:
+    one product per admitted batch, none in a step, and the embedding's own layers run only for the tables;
+    the latents are those of the engine that multiplies every step (tables off) and of the eager engine."""
+    from workers.engine import Engine, EngineConfig, step_specs
+    from workers.spec import ItemSpec
+
+    model = _tiny(kind, tmp_path)
+    tr = model.transformer
+    d = model.card.defaults
+    specs = [ItemSpec(id=str(i), seed=i, sampler=d["sampler"], steps=3 + i, guidance=(3.5, 5.0, 7.0)[i],
+                      prompt=("a red cat", "a blue house", "a dog")[i]) for i in range(3)]
+    want = Engine(model, EngineConfig(backend="eager", max_batch=2)).generate(specs)
+    monkeypatch.setattr(modulation, "TABLES", False)
+    engine = Engine(model, EngineConfig(backend="graphs", max_batch=2))
+    assert "modulation" not in step_specs(model)[0]
+    plain = engine.generate(specs)
+    monkeypatch.setattr(modulation, "TABLES", True)
+    engine = Engine(model, EngineConfig(backend="graphs", max_batch=2))
+    cache = tr._temb_modulation
+    rows = 2 if kind == "sd3" else 1
+    assert tuple(step_specs(model)[0]["modulation"].shape_per_sample) == ((2, cache.width) if rows == 2 else (cache.width,))
+    products, embeds = [], []
+    cache.product.register_forward_hook(lambda mod, a, out: products.append(out.shape[0]))
+    tr.time_text_embed.timestep_embedder.register_forward_hook(lambda mod, a, out: embeds.append(out.shape[0]))
+    engine.add_many(specs)  # admitted together: one product for the three requests' steps
+    done = {}
+    while engine.num_active:
+        done.update({r.request.id: r for r in engine.step()})
+    got = [done[s.id] for s in specs]
+    steps = sum(s.steps for s in specs)
+    assert products == [rows * steps] and embeds == [rows * steps]  # and none in the 6 steps
+    assert cache.given is None and all(lin._hoisted is None for lin in cache.linears)  # nothing left behind
+    for g, p, w in zip(got, plain, want):
+        torch.testing.assert_close(g.latents, p.latents, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g.latents, w.latents, rtol=1e-4, atol=1e-4)
+
+
+def test_a_table_row_is_the_product_the_forward_computes_at_that_step(tiny_flux):
+    """``step_tables``' rows against what the hoisted forward itself multiplies at the same timestep, guidance
+    and pooled prompt (the step's inputs as the engine gives them)."""
+    from samplers import make_plan
+    from workers.engine import Engine, EngineConfig
+    from workers.families import flux
+    from workers.spec import ItemSpec
+
+    model = tiny_flux
+    Engine(model, EngineConfig(backend="graphs", max_batch=2))
+    d = model.card.defaults
+    spec = ItemSpec(id="a", seed=0, sampler=d["sampler"], steps=4, guidance=4.5, prompt="a red cat")
+    plan = make_plan(spec.sampler, spec.steps, model.schedule, **flux.plan_kwargs(model, tuple(model.latent_shape)))
+    cond = flux.encode(model, [spec])[0]
+    (table,) = flux.step_tables(model, [plan], [spec], [cond])
+    cache = model.transformer._temb_modulation
+    seen = []
+    cache.product.register_forward_hook(lambda mod, a, out: seen.append(out))
+    step = flux.make_step(model)
+    c, h, w = model.latent_shape
+    for i in range(plan.num_steps):
+        seen.clear()
+        with torch.no_grad():
+            step(torch.randn(1, c, h, w), plan.timesteps[i:i + 1], torch.tensor([spec.guidance]), plan.coeffs[i:i + 1],
+                 torch.zeros(1, c, h, w), torch.zeros(1, c, h, w), cond["prompt_embeds"][None], cond["pooled"][None])
+        (product,) = seen
+        torch.testing.assert_close(table["modulation"][i], product[0], rtol=1e-5, atol=1e-6)

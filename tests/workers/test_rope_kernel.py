@@ -139,19 +139,22 @@ def test_the_bf16_pass_is_what_diffusers_norms_rotates_and_concatenates():
 
 
 def test_routed_flux_in_bf16_takes_the_one_pass_where_switched_on(monkeypatch):
-    """bf16 attention (no FP8): with ``rope_kernel.BF16`` the double block and both single blocks take q, k, v
-    from ``joint_qkv``; the model computes what diffusers' norms and rotation give (float32 on a CPU)."""
+    """bf16 attention (no FP8): with ``rope_kernel.BF16`` (the default) the double block and both single blocks
+    take q, k, v from ``joint_qkv``; the model computes what diffusers' norms and rotation give (float32 on a
+    CPU), which it computes with the switch off."""
     model, x = _tiny_flux(), _flux_inputs()
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.RMSNorm):
                 m.weight.normal_(1.0, 0.2)
     assert route_joint_attention(model) == 3
+    assert rope_kernel.BF16
+    monkeypatch.setattr(rope_kernel, "BF16", False)
     before = _run(model, x)
     calls = []
     real = rope_kernel.joint_qkv
     monkeypatch.setattr(rope_kernel, "joint_qkv", lambda *a, **kw: calls.append(a[7] is not None) or real(*a, **kw))
-    assert _run(model, x) is not None and calls == []  # off by default
+    assert _run(model, x) is not None and calls == []  # switched off
     monkeypatch.setattr(rope_kernel, "BF16", True)
     out = _run(model, x)
     assert sorted(calls) == [False, False, True]  # 2 single blocks, 1 double block with its text

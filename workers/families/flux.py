@@ -19,12 +19,13 @@ transformer: padding tokens take part, as in the reference, and every shape is f
 Encodings are cached per model in an LRU keyed by the prompt.
 
 Graph safety: the position ids (image grid and text zeros) are device tensors made once per shape in
-``make_step``; the transformer turns them into RoPE tables on the device at each call (float64 on CUDA),
-with no host synchronisation, so the step captures as is.
+``make_step``, and so are the RoPE tables the transformer would make of them at each call (float64 on CUDA;
+``rotary_tables``), so the step captures as is.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -32,9 +33,12 @@ import torch
 
 from graphs import TensorSpec
 from samplers import model_input, sampler_step
+from workers import modulation
+from workers.modulation import give as give_modulation
 from workers.families.textcache import encodings
 
 CACHE_SIZE = 4096
+ROTARY_ONCE = True  # the rotary tables made once per shape in make_step, not by the transformer every step
 BREAK_ATTENTION = False  # the attention break patch is written for a self-attention without text tokens
 JOINT_ATTENTION = True  # its joint attention by the kernel per shape (workers.joint_attention), not a break
 
@@ -43,6 +47,46 @@ def cond_specs(model) -> dict[str, TensorSpec]:
     cfg = model.transformer.config
     return {"prompt_embeds": TensorSpec((model.card.max_tokens, cfg.joint_attention_dim), model.dtype),
             "pooled": TensorSpec((cfg.pooled_projection_dim,), model.dtype)}
+
+
+def table_specs(model) -> dict[str, TensorSpec]:
+    """The step's inputs that change every step and are known at admission: the modulation's row of the
+    step (``workers.modulation``, tables), where the engine hoisted it."""
+    cache = modulation.temb_modulation(model.transformer)
+    if cache is None or not modulation.TABLES:
+        return {}
+    return {"modulation": TensorSpec((cache.width,), model.dtype)}
+
+
+def step_tables(model, plans, specs, conds) -> list[dict[str, torch.Tensor]]:
+    """Each request's modulation at every step of its plan, (S, width) on the model's device, in one product
+    for all of ``specs``; nothing where ``table_specs`` is empty."""
+    if not table_specs(model):
+        return [{} for _ in specs]
+    steps = [p.num_steps for p in plans]
+    rows = table_inputs(model, {
+        "t": torch.cat([p.timesteps for p in plans]),
+        "guidance": torch.cat([torch.full((n,), float(s.guidance)) for s, n in zip(specs, steps)]),
+        "pooled": torch.cat([c["pooled"][None].expand(n, -1) for c, n in zip(conds, steps)])})
+    return [{"modulation": m} for m in rows["modulation"].split(steps)]
+
+
+@torch.no_grad()
+def table_inputs(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ``table_specs`` inputs of the step's rows ``inputs`` (its t, guidance and pooled, (N, ...) each):
+    the embedding of the timestep, guidance and pooled prompt the step would compute, as the step gives them
+    (the timestep through the model's dtype over 1000 and back, the guidance times 1000), and its product."""
+    if not table_specs(model):
+        return {}
+    dtype, device, tr = model.dtype, model.device, model.transformer
+    timestep = (inputs["t"].to(device, torch.float32).to(dtype) / 1000).to(dtype) * 1000
+    pooled = inputs["pooled"].to(device, dtype)
+    embed = tr.time_text_embed  # its forward, not its call: the hook that hands out the slices must not fire
+    if model.card.guidance_mode == "embedded":
+        temb = embed.forward(timestep, inputs["guidance"].to(device, torch.float32).to(dtype) * 1000, pooled)
+    else:
+        temb = embed.forward(timestep, pooled)
+    return {"modulation": modulation.temb_modulation(tr).table(temb)}                # (N, width)
 
 
 def plan_kwargs(model, shape: tuple[int, int, int]) -> dict:
@@ -103,19 +147,58 @@ def image_ids(h: int, w: int, device) -> torch.Tensor:
     return ids.reshape(h * w, 3).to(device)
 
 
+@functools.cache
+def _given_rotary_class(base: type) -> type:
+    """``base`` (the transformer's ``pos_embed`` class) returning, once, the tables ``make_step`` made for its
+    shape, handed over by its step just before it calls the transformer: the same values, without the thirty-odd small kernels (float64
+    frequencies, cos, sin, interleaves, concatenations) every step would run for them."""
+
+    def forward(self, ids):
+        given = self._given_rotary
+        if given is None:
+            return base.forward(self, ids)
+        object.__setattr__(self, "_given_rotary", None)  # one call's: a later call computes its own
+        return given
+
+    return type(f"Given{base.__name__}", (base,), {"forward": forward, "_given_rotary": None,
+                                                    "__module__": __name__})
+
+
+def rotary_tables(transformer, img_ids: torch.Tensor, txt_ids: torch.Tensor):
+    """The transformer's (cos, sin) rotary tables for these ids, computed now, and its ``pos_embed`` made to
+    return them while a step hands them over; None where its ``pos_embed`` is not diffusers' FluxPosEmbed."""
+    pos = transformer.pos_embed
+    base = type(pos).__mro__[1] if type(pos).__module__ == __name__ else type(pos)
+    if not ROTARY_ONCE or base.__name__ != "FluxPosEmbed":
+        return None
+    with torch.no_grad():
+        tables = base.forward(pos, torch.cat((txt_ids, img_ids), dim=0))
+    pos.__class__ = _given_rotary_class(base)
+    return tables
+
+
 def make_step(model, shape=None):
     """One whole denoising step for latents of ``shape`` (16, h, w; the native one by default): pack, the
     transformer at timestep t / 1000 (FluxPipeline divides by 1000; the model multiplies back), with the
     guidance scale per row when the model embeds it, unpack, sampler update. The position ids depend on
-    the shape only: device tensors made here, outside capture."""
+    the shape only: device tensors made here, outside capture, and so are the rotary tables made of them
+    (``rotary_tables``), which the transformer would otherwise compute every step. ``modulation`` (B, width):
+    the step's rows of the requests' modulation tables (``table_specs``), which the transformer then reads
+    instead of computing."""
     transformer, dtype, device = model.transformer, model.dtype, model.device
     _, h, w = shape or model.latent_shape
     img_ids = image_ids(h // 2, w // 2, device)                       # (N, 3)
     txt_ids = torch.zeros(model.card.max_tokens, 3, device=device)   # (L, 3): text tokens share position 0
     embeds_guidance = model.card.guidance_mode == "embedded"  # the card read guidance_embeds
+    rotary = rotary_tables(transformer, img_ids, txt_ids)
+    pos = transformer.pos_embed
 
-    def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, pooled):
+    def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, pooled, modulation=None):
         tokens = pack(model_input(x, coeffs).to(dtype))                 # (B, N, 64)
+        if modulation is not None:  # this step's rows of the requests' tables (table_specs)
+            give_modulation(transformer, modulation)
+        if rotary is not None:  # taken by this forward's one call of pos_embed
+            object.__setattr__(pos, "_given_rotary", rotary)
         v = transformer(tokens, encoder_hidden_states=prompt_embeds,    # (B, L, 4096)
                         pooled_projections=pooled, timestep=t.to(dtype) / 1000,
                         guidance=guidance if embeds_guidance else None,  # (B,) float32, as the pipeline's

@@ -28,7 +28,9 @@ import torch
 
 from graphs import TensorSpec
 from samplers import cfg_combine, model_input, sampler_step
+from workers import modulation
 from workers.families.textcache import encodings
+from workers.modulation import give as give_modulation
 
 CACHE_SIZE = 1024  # texts; ~2.8 GB of host memory for SD3.5 in bf16
 BREAK_ATTENTION = False  # the attention break patch is written for a self-attention without text tokens
@@ -124,6 +126,43 @@ def cond_specs(model) -> dict[str, TensorSpec]:
     return {"prompt_embeds": embeds, "pooled": pooled, "neg_embeds": embeds, "neg_pooled": pooled}
 
 
+def table_specs(model) -> dict[str, TensorSpec]:
+    """The step's inputs that change every step and are known at admission: the modulation's rows of the
+    step, the prompt's then the negative prompt's (``workers.modulation``, tables), where the engine hoisted it."""
+    cache = modulation.temb_modulation(model.transformer)
+    if cache is None or not modulation.TABLES:
+        return {}
+    return {"modulation": TensorSpec((2, cache.width), model.dtype)}
+
+
+def step_tables(model, plans, specs, conds) -> list[dict[str, torch.Tensor]]:
+    """Each request's modulation at every step of its plan, (S, 2, width) on the model's device (the prompt's
+    row, then the negative prompt's), in one product for all of ``specs``; nothing where ``table_specs`` is
+    empty."""
+    if not table_specs(model):
+        return [{} for _ in specs]
+    steps = [p.num_steps for p in plans]
+    expand = lambda key: torch.cat([c[key][None].expand(n, -1) for c, n in zip(conds, steps)])
+    rows = table_inputs(model, {"t": torch.cat([p.timesteps for p in plans]), "pooled": expand("pooled"),
+                                "neg_pooled": expand("neg_pooled")})
+    return [{"modulation": m} for m in rows["modulation"].split(steps)]
+
+
+@torch.no_grad()
+def table_inputs(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ``table_specs`` inputs of the step's rows ``inputs`` (its t, pooled and neg_pooled, (N, ...) each):
+    (N, 2, width), the products of the embeddings of the timestep with the pooled prompt, then with the
+    negative one, as the step computes them."""
+    if not table_specs(model):
+        return {}
+    device, dtype, tr = model.device, model.dtype, model.transformer
+    t = inputs["t"].to(device, torch.float32)
+    pooled = torch.cat([inputs["pooled"], inputs["neg_pooled"]]).to(device, dtype)
+    temb = tr.time_text_embed.forward(torch.cat([t, t]), pooled)  # the forward: the hook must not fire
+    table = modulation.temb_modulation(tr).table(temb)            # (2N, width)
+    return {"modulation": table.unflatten(0, (2, len(t))).transpose(0, 1)}  # (N, 2, width)
+
+
 def encode(model, specs) -> list[dict[str, torch.Tensor]]:
     """Each request's prompt and negative prompt, encoded in one batch per text encoder (cache misses only)."""
     found = _encode_texts(model, sorted({t for s in specs for t in (s.prompt, s.negative_prompt)}))
@@ -134,11 +173,13 @@ def encode(model, specs) -> list[dict[str, torch.Tensor]]:
 def make_step(model, shape=None):
     """One whole denoising step: both CFG halves in one forward (prompt rows, then negative rows), guidance,
     sampler update. Nothing depends on ``shape``: the transformer crops its positional embedding to the
-    latents' size itself."""
+    latents' size itself. ``modulation``: the step's rows of the requests' modulation tables (``table_specs``)."""
     transformer, dtype = model.transformer, model.dtype
 
-    def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, pooled, neg_embeds, neg_pooled):
+    def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, pooled, neg_embeds, neg_pooled, modulation=None):
         xin = model_input(x, coeffs).to(dtype)                                        # (B, C, H, W)
+        if modulation is not None:  # (B, 2, width): this step's rows of the requests' tables, as the rows below
+            give_modulation(transformer, torch.cat([modulation[:, 0], modulation[:, 1]]))
         out = transformer(hidden_states=torch.cat([xin, xin]),                          # (2B, C, H, W)
                           timestep=torch.cat([t, t]),                                   # (2B,) sigma * 1000
                           encoder_hidden_states=torch.cat([prompt_embeds, neg_embeds]),  # (2B, 77 + L, 4096)
