@@ -98,6 +98,9 @@ SYSTEMS.update({f"{name}+nohoist": SYSTEMS[name] for name in ("full+inductor+blo
 SYSTEMS.update({f"{name}+inductorqkv": SYSTEMS[name] for name in ("full+inductor+blocks", "full+inductor+fp8+blocks")})
 SYSTEMS.update({f"{name}+notables": SYSTEMS[name] for name in ("full+inductor+blocks", "full+inductor+fp8+blocks",
                                                                   "full+inductor+fp8+blocks+fp8attention")})
+SYSTEMS["full+inductor+fp8+blocks+fp8attention+norotary"] = SYSTEMS["full+inductor+fp8+blocks+fp8attention"]
+# +norotary: FLUX.1's transformer makes its rotary tables every step, as diffusers' forward does, instead of
+# reading the ones make_step made once for the shape (workers.families.flux.ROTARY_ONCE off)
 # +inductorqkv: FLUX.1's bf16 attention takes q, k, v from Inductor's kernels of the norms, the rotary embedding and
 # the concatenation, instead of workers.rope_kernel.joint_qkv's one pass (rope_kernel.BF16 off)
 # +notables: SD3's and FLUX.1's step multiplies its modulation itself (the one hoisted product a step), instead of
@@ -368,6 +371,7 @@ def run(args, result: dict, save) -> None:
     from workers.loading import load_model
 
     from workers import fp8, fp8_attention, joint_attention, modulation, norm_fusion, patches, rope_kernel, sdpa
+    from workers.families import flux as flux_family
     from workers.fp8 import unsupported_reason
 
     for kind in ("cold", "warm") if args.start else ():  # first, while this process holds no GPU memory
@@ -421,6 +425,7 @@ def run(args, result: dict, save) -> None:
                 mock.patch.object(modulation, "ENABLED", not name.endswith("+nohoist")), \
                 mock.patch.object(rope_kernel, "BF16", not name.endswith("+inductorqkv")), \
                 mock.patch.object(modulation, "TABLES", not name.endswith("+notables")), \
+                mock.patch.object(flux_family, "ROTARY_ONCE", not name.endswith("+norotary")), \
                 mock.patch.object(models[loaded], "precision", precision):
             result["systems"][name] = bench_system(models[loaded], name, args, inputs, reference)
         if unfolded:
