@@ -76,6 +76,7 @@ class TembModulation:
         self.widths = [lin.out_features for lin in linears]
         self.product = product                   # (sum kD, D) weight, (sum kD,) bias
         self.hooks: list = []
+        self.active = False  # hooked (the hooks themselves are not read in a forward: dynamo cannot trace them)
         self.given: torch.Tensor | None = None  # this forward's (B, sum kD) product, computed beforehand
 
     @property
@@ -135,7 +136,7 @@ def give(transformer: nn.Module, product: torch.Tensor) -> None:
 def temb_modulation(transformer: nn.Module) -> TembModulation | None:
     """The transformer's hoisted modulation, while hoisted (else None)."""
     cache = getattr(transformer, "_temb_modulation", None)
-    return cache if cache is not None and cache.hooks else None
+    return cache if cache is not None and cache.active else None
 
 
 def modulation_linears(transformer: nn.Module) -> list[nn.Linear] | None:
@@ -177,6 +178,7 @@ def hoist_temb_modulation(transformer: nn.Module) -> bool:
     embed = transformer.time_text_embed
     cache.hooks = [embed.register_forward_hook(lambda mod, args, out: cache.compute(out)),
                    transformer.register_forward_hook(lambda mod, args, out: cache.clear())]
+    cache.active = True
     for lin in linears:
         lin.__class__ = HoistedLinear
     embed.__class__ = _given_embed_class(type(embed))
@@ -192,6 +194,7 @@ def restore_temb_modulation(transformer: nn.Module) -> None:
     for hook in cache.hooks:
         hook.remove()
     cache.hooks = []
+    cache.active = False
     cache.clear()
     embed = transformer.time_text_embed
     if type(embed).__module__ == __name__:

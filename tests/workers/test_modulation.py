@@ -288,3 +288,27 @@ def test_a_table_row_is_the_product_the_forward_computes_at_that_step(tiny_flux)
                  torch.zeros(1, c, h, w), torch.zeros(1, c, h, w), cond["prompt_embeds"][None], cond["pooled"][None])
         (product,) = seen
         torch.testing.assert_close(table["modulation"][i], product[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd3"])
+def test_a_step_reading_its_table_traces_in_one_graph(kind, tmp_path):
+    """A compiled step (the engine's "step" scope) traces the table's hand-over, the embedding's stand-in and
+    FLUX.1's rotary tables without a break, and computes what the step computes uncompiled."""
+    from workers.engine import Engine, EngineConfig
+    from workers.families import family_of
+
+    model = _tiny(kind, tmp_path)
+    Engine(model, EngineConfig(backend="graphs", max_batch=2))  # hoists the modulation
+    example = Engine._example(model, tuple(model.latent_shape))
+    assert "modulation" in example
+    step = family_of(model).make_step(model)
+    with torch.no_grad():
+        want = step(**example)
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        got = torch.compile(step, backend="eager", fullgraph=True)(**example)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert model.transformer._temb_modulation.given is None
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
