@@ -207,5 +207,5 @@ def restore_temb_modulation(transformer: nn.Module) -> None:
 
 def hoisted(transformer: nn.Module) -> int:
     """How many modulation linears of ``transformer`` are hoisted now."""
-    cache = getattr(transformer, "_temb_modulation", None)
-    return 0 if cache is None or not cache.hooks else sum(type(lin) is HoistedLinear for lin in cache.linears)
+    cache = temb_modulation(transformer)
+    return 0 if cache is None else sum(type(lin) is HoistedLinear for lin in cache.linears)

@@ -60,9 +60,7 @@ def table_specs(model) -> dict[str, TensorSpec]:
 
 def step_tables(model, plans, specs, conds) -> list[dict[str, torch.Tensor]]:
     """Each request's modulation at every step of its plan, (S, width) on the model's device, in one product
-    for all of ``specs``; nothing where ``table_specs`` is empty."""
-    if not table_specs(model):
-        return [{} for _ in specs]
+    for all of ``specs`` (the engine asks only where ``table_specs`` is not empty)."""
     steps = [p.num_steps for p in plans]
     rows = table_inputs(model, {
         "t": torch.cat([p.timesteps for p in plans]),
@@ -76,8 +74,6 @@ def table_inputs(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     """The ``table_specs`` inputs of the step's rows ``inputs`` (its t, guidance and pooled, (N, ...) each):
     the embedding of the timestep, guidance and pooled prompt the step would compute, as the step gives them
     (the timestep through the model's dtype over 1000 and back, the guidance times 1000), and its product."""
-    if not table_specs(model):
-        return {}
     dtype, device, tr = model.dtype, model.device, model.transformer
     timestep = (inputs["t"].to(device, torch.float32).to(dtype) / 1000).to(dtype) * 1000
     pooled = inputs["pooled"].to(device, dtype)

@@ -137,10 +137,8 @@ def table_specs(model) -> dict[str, TensorSpec]:
 
 def step_tables(model, plans, specs, conds) -> list[dict[str, torch.Tensor]]:
     """Each request's modulation at every step of its plan, (S, 2, width) on the model's device (the prompt's
-    row, then the negative prompt's), in one product for all of ``specs``; nothing where ``table_specs`` is
-    empty."""
-    if not table_specs(model):
-        return [{} for _ in specs]
+    row, then the negative prompt's), in one product for all of ``specs`` (the engine asks only where
+    ``table_specs`` is not empty)."""
     steps = [p.num_steps for p in plans]
     expand = lambda key: torch.cat([c[key][None].expand(n, -1) for c, n in zip(conds, steps)])
     rows = table_inputs(model, {"t": torch.cat([p.timesteps for p in plans]), "pooled": expand("pooled"),
@@ -153,8 +151,6 @@ def table_inputs(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     """The ``table_specs`` inputs of the step's rows ``inputs`` (its t, pooled and neg_pooled, (N, ...) each):
     (N, 2, width), the products of the embeddings of the timestep with the pooled prompt, then with the
     negative one, as the step computes them."""
-    if not table_specs(model):
-        return {}
     device, dtype, tr = model.device, model.dtype, model.transformer
     t = inputs["t"].to(device, torch.float32)
     pooled = torch.cat([inputs["pooled"], inputs["neg_pooled"]]).to(device, dtype)
