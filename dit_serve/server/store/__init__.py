@@ -41,8 +41,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 
 from dit_serve.schemas import TERMINAL_STATES, ItemStatus, Job, JobParams, WebhookStatus
-from dit_serve.server.tables import (DEFAULT_TENANT, MIGRATIONS, SCHEMA_VERSION, api_keys, items, jobs, meta, schema,
-                               tenants)
+from dit_serve.server.store.tables import (DEFAULT_TENANT, MIGRATIONS, SCHEMA_VERSION, api_keys, items, jobs, meta,
+                                           schema, tenants)
 from workers import admission
 from workers.spec import ItemSpec
 
