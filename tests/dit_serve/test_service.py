@@ -322,7 +322,7 @@ def test_a_poison_item_fails_alone_and_its_batch_mates_finish(svc, digits_model,
                     "step_seconds": [], "busy_s": 0.0, "window_s": 0.0, "stats": {}}
 
     monkeypatch.setattr("dit_serve.server.scheduler._actor_class", lambda: ray.remote(max_restarts=0, concurrency_groups={"poll": 1})(PoisonedWorker))
-    monkeypatch.setattr("dit_serve.server.store.requeue_backoff", lambda n: 0.0)
+    monkeypatch.setattr("dit_serve.server.store.leases.requeue_backoff", lambda n: 0.0)
     cfg = service_config(tmp_path, digits_model, workers={"max_batch": 4})
     with Service(cfg, roles=("scheduler",)) as sched:
         seeds = [1, 666, 2, 3, 4, 5, 6, 7]

@@ -146,7 +146,7 @@ def test_a_poison_item_is_isolated_and_failed_alone(store, monkeypatch):
     # 16 items in batches of 8; item 5 kills its worker every time. Its batch [0..7] crashes twice
     # (crashes=2: suspects), then runs as halves: [0..3] finish, [4..7] crash (crashes=3); as quarters:
     # [4, 5] crash (crashes=4), [6, 7] finish; alone: [4] finishes, [5] crashes twice alone: failed.
-    monkeypatch.setattr("dit_serve.server.store.requeue_backoff", lambda n: 0.0)
+    monkeypatch.setattr("dit_serve.server.store.leases.requeue_backoff", lambda n: 0.0)
     job_id = _job(store, 16)
     assert _run_with_poison(store, {5}, batch=8) == 2 + 1 + 1 + 2
     job = store.get_job(job_id)
