@@ -13,11 +13,12 @@ Sections (``--sections``):
              against float32 attention (rms of the difference over the reference's)
 
 On a GPU each call is captured 20 times in a CUDA graph and replayed (harness.replay_us: the GPU's time
-without the host's launches); on a CPU timed plainly. Writes docs/benchmarks/kernels.{json,md}.
+without the host's launches); on a CPU timed plainly. Writes docs/benchmarks/kernels.{json,md}. (Not named
+kernels.py: a script's folder comes first on the import path, and diffusers imports a package of that name.)
 
-    python bench/kernels.py                       # on a GPU (~2 min)
-    python bench/kernels.py --sections attention
-    python bench/kernels.py --smoke               # small shapes on a CPU, seconds
+    python bench/kernel_times.py                       # on a GPU (~2 min)
+    python bench/kernel_times.py --sections attention
+    python bench/kernel_times.py --smoke               # small shapes on a CPU, seconds
 """
 
 from __future__ import annotations
