@@ -1,0 +1,66 @@
+"""bench/harness.py: presets into engine configs, statistics, reports; and each script's --smoke run on a CPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import harness  # noqa: E402
+
+
+@pytest.mark.parametrize("family, scope, precision", [("dit", "step", "fp8"), ("pixart", "blocks", "fp8"),
+                                                      ("sd3", "blocks", "fp8+attention"),
+                                                      ("flux", "blocks", "fp8+attention")])
+def test_presets_build_the_engine_config_and_precision(family, scope, precision):
+    config, p = harness.engine_config("default", family)
+    assert (config.backend, config.compile, config.decode_graphs, p) == ("graphs", "off", False, "bf16")
+    config, p = harness.engine_config("fast", family)
+    assert (config.compile, config.compile_scope, config.decode_graphs, p) == ("inductor", scope, True, "bf16")
+    config, p = harness.engine_config("fastest", family)
+    assert (config.compile, config.compile_scope, p) == ("inductor", scope, precision)
+
+
+def test_overrides_apply_last_and_unknown_presets_are_refused():
+    config, p = harness.engine_config("fastest", "flux", compile_scope="step", precision="fp8", max_batch=4)
+    assert (config.compile_scope, config.max_batch, p) == ("step", 4, "fp8")
+    with pytest.raises(ValueError, match="preset"):
+        harness.engine_config("turbo", "dit")
+
+
+def test_percentiles_interpolate_between_ranks():
+    xs = [4.0, 1.0, 3.0, 2.0, 5.0]  # sorted 1..5: p50 = 3, p10 = 1 + 0.4 * 1 = 1.4, p90 = 4.6
+    assert harness.percentile(xs, 50) == 3.0
+    assert harness.stats(xs) == {"median": 3.0, "p10": 1.4, "p90": 4.6, "n": 5}
+
+
+def test_timers_return_every_sample():
+    calls = []
+    assert len(harness.wall_ms(lambda: calls.append(1), iters=4, warmup=2)) == 4 and len(calls) == 6
+    assert len(harness.cuda_ms(lambda: None, iters=3)) == 3
+
+
+def test_a_report_overwrites_the_workload_s_one_json_and_markdown(tmp_path):
+    env = harness.environment("cpu")
+    assert env["gpu"] is None and env["command"].startswith("python ")
+    for value in (1, 2):
+        paths = harness.write_report(tmp_path, "step_x", {"env": env, "value": value, "p": tmp_path}, "# t\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_x.json", "step_x.md"]
+    assert json.loads(paths[0].read_text())["value"] == 2
+    assert harness.table(["a", "b"], [[1.234, None]]) == ["| a | b |", "|---|---|", "| 1.23 | - |"]
+
+
+def test_smoke_runs_never_write_into_docs_benchmarks(tmp_path):
+    assert harness.out_dir(None, smoke=True) != harness.REPORTS
+    assert harness.out_dir(None, smoke=False) == harness.REPORTS
+    assert harness.out_dir(tmp_path, smoke=True) == tmp_path
+
+
+def test_a_failing_part_is_recorded_and_the_rest_runs():
+    result: dict = {}
+    harness.attempt(result, "bad", lambda: 1 / 0)
+    harness.attempt(result, "good", lambda: result.__setitem__("ran", True))
+    assert result["ran"] and list(result["errors"]) == ["bad"] and "ZeroDivisionError" in result["errors"]["bad"]

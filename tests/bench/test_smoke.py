@@ -1,0 +1,40 @@
+"""Each benchmark script's --smoke mode on a CPU, at its smallest: the harness's report comes out."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import kernel_times  # noqa: E402
+import quality  # noqa: E402
+import step  # noqa: E402
+import workload  # noqa: E402
+
+
+def test_step_times_diffusers_and_the_default_engine_on_a_tiny_dit(tmp_path):
+    assert step.main(["--smoke", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "step_tiny-dit.json").read_text())
+    assert set(r["systems"]) == {"diffusers", "default"} and r["systems"]["default"]["ms"]["2"]["n"] == 3
+    assert r["systems"]["default"]["config"]["backend"] == "graphs"
+
+
+def test_workload_runs_one_image_end_to_end_and_a_tiny_mix(tmp_path):
+    argv = ["--smoke", "--sections", "e2e", "mixed", "--systems", "default", "--loads", "--out", str(tmp_path)]
+    assert workload.main(argv) == 0
+    r = json.loads((tmp_path / "workload_tiny-dit.json").read_text())
+    assert r["e2e"]["default"]["n"] == 2 and r["mixed"]["default"]["backlog"]["unfinished"] == 0
+    assert "One image end to end" in (tmp_path / "workload_tiny-dit.md").read_text()
+
+
+def test_kernels_times_each_section_on_small_shapes(tmp_path):
+    kernel_times.main(["--smoke", "--sections", "quant", "gelu", "--out", str(tmp_path)])
+    r = json.loads((tmp_path / "kernels.json").read_text())
+    assert len(r["quant"]) == 2 and set(r["gelu"][0]["us"]) == {"separate", "epilogue"}
+
+
+def test_quality_compares_fastest_with_default(tmp_path):
+    assert quality.main(["--smoke", "--models", "digits", "--images", "1", "--steps", "2", "--out", str(tmp_path)]) == 0
+    q = json.loads((tmp_path / "quality.json").read_text())["models"]["digits"]["presets"]["fastest"]
+    assert q["settings"]["precision"] == "fp8" and q["median_psnr_db"] > 20
