@@ -1,4 +1,4 @@
-"""Random full-size SD3.5 medium and FLUX.1-dev built on the meta device (workers.families.<name>.builtin): shrunk configs
+"""Random full-size SD3.5 medium and FLUX.1-dev built on the meta device (families/<name>/builtin.py): shrunk configs
 materialised on the CPU must be whole (no meta tensors, finite, frozen) with buffers equal to a normal
 build's, load through their family's ``load`` and generate finite images through the engine; the CLIP
 tokenizer's ids must fit the encoders and pick the pooled token; the full-size counts and cards right."""

@@ -29,7 +29,7 @@ def model(pixart_dir):
 def _reference(model, prompt: str, negative: str, seed: int, steps: int, guidance: float) -> torch.Tensor:
     from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline
 
-    family_named("pixart").set_cross_attention(model, "padded")  # the reference runs diffusers' own attention processors
+    family_named("pixart").set_cross_attention(model, "padded")  # the reference runs diffusers' processors
     pipe = PixArtSigmaPipeline(tokenizer=model.tokenizer, text_encoder=model.text_encoder, vae=model.vae,
                                transformer=model.transformer,
                                scheduler=DPMSolverMultistepScheduler.from_config(model.card.scheduler))
@@ -118,7 +118,7 @@ def test_the_alpha_layout_equals_the_alpha_pipeline(tmp_path):
     assert read_card(tmp_path / "alpha").max_tokens == MAX_TOKENS  # the directory's own limit wins (α: 120)
     spec = ItemSpec(id="a", seed=4, sampler="dpmpp_2m", steps=5, guidance=4.0, prompt="a green tree")
     (ours,) = Engine(model, EngineConfig(backend="eager", max_batch=2)).generate([spec])
-    family_named("pixart").set_cross_attention(model, "padded")  # the reference runs diffusers' own attention processors
+    family_named("pixart").set_cross_attention(model, "padded")  # the reference runs diffusers' processors
     pipe = PixArtAlphaPipeline(tokenizer=model.tokenizer, text_encoder=model.text_encoder, vae=model.vae,
                                transformer=model.transformer,
                                scheduler=DPMSolverMultistepScheduler.from_config(model.card.scheduler))

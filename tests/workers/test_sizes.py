@@ -77,7 +77,7 @@ def test_a_size_that_is_not_a_patch_multiple_is_a_card_error(tmp_path):
 def _reference(model, spec: ItemSpec) -> torch.Tensor:
     from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline
 
-    family_named("pixart").set_cross_attention(model, "padded")  # the reference runs diffusers' own attention processors
+    family_named("pixart").set_cross_attention(model, "padded")  # the reference runs diffusers' processors
     pipe = PixArtSigmaPipeline(tokenizer=model.tokenizer, text_encoder=model.text_encoder, vae=model.vae,
                                transformer=model.transformer,
                                scheduler=DPMSolverMultistepScheduler.from_config(model.card.scheduler))

@@ -105,8 +105,8 @@ def test_the_toy_step_runs_in_the_graph_runner(toy):
     runner = GraphRunner(family_named("toy").make_step(model), inputs, outputs, max_batch=4, backend="eager",
                          device="cpu")
     g = torch.Generator().manual_seed(0)
-    rows = {k: torch.randn((3, *s.shape_per_sample), generator=g) if s.dtype == torch.float32 else torch.tensor([0, 1, 2])
-            for k, s in inputs.items()}
+    rows = {k: torch.randn((3, *s.shape_per_sample), generator=g) if s.dtype == torch.float32
+            else torch.tensor([0, 1, 2]) for k, s in inputs.items()}
     got = runner.run(**rows)  # 3 rows: buckets 2 + 1
     want = family_named("toy").make_step(model)(**rows)
     for k in outputs:

@@ -1,6 +1,7 @@
 """FLUX.1-dev and FLUX.1-schnell, the torch part (the card is in ``workers.families.flux``); Black Forest
-Labs 2024, diffusers' ``FluxTransformer2DModel`` and ``FluxPipeline``: a rectified-flow MMDiT conditioned on a prompt twice, T5's token embeddings
-(``prompt_embeds``, max_tokens x 4096) and CLIP's pooled output (``pooled``, 768).
+Labs 2024, diffusers' ``FluxTransformer2DModel`` and ``FluxPipeline``: a rectified-flow MMDiT conditioned on
+a prompt twice, T5's token embeddings (``prompt_embeds``, max_tokens x 4096) and CLIP's pooled output
+(``pooled``, 768).
 
 Guidance. Dev is guidance-distilled: the request's guidance scale is an input of the network (one row
 per image, no CFG); schnell has no guidance input and ignores the scale. The reference pipeline's

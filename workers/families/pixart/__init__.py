@@ -34,8 +34,8 @@ class PixArt(Family):
                 "pixart-sigma-1024": Builtin(1024, SIGMA_PARAMS, T5_XXL_PARAMS)}
     previews = {4: SD_VAE}
     runtime = "workers.families.pixart.runtime:PixArtRuntime"
-    break_attention = True  # self-attention (attn1: no mask) through workers.patches: fused q, k, v, the kernel per shape
-    encoder_graphs = True  # under the graph backends T5 replays from CUDA graphs (real_length_encode, model.text_graphs)
+    break_attention = True  # self-attention (attn1: no mask) through workers.patches: fused q, k, v, the kernel
+    encoder_graphs = True  # under the graph backends T5 replays from CUDA graphs (runtime.real_length_encode)
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:
@@ -54,7 +54,8 @@ class PixArt(Family):
         return ModelCard(
             name, "pixart", "text", path=str(path), image_size=size * factor,
             latent_channels=int(cfg.get("in_channels", 4)), latent_size=size, pixel_space=vae is None,
-            dtype=extra.get("dtype", "bfloat16"), scheduler=scheduler, defaults={**DEFAULTS, **extra.get("defaults", {})},
+            dtype=extra.get("dtype", "bfloat16"), scheduler=scheduler,
+            defaults={**DEFAULTS, **extra.get("defaults", {})},
             max_tokens=int(extra.get("max_sequence_length", 300 if sigma else 120)), sizes=tuple(sizes),
             size_multiple=multiple, lowercase_prompts=True, tokenizer_file=str(path / "tokenizer" / "tokenizer.json")
             if (path / "tokenizer" / "tokenizer.json").is_file() else "")

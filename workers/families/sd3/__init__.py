@@ -57,11 +57,12 @@ class SD3(Family):
         return card(name, path, transformer, vae, index, scheduler)
 
     def builtin_card(self, name: str) -> ModelCard:
-        size = self.builtins[name].image_size  # SD3.5 medium's scheduler_config.json; its model card's 40 steps at CFG 4.5
+        # SD3.5 medium's scheduler_config.json; its model card's 40 steps at CFG 4.5
+        size = self.builtins[name].image_size
         scheduler = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
         return ModelCard(name, "sd3", "text", builtin=name, image_size=size, latent_channels=16,
-                         latent_size=size // 8, scheduler=scheduler, max_tokens=256, sizes=tuple(aspect_sizes(size, 16)),
-                         size_multiple=16, defaults={"sampler": "flow_euler", "steps": 40, "guidance": 4.5})
+                         latent_size=size // 8, scheduler=scheduler, max_tokens=256,
+                         sizes=tuple(aspect_sizes(size, 16)), size_multiple=16, defaults={"sampler": "flow_euler", "steps": 40, "guidance": 4.5})
 
 
 def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict) -> ModelCard:
