@@ -76,8 +76,6 @@ def load_text_encoder(cls, folder: Path, device, dtype):
     frozen; the same module again for identical weights on the same device and dtype."""
     import torch
 
-    from workers.loading import _cast
-
     dev = torch.device(encoder_device(device))
     key = (cls.__name__, fingerprint(folder), str(dev), str(dtype))
     if key in _SHARED:
@@ -87,16 +85,21 @@ def load_text_encoder(cls, folder: Path, device, dtype):
     # the engine chooses its own kernels, and nothing is fetched at run time.
     encoder = cls.from_pretrained(str(folder), local_files_only=True, use_safetensors=True, dtype=dtype,
                                   use_kernels=False)
-    _SHARED[key] = encoder = _cast(encoder, dev, dtype)
+    _SHARED[key] = encoder = _frozen(encoder, dev, dtype)
     return encoder
 
 
 def place_encoder(encoder, device, dtype):
     """A text encoder built with its transformer (the built-ins), moved to the offload device if one is set."""
-    from workers.loading import _cast
-
     target = encoder_device(device)
-    return encoder if str(target) == str(device) else _cast(encoder, target, dtype)
+    return encoder if str(target) == str(device) else _frozen(encoder, target, dtype)
+
+
+def _frozen(encoder, device, dtype):
+    """Moved, cast and frozen for inference: as ``workers.loading.cast`` (which imports this module)."""
+    import torch
+
+    return torch.nn.Module.to(encoder, device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def clear() -> None:

@@ -42,7 +42,7 @@ from samplers import Plan, make_plan
 from workers.admission import spec_shape
 from workers.encoders import EncoderGraphs, padded_length
 from workers.epilogues import fuse_gelu_epilogues
-from workers.families import compile_regions, family_of
+from workers.families import compile_regions, family_of, preview_map_of
 from workers.joint_attention import attention_fp8_inline, attention_inline, route_joint_attention
 from workers.loading import LoadedModel
 from workers.modulation import hoist_temb_modulation, restore_temb_modulation
@@ -51,7 +51,7 @@ from workers.patches import attention_into, attention_quantized_into, break_atte
 from workers.sdpa import CHOOSER
 from workers.sdpa import use_cache_dir as use_attention_cache
 from workers.varlen import varlen_attention_into, varlen_attention_quantized_into
-from workers.previews import preview_map_of, to_rgb
+from workers.previews import to_rgb
 from workers.spec import ItemSpec
 
 log = logging.getLogger(__name__)
@@ -143,8 +143,7 @@ class EngineConfig:
         patch is a break only under breakable: under full the same kernel is captured in the graph."""
         if self.backend != "graphs":
             return self.backend
-        needs = getattr(family_of(model), "needs_breaks", None)
-        return "breakable" if needs is not None and needs(model) else "full"
+        return "breakable" if family_of(model).needs_breaks(model) else "full"
 
     def compile_mode(self, model: str) -> str:
         """How ``model``'s steps run: its own mode if listed in ``compile_models``, else ``compile``."""
@@ -209,8 +208,7 @@ def step_specs(model: LoadedModel, shape: tuple[int, int, int] | None = None
 def table_specs(model: LoadedModel) -> dict[str, TensorSpec]:
     """The family's per-step inputs known at admission (``step_tables``; e.g. SD3's and FLUX.1's modulation,
     ``workers.modulation``), per sample; none for most families."""
-    family = family_of(model)
-    return family.table_specs(model) if hasattr(family, "table_specs") else {}
+    return family_of(model).table_specs(model)
 
 
 def step_tables(model: LoadedModel, plans: list[Plan], reqs: list[ItemSpec],
@@ -251,8 +249,8 @@ class Engine:
             m.text_graphs = None
         for m in models:
             family = family_of(m)
-            joint = getattr(family, "JOINT_ATTENTION", False)
-            if config.backend != "eager" and family.BREAK_ATTENTION:
+            joint = family.joint_attention
+            if config.backend != "eager" and family.break_attention:
                 if config.attention_patch:
                     break_attention(m.transformer)
                 if config.hoist_modulation:
@@ -268,15 +266,14 @@ class Engine:
                     self.attention[m.name] = "fp8 (cuDNN)"
             if config.backend != "eager" and config.gelu_epilogue:
                 fuse_gelu_epilogues(m.transformer)
-            if hasattr(family, "set_cross_attention"):
-                family.set_cross_attention(m, config.cross_attention)
-            if config.backend != "eager" and config.attention_patch and (family.BREAK_ATTENTION or joint):
+            family.set_cross_attention(m, config.cross_attention)
+            if config.backend != "eager" and config.attention_patch and (family.break_attention or joint):
                 fuse_block_norms(m.transformer)  # PixArt's, DiT's, FLUX.1's FP8 blocks: each norm and its codes one kernel
-            if hasattr(family, "attention_kernel"):
-                self.attention[m.name] = family.attention_kernel(m)
-                log.info("%s: %s", m.name, self.attention[m.name])
+            if (kernel := family.attention_kernel(m)) is not None:
+                self.attention[m.name] = kernel
+                log.info("%s: %s", m.name, kernel)
             self._group(m, tuple(m.latent_shape))
-            if config.backend != "eager" and getattr(family, "ENCODER_GRAPHS", False):
+            if config.backend != "eager" and family.encoder_graphs:
                 self._graph_encoder(m)
         self.real_rows = 0    # sample-steps served
         self.padded_rows = 0  # bucket rows replayed without a sample in them (padding waste)
@@ -388,7 +385,7 @@ class Engine:
         probe = ItemSpec(id="warmup", model=model.name, seed=0, prompt=WARMUP_PROMPT if card.conditioning == "text"
                          else "", sampler=card.defaults["sampler"], steps=int(card.defaults["steps"]),
                          guidance=float(card.defaults["guidance"]))
-        extra = family.plan_kwargs(model, shape) if hasattr(family, "plan_kwargs") else {}
+        extra = family.plan_kwargs(model, shape)
         plan = make_plan(probe.sampler, probe.steps, model.schedule, **extra)
         cond = family.encode(model, [probe])[0]
         gen = torch.Generator("cpu").manual_seed(0)
@@ -414,9 +411,9 @@ class Engine:
         for key, group_reqs in by_group.items():
             group = self.groups[key]
             family = family_of(group.model)
-            extra = family.plan_kwargs(group.model, group.shape) if hasattr(family, "plan_kwargs") else {}
+            extra = family.plan_kwargs(group.model, group.shape)
             plans = [make_plan(r.sampler, r.steps, group.model.schedule, eta=r.eta, **extra) for r in group_reqs]
-            conds = family_of(group.model).encode(group.model, group_reqs)
+            conds = family.encode(group.model, group_reqs)
             tables = step_tables(group.model, plans, group_reqs, conds)
             admitted += [(group, r, p, c, tb) for r, p, c, tb in zip(group_reqs, plans, conds, tables)]
         for group, req, plan, cond, tables in admitted:

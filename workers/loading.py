@@ -1,16 +1,10 @@
-"""Load class-conditional DiT models from local diffusers-format directories (safetensors only).
+"""Load a model the family its card names builds (``Family.load``), from a local diffusers-format
+directory or a built-in architecture, and what every family's loader shares: safetensors-only weights
+(pickle-based ones, ``.bin``, ``.pt``, ``.pth``, ``.ckpt``, are refused: unpickling runs code), building
+without random initialisation, casting and freezing, the VAE, and the ``LoadedModel`` they return.
 
-Accepted layouts, never fetched from a hub:
-- a pipeline directory: ``model_index.json`` with ``transformer/``, optional ``vae/`` and
-  ``scheduler/scheduler_config.json`` (the layout of ``facebook/DiT-XL-2-256`` and ``-512``,
-  whose ``id2label`` lets users name classes), or
-- a bare transformer directory: ``config.json`` plus ``*.safetensors``.
-
-Built-in names: ``digits``, ``digits-flow`` and ``digits-text`` (the shipped models), ``dit-xl-2-256`` /
-``dit-xl-2-512`` (the DiT-XL/2 architecture with the sd-vae-ft-ema VAE) and ``pixart-sigma-512`` /
-``pixart-sigma-1024`` (PixArt-Σ-XL/2, a T5-XXL-sized encoder, the SDXL VAE), randomly initialised on
-the device, for benchmarks.
-Pickle-based weights (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are refused: unpickling runs code.
+The directory layouts each family accepts are in its folder (``workers.families.<name>``), read by
+``workers.cards.read_card``: the same reader the API uses.
 """
 
 from __future__ import annotations
@@ -26,19 +20,15 @@ import torch
 
 from samplers import NoiseSchedule
 from workers import fp8, fp8_attention
-from workers.cards import DIT_SCHEDULER, FALLBACK_DEFAULTS, CardError, ModelCard, read_card, read_json
-from workers.encoders import encoders_on, load_text_encoder, place_encoder
+from workers.cards import read_card
+from workers.encoders import encoders_on
+from workers.families import family_named
+from workers.families.base import DIT_SCHEDULER, FALLBACK_DEFAULTS, CardError, ModelCard, read_json
 from workers.labels import resolve_label
 
 log = logging.getLogger(__name__)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-DIT_XL_2 = dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8,
-                num_layers=28, patch_size=2, num_embeds_ada_norm=1000, norm_type="ada_norm_zero")
-SD_VAE_FT_EMA = dict(
-    in_channels=3, out_channels=3, latent_channels=4, block_out_channels=[128, 256, 512, 512],
-    down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-    layers_per_block=2, norm_num_groups=32, act_fn="silu", scaling_factor=0.18215)
 
 
 class ModelError(CardError):
@@ -102,7 +92,7 @@ def load_model(spec: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, encoder_device: str | None = None,
                precision: str = "bf16") -> LoadedModel:
     """Load ``digits``, a built-in architecture name, or a local model directory: the model its card
-    (``workers.cards.read_card``, the same reader the API uses) describes. Text encoders load on
+    (``workers.cards.read_card``, the same reader the API uses) describes, built by its family's ``load``. Text encoders load on
     ``encoder_device`` when given (offload: "cpu", another GPU), once per distinct weights.
     ``precision="fp8"``: the transformer blocks' linears become FP8 matrix products (``workers.fp8``);
     ``"fp8+attention"``: those, and the graph backends run SD3's and FLUX.1's joint attention in FP8 too
@@ -129,38 +119,10 @@ def _load_model(spec, device, dtype) -> LoadedModel:
         card = read_card(spec)
     except CardError as e:
         raise ModelError(str(e)) from None
-    if card.family not in ("dit", "pixart"):  # families that load themselves (workers.families.<name>.load)
-        from workers.families import FAMILIES
-
-        return FAMILIES[card.family].load(card, device, dtype)
-    if card.builtin:
-        return (_builtin_pixart if card.family == "pixart" else _builtin_dit_xl)(card, device, dtype)
-    path = Path(card.path)
-    if not (path / "model_index.json").exists():
-        return _assemble(card, _load_transformer(path, device, dtype), None)
-    vae = _load_vae(path / "vae", device, dtype) if (path / "vae" / "config.json").is_file() else None
-    if card.family == "pixart":
-        return _load_pixart(card, path, vae, device, dtype)
-    return _assemble(card, _load_transformer(path / "transformer", device, dtype), vae)
+    return family_named(card.family).load(card, device, dtype)
 
 
-def _load_pixart(card: ModelCard, path: Path, vae, device, dtype) -> LoadedModel:
-    """PixArtTransformer2DModel, the T5 encoder (transformers) and its tokenizer, from local files only."""
-    from diffusers import PixArtTransformer2DModel
-    from transformers import AutoTokenizer, T5EncoderModel
-
-    transformer = load_component(PixArtTransformer2DModel, path / "transformer")
-    refuse_without_safetensors(path / "text_encoder", "model.safetensors")
-    # transformers' loader: sharded checkpoints and tied embeddings; use_safetensors refuses pickles; one
-    # copy per process for identical weights (workers.encoders)
-    encoder = load_text_encoder(T5EncoderModel, path / "text_encoder", device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
-    model = _assemble(card, _cast(transformer, device, dtype), vae)
-    model.text_encoder, model.tokenizer = encoder, tokenizer
-    return model
-
-
-def _assemble(card: ModelCard, transformer, vae) -> LoadedModel:
+def assemble(card: ModelCard, transformer, vae) -> LoadedModel:
     c, size = card.latent_channels, card.latent_size
     return LoadedModel(
         name=card.name, transformer=transformer, vae=vae,
@@ -172,16 +134,10 @@ def _assemble(card: ModelCard, transformer, vae) -> LoadedModel:
         id2label=card.id2label, defaults=card.defaults, card=card)
 
 
-def _load_transformer(path: Path, device, dtype) -> torch.nn.Module:
-    from diffusers import DiTTransformer2DModel
-
-    return _cast(load_component(DiTTransformer2DModel, path), device, dtype)  # the card checked it is a DiT
-
-
-def _load_vae(path: Path, device, dtype) -> torch.nn.Module:
+def load_vae(path: Path, device, dtype) -> torch.nn.Module:
     from diffusers import AutoencoderKL
 
-    return _cast(load_component(AutoencoderKL, path), device, dtype)
+    return cast(load_component(AutoencoderKL, path), device, dtype)
 
 
 def load_component(cls, path: Path) -> torch.nn.Module:
@@ -190,7 +146,7 @@ def load_component(cls, path: Path) -> torch.nn.Module:
     parameter and persistent buffer then comes from the file (a missing one is a ModelError)."""
     refuse_without_safetensors(path)
     with _no_init():
-        model = _instantiate(cls, _read_json(path / "config.json"))
+        model = instantiate(cls, read_config(path / "config.json"))
     _load_weights(model, path)
     return model
 
@@ -216,13 +172,13 @@ def _no_init():
             setattr(torch.nn.init, name, fn)
 
 
-def _cast(model: torch.nn.Module, device, dtype: torch.dtype) -> torch.nn.Module:
+def cast(model: torch.nn.Module, device, dtype: torch.dtype) -> torch.nn.Module:
     """Move, cast and freeze for inference. nn.Module.to, not diffusers' override: the override logs a
     warning on every dtype cast (its keep-in-float32 check) even for models with nothing to keep."""
     return torch.nn.Module.to(model, device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def _instantiate(cls, cfg: dict) -> torch.nn.Module:
+def instantiate(cls, cfg: dict) -> torch.nn.Module:
     """Build ``cls`` from a config, keeping only the keys its constructor takes (Transformer2DModel
     configs carry keys DiTTransformer2DModel does not need)."""
     params = inspect.signature(cls.__init__).parameters
@@ -255,30 +211,8 @@ def _load_weights(model: torch.nn.Module, path: Path) -> None:
                          f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})")
 
 
-def _builtin_dit_xl(card: ModelCard, device, dtype) -> LoadedModel:
-    """DiT-XL/2 with random weights (a seeded init), built directly on the device."""
-    from diffusers import AutoencoderKL, DiTTransformer2DModel
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        transformer = DiTTransformer2DModel(**DIT_XL_2, sample_size=card.latent_size)
-        vae = AutoencoderKL(**SD_VAE_FT_EMA, sample_size=card.image_size)
-    return _assemble(card, _cast(transformer, device, dtype), _cast(vae, device, dtype))
-
-
-def _builtin_pixart(card: ModelCard, device, dtype) -> LoadedModel:
-    """PixArt-Σ-XL/2 with a T5-XXL-sized encoder and the SDXL VAE, random weights made on the device
-    (workers.builtins: never materialised on the host)."""
-    from workers.builtins import build_pixart_sigma
-
-    transformer, encoder, tokenizer, vae = build_pixart_sigma(card.image_size, device, dtype)
-    model = _assemble(card, transformer, vae)
-    model.text_encoder, model.tokenizer = place_encoder(encoder, device, dtype), tokenizer
-    return model
-
-
-def _read_json(path: Path) -> dict:
-    """The card reader's JSON reading (same messages), as this module's ModelError."""
+def read_config(path: Path) -> dict:
+    """The card reader's JSON reading (``workers.families.base.read_json``: same messages), as ModelError."""
     try:
         return read_json(path)
     except CardError as e:

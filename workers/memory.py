@@ -2,8 +2,8 @@
 checks they fit the GPU it got, and otherwise fails to start with what each one needs.
 
 A model directory's size is read from its safetensors headers (tensor shapes and dtypes, no weights
-read); a built-in architecture's from its parameter count on the meta device. Both are converted to
-the dtype the model runs in.
+read); a built-in architecture's from the parameter count its family states (``Family.builtins``, counted
+on the meta device). Both are converted to the dtype the model runs in.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import struct
 from pathlib import Path
 
 from workers.cards import ModelCard, read_card
+from workers.encoders import fingerprint
+from workers.families import FAMILIES
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 WEIGHT_DIRS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
@@ -36,11 +38,10 @@ def safetensors_params(path: Path) -> int:
 def components(card: ModelCard) -> dict[str, tuple[int, str]]:
     """Parameters per component the worker loads for ``card``, with an identity for text encoders (the
     weights' fingerprint: identical encoders are loaded once per process, workers.encoders)."""
-    if card.builtin:
-        core, encoders = BUILTIN_PARAMS[card.builtin]
+    if card.builtin:  # the family's count (workers.families.base.Builtin)
+        builtin = FAMILIES[card.family].builtins[card.builtin]
+        core, encoders = builtin.params, builtin.encoder_params
         return {"model": (core, ""), **({"text_encoders": (encoders, f"{card.name}:encoders")} if encoders else {})}
-    from workers.encoders import fingerprint
-
     path = Path(card.path)
     folders = [path / d for d in WEIGHT_DIRS if (path / d).is_dir()] or [path]
     return {f.name: (sum(safetensors_params(w) for w in sorted(f.glob("*.safetensors"))),
@@ -51,18 +52,6 @@ def weight_params(card: ModelCard, encoders: bool = True) -> int:
     """Parameters of everything the worker loads for ``card`` (transformer, VAE, and text encoders unless
     ``encoders`` is False: they run elsewhere)."""
     return sum(n for name, (n, ident) in components(card).items() if encoders or not ident)
-
-
-# parameters of the built-in architectures, counted on the meta device: (transformer + VAE, text encoders)
-BUILTIN_PARAMS = {
-    "dit-xl-2-256": (749_826_464 + 83_653_863, 0), "dit-xl-2-512": (749_826_464 + 83_653_863, 0),
-    "pixart-sigma-512": (610_856_096 + 83_653_863, 4_762_310_656),
-    "pixart-sigma-1024": (610_856_096 + 83_653_863, 4_762_310_656),
-    # SD3.5: + the positional-embedding table (a buffer); encoders CLIP-L, CLIP-bigG, T5-XXL
-    "sd35-medium-1024": (2_243_171_520 + 226_492_416 + 83_819_683, 123_650_304 + 694_659_840 + 4_762_310_656),
-    "flux-dev-512": (11_901_408_320 + 83_819_683, 123_060_480 + 4_762_310_656),
-    "flux-dev-1024": (11_901_408_320 + 83_819_683, 123_060_480 + 4_762_310_656),
-}
 
 
 def weight_bytes(card: ModelCard, dtype: str, encoders: bool = True) -> int:

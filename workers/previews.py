@@ -2,15 +2,16 @@
 
 A sampler's step already returns ``denoised`` (the engine keeps it as ``hist``). For a latent model a
 fixed linear map from its C latent channels to RGB (plus a bias) approximates what the VAE would decode,
-at the latent resolution; a pixel-space model's estimate is its own image. The map is chosen by the
-model card (family, latent channels, pixel space), never by the model's name. The numbers come from
+at the latent resolution; a pixel-space model's estimate is its own image. Each family names its maps
+by latent channels (``Family.previews``: the card's family, latent channels and pixel space choose,
+never the model's name; ``workers.families.preview_map_of``). The numbers come from
 ComfyUI's ``comfy/latent_formats.py`` (``latent_rgb_factors`` and ``latent_rgb_factors_bias``; rows are
 latent channels, columns R, G, B), fitted there on latents in the sampler's space, which is the space
 the engine samples in (``decode`` undoes ``vae_scale`` and ``vae_shift`` only at the end). Their output,
 like a VAE's, is in [-1, 1].
 
-Importing this module is cheap (no torch): the API reads ``preview_map`` to say which models have
-previews. ``to_rgb`` imports torch when called (on the worker).
+Importing this module is cheap (no torch): the API reads the maps to say which models have previews.
+``to_rgb`` imports torch when called (on the worker).
 """
 
 from __future__ import annotations
@@ -30,45 +31,14 @@ class PreviewMap:
     identity: bool = False
 
 
-# ComfyUI latent_formats.SD15: the SD VAE (sd-vae-ft-ema/mse) that DiT and PixArt decode with
+# ComfyUI latent_formats.SD15: the SD VAE (sd-vae-ft-ema/mse) that DiT and PixArt decode with (the families
+# name their own VAEs' maps: workers.families.<name>)
 SD_VAE = PreviewMap(weight=((0.3512, 0.2297, 0.3227),
                             (0.3250, 0.4974, 0.2350),
                             (-0.2829, 0.1762, 0.2721),
                             (-0.2120, -0.2616, -0.7177)))
 
-# ComfyUI latent_formats.SD3: the 16-channel SD3 / SD3.5 VAE
-SD3_VAE = PreviewMap(weight=((-0.0922, -0.0175, 0.0749), (0.0311, 0.0633, 0.0954), (0.1994, 0.0927, 0.0458),
-                             (0.0856, 0.0339, 0.0902), (0.0587, 0.0272, -0.0496), (-0.0006, 0.1104, 0.0309),
-                             (0.0978, 0.0306, 0.0427), (-0.0042, 0.1038, 0.1358), (-0.0194, 0.0020, 0.0669),
-                             (-0.0488, 0.0130, -0.0268), (0.0922, 0.0988, 0.0951), (-0.0278, 0.0524, -0.0542),
-                             (0.0332, 0.0456, 0.0895), (-0.0069, -0.0030, -0.0810), (-0.0596, -0.0465, -0.0293),
-                             (-0.1448, -0.1463, -0.1189)),
-                     bias=(0.2394, 0.2135, 0.1925))
-
-# ComfyUI latent_formats.Flux: the 16-channel FLUX.1 VAE
-FLUX_VAE = PreviewMap(weight=((-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.0275, -0.0668, -0.0433),
-                              (-0.0174, 0.0160, 0.0617), (0.0859, 0.0721, 0.0329), (0.0004, 0.0383, 0.0115),
-                              (0.0405, 0.0861, 0.0915), (-0.0236, -0.0185, -0.0259), (-0.0245, 0.0250, 0.1180),
-                              (0.1008, 0.0755, -0.0421), (-0.0515, 0.0201, 0.0011), (0.0428, -0.0012, -0.0036),
-                              (0.0817, 0.0765, 0.0749), (-0.1264, -0.0522, -0.1103), (-0.0280, -0.0881, -0.0499),
-                              (-0.1262, -0.0982, -0.0778)),
-                      bias=(-0.0329, -0.0718, -0.0851))
-
 IDENTITY = PreviewMap(identity=True)
-
-LATENT_MAPS = {("dit", 4): SD_VAE, ("pixart", 4): SD_VAE, ("sd3", 16): SD3_VAE, ("flux", 16): FLUX_VAE}
-
-
-def preview_map(family: str, latent_channels: int, pixel_space: bool) -> PreviewMap | None:
-    """The map of a model card's latents to RGB; None when this kind of latent has none."""
-    if pixel_space:
-        return IDENTITY if latent_channels in (1, 3) else None
-    return LATENT_MAPS.get((family, latent_channels))
-
-
-def preview_map_of(card) -> PreviewMap | None:
-    """``preview_map`` of a ``workers.cards.ModelCard``."""
-    return preview_map(card.family, card.latent_channels, card.pixel_space)
 
 
 def preview_size(height: int, width: int, max_side: int = MAX_SIDE) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from dit_serve.server.config import LimitsConfig
 from dit_serve.schemas import ImageGenerationRequest, JobParams, JobRequest, ModelCard
 from samplers.rules import RULES, check_settings
 from workers import cards
-from workers.previews import preview_map_of
+from workers.families import preview_map_of
 from workers.sizes import parse_size
 
 

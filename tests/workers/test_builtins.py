@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from workers.builtins import T5_XXL, build_pixart_sigma, materialise, pixart_sigma_on_meta, t5_tokenizer
+from workers.families.builtins import T5_XXL, materialise, t5_tokenizer
+from workers.families.pixart.builtin import build_pixart_sigma, pixart_sigma_on_meta
 
 SMALL = dict(transformer=dict(num_layers=2, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
                               caption_channels=32),

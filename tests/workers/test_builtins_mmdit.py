@@ -1,4 +1,4 @@
-"""Random full-size SD3.5 medium and FLUX.1-dev built on the meta device (workers.builtins): shrunk configs
+"""Random full-size SD3.5 medium and FLUX.1-dev built on the meta device (families/<name>/builtin.py): shrunk configs
 materialised on the CPU must be whole (no meta tensors, finite, frozen) with buffers equal to a normal
 build's, load through their family's ``load`` and generate finite images through the engine; the CLIP
 tokenizer's ids must fit the encoders and pick the pooled token; the full-size counts and cards right."""
@@ -14,12 +14,15 @@ import pytest
 import torch
 from torch import nn
 
-from workers import builtins
-from workers.builtins import (CLIP_L, build_flux_dev, build_sd35_medium, clip_token_ids, clip_tokenizer,
-                              flux_dev_on_meta, sd35_medium_on_meta)
 from workers.cards import read_card
 from workers.engine import Engine, EngineConfig
-from workers.families import flux, sd3
+from workers.families.builtins import CLIP_L, clip_token_ids, clip_tokenizer
+from workers.families.flux import builtin as flux_builtin
+from workers.families.flux import runtime as flux
+from workers.families.flux.builtin import build_flux_dev, flux_dev_on_meta
+from workers.families.sd3 import builtin as sd3_builtin
+from workers.families.sd3 import runtime as sd3
+from workers.families.sd3.builtin import build_sd35_medium, sd35_medium_on_meta
 from workers.loading import load_model
 from workers.spec import ItemSpec
 
@@ -41,8 +44,8 @@ FLUX_SMALL = dict(
     text_encoder=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2),
     text_encoder_2=dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4),
     vae=SD3_SMALL["vae"])
-FAMILIES = {"sd35-medium-1024": (build_sd35_medium, SD3_SMALL, sd3),  # builder, shrunk configs, family module
-            "flux-dev-1024": (build_flux_dev, FLUX_SMALL, flux)}
+FAMILIES = {"sd35-medium-1024": (build_sd35_medium, SD3_SMALL, sd3, sd3_builtin),  # builder, shrunk configs,
+            "flux-dev-1024": (build_flux_dev, FLUX_SMALL, flux, flux_builtin)}      # runtime and builder modules
 EAGER = EngineConfig(backend="eager", max_batch=2)
 
 
@@ -54,7 +57,7 @@ def _small_card(name: str):
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def small(request):
     """A shrunk built-in loaded by its family's _load_builtin, as load_model loads the full one."""
-    _, overrides, family = FAMILIES[request.param]
+    _, overrides, family, _ = FAMILIES[request.param]
     return family._load_builtin(_small_card(request.param), "cpu", torch.float32, **overrides)
 
 
@@ -82,7 +85,7 @@ def test_built_models_are_whole_finite_and_frozen(small):
                                                      ("sd35-medium-1024", 1024, torch.bfloat16),
                                                      ("flux-dev-1024", 64, torch.float32)])
 def test_recomputed_buffers_equal_a_normal_build(name, image_size, dtype):
-    build, overrides, _ = FAMILIES[name]
+    build, overrides, _, _ = FAMILIES[name]
     if image_size == 1024:  # SD3.5's own table: 384 x 384 patches about a base of 64 (sample_size 128)
         overrides = {**overrides, "transformer": {**overrides["transformer"], "pos_embed_max_size": 384}}
     parts = build(image_size, "cpu", dtype, **overrides)
@@ -112,7 +115,7 @@ def test_a_forward_through_the_engine_is_finite(small):
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_a_bfloat16_generation_is_finite_and_fixed_by_the_seed(name):
-    _, overrides, family = FAMILIES[name]
+    _, overrides, family, _ = FAMILIES[name]
 
     def latents() -> torch.Tensor:  # a fresh build each time: _load_builtin seeds it with 0
         model = family._load_builtin(_small_card(name), "cpu", torch.bfloat16, **overrides)
@@ -125,8 +128,8 @@ def test_a_bfloat16_generation_is_finite_and_fixed_by_the_seed(name):
 
 def test_load_model_builds_the_builtins_through_their_families(monkeypatch):
     """load_model("flux-dev-1024") reaches flux.load, then _load_builtin (the builders shrunk here)."""
-    for name, (build, overrides, _) in FAMILIES.items():
-        monkeypatch.setattr(builtins, build.__name__, lambda size, device, dtype, b=build, o=overrides: b(
+    for name, (build, overrides, _, module) in FAMILIES.items():
+        monkeypatch.setattr(module, build.__name__, lambda size, device, dtype, b=build, o=overrides: b(
             size, device, dtype, **o))
         model = load_model(name)
         assert model.card == read_card(name) and model.latent_shape == (16, 128, 128) and model.image_size == 1024

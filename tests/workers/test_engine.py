@@ -169,7 +169,9 @@ def test_the_graphs_backend_captures_a_step_without_breaks_whole_and_keeps_break
     cross-attention (an eager break per layer) keeps breakable graphs, padded cross-attention goes whole.
     The workers' and ``generate``'s "auto" is "graphs" on CUDA and eager on a CPU."""
     from workers.engine import auto_backend
-    from workers.families import pixart
+    from workers.families import family_named
+
+    pixart = family_named("pixart")
 
     graphs = EngineConfig(backend="graphs")
     assert graphs.backend_for(model) == "full"

@@ -47,7 +47,7 @@ def _forward(model, family: str, seed: int = 0) -> torch.Tensor:
         conds = family_of(model).encode(model, _specs(model))
         cond = {k: torch.stack([c[k] for c in conds]).to(dev) for k in conds[0]}
         if family == "flux":
-            from workers.families.flux import image_ids, pack
+            from workers.families.flux.runtime import image_ids, pack
 
             guidance = torch.tensor([3.5, 2.0], device=dev) if model.card.guidance_mode == "embedded" else None
             return t(pack(x), encoder_hidden_states=cond["prompt_embeds"], pooled_projections=cond["pooled"],
@@ -91,7 +91,7 @@ def test_patched_blocks_compute_what_diffusers_computes(family, tiny_dirs):
 def test_flux_single_blocks_keep_one_class_and_their_weights(tiny_dirs):
     """A blocks-scope compile makes one graph per block class: the patched single blocks share one class,
     and the patch moved no weight (the state dict is the same tensors)."""
-    from workers.families import repeated_blocks
+    from workers.families.base import repeated_blocks
 
     model = load_model(tiny_dirs["flux"])
     before = {k: v.data_ptr() for k, v in model.transformer.state_dict().items()}

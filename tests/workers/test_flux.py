@@ -17,7 +17,8 @@ import torch
 
 from workers.cards import CardError, read_card
 from workers.engine import Engine, EngineConfig
-from workers.families import flux
+from workers.families import family_named
+from workers.families.flux.runtime import image_ids, pack, unpack
 from workers.loading import ModelError, load_model
 from workers.models.tiny_flux import IMAGE_SIZE, MAX_TOKENS, make_tiny_flux
 from workers.spec import ItemSpec
@@ -175,10 +176,10 @@ def test_packing_and_ids_are_the_pipelines():
     from diffusers import FluxPipeline
 
     x = torch.randn(3, 16, 8, 12)
-    assert torch.equal(flux.pack(x), FluxPipeline._pack_latents(x, 3, 16, 8, 12))
-    assert torch.equal(flux.unpack(flux.pack(x), 8, 12), x)
+    assert torch.equal(pack(x), FluxPipeline._pack_latents(x, 3, 16, 8, 12))
+    assert torch.equal(unpack(pack(x), 8, 12), x)
     ids = FluxPipeline._prepare_latent_image_ids(1, 4, 6, "cpu", torch.float32)  # (24, 3)
-    assert torch.equal(flux.image_ids(4, 6, "cpu"), ids)
+    assert torch.equal(image_ids(4, 6, "cpu"), ids)
 
 
 def test_plan_kwargs_shift_by_the_packed_sequence_length(dev, schnell):
@@ -186,10 +187,10 @@ def test_plan_kwargs_shift_by_the_packed_sequence_length(dev, schnell):
 
     cfg = dev.card.scheduler
     for shape in ((16, 8, 8), (16, 8, 12)):
-        mu = flux.plan_kwargs(dev, shape)["mu"]
+        mu = family_named("flux").plan_kwargs(dev, shape)["mu"]
         assert mu == pytest.approx(calculate_shift(shape[1] * shape[2] // 4, cfg["base_image_seq_len"],
                                                    cfg["max_image_seq_len"], cfg["base_shift"], cfg["max_shift"]))
-    assert flux.plan_kwargs(schnell, (16, 8, 8)) == {}
+    assert family_named("flux").plan_kwargs(schnell, (16, 8, 8)) == {}
 
 
 def test_dev_prompts_and_guidances_batched_together_equal_the_pipeline_alone(dev):
@@ -281,7 +282,3 @@ def test_the_rotary_tables_are_made_once_per_shape_and_a_plain_call_makes_its_ow
     assert type(tr.pos_embed).__name__ == "GivenFluxPosEmbed" and tr.pos_embed._given_rotary is None
     ids = torch.zeros(5, 3)
     torch.testing.assert_close(tr.pos_embed(ids), real(tr.pos_embed, ids))  # nothing handed over: its own
-    monkeypatch.setattr(flux, "ROTARY_ONCE", False)
-    calls.clear()
-    Engine(model, EAGER).generate(specs[:1])
-    assert len(calls) == 3  # switched off: the transformer's own, every step

@@ -69,8 +69,8 @@ def test_a_component_is_refused_before_it_is_built_and_built_without_random_init
     (d / "config.json").write_text(json.dumps(HUB_TRANSFORMER))
     (d / "diffusion_pytorch_model.bin").write_bytes(b"not even opened")
     built: list[str] = []
-    real = loading._instantiate
-    monkeypatch.setattr(loading, "_instantiate", lambda cls, cfg: built.append(cls.__name__) or real(cls, cfg))
+    real = loading.instantiate
+    monkeypatch.setattr(loading, "instantiate", lambda cls, cfg: built.append(cls.__name__) or real(cls, cfg))
     with pytest.raises(ModelError, match="pickle weights"):
         loading.load_component(DiTTransformer2DModel, d)
     assert built == []

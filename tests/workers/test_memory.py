@@ -33,7 +33,7 @@ def test_models_that_do_not_fit_name_what_each_needs():
 
 
 def test_every_builtin_has_a_size():
-    from workers.cards import BUILTINS
+    from workers.families import builtin_names
 
-    for name in BUILTINS:
+    for name in builtin_names():
         assert weight_params(read_card(name)) > 0

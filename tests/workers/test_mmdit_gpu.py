@@ -130,7 +130,7 @@ def _breakable_and_eager(model, buckets: tuple[int, ...]) -> tuple[dict, dict]:
     from workers.families import family_of
 
     family, shape = family_of(model), tuple(model.latent_shape)
-    extra = family.plan_kwargs(model, shape) if hasattr(family, "plan_kwargs") else {}  # FLUX-dev's mu
+    extra = family.plan_kwargs(model, shape)  # FLUX-dev's mu
     plan = make_plan("flow_euler", 28, model.schedule, **extra)
     live = {b: _live(model, family, plan, b) for b in buckets}
     outs, stats = {}, {}

@@ -266,10 +266,10 @@ def test_a_table_row_is_the_product_the_forward_computes_at_that_step(tiny_flux)
     and pooled prompt (the step's inputs as the engine gives them)."""
     from samplers import make_plan
     from workers.engine import Engine, EngineConfig
-    from workers.families import flux
+    from workers.families import family_named
     from workers.spec import ItemSpec
 
-    model = tiny_flux
+    model, flux = tiny_flux, family_named("flux")
     Engine(model, EngineConfig(backend="graphs", max_batch=2))
     d = model.card.defaults
     spec = ItemSpec(id="a", seed=0, sampler=d["sampler"], steps=4, guidance=4.5, prompt="a red cat")

@@ -66,7 +66,9 @@ def _block_inputs(block, b=2, t=16, keys=7, seed=0):
 
 @pytest.mark.parametrize("cross", ["varlen", "padded"])
 def test_fused_norm_blocks_compute_what_diffusers_blocks_compute(tiny_pixart_fp8, cross, monkeypatch):
-    from workers.families import pixart
+    from workers.families import family_named
+
+    pixart = family_named("pixart")
     from workers.patches import break_attention, restore_attention
 
     tr = tiny_pixart_fp8.transformer

@@ -87,7 +87,9 @@ def test_fused_norm_pixart_blocks_on_the_kernel_stay_close_to_diffusers_blocks(t
     """bf16 on CUDA: the fused path rounds once where diffusers rounds after each operation, and both
     quantize to FP8, so the outputs differ by FP8 code flips, far below the values."""
     from workers import norm_fusion
-    from workers.families import pixart
+    from workers.families import family_named
+
+    pixart = family_named("pixart")
     from workers.loading import load_model
     from workers.models.tiny_pixart import make_tiny_pixart
     from workers.patches import break_attention

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workers.cards import read_card
-from workers.families.pixart import set_cross_attention
+from workers.families import family_named
 from workers.engine import Engine, EngineConfig
 from workers.loading import load_model
 from workers.models.tiny_pixart import MAX_TOKENS, make_tiny_pixart
@@ -29,7 +29,7 @@ def model(pixart_dir):
 def _reference(model, prompt: str, negative: str, seed: int, steps: int, guidance: float) -> torch.Tensor:
     from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline
 
-    set_cross_attention(model, "padded")  # the reference runs diffusers' own attention processors
+    family_named("pixart").set_cross_attention(model, "padded")  # the reference runs diffusers' processors
     pipe = PixArtSigmaPipeline(tokenizer=model.tokenizer, text_encoder=model.text_encoder, vae=model.vae,
                                transformer=model.transformer,
                                scheduler=DPMSolverMultistepScheduler.from_config(model.card.scheduler))
@@ -66,7 +66,7 @@ def test_prompts_batched_together_equal_the_diffusers_pipeline_alone(model):
 def test_prompts_are_encoded_over_their_real_tokens_only(model):
     """T5 runs over the batch's longest real token count: each real token's embedding equals the pipeline's
     padded-to-max_tokens encoding, the padding stays zero and masked, and the shapes are max_tokens long."""
-    from workers.families.pixart import real_length_encode
+    from workers.families.pixart.runtime import real_length_encode
 
     texts = ["a red cat", "the number seven drawn thin on paper", ""]
     tok = model.tokenizer(texts, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt")
@@ -118,7 +118,7 @@ def test_the_alpha_layout_equals_the_alpha_pipeline(tmp_path):
     assert read_card(tmp_path / "alpha").max_tokens == MAX_TOKENS  # the directory's own limit wins (α: 120)
     spec = ItemSpec(id="a", seed=4, sampler="dpmpp_2m", steps=5, guidance=4.0, prompt="a green tree")
     (ours,) = Engine(model, EngineConfig(backend="eager", max_batch=2)).generate([spec])
-    set_cross_attention(model, "padded")  # the reference runs diffusers' own attention processors
+    family_named("pixart").set_cross_attention(model, "padded")  # the reference runs diffusers' processors
     pipe = PixArtAlphaPipeline(tokenizer=model.tokenizer, text_encoder=model.text_encoder, vae=model.vae,
                                transformer=model.transformer,
                                scheduler=DPMSolverMultistepScheduler.from_config(model.card.scheduler))
@@ -198,7 +198,7 @@ def test_the_padded_steps_head_bias_is_the_one_diffusers_builds(model):
     """Padded cross-attention takes its (rows * heads, 1, L) bias from ``head_bias``, made by expanding (a
     compiled step kept a dynamic batch that way on CUDA); the values and their order are those of
     PixArtTransformer2DModel's conversion followed by the processor's ``prepare_attention_mask``."""
-    from workers.families.pixart import head_bias
+    from workers.families.pixart.runtime import head_bias
 
     attn = model.transformer.transformer_blocks[0].attn2
     mask = (torch.arange(MAX_TOKENS)[None] < torch.tensor([[3], [MAX_TOKENS], [1]])).long()  # (3, L)
@@ -213,7 +213,7 @@ def test_a_padded_step_still_runs_right_when_varlen_is_switched_on_under_it(mode
     model may switch the processors later. The padded step's per-head bias is then read by the varlen
     processor as the keep-mask it stands for: the same outputs as a step made for varlen."""
     from samplers import gather_rows, make_plan
-    from workers.families import pixart
+    pixart = family_named("pixart")
 
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=8, guidance=3.0, prompt=p)
              for i, p in enumerate(["a red cat", "the big blue house drawn small", "a dog"])]
@@ -224,12 +224,12 @@ def test_a_padded_step_still_runs_right_when_varlen_is_switched_on_under_it(mode
     live = dict(x=x, t=t, coeffs=coeffs, guidance=torch.full((3,), 3.0), hist=torch.zeros_like(x),
                 noise=torch.zeros_like(x), **cond)
     try:
-        set_cross_attention(model, "padded")
+        family_named("pixart").set_cross_attention(model, "padded")
         padded = pixart.make_step(model)
-        set_cross_attention(model, "varlen")
+        family_named("pixart").set_cross_attention(model, "varlen")
         got, want = padded(**live), pixart.make_step(model)(**live)
     finally:
-        set_cross_attention(model, "padded")
+        family_named("pixart").set_cross_attention(model, "padded")
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
 
@@ -239,7 +239,7 @@ def test_encoder_graphs_give_the_encoders_embeddings_at_every_length_and_batch(m
     length, batches past its largest bucket in chunks; each text's embedding equals the plain encoder's,
     so ``real_length_encode`` through it equals it without."""
     from workers.encoders import EncoderGraphs, padded_length
-    from workers.families.pixart import real_length_encode
+    from workers.families.pixart.runtime import real_length_encode
 
     graphs = EncoderGraphs(model.text_encoder, MAX_TOKENS, max_batch=2)
     texts = ["a red cat", "the big blue house on the hill", "", "a dog drawn", "seven"]  # 5 texts: 2 + 2 + 1

@@ -82,7 +82,9 @@ def test_full_size_pixart_sigma_buckets_replay_what_eager_computes(sigma_512):
     from graphs import GraphRunner
     from samplers import gather_rows, make_plan
     from workers.engine import step_specs
-    from workers.families import pixart
+    from workers.families import family_named
+
+    pixart = family_named("pixart")
     from workers.spec import ItemSpec
 
     prompts = ["a cat", "a photograph of an astronaut riding a horse on the moon, dramatic light, 35mm",
@@ -205,7 +207,7 @@ def test_the_text_encoder_replays_from_graphs_and_encodes_what_it_computes_eager
     plain encoder's (float32: the same kernels at the same shapes). An eager engine leaves the encoder plain."""
     from workers.encoders import padded_length
     from workers.engine import Engine, EngineConfig
-    from workers.families.pixart import real_length_encode
+    from workers.families.pixart.runtime import real_length_encode
     from workers.spec import ItemSpec
 
     pixart_cuda.cache.clear()

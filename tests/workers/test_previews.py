@@ -2,9 +2,20 @@
 
 import torch
 
+import dataclasses
+
 from workers.cards import read_card
-from workers.previews import (FLUX_VAE, IDENTITY, SD3_VAE, SD_VAE, preview_map, preview_map_of, preview_size,
-                              to_rgb)
+from workers.families import preview_map_of
+from workers.families.flux import FLUX_VAE
+from workers.families.sd3 import SD3_VAE
+from workers.previews import IDENTITY, SD_VAE, preview_size, to_rgb
+
+
+def preview_map(family: str, latent_channels: int, pixel_space: bool):
+    """The map of a card of ``family`` with these latents."""
+    card = dataclasses.replace(read_card("digits"), family=family, latent_channels=latent_channels,
+                               pixel_space=pixel_space)
+    return preview_map_of(card)
 
 
 def test_maps_by_card():

@@ -57,7 +57,9 @@ def _inputs(tr, b=3, keys=7, seed=0):
 def test_pixart_fp8_with_quantized_breaks_is_bit_identical_to_the_plain_breaks(tiny_pixart_fp8, fused_norms,
                                                                                 monkeypatch):
     from workers import norm_fusion
-    from workers.families import pixart
+    from workers.families import family_named
+
+    pixart = family_named("pixart")
 
     tr = tiny_pixart_fp8.transformer
     patches.break_attention(tr)

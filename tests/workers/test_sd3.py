@@ -20,7 +20,7 @@ import torch
 
 from workers.cards import CardError, read_card
 from workers.engine import Engine, EngineConfig, decode
-from workers.layouts.sd3 import aspect_sizes
+from workers.families.sd3 import aspect_sizes
 from workers.loading import ModelError, load_model
 from workers.models.tiny_sd3 import MAX_TOKENS, make_tiny_sd3
 from workers.spec import ItemSpec

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from workers.cards import CardError, read_card
-from workers.families.pixart import set_cross_attention
+from workers.families import family_named
 from workers.engine import Engine, EngineConfig, resize_and_crop
 from workers.loading import load_model
 from workers.models.tiny_pixart import MAX_TOKENS, make_tiny_pixart
@@ -77,7 +77,7 @@ def test_a_size_that_is_not_a_patch_multiple_is_a_card_error(tmp_path):
 def _reference(model, spec: ItemSpec) -> torch.Tensor:
     from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline
 
-    set_cross_attention(model, "padded")  # the reference runs diffusers' own attention processors
+    family_named("pixart").set_cross_attention(model, "padded")  # the reference runs diffusers' processors
     pipe = PixArtSigmaPipeline(tokenizer=model.tokenizer, text_encoder=model.text_encoder, vae=model.vae,
                                transformer=model.transformer,
                                scheduler=DPMSolverMultistepScheduler.from_config(model.card.scheduler))

@@ -1,68 +1,79 @@
-"""Model families: what differs between kinds of DiT, behind one small interface, so the engine, the
-splitter and ``graphs/`` never know which family they run.
+"""Model families: what differs between kinds of DiT, behind one typed interface (``base.Family``: its
+hooks and their defaults are documented there), so the engine, the splitter and ``graphs/`` never know
+which family they run.
 
-A family is a module with:
-
-    cond_specs(model) -> {name: TensorSpec}      the per-sample conditioning inputs of the captured step
-    encode(model, specs) -> [{name: Tensor}]     each request's conditioning, on the host, outside capture
-                                                 (class labels -> ids; prompts -> text encoder, batched)
-    make_step(model) -> step(x, t, guidance, coeffs, hist, noise, **cond) -> {"x_next", "hist_next"}
-                                                 one whole denoising step: CFG, transformer, sampler update
-    BREAK_ATTENTION                              whether the graph backends patch its self-attention
-                                                 (workers.patches: an eager break under breakable, fused
-                                                 q, k, v and the kernel per shape under both)
-    JOINT_ATTENTION                              optional: the graph backends route its joint attention
-                                                 through the kernel per shape (workers.joint_attention:
-                                                 SD3's and FLUX.1's processors, inside the segments)
-    ENCODER_GRAPHS                               optional: the graph backends replay its text encoder from
-                                                 CUDA graphs (``model.text_graphs``, which its encode uses;
-                                                 workers.encoders.EncoderGraphs)
-    needs_breaks(model) -> bool                  optional: whether the step has eager breaks (PixArt's varlen
-                                                 cross-attention); the engine's "graphs" backend captures a
-                                                 step without them whole (backend full), else breakable
-    plan_kwargs(model, shape) -> dict            optional: extra arguments of make_plan for latents of
-                                                 this shape (FLUX's resolution-dependent shift ``mu``)
-    load(card, device, dtype) -> LoadedModel     optional: families that load themselves (not dit/pixart)
-    compile_regions(model) -> [Module] | None    optional: the modules a blocks-scope compile compiles
-                                                 (``graphs.compiled``, "Regions"); unset: the transformer's
-                                                 repeated blocks (``repeated_blocks``); None: the whole step
-
-The model card (``workers.cards``) names the family; ``workers.loading`` builds the model. To add a
-family: write its card reader branch and its loader, then a module here with the three functions,
-and register it in ``FAMILIES`` (docs/design.md walks through it).
+The registry below is one line per family: its torch-free part, which reads its model directories'
+cards (``workers.cards.read_card`` dispatches here). ``family_named`` and ``family_of`` give a family's
+torch part, the object the engine calls hooks on. Adding a family is one folder
+(``workers/families/<name>/``) and one line here; ``register`` adds one at run time (docs/design.md,
+"Adding a family").
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+from workers.families.base import Family, ModelCard, runtime_of
+from workers.families.dit import DiT
+from workers.families.flux import Flux
+from workers.families.pixart import PixArt
+from workers.families.sd3 import SD3
+from workers.previews import PreviewMap
 
-import torch
-
-from workers.families import dit, flux, pixart, sd3
-
-FAMILIES: dict[str, ModuleType] = {"dit": dit, "pixart": pixart, "sd3": sd3, "flux": flux}
+FAMILIES: dict[str, Family] = {}
+DEFAULT_FAMILY = "dit"  # reads a directory no family claims (and names what it needs), runs a model without a card
 
 
-def repeated_blocks(transformer) -> list:
-    """The blocks of ``transformer``'s stacks: each ``ModuleList`` attribute of it whose modules are all of one
-    class (``transformer_blocks``, FLUX's ``single_transformer_blocks``), in order."""
-    out = []
-    for child in transformer.children():
-        if isinstance(child, torch.nn.ModuleList) and len(child) and len({type(m) for m in child}) == 1:
-            out += list(child)
-    return out
+def register(family: Family) -> Family | None:
+    """Serve ``family`` under its name from now on; the family it replaces, if any."""
+    previous = FAMILIES.get(family.name)
+    FAMILIES[family.name] = family
+    return previous
+
+
+register(DiT())
+register(PixArt())
+register(SD3())
+register(Flux())
+
+
+def family_named(name: str) -> Family:
+    """The torch part of the registered family ``name`` (imported on first use)."""
+    return runtime_of(FAMILIES[name])
+
+
+def family_of(model) -> Family:
+    """The family that runs a loaded model (its card's)."""
+    return family_named(model.card.family if model.card is not None else DEFAULT_FAMILY)
 
 
 def compile_regions(model) -> list:
-    """What a blocks-scope compile compiles for ``model``: its family's choice, else its repeated blocks;
-    empty (the family said None, or none were found): the whole step."""
-    family = family_of(model)
-    regions = family.compile_regions(model) if hasattr(family, "compile_regions") else \
-        repeated_blocks(model.transformer)
-    return list(regions or ())
+    """What a blocks-scope compile compiles for ``model``: its family's choice (its repeated blocks unless it
+    says otherwise); empty (the family said None, or none were found): the whole step."""
+    return list(family_of(model).compile_regions(model) or ())
 
 
-def family_of(model) -> ModuleType:
-    """The family module that runs a loaded model."""
-    name = model.card.family if model.card is not None else "dit"
-    return FAMILIES[name]
+def family_for(pipeline: str | None, transformer: str | None) -> Family:
+    """The family that reads a directory: the one listing its model_index.json ``_class_name`` (``pipeline``),
+    else the one listing its transformer config's (``transformer``), else ``DEFAULT_FAMILY``."""
+    for family in FAMILIES.values():
+        if pipeline and pipeline in family.pipelines:
+            return family
+    for family in FAMILIES.values():
+        if transformer and transformer in family.transformers:
+            return family
+    return FAMILIES[DEFAULT_FAMILY]
+
+
+def builtin_family(name: str) -> Family | None:
+    """The family with a built-in architecture called ``name``; None when no family has one."""
+    return next((f for f in FAMILIES.values() if name in f.builtins), None)
+
+
+def builtin_names() -> list[str]:
+    """Every family's built-in architectures, in registry order."""
+    return [name for f in FAMILIES.values() for name in f.builtins]
+
+
+def preview_map_of(card: ModelCard) -> PreviewMap | None:
+    """The map of a card's latents to RGB (its family's ``preview_map``); None when they have none."""
+    return FAMILIES[card.family].preview_map(card)
+

@@ -1,12 +1,14 @@
-"""Full-size diffusion transformers with random weights, for benchmarks; tokenizers made here, nothing
-downloaded. The architectures of
+"""What the built-in architectures share (full-size diffusion transformers with random weights, for
+benchmarks; each family's own in ``workers.families.<name>.builtin``): the text encoders' and VAEs'
+configs, the tokenizers (made here, nothing downloaded), and building on the meta device. The families'
+built-ins:
 
 - ``PixArt-alpha/PixArt-Sigma-XL-2-1024-MS``: transformer 0.61B, ``google/t5-v1_1-xxl``'s encoder 4.76B,
-  the SDXL VAE (``build_pixart_sigma``);
+  the SDXL VAE (``pixart.builtin.build_pixart_sigma``);
 - ``stabilityai/stable-diffusion-3.5-medium``: MMDiT-X transformer 2.24B, CLIP-L 0.12B and OpenCLIP-bigG
-  0.69B text towers with projections, T5-XXL's encoder, a 16-channel VAE (``build_sd35_medium``);
+  0.69B text towers with projections, T5-XXL's encoder, a 16-channel VAE (``sd3.builtin.build_sd35_medium``);
 - ``black-forest-labs/FLUX.1-dev``: transformer 11.9B, CLIP-L's text tower, T5-XXL's encoder, a
-  16-channel VAE (``build_flux_dev``).
+  16-channel VAE (``flux.builtin.build_flux_dev``).
 
 Modules are built on the meta device, given storage on the target device in the target dtype, and
 initialised there from a seeded generator: the host never holds the weights (FLUX.1-dev's are 31 GiB
@@ -27,12 +29,6 @@ from itertools import product
 import torch
 from torch import nn
 
-# transformer/config.json of PixArt-Sigma-XL-2-1024-MS (sample_size and interpolation_scale follow the size)
-PIXART_SIGMA_XL_2 = dict(
-    num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8, num_layers=28, patch_size=2,
-    cross_attention_dim=1152, caption_channels=4096, attention_bias=True, activation_fn="gelu-approximate",
-    num_embeds_ada_norm=1000, norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
-    use_additional_conditions=False, attention_type="default")
 # google/t5-v1_1-xxl (gated-gelu implies is_gated_act and dense_act_fn "gelu_new"); only its encoder is built
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
               feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128,
@@ -42,15 +38,6 @@ SDXL_VAE = dict(
     in_channels=3, out_channels=3, latent_channels=4, block_out_channels=[128, 256, 512, 512],
     down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
     layers_per_block=2, norm_num_groups=32, act_fn="silu", scaling_factor=0.13025, force_upcast=True)
-# transformer/config.json of stable-diffusion-3.5-medium (sample_size follows the size: 128 at 1024 px)
-SD35_MEDIUM = dict(
-    patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
-    joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
-# transformer/config.json of FLUX.1-dev (patch_size 1: the pipeline packs 2x2 latent cells into a token of 64)
-FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-                axes_dims_rope=(16, 56, 56))
 # text_encoder/config.json of both (openai/clip-vit-large-patch14's text tower) and SD3's text_encoder_2
 # (OpenCLIP ViT-bigG/14's); bos/eos/pad ids are clip_tokenizer's (clip_token_ids), not the hub's
 CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
@@ -59,8 +46,6 @@ CLIP_BIGG = dict(CLIP_L, hidden_size=1280, intermediate_size=5120, num_hidden_la
                  projection_dim=1280, hidden_act="gelu")
 # vae/config.json of SD3.5 and FLUX.1: 16 latent channels, no quant convs; each has its scale and shift
 MMDIT_VAE = dict(SDXL_VAE, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False)
-SD3_VAE_FACTORS = dict(scaling_factor=1.5305, shift_factor=0.0609)
-FLUX_VAE_FACTORS = dict(scaling_factor=0.3611, shift_factor=0.1159)
 INIT_STD = 0.02  # every weight matrix, embedding and free parameter; PixArt's output stays ~N(0, 0.7)
 
 SPECIALS = ("<pad>", "</s>", "<unk>")  # T5's ids 0, 1, 2
@@ -72,93 +57,14 @@ LETTER_FREQ = (8.2, 1.5, 2.8, 4.3, 12.7, 2.2, 2.0, 6.1, 7.0, 0.15, 0.77, 4.0, 2.
                9.1, 2.8, 0.98, 2.4, 0.15, 2.0, 0.074)
 
 
-def build_pixart_sigma(image_size: int, device: str | torch.device, dtype: torch.dtype, seed: int = 0, *,
-                       transformer: dict | None = None, text_encoder: dict | None = None, vae: dict | None = None):
-    """PixArt-Σ at ``image_size`` pixels (latents image_size // 8 per side) with random weights made on
-    ``device`` in ``dtype``: ``(transformer, text_encoder, tokenizer, vae)``, in eval mode, frozen. The
-    dicts override keys of PIXART_SIGMA_XL_2, T5_XXL and SDXL_VAE (tests shrink them). One generator
-    seeded with ``seed`` initialises the three modules in that order, so a seed gives the same weights."""
-    gen = torch.Generator(device).manual_seed(seed)
-    modules = pixart_sigma_on_meta(image_size, transformer=transformer, text_encoder=text_encoder, vae=vae)
-    made = [materialise(m, device, dtype, gen) for m in modules]
-    return made[0], made[1], t5_tokenizer(), made[2]
-
-
-def pixart_sigma_on_meta(image_size: int, *, transformer: dict | None = None, text_encoder: dict | None = None,
-                         vae: dict | None = None) -> tuple[nn.Module, nn.Module, nn.Module]:
-    """The transformer, T5 encoder and VAE of build_pixart_sigma on the meta device: shapes, no storage
-    (parameter counts and memory estimates cost nothing)."""
-    from diffusers import AutoencoderKL, PixArtTransformer2DModel
-    from transformers import T5Config, T5EncoderModel
-
-    # the reference pipelines' positional-embedding interpolation, {256: 0.5, 512: 1, 1024: 2, 2048: 4}
-    sizes = dict(sample_size=image_size // 8, interpolation_scale=image_size / 512)
-    with torch.device("meta"):
-        return (PixArtTransformer2DModel(**{**PIXART_SIGMA_XL_2, **sizes, **(transformer or {})}),
-                T5EncoderModel(T5Config(**{**T5_XXL, **(text_encoder or {})})),
-                AutoencoderKL(**{**SDXL_VAE, "sample_size": image_size, **(vae or {})}))
-
-
-def build_sd35_medium(image_size: int, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
-                      **overrides: dict) -> dict:
-    """Stable Diffusion 3.5 medium at ``image_size`` pixels with random weights made on ``device`` in
-    ``dtype``, named as StableDiffusion3Pipeline's components: transformer, vae, text_encoder /
-    tokenizer (CLIP-L), text_encoder_2 / tokenizer_2 (bigG, padding with "!" as SD3's), text_encoder_3 /
-    tokenizer_3 (T5-XXL). ``overrides`` maps a module's name to keys of its config (tests shrink them);
-    one generator seeded with ``seed`` initialises the modules in that order."""
-    made = _made(sd35_medium_on_meta(image_size, **overrides), device, dtype, seed)
-    return {**made, "tokenizer": clip_tokenizer(), "tokenizer_2": clip_tokenizer(pad="!"),
-            "tokenizer_3": t5_tokenizer()}
-
-
-def build_flux_dev(image_size: int, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
-                   **overrides: dict) -> dict:
-    """FLUX.1-dev with random weights made on ``device`` in ``dtype``, named as FluxPipeline's components:
-    transformer, vae, text_encoder / tokenizer (CLIP-L, its pooled output), text_encoder_2 / tokenizer_2
-    (T5-XXL). ``image_size`` is the VAE's sample_size only (the transformer takes any size);
-    ``overrides`` and ``seed`` as build_sd35_medium's."""
-    made = _made(flux_dev_on_meta(image_size, **overrides), device, dtype, seed)
-    return {**made, "tokenizer": clip_tokenizer(), "tokenizer_2": t5_tokenizer()}
-
-
-def sd35_medium_on_meta(image_size: int, **overrides: dict) -> dict[str, nn.Module]:
-    """The modules of build_sd35_medium on the meta device: shapes, no storage."""
-    from diffusers import AutoencoderKL, SD3Transformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-
-    o = _check_overrides(overrides, ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"))
-    clip_l = CLIPTextConfig(**{**CLIP_L, **clip_token_ids(), **o["text_encoder"]})
-    clip_g = CLIPTextConfig(**{**CLIP_BIGG, **clip_token_ids(pad="!"), **o["text_encoder_2"]})
-    with torch.device("meta"):
-        return {"transformer": SD3Transformer2DModel(**{**SD35_MEDIUM, "sample_size": image_size // 8,
-                                                        **o["transformer"]}),
-                "vae": AutoencoderKL(**{**MMDIT_VAE, **SD3_VAE_FACTORS, "sample_size": image_size, **o["vae"]}),
-                "text_encoder": CLIPTextModelWithProjection(clip_l),
-                "text_encoder_2": CLIPTextModelWithProjection(clip_g),
-                "text_encoder_3": T5EncoderModel(T5Config(**{**T5_XXL, **o["text_encoder_3"]}))}
-
-
-def flux_dev_on_meta(image_size: int, **overrides: dict) -> dict[str, nn.Module]:
-    """The modules of build_flux_dev on the meta device: shapes, no storage."""
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-    o = _check_overrides(overrides, ("transformer", "vae", "text_encoder", "text_encoder_2"))
-    with torch.device("meta"):
-        return {"transformer": FluxTransformer2DModel(**{**FLUX_DEV, **o["transformer"]}),
-                "vae": AutoencoderKL(**{**MMDIT_VAE, **FLUX_VAE_FACTORS, "sample_size": image_size, **o["vae"]}),
-                "text_encoder": CLIPTextModel(CLIPTextConfig(**{**CLIP_L, **clip_token_ids(), **o["text_encoder"]})),
-                "text_encoder_2": T5EncoderModel(T5Config(**{**T5_XXL, **o["text_encoder_2"]}))}
-
-
-def _check_overrides(overrides: dict, names: tuple[str, ...]) -> dict[str, dict]:
+def check_overrides(overrides: dict, names: tuple[str, ...]) -> dict[str, dict]:
     unknown = set(overrides) - set(names)
     if unknown:
         raise TypeError(f"no module named {', '.join(sorted(unknown))} to override; the modules: {', '.join(names)}")
     return {name: overrides.get(name) or {} for name in names}
 
 
-def _made(modules: dict[str, nn.Module], device, dtype: torch.dtype, seed: int) -> dict[str, nn.Module]:
+def materialise_all(modules: dict[str, nn.Module], device, dtype: torch.dtype, seed: int) -> dict[str, nn.Module]:
     gen = torch.Generator(device).manual_seed(seed)
     return {name: materialise(m, device, dtype, gen) for name, m in modules.items()}
 

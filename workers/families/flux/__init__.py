@@ -1,5 +1,6 @@
-"""The model card of a FLUX.1 pipeline directory (``black-forest-labs/FLUX.1-dev``, ``-schnell``; diffusers'
-``FluxPipeline``), read from its JSON files without torch.
+"""FLUX.1, torch-free: the model card of a pipeline directory (``black-forest-labs/FLUX.1-dev``, ``-schnell``;
+diffusers' ``FluxPipeline``), read from its JSON files, and the built-in architectures (``flux-dev-512`` /
+``-1024``: random weights, ``builtin``). The model runs in ``runtime``.
 
 The layout: ``transformer/`` (FluxTransformer2DModel, sharded safetensors), ``vae/`` (a 16-channel
 AutoencoderKL), ``text_encoder/`` (CLIPTextModel: its pooled output) with ``tokenizer/`` (CLIPTokenizer),
@@ -28,6 +29,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes, read_json
+from workers.previews import PreviewMap
+from workers.sizes import ratio_sizes
+
 NATIVE_SIZE = 1024
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses more T5 tokens
 DEV = {"defaults": {"sampler": "flow_euler", "steps": 28, "guidance": 3.5}, "max_tokens": 512}
@@ -39,12 +44,46 @@ PARTS = {"vae": ("vae/config.json", "the VAE (AutoencoderKL)"),
          "tokenizer": ("tokenizer", "the CLIP tokenizer"), "tokenizer_2": ("tokenizer_2", "the T5 tokenizer"),
          "scheduler": ("scheduler/scheduler_config.json", "the scheduler's config")}
 ENCODER_TYPES = {"text_encoder": "clip_text_model", "text_encoder_2": "t5"}  # config.json's model_type
+# FLUX.1-dev: transformer + VAE; CLIP-L's text tower, T5-XXL's encoder (counted on the meta device)
+DEV_PARAMS, DEV_ENCODER_PARAMS = 11_901_408_320 + 83_819_683, 123_060_480 + 4_762_310_656
+# FluxPipeline's scheduler_config.json, on its sigma grid: the built-ins'
+DEV_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,
+                 "max_image_seq_len": 4096, "max_shift": 1.15, "num_train_timesteps": 1000, "shift": 3.0,
+                 "use_dynamic_shifting": True, "flow_grid": "flux"}
+
+# ComfyUI latent_formats.Flux: the 16-channel FLUX.1 VAE (workers.previews)
+FLUX_VAE = PreviewMap(weight=((-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.0275, -0.0668, -0.0433),
+                              (-0.0174, 0.0160, 0.0617), (0.0859, 0.0721, 0.0329), (0.0004, 0.0383, 0.0115),
+                              (0.0405, 0.0861, 0.0915), (-0.0236, -0.0185, -0.0259), (-0.0245, 0.0250, 0.1180),
+                              (0.1008, 0.0755, -0.0421), (-0.0515, 0.0201, 0.0011), (0.0428, -0.0012, -0.0036),
+                              (0.0817, 0.0765, 0.0749), (-0.1264, -0.0522, -0.1103), (-0.0280, -0.0881, -0.0499),
+                              (-0.1262, -0.0982, -0.0778)),
+                      bias=(-0.0329, -0.0718, -0.0851))
 
 
-def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict):
-    from workers.cards import CardError, ModelCard, _listed_sizes
-    from workers.sizes import ratio_sizes
+class Flux(Family):
+    name = "flux"
+    pipelines = ("FluxPipeline",)
+    transformers = ("FluxTransformer2DModel",)
+    builtins = {"flux-dev-512": Builtin(512, DEV_PARAMS, DEV_ENCODER_PARAMS),
+                "flux-dev-1024": Builtin(1024, DEV_PARAMS, DEV_ENCODER_PARAMS)}
+    previews = {16: FLUX_VAE}
+    runtime = "workers.families.flux.runtime:FluxRuntime"
+    joint_attention = True  # its joint attention by the kernel per shape (workers.joint_attention), not a break
 
+    def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
+                  scheduler: dict) -> ModelCard:
+        return card(name, path, transformer, vae, index, scheduler)
+
+    def builtin_card(self, name: str) -> ModelCard:
+        size = self.builtins[name].image_size
+        return ModelCard(name, "flux", "text", builtin=name, image_size=size, latent_channels=16,
+                         latent_size=size // 8, scheduler=dict(DEV_SCHEDULER), defaults=dict(DEV["defaults"]),
+                         max_tokens=DEV["max_tokens"], sizes=tuple(ratio_sizes(size, 16)), size_multiple=16,
+                         guidance_mode="embedded")
+
+
+def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict) -> ModelCard:
     _check_layout(path, transformer, vae)
     extra = index.get("dit_serve", {})
     distilled = bool(transformer.get("guidance_embeds", False))  # dev: True; schnell: False
@@ -63,14 +102,12 @@ def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict
         name, "flux", "text", path=str(path), image_size=size, latent_channels=int(vae["latent_channels"]),
         latent_size=size // factor, dtype=extra.get("dtype", "bfloat16"), scheduler={**scheduler, "flow_grid": "flux"},
         defaults={**base["defaults"], **extra.get("defaults", {})}, max_tokens=max_tokens,
-        sizes=tuple(_listed_sizes(path, extra, multiple) or ratio_sizes(size, multiple)), size_multiple=multiple,
+        sizes=tuple(listed_sizes(path, extra, multiple) or ratio_sizes(size, multiple)), size_multiple=multiple,
         guidance_mode="embedded" if distilled else "none",
         tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() else "")
 
 
 def _check_layout(path: Path, transformer: dict, vae: dict | None) -> None:
-    from workers.cards import CardError, read_json
-
     for part, (file, what) in PARTS.items():
         if not (path / file).exists():
             raise CardError(f"{path} is a FLUX pipeline without {part}/ ({what}): expected {path / file}")

@@ -1,6 +1,7 @@
-"""FLUX.1-dev and FLUX.1-schnell (Black Forest Labs 2024; diffusers' ``FluxTransformer2DModel`` and
-``FluxPipeline``): a rectified-flow MMDiT conditioned on a prompt twice, T5's token embeddings
-(``prompt_embeds``, max_tokens x 4096) and CLIP's pooled output (``pooled``, 768).
+"""FLUX.1-dev and FLUX.1-schnell, the torch part (the card is in ``workers.families.flux``); Black Forest
+Labs 2024, diffusers' ``FluxTransformer2DModel`` and ``FluxPipeline``: a rectified-flow MMDiT conditioned on
+a prompt twice, T5's token embeddings (``prompt_embeds``, max_tokens x 4096) and CLIP's pooled output
+(``pooled``, 768).
 
 Guidance. Dev is guidance-distilled: the request's guidance scale is an input of the network (one row
 per image, no CFG); schnell has no guidance input and ignores the scale. The reference pipeline's
@@ -34,72 +35,14 @@ import torch
 from graphs import TensorSpec
 from samplers import model_input, sampler_step
 from workers import modulation
-from workers.modulation import give as give_modulation
+from workers.encoders import load_text_encoder, place_encoder
+from workers.families.flux import Flux, builtin
 from workers.families.textcache import encodings
+from workers.loading import (ModelError, assemble, cast, instantiate, load_vae, read_config,
+                             refuse_without_safetensors)
+from workers.modulation import give as give_modulation
 
 CACHE_SIZE = 4096
-ROTARY_ONCE = True  # the rotary tables made once per shape in make_step, not by the transformer every step
-BREAK_ATTENTION = False  # the attention break patch is written for a self-attention without text tokens
-JOINT_ATTENTION = True  # its joint attention by the kernel per shape (workers.joint_attention), not a break
-
-
-def cond_specs(model) -> dict[str, TensorSpec]:
-    cfg = model.transformer.config
-    return {"prompt_embeds": TensorSpec((model.card.max_tokens, cfg.joint_attention_dim), model.dtype),
-            "pooled": TensorSpec((cfg.pooled_projection_dim,), model.dtype)}
-
-
-def table_specs(model) -> dict[str, TensorSpec]:
-    """The step's inputs that change every step and are known at admission: the modulation's row of the
-    step (``workers.modulation``, tables), where the engine hoisted it."""
-    cache = modulation.temb_modulation(model.transformer)
-    if cache is None or not modulation.TABLES:
-        return {}
-    return {"modulation": TensorSpec((cache.width,), model.dtype)}
-
-
-def step_tables(model, plans, specs, conds) -> list[dict[str, torch.Tensor]]:
-    """Each request's modulation at every step of its plan, (S, width) on the model's device, in one product
-    for all of ``specs`` (the engine asks only where ``table_specs`` is not empty)."""
-    steps = [p.num_steps for p in plans]
-    rows = table_inputs(model, {
-        "t": torch.cat([p.timesteps for p in plans]),
-        "guidance": torch.cat([torch.full((n,), float(s.guidance)) for s, n in zip(specs, steps)]),
-        "pooled": torch.cat([c["pooled"][None].expand(n, -1) for c, n in zip(conds, steps)])})
-    return [{"modulation": m} for m in rows["modulation"].split(steps)]
-
-
-@torch.no_grad()
-def table_inputs(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The ``table_specs`` inputs of the step's rows ``inputs`` (its t, guidance and pooled, (N, ...) each):
-    the embedding of the timestep, guidance and pooled prompt the step would compute, as the step gives them
-    (the timestep through the model's dtype over 1000 and back, the guidance times 1000), and its product."""
-    dtype, device, tr = model.dtype, model.device, model.transformer
-    timestep = (inputs["t"].to(device, torch.float32).to(dtype) / 1000).to(dtype) * 1000
-    pooled = inputs["pooled"].to(device, dtype)
-    embed = tr.time_text_embed  # its forward, not its call: the hook that hands out the slices must not fire
-    if model.card.guidance_mode == "embedded":
-        temb = embed.forward(timestep, inputs["guidance"].to(device, torch.float32).to(dtype) * 1000, pooled)
-    else:
-        temb = embed.forward(timestep, pooled)
-    return {"modulation": modulation.temb_modulation(tr).table(temb)}                # (N, width)
-
-
-def plan_kwargs(model, shape: tuple[int, int, int]) -> dict:
-    """FLUX.1-dev's resolution-dependent shift: ``mu`` from the packed sequence length (h/2)(w/2), as
-    FluxPipeline's ``calculate_shift(latents.shape[1], ...)``; nothing for a static shift (schnell)."""
-    if not model.card.scheduler.get("use_dynamic_shifting", False):
-        return {}
-    from samplers import flow_mu
-
-    _, h, w = shape
-    return {"mu": flow_mu((h // 2) * (w // 2), model.card.scheduler)}
-
-
-def encode(model, specs) -> list[dict[str, torch.Tensor]]:
-    """Each request's prompt, encoded in one batch per text encoder (cache misses only)."""
-    found = _encode_texts(model, sorted({s.prompt for s in specs}))
-    return [{"prompt_embeds": found[s.prompt][0], "pooled": found[s.prompt][1]} for s in specs]
 
 
 @torch.no_grad()
@@ -118,6 +61,110 @@ def _encode_texts(model, texts: list[str]) -> dict[str, tuple[torch.Tensor, torc
         return list(zip(embeds.to(model.dtype), pooled.to(model.dtype)))
 
     return encodings(model, texts, encode, CACHE_SIZE)
+
+
+class FluxRuntime(Flux):
+    def cond_specs(self, model) -> dict[str, TensorSpec]:
+        cfg = model.transformer.config
+        return {"prompt_embeds": TensorSpec((model.card.max_tokens, cfg.joint_attention_dim), model.dtype),
+                "pooled": TensorSpec((cfg.pooled_projection_dim,), model.dtype)}
+
+    def table_specs(self, model) -> dict[str, TensorSpec]:
+        """The step's inputs that change every step and are known at admission: the modulation's row of the
+        step (``workers.modulation``, tables), where the engine hoisted it."""
+        cache = modulation.temb_modulation(model.transformer)
+        if cache is None or not modulation.TABLES:
+            return {}
+        return {"modulation": TensorSpec((cache.width,), model.dtype)}
+
+    def step_tables(self, model, plans, specs, conds) -> list[dict[str, torch.Tensor]]:
+        """Each request's modulation at every step of its plan, (S, width) on the model's device, in one product
+        for all of ``specs`` (the engine asks only where ``table_specs`` is not empty)."""
+        steps = [p.num_steps for p in plans]
+        rows = self.table_inputs(model, {
+            "t": torch.cat([p.timesteps for p in plans]),
+            "guidance": torch.cat([torch.full((n,), float(s.guidance)) for s, n in zip(specs, steps)]),
+            "pooled": torch.cat([c["pooled"][None].expand(n, -1) for c, n in zip(conds, steps)])})
+        return [{"modulation": m} for m in rows["modulation"].split(steps)]
+
+    @torch.no_grad()
+    def table_inputs(self, model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The ``table_specs`` inputs of the step's rows ``inputs`` (its t, guidance and pooled, (N, ...) each):
+        the embedding of the timestep, guidance and pooled prompt the step would compute, as the step gives them
+        (the timestep through the model's dtype over 1000 and back, the guidance times 1000), and its product."""
+        dtype, device, tr = model.dtype, model.device, model.transformer
+        timestep = (inputs["t"].to(device, torch.float32).to(dtype) / 1000).to(dtype) * 1000
+        pooled = inputs["pooled"].to(device, dtype)
+        embed = tr.time_text_embed  # its forward, not its call: the hook that hands out the slices must not fire
+        if model.card.guidance_mode == "embedded":
+            temb = embed.forward(timestep, inputs["guidance"].to(device, torch.float32).to(dtype) * 1000, pooled)
+        else:
+            temb = embed.forward(timestep, pooled)
+        return {"modulation": modulation.temb_modulation(tr).table(temb)}                # (N, width)
+
+    def plan_kwargs(self, model, shape: tuple[int, int, int]) -> dict:
+        """FLUX.1-dev's resolution-dependent shift: ``mu`` from the packed sequence length (h/2)(w/2), as
+        FluxPipeline's ``calculate_shift(latents.shape[1], ...)``; nothing for a static shift (schnell)."""
+        if not model.card.scheduler.get("use_dynamic_shifting", False):
+            return {}
+        from samplers import flow_mu
+
+        _, h, w = shape
+        return {"mu": flow_mu((h // 2) * (w // 2), model.card.scheduler)}
+
+    def encode(self, model, specs) -> list[dict[str, torch.Tensor]]:
+        """Each request's prompt, encoded in one batch per text encoder (cache misses only)."""
+        found = _encode_texts(model, sorted({s.prompt for s in specs}))
+        return [{"prompt_embeds": found[s.prompt][0], "pooled": found[s.prompt][1]} for s in specs]
+
+    def make_step(self, model, shape=None):
+        """One whole denoising step for latents of ``shape`` (16, h, w; the native one by default): pack, the
+        transformer at timestep t / 1000 (FluxPipeline divides by 1000; the model multiplies back), with the
+        guidance scale per row when the model embeds it, unpack, sampler update. The position ids depend on
+        the shape only: device tensors made here, outside capture, and so are the rotary tables made of them
+        (``rotary_tables``), which the transformer would otherwise compute every step. ``modulation`` (B, width):
+        the step's rows of the requests' modulation tables (``table_specs``), which the transformer then reads
+        instead of computing."""
+        transformer, dtype, device = model.transformer, model.dtype, model.device
+        _, h, w = shape or model.latent_shape
+        img_ids = image_ids(h // 2, w // 2, device)                       # (N, 3)
+        txt_ids = torch.zeros(model.card.max_tokens, 3, device=device)   # (L, 3): text tokens share position 0
+        embeds_guidance = model.card.guidance_mode == "embedded"  # the card read guidance_embeds
+        rotary = rotary_tables(transformer, img_ids, txt_ids)
+        pos = transformer.pos_embed
+
+        def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, pooled, modulation=None):
+            tokens = pack(model_input(x, coeffs).to(dtype))                 # (B, N, 64)
+            if modulation is not None:  # this step's rows of the requests' tables (table_specs)
+                give_modulation(transformer, modulation)
+            if rotary is not None:  # taken by this forward's one call of pos_embed
+                object.__setattr__(pos, "_given_rotary", rotary)
+            v = transformer(tokens, encoder_hidden_states=prompt_embeds,    # (B, L, 4096)
+                            pooled_projections=pooled, timestep=t.to(dtype) / 1000,
+                            guidance=guidance if embeds_guidance else None,  # (B,) float32, as the pipeline's
+                            img_ids=img_ids, txt_ids=txt_ids, return_dict=False)[0]  # (B, N, 64)
+            x_next, denoised = sampler_step(x, unpack(v.float(), h, w), hist, noise, coeffs)  # (B, 16, h, w)
+            return {"x_next": x_next, "hist_next": denoised}
+
+        return step
+
+    def load(self, card, device, dtype):
+        """The transformer and VAE (safetensors, sharded or not), both text encoders (transformers, local
+        files only, safetensors only) and both tokenizers, from ``card.path``. The second encoder and
+        tokenizer are extra attributes of the LoadedModel: ``text_encoder_2`` (T5), ``tokenizer_2``. A built-in
+        card (``flux-dev-1024``) gets random weights instead (``_load_builtin``)."""
+        if card.builtin:
+            return _load_builtin(card, device, dtype)
+        from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+        path = Path(card.path)
+        transformer = _load_transformer(path / "transformer", device, dtype)
+        model = assemble(card, transformer, load_vae(path / "vae", device, dtype))
+        model.text_encoder = _load_encoder(CLIPTextModel, path / "text_encoder", device, dtype)
+        model.text_encoder_2 = _load_encoder(T5EncoderModel, path / "text_encoder_2", device, dtype)
+        model.tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
+        model.tokenizer_2 = AutoTokenizer.from_pretrained(str(path / "tokenizer_2"), local_files_only=True)
+        return model
 
 
 def pack(x: torch.Tensor) -> torch.Tensor:
@@ -165,7 +212,7 @@ def rotary_tables(transformer, img_ids: torch.Tensor, txt_ids: torch.Tensor):
     return them while a step hands them over; None where its ``pos_embed`` is not diffusers' FluxPosEmbed."""
     pos = transformer.pos_embed
     base = type(pos).__mro__[1] if type(pos).__module__ == __name__ else type(pos)
-    if not ROTARY_ONCE or base.__name__ != "FluxPosEmbed":
+    if base.__name__ != "FluxPosEmbed":
         return None
     with torch.no_grad():
         tables = base.forward(pos, torch.cat((txt_ids, img_ids), dim=0))
@@ -173,70 +220,14 @@ def rotary_tables(transformer, img_ids: torch.Tensor, txt_ids: torch.Tensor):
     return tables
 
 
-def make_step(model, shape=None):
-    """One whole denoising step for latents of ``shape`` (16, h, w; the native one by default): pack, the
-    transformer at timestep t / 1000 (FluxPipeline divides by 1000; the model multiplies back), with the
-    guidance scale per row when the model embeds it, unpack, sampler update. The position ids depend on
-    the shape only: device tensors made here, outside capture, and so are the rotary tables made of them
-    (``rotary_tables``), which the transformer would otherwise compute every step. ``modulation`` (B, width):
-    the step's rows of the requests' modulation tables (``table_specs``), which the transformer then reads
-    instead of computing."""
-    transformer, dtype, device = model.transformer, model.dtype, model.device
-    _, h, w = shape or model.latent_shape
-    img_ids = image_ids(h // 2, w // 2, device)                       # (N, 3)
-    txt_ids = torch.zeros(model.card.max_tokens, 3, device=device)   # (L, 3): text tokens share position 0
-    embeds_guidance = model.card.guidance_mode == "embedded"  # the card read guidance_embeds
-    rotary = rotary_tables(transformer, img_ids, txt_ids)
-    pos = transformer.pos_embed
-
-    def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, pooled, modulation=None):
-        tokens = pack(model_input(x, coeffs).to(dtype))                 # (B, N, 64)
-        if modulation is not None:  # this step's rows of the requests' tables (table_specs)
-            give_modulation(transformer, modulation)
-        if rotary is not None:  # taken by this forward's one call of pos_embed
-            object.__setattr__(pos, "_given_rotary", rotary)
-        v = transformer(tokens, encoder_hidden_states=prompt_embeds,    # (B, L, 4096)
-                        pooled_projections=pooled, timestep=t.to(dtype) / 1000,
-                        guidance=guidance if embeds_guidance else None,  # (B,) float32, as the pipeline's
-                        img_ids=img_ids, txt_ids=txt_ids, return_dict=False)[0]  # (B, N, 64)
-        x_next, denoised = sampler_step(x, unpack(v.float(), h, w), hist, noise, coeffs)  # (B, 16, h, w)
-        return {"x_next": x_next, "hist_next": denoised}
-
-    return step
-
-
 # -- loading -----------------------------------------------------------------------------------------------
-def load(card, device, dtype):
-    """The transformer and VAE (safetensors, sharded or not), both text encoders (transformers, local
-    files only, safetensors only) and both tokenizers, from ``card.path``. The second encoder and
-    tokenizer are extra attributes of the LoadedModel: ``text_encoder_2`` (T5), ``tokenizer_2``. A built-in
-    card (``flux-dev-1024``) gets random weights instead (``_load_builtin``)."""
-    if card.builtin:
-        return _load_builtin(card, device, dtype)
-    from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
-
-    from workers.loading import _assemble, _load_vae
-
-    path = Path(card.path)
-    transformer = _load_transformer(path / "transformer", device, dtype)
-    model = _assemble(card, transformer, _load_vae(path / "vae", device, dtype))
-    model.text_encoder = _load_encoder(CLIPTextModel, path / "text_encoder", device, dtype)
-    model.text_encoder_2 = _load_encoder(T5EncoderModel, path / "text_encoder_2", device, dtype)
-    model.tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
-    model.tokenizer_2 = AutoTokenizer.from_pretrained(str(path / "tokenizer_2"), local_files_only=True)
-    return model
 
 
 def _load_builtin(card, device, dtype, **overrides):
-    """FLUX.1-dev with random weights made on the device (workers.builtins.build_flux_dev), with the
+    """FLUX.1-dev with random weights made on the device (``builtin.build_flux_dev``), with the
     attributes ``load`` sets; ``overrides`` shrink its configs (tests)."""
-    from workers.builtins import build_flux_dev
-    from workers.loading import _assemble
-
-    parts = build_flux_dev(card.image_size, device, dtype, **overrides)
-    model = _assemble(card, parts.pop("transformer"), parts.pop("vae"))
-    from workers.encoders import place_encoder
-
+    parts = builtin.build_flux_dev(card.image_size, device, dtype, **overrides)
+    model = assemble(card, parts.pop("transformer"), parts.pop("vae"))
     for name, part in parts.items():  # text_encoder, tokenizer, text_encoder_2, tokenizer_2
         setattr(model, name, place_encoder(part, device, dtype) if name.startswith("text_encoder") else part)
     return model
@@ -248,11 +239,9 @@ def _load_transformer(path: Path, device, dtype) -> torch.nn.Module:
     from diffusers import FluxTransformer2DModel
     from safetensors.torch import load_file
 
-    from workers.loading import ModelError, _cast, _instantiate, _read_json
-
     files = weight_files(path, "diffusion_pytorch_model")
     with torch.device("meta"):
-        model = _instantiate(FluxTransformer2DModel, _read_json(path / "config.json"))
+        model = instantiate(FluxTransformer2DModel, read_config(path / "config.json"))
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f), device=str(torch.device(device))))
@@ -260,12 +249,10 @@ def _load_transformer(path: Path, device, dtype) -> torch.nn.Module:
     if missing or unexpected:
         raise ModelError(f"weights in {path} do not match its config.json: {len(missing)} missing "
                          f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})")
-    return _cast(model, device, dtype)
+    return cast(model, device, dtype)
 
 
 def _load_encoder(cls, path: Path, device, dtype) -> torch.nn.Module:
-    from workers.encoders import load_text_encoder
-
     weight_files(path, "model")  # our refusal of pickles and of a missing shard, with their messages
     return load_text_encoder(cls, path, device, dtype)  # shared when the weights are identical
 
@@ -273,8 +260,6 @@ def _load_encoder(cls, path: Path, device, dtype) -> torch.nn.Module:
 def weight_files(path: Path, stem: str) -> list[Path]:
     """The safetensors files of a component: the shards its ``<stem>.safetensors.index.json`` names (each
     must be there), else ``<stem>.safetensors``. ModelError for pickles only, a missing shard, or none."""
-    from workers.loading import ModelError, refuse_without_safetensors
-
     index = path / f"{stem}.safetensors.index.json"
     if index.is_file():
         try:

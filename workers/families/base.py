@@ -1,0 +1,268 @@
+"""The family interface: what a model family reads (its ``ModelCard``) and the hooks the engine calls.
+
+A family is one folder, ``workers/families/<name>/``, in two parts:
+
+- ``__init__.py``, torch-free: a ``Family`` subclass that reads the model directories it accepts into a
+  ``ModelCard`` (``pipelines``, ``transformers``, ``read_card``), names its built-in architectures
+  (``builtins``, ``builtin_card``) and their memory, and maps its latents to preview RGB (``previews``).
+  The API process imports only this part (it runs without torch).
+- the torch part (``runtime``, "module:Class"): a subclass of the first that loads the model and runs it
+  (``load``, ``cond_specs``, ``encode``, ``make_step`` and the optional hooks below).
+
+``runtime_of`` is the one place a family's torch part is imported, lazily, once: the registry
+(``workers.families``) holds the torch-free part, so reading cards never imports torch. A family defined
+in one torch module (a test's toy) leaves ``runtime`` empty: it is its own torch part.
+
+Hooks, all called with the loaded model (``workers.loading.LoadedModel``) as their first argument:
+
+    required
+    load(card, device, dtype) -> LoadedModel     build the model the card describes
+    cond_specs(model) -> {name: TensorSpec}      the per-sample conditioning inputs of the captured step
+    encode(model, specs) -> [{name: Tensor}]     each request's conditioning, on the host, outside capture
+                                                 (class labels -> ids; prompts -> text encoder, batched)
+    make_step(model, shape) -> step(x, t, guidance, coeffs, hist, noise, **cond) -> {"x_next", "hist_next"}
+                                                 one whole denoising step: CFG, transformer, sampler update
+
+    optional (default)
+    break_attention (False)                      the graph backends patch its self-attention (an eager
+                                                 break under breakable; fused q, k, v and the kernel per shape)
+    joint_attention (False)                      the graph backends route its joint attention through the
+                                                 kernel per shape (SD3's and FLUX.1's processors)
+    encoder_graphs (False)                       the graph backends replay its text encoder from CUDA graphs
+                                                 (``model.text_graphs``, which its encode uses)
+    needs_breaks(model) (False)                  the step has eager breaks: backend "graphs" captures it
+                                                 breakable, else whole (full)
+    plan_kwargs(model, shape) ({})               extra arguments of make_plan for latents of this shape
+                                                 (FLUX.1-dev's resolution-dependent shift ``mu``)
+    compile_regions(model) (repeated blocks)     what a blocks-scope compile compiles; None: the whole step
+    table_specs(model) ({})                      per-step inputs known at admission (SD3's and FLUX.1's
+                                                 modulation tables), per sample; where not empty:
+    step_tables(model, plans, specs, conds)      each request's tables at every step of its plan, and
+    table_inputs(model, inputs)                  the tables' inputs of a step's rows (benchmarks)
+    set_cross_attention(model, mode) (no-op)     the engine's cross_attention setting (PixArt)
+    attention_kernel(model) (None)               the attention kernel its steps run, for the engine's report
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from samplers.rules import prediction_type
+from workers.labels import resolve_label
+from workers.previews import IDENTITY, PreviewMap
+from workers.sizes import nearest_bin, parse_size
+
+DIT_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 0.02,
+                 "beta_schedule": "linear", "prediction_type": "epsilon", "clip_sample": False}
+FALLBACK_DEFAULTS = {"guidance": 4.0, "sampler": "ddim", "steps": 50}
+
+
+class CardError(ValueError):
+    """A model name or directory that cannot be served; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """A model as the service sees it. ``dtype`` is what it runs in on a GPU (on a CPU, float32)."""
+
+    name: str
+    family: str                      # the registered family that runs it (workers.families): dit | pixart | ...
+    conditioning: str                # "class" (labels) | "text" (prompts)
+    path: str = ""                   # the model directory; empty for a built-in architecture
+    builtin: str = ""                # a built-in architecture's name
+    num_classes: int = 0
+    id2label: dict[int, str] = field(default_factory=dict)
+    image_size: int = 0              # pixels per side of the images it makes
+    latent_channels: int = 0
+    latent_size: int = 0             # latent cells per side
+    pixel_space: bool = False        # no VAE: the latents are the image
+    dtype: str = "bfloat16"          # on CUDA; a small model may ask for float32
+    scheduler: dict = field(default_factory=dict)  # scheduler_config.json (DiT's schedule when empty)
+    defaults: dict = field(default_factory=lambda: dict(FALLBACK_DEFAULTS))
+    max_tokens: int = 0              # text models: prompts are encoded to exactly this many tokens
+    sizes: tuple[tuple[int, int], ...] = ()  # (width, height) it makes; the native square when empty
+    size_multiple: int = 1           # pixels per transformer patch (VAE factor x patch size)
+    tokenizer_file: str = ""         # text models: tokenizer.json, when the directory has one (token counts)
+    guidance_mode: str = "cfg"       # what `guidance` means: "cfg" (classifier-free, against the negative
+                                     # prompt or null class) | "embedded" (a network input: FLUX.1-dev) |
+                                     # "none" (ignored: FLUX.1-schnell)
+    lowercase_prompts: bool = False  # the family lower-cases prompts before tokenising (PixArt's pipelines do)
+
+    @property
+    def prediction_type(self) -> str:
+        return prediction_type(self.scheduler or DIT_SCHEDULER)
+
+    @property
+    def num_train_timesteps(self) -> int:
+        return int((self.scheduler or DIT_SCHEDULER).get("num_train_timesteps", 1000))
+
+    @property
+    def native_size(self) -> tuple[int, int]:
+        return self.image_size, self.image_size
+
+    def made_sizes(self) -> list[tuple[int, int]]:
+        """The (width, height) sizes it generates at, the native size first."""
+        return [self.native_size, *(s for s in self.sizes if s != self.native_size)]
+
+    def size_for(self, width: int | None, height: int | None) -> tuple[int, int]:
+        """The (width, height) it generates for a request: the native size when neither is given (a missing
+        one is the native side), the size itself when it makes it, else the aspect-ratio bin nearest the
+        asked ratio (models with bins, as the reference pipelines snap). ValueError when it has one size."""
+        w, h = width or self.image_size, height or self.image_size
+        sizes = self.made_sizes()
+        if (w, h) in sizes:
+            return w, h
+        if len(sizes) == 1:
+            raise ValueError(f"model {self.name!r} makes {self.image_size}x{self.image_size} images only; "
+                             f"{w}x{h} is not one of its sizes (leave width and height out)")
+        return nearest_bin(w, h, sizes)
+
+    def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
+        """(C, H, W) of the latents for an image it makes at width x height."""
+        factor = self.image_size // self.latent_size
+        return self.latent_channels, height // factor, width // factor
+
+    def label_id(self, label: int | str) -> int:
+        """A class index from a number or a name in id2label; ValueError with a message otherwise."""
+        return resolve_label(label, self.num_classes, self.id2label, self.name)
+
+    def class_names(self) -> list[str]:
+        return [self.id2label.get(i, "") for i in range(self.num_classes)] if self.id2label else []
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in architecture (random weights, for benchmarks): its native size and its parameters,
+    counted on the meta device (the worker's memory check reads them before loading)."""
+
+    image_size: int
+    params: int                      # transformer + VAE (and buffers the loader materialises)
+    encoder_params: int = 0          # text encoders
+
+
+class Family:
+    """A model family: the hooks in the module docstring, each optional one with its default here."""
+
+    name: ClassVar[str] = ""
+    pipelines: ClassVar[tuple[str, ...]] = ()     # model_index.json ``_class_name``s it reads
+    transformers: ClassVar[tuple[str, ...]] = ()  # transformer/config.json ``_class_name``s it reads
+    builtins: ClassVar[dict[str, Builtin]] = {}   # built-in architectures by name
+    previews: ClassVar[dict[int, PreviewMap]] = {}  # latent channels -> RGB map (workers.previews)
+    runtime: ClassVar[str] = ""                   # "module:Class" of the torch part; "": this class
+
+    break_attention: ClassVar[bool] = False
+    joint_attention: ClassVar[bool] = False
+    encoder_graphs: ClassVar[bool] = False
+
+    # -- the torch-free part: cards, built-ins, previews -----------------------------------------------
+    def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
+                  scheduler: dict) -> ModelCard:
+        """The card of a model directory (its JSON files, read by ``workers.cards``); CardError when a part
+        it needs is missing. ``transformer``: transformer/config.json (config.json of a bare directory)."""
+        raise CardError(f"{path}: family {self.name!r} reads no model directories")
+
+    def builtin_card(self, name: str) -> ModelCard:
+        """The card of one of ``builtins``."""
+        raise NotImplementedError(f"family {self.name!r} has no built-in {name!r}")
+
+    def preview_map(self, card: ModelCard) -> PreviewMap | None:
+        """The map of ``card``'s latents to RGB; the estimate itself for 1- or 3-channel pixel models."""
+        if card.pixel_space:
+            return IDENTITY if card.latent_channels in (1, 3) else None
+        return self.previews.get(card.latent_channels)
+
+    # -- the torch part: required ----------------------------------------------------------------------
+    def load(self, card: ModelCard, device, dtype):
+        raise NotImplementedError(f"family {self.name!r} does not load models")
+
+    def cond_specs(self, model) -> dict:
+        raise NotImplementedError
+
+    def encode(self, model, specs) -> list[dict]:
+        raise NotImplementedError
+
+    def make_step(self, model, shape=None):
+        raise NotImplementedError
+
+    # -- the torch part: optional ----------------------------------------------------------------------
+    def needs_breaks(self, model) -> bool:
+        return False
+
+    def plan_kwargs(self, model, shape: tuple[int, int, int]) -> dict:
+        return {}
+
+    def compile_regions(self, model) -> list | None:
+        return repeated_blocks(model.transformer)
+
+    def table_specs(self, model) -> dict:
+        return {}
+
+    def step_tables(self, model, plans, specs, conds) -> list[dict]:
+        raise NotImplementedError(f"family {self.name!r} declares no step tables")
+
+    def table_inputs(self, model, inputs: dict) -> dict:
+        raise NotImplementedError(f"family {self.name!r} declares no step tables")
+
+    def set_cross_attention(self, model, mode: str) -> None:
+        return None
+
+    def attention_kernel(self, model) -> str | None:
+        return None
+
+
+def repeated_blocks(transformer) -> list:
+    """The blocks of ``transformer``'s stacks: each ``ModuleList`` attribute of it whose modules are all of one
+    class (``transformer_blocks``, FLUX's ``single_transformer_blocks``), in order."""
+    import torch  # the worker's: this module is imported by the API process too, without torch
+
+    out = []
+    for child in transformer.children():
+        if isinstance(child, torch.nn.ModuleList) and len(child) and len({type(m) for m in child}) == 1:
+            out += list(child)
+    return out
+
+
+_RUNTIMES: dict[Family, Family] = {}
+
+
+def runtime_of(family: Family) -> Family:
+    """``family``'s torch part (an instance of its ``runtime`` class), imported on first use and kept. The
+    one place a family's torch part is imported: the registry holds the torch-free part, so the API
+    process reads cards without torch."""
+    if not family.runtime:
+        return family
+    if family not in _RUNTIMES:
+        module, cls = family.runtime.split(":")
+        _RUNTIMES[family] = getattr(importlib.import_module(module), cls)()
+    return _RUNTIMES[family]
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CardError(f"missing {path}") from None
+    except json.JSONDecodeError as e:
+        raise CardError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise CardError(f"cannot read {path}: {e}") from None
+
+
+def listed_sizes(path: Path, extra: dict, multiple: int) -> list[tuple[int, int]]:
+    """Sizes a model directory lists in model_index.json (``dit_serve.sizes``: ["WxH", ...]): for models
+    without reference bins. Each side a multiple of the patch in pixels."""
+    out = []
+    for text in extra.get("sizes", []):
+        try:
+            w, h = parse_size(str(text))
+        except ValueError as e:
+            raise CardError(f"{path}/model_index.json: dit_serve.sizes: {e}") from None
+        if w % multiple or h % multiple:
+            raise CardError(f"{path}/model_index.json: dit_serve.sizes: {text!r} is not a multiple of "
+                            f"{multiple} pixels (the VAE factor times the patch size)")
+        out.append((w, h))
+    return out
