@@ -135,7 +135,7 @@ def loop_body(model, inp: dict):
     elif family == "flux":
         from diffusers import FluxPipeline
 
-        from workers.families.flux import pack
+        from workers.families.flux.runtime import pack
 
         _, h, w = model.latent_shape
         latents = pack(latents)                                                         # (B, N, 64)
