@@ -43,7 +43,7 @@ class RoutedFluxAttention(FluxAttnProcessor):
 
     def _fp8_attention(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb, projected=None):
         """The FP8 attention's codes (B, L+T, heads, d) and their descale: q, k and v made into codes by
-        ``rope_kernel`` straight from the projections where its contract holds, else ``_qkv`` then
+        ``workers.kernels.rope`` straight from the projections where its contract holds, else ``_qkv`` then
         ``fp8_joint_attention_codes``."""
         coded = self._qkv_codes(attn, hidden_states, encoder_hidden_states, image_rotary_emb, projected)
         if coded is None:
@@ -72,7 +72,7 @@ class RoutedFluxAttention(FluxAttnProcessor):
                                        output_scales=True)
 
     def _kernel_args(self, attn, hidden_states, encoder_hidden_states, image_rotary_emb, projected):
-        """The arguments of ``rope_kernel``'s passes, (q, k, v (B, T, h, d), q's and k's norm weights, cos, sin,
+        """The arguments of ``workers.kernels.rope``'s passes, (q, k, v (B, T, h, d), q's and k's norm weights, cos, sin,
         the text's five or None, eps), where its contract holds: RMS norms with weights and one eps, the rotary
         embedding over all L+T tokens (or none); else None. Projects (or takes ``projected``)."""
         joint = attn.added_kv_proj_dim is not None

@@ -120,7 +120,7 @@ def attend_codes(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_v
                  scale_o: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 q, k, v (B, T, heads, d) and their descales -> the attention's codes (B, T, heads, d) and their
     (1, 1, 1, 1) float32 descale. ``descale_o``, ``scale_o``: the output's descale and scale where the codes'
-    maker wrote them (``rope_kernel``), else computed from v's here."""
+    maker wrote them (``workers.kernels.rope``), else computed from v's here."""
     out = torch.empty_like(q8)                                                              # (B, T, h, d) e4m3
     if scale_o is None:
         descale_o, scale_o = fp8_attention.output_descale(descale_v), fp8_attention.output_scale(descale_v)
@@ -130,7 +130,7 @@ def attend_codes(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_v
 
 
 def _plain_rms(norm, d: int) -> bool:
-    """Whether ``norm`` is an RMS norm over d values with a weight, a set eps and no bias (``rope_kernel``'s)."""
+    """Whether ``norm`` is an RMS norm over d values with a weight, a set eps and no bias (``workers.kernels.rope``'s)."""
     if type(norm).__name__ != "RMSNorm" or getattr(norm, "weight", None) is None or getattr(norm, "bias", None) is not None:
         return False
     return getattr(norm, "eps", None) is not None and norm.weight.shape == (d,)
