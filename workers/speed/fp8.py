@@ -47,7 +47,6 @@ runs on PyTorch's CPU kernel, which is what the tests use; it is not faster ther
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
