@@ -128,8 +128,8 @@ class _Group:
     shape: tuple[int, int, int]  # the latents' (C, H, W)
     active: list[_Active] = field(default_factory=list)
     last_used: int = 0           # the engine's step count when it last ran or admitted
-    compiled: CompiledStep | None = None  # the runner's step, when config.compile is on
-    decoder: GraphRunner | None = None    # the VAE decode at this shape, when config.decode_graphs is on
+    compiled: CompiledStep | None = None  # the runner's step, when config.speed.compile is on
+    decoder: GraphRunner | None = None    # the VAE decode at this shape, when config.speed.decode_graphs is on
 
 
 BASE_INPUTS = ("x", "t", "guidance", "coeffs", "hist", "noise")

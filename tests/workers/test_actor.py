@@ -123,7 +123,7 @@ def test_a_worker_with_compile_inductor_runs_compiled_steps(tmp_path):
         assert failed == {} and Image.open(io.BytesIO(finished["job/50"])).size == (8, 8)
         groups = reports[-1]["stats"]["groups"]
         assert [g["compile"]["graphs"] for g in groups.values()] == [1]
-        assert w.engine.config.compile_scope == "blocks"  # reached the engine (DiT compiles its whole step)
+        assert w.engine.config.speed.compile_scope == "blocks"  # reached the engine (DiT compiles its whole step)
         assert [g["compile"]["scope"] for g in groups.values()] == ["step"]
         assert any((tmp_path / "inductor").iterdir())
     finally:

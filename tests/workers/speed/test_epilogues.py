@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from workers.speed import SpeedConfig
+from workers.speed import flux_blocks
 from workers.speed.epilogues import GeluEpilogue, epilogue_ok, fuse_gelu_epilogues
 from workers.loading import load_model
 
@@ -26,6 +27,11 @@ def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("epilogues")
     return {"pixart": make_tiny_pixart(root / "pixart"), "sd3": make_tiny_sd3(root / "sd3"),
             "flux": make_tiny_flux(root / "flux")}
+
+
+def _fuse_all(transformer) -> int:
+    """The GELU epilogues the speed layer makes: every family's feed-forwards and FLUX.1's single blocks."""
+    return fuse_gelu_epilogues(transformer) + flux_blocks.fuse_gelu_epilogues(transformer)
 
 
 def _gelus(transformer) -> int:
@@ -77,7 +83,7 @@ def test_patched_blocks_compute_what_diffusers_computes(family, tiny_dirs):
     want, gelus = _forward(model, family), _gelus(model.transformer)
     singles = len(getattr(model.transformer, "single_transformer_blocks", []))
     assert gelus > 0
-    assert fuse_gelu_epilogues(model.transformer) == gelus + singles
+    assert _fuse_all(model.transformer) == gelus + singles
     assert _gelus(model.transformer) == 0
     assert sum(type(m) is GeluEpilogue for m in model.transformer.modules()) == gelus
     got = _forward(model, family)
@@ -85,7 +91,7 @@ def test_patched_blocks_compute_what_diffusers_computes(family, tiny_dirs):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     else:
         assert torch.equal(got, want)  # off CUDA the patched module runs diffusers' arithmetic
-    assert fuse_gelu_epilogues(model.transformer) == 0  # patching again changes nothing
+    assert _fuse_all(model.transformer) == 0  # patching again changes nothing
     assert torch.equal(_forward(model, family), got)
 
 
@@ -96,7 +102,7 @@ def test_flux_single_blocks_keep_one_class_and_their_weights(tiny_dirs):
 
     model = load_model(tiny_dirs["flux"])
     before = {k: v.data_ptr() for k, v in model.transformer.state_dict().items()}
-    fuse_gelu_epilogues(model.transformer)
+    _fuse_all(model.transformer)
     singles = model.transformer.single_transformer_blocks
     assert len({type(b) for b in singles}) == 1 and type(singles[0]).__name__ == "EpilogueFluxSingleBlock"
     assert singles in [getattr(model.transformer, n) for n, _ in model.transformer.named_children()]
@@ -110,7 +116,7 @@ def test_fp8_linears_are_left_to_fp8():
 
     model = load_model("digits")
     quantize_linears(model.transformer)
-    assert fuse_gelu_epilogues(model.transformer) == 0
+    assert _fuse_all(model.transformer) == 0
 
 
 def test_no_epilogue_off_cuda():

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.speed.test_epilogues import _forward, tiny_dirs  # noqa: F401 (a fixture)
-from workers.speed.epilogues import GeluEpilogue, epilogue_ok, fuse_gelu_epilogues, linear_gelu
+from tests.workers.speed.test_epilogues import _forward, _fuse_all, tiny_dirs  # noqa: F401 (a fixture)
+from workers.speed.epilogues import GeluEpilogue, epilogue_ok, linear_gelu
 from workers.loading import load_model
 
 pytestmark = pytest.mark.gpu
@@ -39,7 +39,7 @@ def test_patched_transformers_compute_what_diffusers_computes(family, tiny_dirs)
     spec = "digits" if family == "dit" else tiny_dirs[family]
     model = load_model(spec, device="cuda", dtype=torch.bfloat16)
     want = _forward(model, family).float()
-    assert fuse_gelu_epilogues(model.transformer) > 0
+    assert _fuse_all(model.transformer) > 0
     assert all(m.epilogue for m in model.transformer.modules() if type(m) is GeluEpilogue)
     got = _forward(model, family).float()
     err = (got - want).abs().max().item()
