@@ -405,7 +405,7 @@ def _req(i):
 def test_compiled_digits_engine_matches_uncompiled_with_one_graph_and_the_same_breaks(digits):
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
-    from workers.patches import attention_into
+    from workers.speed.patches import attention_into
 
     compiled = Engine(digits, EngineConfig(backend="breakable", max_batch=8, speed=SpeedConfig(compile="inductor")))
     compiled.warmup()  # the compile happens here, on a CPU too
@@ -461,17 +461,18 @@ def test_a_text_engine_compiled_by_blocks_matches_uncompiled_from_one_block_grap
     assert len(compile_regions(model)) == len(model.transformer.transformer_blocks)
     reqs = [ItemSpec(id=f"t{i}", prompt=f"the number {i % 10}", seed=7 + i, sampler="ddim", steps=3, guidance=3.0)
             for i in range(5)]  # 4 + 1
-    padded = {"cross_attention": "padded"}  # its (rows x heads, 1, L) key bias crosses every block
-    plain = Engine(model, EngineConfig(backend="breakable", max_batch=4, **padded)).generate(reqs)
-    alone = Engine(model, EngineConfig(backend="breakable", max_batch=4, **padded)).generate(reqs[:1])
-    engine = Engine(model, EngineConfig(backend="breakable", max_batch=4, **padded, speed=SpeedConfig(compile="inductor", compile_scope="blocks")))
+    padded = SpeedConfig(cross_attention="padded")  # its (rows x heads, 1, L) key bias crosses every block
+    plain = Engine(model, EngineConfig(backend="breakable", max_batch=4, speed=padded)).generate(reqs)
+    alone = Engine(model, EngineConfig(backend="breakable", max_batch=4, speed=padded)).generate(reqs[:1])
+    compiled = SpeedConfig(cross_attention="padded", compile="inductor", compile_scope="blocks")
+    engine = Engine(model, EngineConfig(backend="breakable", max_batch=4, speed=compiled))
     engine.warmup()
     for a, b in zip(engine.generate(reqs), plain):
         assert (a.latents - b.latents).abs().max().item() <= 1e-4 * max(1.0, b.latents.abs().max().item())
     stats = next(iter(engine.stats()["groups"].values()))["compile"]
     assert stats["scope"] == "blocks" and stats["compiled"], stats
     assert (stats["graphs"], stats["one_row_graphs"], stats["region_graphs"]) == (1, 0, 1), stats
-    again = Engine(model, EngineConfig(backend="breakable", max_batch=4, **padded)).generate(reqs[:1])  # plain again
+    again = Engine(model, EngineConfig(backend="breakable", max_batch=4, speed=padded)).generate(reqs[:1])  # plain again
     assert torch.equal(again[0].latents, alone[0].latents)
 
 
