@@ -61,6 +61,7 @@ def engine_config(preset: str, family: str, **overrides):
     ``overrides`` (EngineConfig fields, or ``precision``) applied last. The one place a benchmark's
     engine settings are made."""
     from workers.engine import EngineConfig
+    from workers.speed import SpeedConfig
 
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {PRESETS}, got {preset!r}")
@@ -71,20 +72,15 @@ def engine_config(preset: str, family: str, **overrides):
         fields["precision"] = "fp8+attention" if family in FP8_ATTENTION else "fp8"
     fields.update(overrides)
     precision = fields.pop("precision")
-    return EngineConfig(**fields), precision
+    engine = {k: fields.pop(k) for k in ("backend", "max_batch", "max_shapes") if k in fields}
+    return EngineConfig(**engine, speed=SpeedConfig(**fields)), precision
 
 
 def unavailable(precision: str, device: str) -> str | None:
     """Why ``precision`` cannot run on ``device`` (a system to skip, with its reason), or None."""
-    from workers import fp8, fp8_attention
+    from workers.speed.apply import unsupported_reason
 
-    if precision == "bf16":
-        return None
-    if (why := fp8.unsupported_reason(device)) is not None:
-        return why
-    if precision == "fp8+attention":
-        return fp8_attention.unavailable_reason(device)
-    return None
+    return unsupported_reason(precision, device)
 
 
 # -- models ------------------------------------------------------------------------------------------

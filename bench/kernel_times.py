@@ -2,14 +2,14 @@
 
 Sections (``--sections``):
 
-  quant      the FP8 linears' row quantization (``workers.fp8.quantize_rows``: on CUDA the Triton row
-             kernel of ``workers.quant_kernel``, elsewhere PyTorch operations), against a plain bf16 ->
+  quant      the FP8 linears' row quantization (``workers.speed.fp8.quantize_rows``: on CUDA the Triton row
+             kernel of ``workers.kernels.quant``, elsewhere PyTorch operations), against a plain bf16 ->
              float8 cast of the same rows (the same bytes read and written: the roof); GB/s of each
   gelu       a feed-forward, down(gelu_tanh(up(x))), with the GELU as a pass of its own and in the product's
-             epilogue (``torch._addmm_activation``, what ``workers.epilogues`` runs)
-  attention  each of PyTorch's attention kernels the engine measures per shape (``workers.sdpa``), in the
+             epilogue (``torch._addmm_activation``, what ``workers.speed.epilogues`` runs)
+  attention  each of PyTorch's attention kernels the engine measures per shape (``workers.kernels.attention``), in the
              (B, T, heads, d) layout the projections write; on Hopper with the cuDNN frontend also the FP8
-             attention (``workers.fp8_attention``: quantization, kernel and the output back), its error
+             attention (``workers.kernels.fp8_attention``: quantization, kernel and the output back), its error
              against float32 attention (rms of the difference over the reference's)
 
 On a GPU each call is captured 20 times in a CUDA graph and replayed (harness.replay_us: the GPU's time
@@ -64,7 +64,7 @@ def us(fn) -> float:
 
 
 def quant(where: str, m: int, k: int, gelu: str, device: str) -> dict:
-    from workers import fp8
+    from workers.speed import fp8
 
     x = torch.randn(m, k, device=device, generator=torch.Generator(device).manual_seed(k), dtype=torch.bfloat16)
     out = torch.empty(m, k, dtype=fp8.FP8, device=device)
@@ -87,7 +87,8 @@ def gelu(where: str, m: int, k: int, device: str, dtype) -> dict:
 
 
 def attention(where: str, b: int, t: int, h: int, d: int, device: str, dtype) -> dict:
-    from workers import fp8_attention, sdpa
+    from workers.kernels import attention as sdpa
+    from workers.kernels import fp8_attention
 
     g = torch.Generator().manual_seed(t)
     q, k, v = (torch.randn(b, t, h, d, generator=g).to(device, dtype).transpose(1, 2) for _ in range(3))  # (B, h, T, d) views

@@ -21,8 +21,7 @@ Contract
   fn a custom op that dynamo keeps as one opaque call: the step is traced once, and at run time the op
   calls fn, so under a breakable capture the segment ends there as before (the same segments and
   breaks as the uncompiled step). fn takes tensors only and writes its result into one of them.
-* Under a breakable capture the op hands fn *non-owning aliases* of its tensors (the default,
-  ``set_break_args("aliased")``): same address, shape and strides, but the storage does not hold the
+* Under a breakable capture the op hands fn *non-owning aliases* of its tensors: same address, shape and strides, but the storage does not hold the
   memory, so Inductor's buffers go back to the pool after their last use in the compiled code, as the
   uncompiled ones would. A break keeps its arguments alive for the graph's life (pitfalls 1-2): handed
   Inductor's own tensors, every layer's q, k, v and output would stay allocated in every bucket's
@@ -35,13 +34,6 @@ Contract
   PyTorch's own CUDA-graph trees rely on for their non-owning outputs. On an H200 (DiT-XL/2 256,
   ``bench/step_kernels.py``) aliased breaks step 128 rows in 62.8 ms with a 0.68 GB pool, as fast as
   whole-step graphs.
-* ``set_break_args("staged")`` instead hands fn *staged* copies: persistent buffers, one per op and
-  argument, shared by every layer and bucket, as the uncompiled breaks share the attention scratch.
-  The copies in, and the copy of the result out, are kernels of the segments around the break; they
-  cost 9 of the 17 ms that compiling saved at 128 rows on an H200 (73.4 ms, 0.96 GB pool). Kept as
-  the conservative choice (no alias of memory the break does not own). The buffers are sized outside
-  capture (warm-up runs every bucket before capturing it); a capture that would need them larger
-  raises, and that bucket runs eagerly.
 * When compilation happens: on the first call (the runner's warm-up runs every bucket eagerly before
   capturing it, largest first, so the compile sees the largest batch and every later bucket reuses
   it). A compile or run that raises logs a warning, and the step is the plain one from then on:
@@ -93,58 +85,11 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["CompiledStep", "break_args", "opaque_break", "set_break_args", "use_cache_dir"]
+__all__ = ["CompiledStep", "opaque_break", "use_cache_dir"]
 
 logger = logging.getLogger(__name__)
 
 _OPAQUE: dict[Callable, str] = {}  # marked function -> its op's name
-
-
-class _Staging:
-    """Flat buffers, one per (op, argument), that staged break arguments are views of (see above)."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[str, int], torch.Tensor] = {}
-
-    def reserve(self, name: str, args: tuple) -> None:
-        """Outside capture: grow the buffers to fit these arguments."""
-        for i, a in enumerate(args):
-            buf = self.buffers.get((name, i))
-            if isinstance(a, torch.Tensor) and (buf is None or buf.numel() < a.numel() or buf.dtype != a.dtype
-                                                or buf.device != a.device):
-                self.buffers[name, i] = torch.empty(a.numel(), dtype=a.dtype, device=a.device)
-
-    def views(self, name: str, args: tuple) -> list:
-        """Contiguous views shaped as ``args`` (non-tensors as they are)."""
-        out = []
-        for i, a in enumerate(args):
-            if not isinstance(a, torch.Tensor):
-                out.append(a)
-                continue
-            buf = self.buffers.get((name, i))
-            if buf is None or buf.numel() < a.numel() or buf.dtype != a.dtype or buf.device != a.device:
-                raise RuntimeError(f"staging for {name} argument {i} is too small during capture: "
-                                   "warm up at the largest batch first")
-            out.append(buf[:a.numel()].view(a.shape))
-        return out
-
-
-_STAGING = _Staging()
-BREAK_ARGS = ("staged", "aliased")
-_break_args = ["aliased"]
-
-
-def break_args() -> str:
-    """The current mode of ``set_break_args``."""
-    return _break_args[0]
-
-
-def set_break_args(mode: str) -> None:
-    """How compiled breaks get their tensors under a breakable capture: "aliased" non-owning views of
-    Inductor's buffers (the default) or "staged" copies (see the module docstring). For the whole process."""
-    if mode not in BREAK_ARGS:
-        raise ValueError(f"break args must be one of {BREAK_ARGS}, got {mode!r}")
-    _break_args[0] = mode
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -195,7 +140,7 @@ def opaque_break(fn: Callable, out: str | tuple[str, ...] = "out") -> None:
     alias = {o: chr(ord("a") + i) for i, o in enumerate(outs)}
     args = ", ".join(f"Tensor({alias[p]}!) {p}" if p in alias else f"Tensor {p}" for p in params)
     _lib().define(f"{name}({args}) -> ()")
-    _lib().impl(name, _staged(fn, name, {params.index(o) for o in outs}), "CompositeExplicitAutograd")
+    _lib().impl(name, _aliased(fn), "CompositeExplicitAutograd")
     torch.library.register_fake(f"graphs::{name}", lambda *args, **kwargs: None, lib=_lib())
     op = getattr(torch.ops.graphs, name)
     # dynamo calls the op where it would have inlined fn; eager callers still call fn itself
@@ -203,25 +148,15 @@ def opaque_break(fn: Callable, out: str | tuple[str, ...] = "out") -> None:
     _OPAQUE[fn] = name
 
 
-def _staged(fn: Callable, name: str, outs: set[int]) -> Callable:
-    """The op's body: fn itself, or under a breakable capture fn on staged copies (see above); ``outs``: the
-    positions of the arguments fn writes."""
+def _aliased(fn: Callable) -> Callable:
+    """The op's body: fn itself, or under a breakable capture fn on non-owning aliases of its tensors (see
+    above)."""
     from .breakable import _local
 
     def body(*args):
         if getattr(_local, "capture", None) is None:
-            if _break_args[0] == "staged":
-                _STAGING.reserve(name, args)
             return fn(*args)
-        if _break_args[0] == "aliased":
-            return fn(*[_alias(a) if isinstance(a, torch.Tensor) else a for a in args])
-        staged = _STAGING.views(name, args)
-        for i, (a, s) in enumerate(zip(args, staged)):
-            if i not in outs and isinstance(a, torch.Tensor):
-                s.copy_(a)
-        fn(*staged)
-        for i in sorted(outs):
-            args[i].copy_(staged[i])
+        return fn(*[_alias(a) if isinstance(a, torch.Tensor) else a for a in args])
 
     return body
 

@@ -60,14 +60,14 @@ class WorkerSpec:
                            # ones where its step has eager breaks), eager on the CPU
     max_batch: int = 64
     torch_threads: int | None = None
-    cross_attention: str = "auto"  # text models: "auto" | "padded" | "varlen" (EngineConfig)
+    cross_attention: str = "auto"  # text models: "auto" | "padded" | "varlen" (SpeedConfig)
     warm_sizes: tuple[str, ...] = ()  # "WxH" captured at start-up besides the native sizes
     text_encoder_device: str = ""     # text encoders elsewhere ("cpu", "cuda:1"); "" with the transformer
     max_shapes: int = 8               # sizes of one model kept captured at once (EngineConfig)
-    compile: str = "off"              # "inductor": compiled steps inside the graphs (EngineConfig)
-    compile_cache: str = ""           # the compiled kernels' cache directory (EngineConfig)
-    compile_scope: str = "step"       # "blocks": the transformers' blocks compiled instead (EngineConfig)
-    decode_graphs: bool = False       # the VAE decode captured too (EngineConfig)
+    compile: str = "off"              # "inductor": compiled steps inside the graphs (SpeedConfig)
+    compile_cache: str = ""           # the compiled kernels' cache directory (SpeedConfig)
+    compile_scope: str = "step"       # "blocks": the transformers' blocks compiled instead (SpeedConfig)
+    decode_graphs: bool = False       # the VAE decode captured too (SpeedConfig)
     png_compress_level: int = PNG_COMPRESS_LEVEL  # zlib level of the finished images' PNGs (0-9)
     png_threads: int = 0              # threads encoding PNGs off the step loop (0: up to 4, one per core)
     precision: tuple[tuple[str, str], ...] = ()  # (model, "bf16" | "fp8" | "fp8+attention"); unlisted: its dtype
@@ -80,6 +80,8 @@ class Worker:
 
         from workers.engine import Engine, EngineConfig, auto_backend
         from workers.loading import load_model
+        from workers.speed import SpeedConfig
+        from workers.speed.apply import to_precision
 
         if spec.torch_threads:
             torch.set_num_threads(spec.torch_threads)
@@ -95,17 +97,20 @@ class Worker:
                        torch.cuda.mem_get_info(torch.device(self.device))[0], self.device,
                        encoders_here=spec.text_encoder_device in ("", self.device))
         precision = dict(spec.precision)
-        models = [load_model(m, device=self.device, dtype=d, encoder_device=spec.text_encoder_device or None,
-                             precision=precision.get(m, "bf16")) for m, d in zip(spec.models, dtypes)]
+        models = []
+        for m, d in zip(spec.models, dtypes):
+            models.append(load_model(m, device=self.device, dtype=d, encoder_device=spec.text_encoder_device or None,
+                                     precision=precision.get(m, "bf16")))
+            to_precision(models[-1], models[-1].precision)  # FP8 now: its bf16 weights go before the next loads
         self.backend = auto_backend(self.device) if spec.backend == "auto" else spec.backend
         from workers.sizes import parse_size
 
+        speed = SpeedConfig(cross_attention=spec.cross_attention, compile=spec.compile,
+                            compile_cache=spec.compile_cache, compile_scope=spec.compile_scope,
+                            decode_graphs=spec.decode_graphs,
+                            compile_models=tuple((m, KERNELS[k]) for m, k in spec.kernels))
         self.engine = Engine(models, EngineConfig(backend=self.backend, max_batch=spec.max_batch,
-                                                  cross_attention=spec.cross_attention, max_shapes=spec.max_shapes,
-                                                  compile=spec.compile, compile_cache=spec.compile_cache,
-                                                  compile_scope=spec.compile_scope,
-                                                  decode_graphs=spec.decode_graphs,
-                                                  compile_models=tuple((m, KERNELS[k]) for m, k in spec.kernels)))
+                                                  max_shapes=spec.max_shapes, speed=speed))
         t0 = time.perf_counter()
         self.engine.warmup(sizes=[parse_size(s) for s in spec.warm_sizes])
         log.info("worker ready: %s on %s (%s), warm-up %.1f s", ", ".join(self.engine.models), self.device,
@@ -143,7 +148,7 @@ class Worker:
     # -- the actor's methods (called by the scheduler) ---------------------------------------------
     def info(self) -> dict:
         """Returns once the worker is ready (Ray runs methods after ``__init__``)."""
-        from workers.sdpa import CHOOSER
+        from workers.kernels.attention import CHOOSER
 
         return {"models": sorted(self.engine.models), "device": self.device, "backend": self.backend,
                 "backends": {name: self.engine.config.backend_for(m) for name, m in self.engine.models.items()},
@@ -152,7 +157,7 @@ class Worker:
                 "precision": {name: m.precision for name, m in self.engine.models.items()},
                 "kernels": {name: "fused" if self.engine.config.compile_mode(name) != "off" else "eager"
                             for name in self.engine.models},
-                "decode_graphs": self.engine.config.decode_graphs}
+                "decode_graphs": self.engine.config.speed.decode_graphs}
 
     def submit(self, items: list[ItemSpec]) -> list[bool]:
         now = time.time()
@@ -196,9 +201,8 @@ class Worker:
     # -- the step loop (its own thread) -------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
-            busy = self.engine.num_active or self.engine.num_finishing  # finishing: handed out by the next step
-            self._admit(block=not busy)
-            if self.engine.num_active or self.engine.num_finishing:
+            self._admit(block=not self.engine.num_active)
+            if self.engine.num_active:
                 self._step()
 
     def _admit(self, block: bool) -> None:

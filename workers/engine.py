@@ -11,7 +11,7 @@ batch mixes samplers, step counts, steps and guidance scales, and requests join 
 step boundary (step-level batching). Finished latents are decoded (VAE for latent models) into
 uint8 images.
 
-Compiled steps (``EngineConfig.compile = "inductor"``): each group's step is compiled by Inductor once,
+Compiled steps (``SpeedConfig.compile = "inductor"``, ``workers.speed``): each group's step is compiled by Inductor once,
 with a dynamic batch, at warm-up, and captured into the same graphs (``graphs.compiled``); the attention
 breaks stay breaks. Compile time, graphs compiled and cache hits are in ``stats()`` per group.
 
@@ -37,22 +37,17 @@ import numpy as np
 import torch
 
 from graphs import GraphKey, GraphRunner, TensorSpec
-from graphs.compiled import CompiledStep, opaque_break, use_cache_dir
+from graphs.compiled import CompiledStep
 from samplers import Plan, make_plan
 from workers.admission import spec_shape
 from workers.encoders import EncoderGraphs, padded_length
-from workers.epilogues import fuse_gelu_epilogues
 from workers.families import compile_regions, family_of, preview_map_of
-from workers.joint_attention import attention_fp8_inline, attention_inline, route_joint_attention
+from workers.kernels.attention import CHOOSER
 from workers.loading import LoadedModel
-from workers.modulation import hoist_temb_modulation, restore_temb_modulation
-from workers.norm_fusion import fuse_block_norms
-from workers.patches import attention_into, attention_quantized_into, break_attention, hoist_modulation
-from workers.sdpa import CHOOSER
-from workers.sdpa import use_cache_dir as use_attention_cache
-from workers.varlen import varlen_attention_into, varlen_attention_quantized_into
 from workers.previews import to_rgb
 from workers.spec import ItemSpec
+from workers.speed import SpeedConfig
+from workers.speed.apply import apply as apply_speed
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +69,6 @@ class Preview:
 
 
 @dataclass
-class _Finishing:
-    """Finished requests whose images and latents are on their way to the host (``overlap_finish``)."""
-
-    done: list  # the _Active requests, in order
-    images: "_Images"
-    latents: torch.Tensor       # (B, C, H, W) float32 on the host, valid once ``ready``
-    ready: object = None        # a torch.cuda.Event recorded after the copies; None: already on the host
-    cancelled: set = field(default_factory=set)
-
-
-@dataclass
 class _PendingPreviews:
     """A batch of previews on its way to the host: ``host`` (B, h, w, c) uint8, valid once ``ready``."""
 
@@ -98,43 +82,9 @@ class EngineConfig:
     backend: str = "eager"        # eager | full | breakable | graphs: per model, full where its step has no
                                   # eager break (the family's needs_breaks), else breakable (backend_for)
     max_batch: int = 64           # largest graph bucket (a power of two)
-    attention_patch: bool = True  # BREAK_ATTENTION (DiT, PixArt) and JOINT_ATTENTION (SD3, FLUX.1) families: attention by the kernel per shape
-                                  # (q, k, v one product, the kernel measured fastest per shape): an eager
-                                  # break under `breakable`, captured inside the graph under `full`
-    hoist_modulation: bool = True  # the same families under both graph backends: every block's adaLN
-                                   # modulation computed at once by the first (workers.patches.HoistedModulation);
-                                   # SD3's and FLUX.1's by one product of the step's embedding
-                                   # (workers.modulation)
-    gelu_epilogue: bool = True    # every family under both graph backends: tanh-GELU feed-forwards with the GELU in
-                                  # the product's epilogue on CUDA, FLUX's single blocks without their concatenation
-                                  # (workers.epilogues)
     max_shapes: int = 8           # latent shapes of one model kept captured at once (least recently used
                                   # idle ones beyond it are dropped, and captured again when asked for)
-    cross_attention: str = "auto"  # text families: "padded" (to max_tokens, masked) | "varlen" (real lengths)
-                                   # | "auto" (the family's measured default)
-    compile: str = "off"          # "inductor": each step compiled by Inductor once per model and latent shape
-                                  # (dynamic batch), then captured as before (graphs.compiled) | "off"
-    compile_scope: str = "step"   # with compile on: "step" compiles the whole step; "blocks" the transformer's
-                                  # repeated blocks, one graph per block class (graphs.compiled, "Regions"),
-                                  # where the family has them (DiT: the whole step either way)
-    compile_cache: str = ""       # the compiled kernels' cache directory, kept across restarts: Inductor's,
-                                  # and FlashAttention-4's under it ("": their defaults, under the temp directory)
-    compile_models: tuple[tuple[str, str], ...] = ()  # (model, mode): a model's own compile mode, over ``compile``
-    decode_graphs: bool = False   # the VAE decode of each group captured too (backend "full", power-of-two
-                                  # batches up to DECODE_PIXELS of output, the step's pool), compiled when the step
-                                  # is: 2-3x faster on an H200, off by default for the cold compile it adds per size
-    overlap_finish: bool = False  # finished images' decode and copies to the host (pinned, on CUDA) are queued and
-                                  # handed out by the next step() call, after it has queued its replays, so the GPU
-                                  # does not wait while the host converts them; at once when nothing else is active;
-                                  # off: PixArt-Σ 512's mixed backlog gained nothing on an H200 (its finish is the
-                                  # GPU's decode, docs/benchmarks/pixart_mixed_overlap_finish.md)
-
-    def __post_init__(self) -> None:
-        for mode in (self.compile, *dict(self.compile_models).values()):
-            if mode not in COMPILE_MODES:
-                raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
-        if self.compile_scope not in COMPILE_SCOPES:
-            raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {self.compile_scope!r}")
+    speed: SpeedConfig = SpeedConfig()  # what the speed layer does to each model (workers.speed.apply)
 
     def backend_for(self, model) -> str:
         """The graph backend of ``model``'s groups: ``backend``, except that "graphs" picks whole-step graphs
@@ -146,12 +96,8 @@ class EngineConfig:
         return "breakable" if family_of(model).needs_breaks(model) else "full"
 
     def compile_mode(self, model: str) -> str:
-        """How ``model``'s steps run: its own mode if listed in ``compile_models``, else ``compile``."""
-        return dict(self.compile_models).get(model, self.compile)
-
-
-COMPILE_MODES = ("off", "inductor")
-COMPILE_SCOPES = ("step", "blocks")
+        """How ``model``'s steps run: ``speed.compile_mode``."""
+        return self.speed.compile_mode(model)
 
 
 def auto_backend(device: str) -> str:
@@ -181,8 +127,8 @@ class _Group:
     shape: tuple[int, int, int]  # the latents' (C, H, W)
     active: list[_Active] = field(default_factory=list)
     last_used: int = 0           # the engine's step count when it last ran or admitted
-    compiled: CompiledStep | None = None  # the runner's step, when config.compile is on
-    decoder: GraphRunner | None = None    # the VAE decode at this shape, when config.decode_graphs is on
+    compiled: CompiledStep | None = None  # the runner's step, when config.speed.compile is on
+    decoder: GraphRunner | None = None    # the VAE decode at this shape, when config.speed.decode_graphs is on
 
 
 BASE_INPUTS = ("x", "t", "guidance", "coeffs", "hist", "noise")
@@ -207,7 +153,7 @@ def step_specs(model: LoadedModel, shape: tuple[int, int, int] | None = None
 
 def table_specs(model: LoadedModel) -> dict[str, TensorSpec]:
     """The family's per-step inputs known at admission (``step_tables``; e.g. SD3's and FLUX.1's modulation,
-    ``workers.modulation``), per sample; none for most families."""
+    ``workers.speed.modulation``), per sample; none for most families."""
     return family_of(model).table_specs(model)
 
 
@@ -241,37 +187,14 @@ class Engine:
         self._warm = False
         self.steps_run = 0
         self.attention: dict[str, str] = {}  # model -> the attention kernel its steps run, where a family says
-        if any(config.compile_mode(m.name) != "off" for m in models):
-            _prepare_compile(config.compile_cache)
-        if config.compile_cache:  # FlashAttention-4 compiles its kernels whether or not the steps are compiled
-            use_attention_cache(config.compile_cache)
         for m in models:  # encoder graphs an earlier engine made are not this one's
             m.text_graphs = None
         for m in models:
             family = family_of(m)
-            joint = family.joint_attention
-            if config.backend != "eager" and family.break_attention:
-                if config.attention_patch:
-                    break_attention(m.transformer)
-                if config.hoist_modulation:
-                    hoist_modulation(m.transformer)
-            if joint:  # SD3's and FLUX.1's norms' modulation: one product a step
-                if config.backend != "eager" and config.hoist_modulation:
-                    hoist_temb_modulation(m.transformer)
-                else:
-                    restore_temb_modulation(m.transformer)
-            if config.backend != "eager" and config.attention_patch and joint:
-                fp8 = _fp8_attention(m)
-                if route_joint_attention(m.transformer, fp8=fp8) and fp8:
-                    self.attention[m.name] = "fp8 (cuDNN)"
-            if config.backend != "eager" and config.gelu_epilogue:
-                fuse_gelu_epilogues(m.transformer)
-            family.set_cross_attention(m, config.cross_attention)
-            if config.backend != "eager" and config.attention_patch and (family.break_attention or joint):
-                fuse_block_norms(m.transformer)  # PixArt's, DiT's, FLUX.1's FP8 blocks: each norm and its codes one kernel
-            if (kernel := family.attention_kernel(m)) is not None:
-                self.attention[m.name] = kernel
-                log.info("%s: %s", m.name, kernel)
+            applied = apply_speed(m, family, config.speed, graphs=config.backend != "eager")
+            if applied.attention is not None:
+                self.attention[m.name] = applied.attention
+                log.info("%s: %s", m.name, applied.attention)
             self._group(m, tuple(m.latent_shape))
             if config.backend != "eager" and family.encoder_graphs:
                 self._graph_encoder(m)
@@ -279,7 +202,6 @@ class Engine:
         self.padded_rows = 0  # bucket rows replayed without a sample in them (padding waste)
         self.previews_made = 0
         self._previews: list[_PendingPreviews] = []
-        self._finishing: list[_Finishing] = []
 
     def _group(self, model: LoadedModel, shape: tuple[int, int, int]) -> GraphKey:
         """The group of ``model`` at latent ``shape``, made on first use. Groups of every shape capture into
@@ -298,14 +220,14 @@ class Engine:
         step = family_of(model).make_step(model, shape)
         compiled = None
         if self.config.compile_mode(model.name) != "off":
-            regions = compile_regions(model) if self.config.compile_scope == "blocks" else []
+            regions = compile_regions(model) if self.config.speed.compile_scope == "blocks" else []
             compiled = CompiledStep(step, f"{model.name} at {'x'.join(map(str, shape))}", regions=regions)
         runner = GraphRunner(compiled or step, inputs, outputs,
                              max_batch=self.config.max_batch, backend=self.config.backend_for(model), device=device,
                              pool=pool, stream=stream)
         key = GraphKey(model.name, shape, str(model.dtype).removeprefix("torch."), runner.backend)
         decoder = decode_runner(model, shape, pool, stream, compiled=self.config.compile_mode(model.name) != "off") \
-            if self.config.decode_graphs and model.vae is not None else None
+            if self.config.speed.decode_graphs and model.vae is not None else None
         self.groups[key] = _Group(model, runner, shape, last_used=self.steps_run, compiled=compiled, decoder=decoder)
         self._keys[model.name, shape] = key
         if self._warm:  # a size first asked for while serving: captured now, once (logged)
@@ -441,59 +363,29 @@ class Engine:
                 if a.req.id == request_id:
                     del group.active[i]
                     return True
-        for rec in self._finishing:
-            if any(a.req.id == request_id for a in rec.done) and request_id not in rec.cancelled:
-                rec.cancelled.add(request_id)
-                return True
         return False
 
     @property
     def num_active(self) -> int:
         return sum(len(g.active) for g in self.groups.values())
 
-    @property
-    def num_finishing(self) -> int:
-        """Requests whose steps are done and whose images the next step() call hands out (``overlap_finish``)."""
-        return sum(len(rec.done) - len(rec.cancelled) for rec in self._finishing)
-
     def in_flight_shapes(self) -> set[tuple[str, int, int]]:
         """The shapes of the active requests (``workers.admission.spec_shape``)."""
         return {spec_shape(a.req) for g in self.groups.values() for a in g.active}
 
     def progress(self) -> dict[str, tuple[int, int]]:
-        """Steps done and planned per request not yet handed out (a finishing one's steps are all done)."""
-        finishing = {a.req.id: (a.step, a.plan.num_steps) for rec in self._finishing for a in rec.done
-                     if a.req.id not in rec.cancelled}
-        return {**finishing, **{a.req.id: (a.step, a.plan.num_steps) for g in self.groups.values() for a in g.active}}
+        """Steps done and planned per active request."""
+        return {a.req.id: (a.step, a.plan.num_steps) for g in self.groups.values() for a in g.active}
 
     # -- the step loop ---------------------------------------------------------------------------
     def step(self, on_progress: ProgressFn | None = None) -> list[ImageResult]:
-        """Advance every active request one denoising step; return the ones that finished (with
-        ``overlap_finish``: the ones that finished at the previous call, and this call's too when no request is
-        left active)."""
-        earlier, self._finishing = self._finishing, []
+        """Advance every active request one denoising step; return the ones that finished."""
         finished: list[ImageResult] = []
         for group in self.groups.values():
             if group.active:
                 finished += self._step_group(group, on_progress)
         self.steps_run += 1
-        finished += self._hand_out(earlier)  # queued before this step's replays: the GPU runs those meanwhile
-        if self._finishing and not self.num_active:  # nothing left to overlap with
-            finished += self._hand_out(self._finishing)
-            self._finishing = []
         return finished
-
-    @staticmethod
-    def _hand_out(records: list[_Finishing]) -> list[ImageResult]:
-        """The results of finished requests whose copies were queued: waits for the copies."""
-        out = []
-        for rec in records:
-            if rec.ready is not None:
-                rec.ready.synchronize()
-            images = rec.images.get()
-            out += [ImageResult(a.req, images[i], rec.latents[i]) for i, a in enumerate(rec.done)
-                    if a.req.id not in rec.cancelled]
-        return out
 
     def _step_group(self, group: _Group, on_progress: ProgressFn | None) -> list[ImageResult]:
         active = group.active
@@ -571,14 +463,9 @@ class Engine:
         latents = torch.stack([a.x for a in done])  # (B, C, H, W)
         pixels = None if group.decoder is None else group.decoder.run(latents=latents)["pixels"]
         sizes = [(a.req.out_width, a.req.out_height) for a in done]
-        if not self.config.overlap_finish:
-            images = decode(group.model, latents, sizes, pixels)
-            cpu = latents.float().cpu()
-            return [ImageResult(a.req, images[i], cpu[i]) for i, a in enumerate(done)]
-        queued = decode_start(group.model, latents, sizes, pixels, queued=True)  # nothing here waits for the GPU
-        host, ready = _to_host(latents.float())
-        self._finishing.append(_Finishing(done, queued, host, ready))
-        return []
+        images = decode(group.model, latents, sizes, pixels)
+        cpu = latents.float().cpu()
+        return [ImageResult(a.req, images[i], cpu[i]) for i, a in enumerate(done)]
 
     def _key(self, req: ItemSpec) -> GraphKey:
         name = req.model or next(iter(self.models))
@@ -624,25 +511,6 @@ def _group_stats(group: _Group) -> dict:
     if group.decoder is not None and isinstance(group.decoder.step, CompiledStep):
         stats["decode_compile"] = group.decoder.step.stats()
     return stats
-
-
-def _fp8_attention(model) -> bool:
-    """Whether a model's joint attention runs in FP8 (``workers.fp8_attention``): it was loaded in precision
-    "fp8+attention", which ``load_model`` refuses where the GPU or the cuDNN frontend does not allow it."""
-    return model.precision == "fp8+attention"
-
-
-def _prepare_compile(cache_dir: str) -> None:
-    """Before compiling steps: the attention breaks stay opaque calls for dynamo (so a breakable capture
-    still breaks there) and Inductor's cache goes where the config says."""
-    opaque_break(attention_into)
-    opaque_break(attention_quantized_into, out=("codes", "scales"))
-    opaque_break(attention_inline)
-    opaque_break(attention_fp8_inline)
-    opaque_break(varlen_attention_into)
-    opaque_break(varlen_attention_quantized_into, out=("codes", "scales"))
-    if cache_dir:
-        use_cache_dir(cache_dir)
 
 
 def _upload(t: torch.Tensor, device) -> torch.Tensor:
@@ -698,15 +566,13 @@ def decode(model: LoadedModel, latents: torch.Tensor, out_sizes: list[tuple[int,
 
 
 class _Images:
-    """Images on their way to the host (``decode_start``): ``get()`` waits for their copies."""
+    """Converted images on the host (``decode_start``): ``get()`` returns them in order."""
 
     def __init__(self, n: int) -> None:
         self.parts: list[tuple[list[int], torch.Tensor]] = []  # (image indices, (b, H, W, c) uint8 on the host)
-        self.n, self.ready = n, None
+        self.n = n
 
     def get(self) -> list[np.ndarray]:
-        if self.ready is not None:
-            self.ready.synchronize()
         images: list[np.ndarray] = [None] * self.n  # type: ignore[list-item]
         for rows, host in self.parts:
             host = host.numpy()
@@ -717,10 +583,8 @@ class _Images:
 
 @torch.no_grad()
 def decode_start(model: LoadedModel, latents: torch.Tensor, out_sizes: list[tuple[int, int]] | None = None,
-                 pixels: torch.Tensor | None = None, queued: bool = False) -> _Images:
-    """``decode``'s conversions; ``_Images.get()`` returns the images. ``queued``: nothing here waits for the
-    GPU (on CUDA the images are copied into pinned host memory without a wait, and ``get()`` waits for the
-    copies); else each chunk is copied to the host at once, as ``decode`` does."""
+                 pixels: torch.Tensor | None = None) -> _Images:
+    """``decode``'s conversions, each chunk copied to the host at once; ``_Images.get()`` returns the images."""
     if pixels is None:
         pixels = latents.float() if model.vae is None else _vae_pixels(model, latents)
     by_size: dict[tuple[int, int], list[int]] = {}  # the images of one output size convert and cross together:
@@ -733,22 +597,8 @@ def decode_start(model: LoadedModel, latents: torch.Tensor, out_sizes: list[tupl
             img = pixels if len(rows) == len(pixels) else pixels[rows]              # (b, c, H, W)
             img = (resize_and_crop(img, w, h) if w else img).clamp(-1, 1)  # a copy: the decode's output stays
             img = img.add_(1).mul_(127.5).round_().to(torch.uint8).permute(0, 2, 3, 1)  # (b, H, W, c)
-            host, ready = _to_host(img) if queued else (img.cpu(), None)
-            out.parts.append((rows, host))
-            out.ready = ready or out.ready  # the last copy's event: the copies run in order on the stream
+            out.parts.append((rows, img.cpu()))
     return out
-
-
-def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, object]:
-    """``t`` copied to the host: on CUDA into pinned memory without waiting, with an event recorded after the
-    copy (None elsewhere: copied at once)."""
-    if t.device.type != "cuda":
-        return t.cpu(), None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
 
 
 def resize_and_crop(pixels: torch.Tensor, width: int, height: int) -> torch.Tensor:

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from samplers import NoiseSchedule
-from workers import fp8, fp8_attention
+from workers.speed.apply import unsupported_reason
+from workers.speed.config import PRECISIONS
 from workers.cards import read_card
 from workers.encoders import encoders_on
 from workers.families import family_named
@@ -34,9 +35,6 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 class ModelError(CardError):
     """A model name or directory that cannot be served; the message says what to fix."""
 
-
-# bf16: the model's dtype; fp8: its blocks' linears as FP8 products; fp8+attention: and its joint attention in FP8
-PRECISIONS = ("bf16", "fp8", "fp8+attention")
 
 @dataclass
 class LoadedModel:
@@ -55,8 +53,9 @@ class LoadedModel:
     id2label: dict[int, str] = field(default_factory=dict)
     defaults: dict = field(default_factory=lambda: dict(FALLBACK_DEFAULTS))
     card: ModelCard | None = None  # what it was loaded from (workers.cards)
-    precision: str = "bf16"        # "fp8": its blocks' linears are FP8 matrix products (workers.fp8); "fp8+attention": and its attention
-    fp8_linears: int = 0
+    precision: str = "bf16"        # what it runs in (workers.speed.apply makes it so): "fp8": its blocks' linears as FP8
+                                   # matrix products (workers.speed.fp8); "fp8+attention": and its joint attention
+    fp8_linears: int = 0           # how many linears are FP8 now
     text_encoder: torch.nn.Module | None = None  # text models: the prompt encoder and its tokenizer
     tokenizer: object = None
     cache: OrderedDict = field(default_factory=OrderedDict)  # the family's encodings, by text (LRU)
@@ -94,23 +93,18 @@ def load_model(spec: str | Path, device: str | torch.device = "cpu",
     """Load ``digits``, a built-in architecture name, or a local model directory: the model its card
     (``workers.cards.read_card``, the same reader the API uses) describes, built by its family's ``load``. Text encoders load on
     ``encoder_device`` when given (offload: "cpu", another GPU), once per distinct weights.
-    ``precision="fp8"``: the transformer blocks' linears become FP8 matrix products (``workers.fp8``);
-    ``"fp8+attention"``: those, and the graph backends run SD3's and FLUX.1's joint attention in FP8 too
-    (``workers.fp8_attention``: cuDNN's kernel, Hopper, the optional cuDNN frontend). A device without what
-    the precision needs is refused (ModelError) before anything loads."""
+    ``precision``: what the model is to run in (``workers.speed.config.PRECISIONS``), made so by the speed
+    layer (``workers.speed.apply``: "fp8", its blocks' linears as FP8 matrix products; "fp8+attention", those
+    and SD3's and FLUX.1's joint attention in FP8 under the graph backends). A device without what the
+    precision needs is refused here (ModelError), before anything loads."""
     if precision not in PRECISIONS:
         raise ModelError(f"unknown precision {precision!r}: 'bf16' (the model's dtype), 'fp8' (FP8 linears) "
                          "or 'fp8+attention' (FP8 linears and attention)")
-    if precision != "bf16" and (why := fp8.unsupported_reason(device)) is not None:
-        raise ModelError(f"cannot run {spec} in {precision}: {why}")
-    if precision == "fp8+attention" and (why := fp8_attention.unavailable_reason(device)) is not None:
+    if (why := unsupported_reason(precision, device)) is not None:
         raise ModelError(f"cannot run {spec} in {precision}: {why}")
     with encoders_on(encoder_device):
         model = _load_model(spec, device, dtype)
-    if precision != "bf16":
-        model.precision, model.fp8_linears = precision, len(fp8.quantize_linears(model.transformer))
-        log.info("%s: %d linears of its blocks in fp8%s", model.name, model.fp8_linears,
-                 ", its joint attention too" if precision == "fp8+attention" else "")
+    model.precision = precision
     return model
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workers.speed import SpeedConfig
 from graphs import GraphRunner, TensorSpec, breakable, eager_on_graph
 from graphs.compiled import CompiledStep, opaque_break
 
@@ -156,12 +157,8 @@ def rownorm_and_mean_into(h, out, mean):
     mean.copy_(out.mean(dim=-1))
 
 
-@pytest.mark.parametrize("mode", ["aliased", "staged"])
-def test_a_break_writing_two_tensors_is_one_opaque_call_that_writes_both(mode, monkeypatch):
-    from graphs import compiled as comp
-
+def test_a_break_writing_two_tensors_is_one_opaque_call_that_writes_both():
     opaque_break(rownorm_and_mean_into, out=("out", "mean"))
-    monkeypatch.setattr(comp, "_break_args", [mode])
 
     def plain(x, t):
         h = F.gelu(x + t[:, None])                       # (b, 16)
@@ -408,9 +405,9 @@ def _req(i):
 def test_compiled_digits_engine_matches_uncompiled_with_one_graph_and_the_same_breaks(digits):
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
-    from workers.patches import attention_into
+    from workers.speed.patches import attention_into
 
-    compiled = Engine(digits, EngineConfig(backend="breakable", max_batch=8, compile="inductor"))
+    compiled = Engine(digits, EngineConfig(backend="breakable", max_batch=8, speed=SpeedConfig(compile="inductor")))
     compiled.warmup()  # the compile happens here, on a CPU too
     assert next(iter(compiled.groups.values())).compiled.graphs == 1
     plain = Engine(load_model("digits"), EngineConfig(backend="breakable", max_batch=8))
@@ -445,9 +442,9 @@ def test_unknown_compile_mode_is_refused():
     from workers.engine import EngineConfig
 
     with pytest.raises(ValueError, match="compile must be one of"):
-        EngineConfig(compile="max-autotune")
+        EngineConfig(speed=SpeedConfig(compile="max-autotune"))
     with pytest.raises(ValueError, match="compile_scope must be one of"):
-        EngineConfig(compile="inductor", compile_scope="layers")
+        EngineConfig(speed=SpeedConfig(compile="inductor", compile_scope="layers"))
 
 
 def test_a_text_engine_compiled_by_blocks_matches_uncompiled_from_one_block_graph(digits):
@@ -464,18 +461,18 @@ def test_a_text_engine_compiled_by_blocks_matches_uncompiled_from_one_block_grap
     assert len(compile_regions(model)) == len(model.transformer.transformer_blocks)
     reqs = [ItemSpec(id=f"t{i}", prompt=f"the number {i % 10}", seed=7 + i, sampler="ddim", steps=3, guidance=3.0)
             for i in range(5)]  # 4 + 1
-    padded = {"cross_attention": "padded"}  # its (rows x heads, 1, L) key bias crosses every block
-    plain = Engine(model, EngineConfig(backend="breakable", max_batch=4, **padded)).generate(reqs)
-    alone = Engine(model, EngineConfig(backend="breakable", max_batch=4, **padded)).generate(reqs[:1])
-    engine = Engine(model, EngineConfig(backend="breakable", max_batch=4, compile="inductor", compile_scope="blocks",
-                                        **padded))
+    padded = SpeedConfig(cross_attention="padded")  # its (rows x heads, 1, L) key bias crosses every block
+    plain = Engine(model, EngineConfig(backend="breakable", max_batch=4, speed=padded)).generate(reqs)
+    alone = Engine(model, EngineConfig(backend="breakable", max_batch=4, speed=padded)).generate(reqs[:1])
+    compiled = SpeedConfig(cross_attention="padded", compile="inductor", compile_scope="blocks")
+    engine = Engine(model, EngineConfig(backend="breakable", max_batch=4, speed=compiled))
     engine.warmup()
     for a, b in zip(engine.generate(reqs), plain):
         assert (a.latents - b.latents).abs().max().item() <= 1e-4 * max(1.0, b.latents.abs().max().item())
     stats = next(iter(engine.stats()["groups"].values()))["compile"]
     assert stats["scope"] == "blocks" and stats["compiled"], stats
     assert (stats["graphs"], stats["one_row_graphs"], stats["region_graphs"]) == (1, 0, 1), stats
-    again = Engine(model, EngineConfig(backend="breakable", max_batch=4, **padded)).generate(reqs[:1])  # plain again
+    again = Engine(model, EngineConfig(backend="breakable", max_batch=4, speed=padded)).generate(reqs[:1])  # plain again
     assert torch.equal(again[0].latents, alone[0].latents)
 
 
@@ -502,59 +499,26 @@ def _under_recorded_capture(engine, live: dict):
         breakable._local.capture = None
 
 
-def test_under_capture_a_compiled_steps_breaks_share_staged_buffers(digits, monkeypatch):
-    """``set_break_args("staged")``: every layer's break, in every bucket, gets the same staged buffers (as
-    uncompiled breaks share the attention scratch), not Inductor's per-layer buffers, which a capture would
-    keep for the graph's life; and the step still computes what the uncompiled one does."""
-    from graphs import compiled as comp
-    from workers.engine import Engine, EngineConfig
-    from workers.loading import load_model
-
-    monkeypatch.setattr(comp, "_break_args", ["staged"])
-
-    compiled = Engine(digits, EngineConfig(backend="breakable", max_batch=8, compile="inductor"))
-    compiled.warmup()  # every bucket once, outside capture: the staging is sized here
-    plain = Engine(load_model("digits"), EngineConfig(backend="breakable", max_batch=8))
-    layers, seen = len(digits.transformer.transformer_blocks), set()
-    for n in (8, 4):
-        live = _step_inputs(digits, n)
-        got, rec = _under_recorded_capture(compiled, live)
-        want = next(iter(plain.groups.values())).runner.run(**live)
-        assert_close(got, want)
-        assert len(rec.pointers) == layers
-        seen |= set(rec.pointers)
-    assert len(seen) == 1, f"{len(seen)} sets of break buffers: Inductor's buffers reached the breaks"
-
-
 def test_aliased_break_args_are_inductors_own_memory_without_owning_it(digits, monkeypatch):
-    """``set_break_args("aliased")``: under capture each break gets non-owning aliases of the compiled
-    step's own buffers (no staging buffer is made or used), and the step still computes what the
-    uncompiled one does."""
+    """Under capture each break gets non-owning aliases of the compiled step's own buffers, and the step
+    still computes what the uncompiled one does."""
     from graphs import compiled as comp
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
 
-    monkeypatch.setattr(comp, "_STAGING", comp._Staging())  # empty: anything staged would show here
-    assert comp.break_args() == "aliased"  # the default
-    monkeypatch.setattr(comp, "_break_args", ["aliased"])  # restored after the test, whatever it sets
     aliases = []
     real_alias = comp._alias
     monkeypatch.setattr(comp, "_alias", lambda t: aliases.append((t, real_alias(t))) or aliases[-1][1])
-    try:
-        engine = Engine(digits, EngineConfig(backend="breakable", max_batch=8, compile="inductor"))
-        engine.warmup()
-        plain = Engine(load_model("digits"), EngineConfig(backend="breakable", max_batch=8))
-        live = _step_inputs(digits, 8)
-        got, rec = _under_recorded_capture(engine, live)
-        assert_close(got, next(iter(plain.groups.values())).runner.run(**live))
-    finally:
-        comp.set_break_args("aliased")
+    engine = Engine(digits, EngineConfig(backend="breakable", max_batch=8, speed=SpeedConfig(compile="inductor")))
+    engine.warmup()
+    plain = Engine(load_model("digits"), EngineConfig(backend="breakable", max_batch=8))
+    live = _step_inputs(digits, 8)
+    got, rec = _under_recorded_capture(engine, live)
+    assert_close(got, next(iter(plain.groups.values())).runner.run(**live))
     layers = len(digits.transformer.transformer_blocks)
-    assert len(rec.pointers) == layers and comp._STAGING.buffers == {}
+    assert len(rec.pointers) == layers
     assert len(aliases) == 4 * layers  # q, k, v and the output of each layer
     for owner, alias in aliases:
         assert alias.data_ptr() == owner.data_ptr() and alias.stride() == owner.stride()
         assert alias.untyped_storage()._cdata != owner.untyped_storage()._cdata  # a storage of its own ...
         assert torch.equal(alias, owner)  # ... on the same memory
-    with pytest.raises(ValueError, match="break args must be one of"):
-        comp.set_break_args("copied")

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workers.speed import SpeedConfig
 from graphs import GraphRunner, TensorSpec, eager_on_graph
 from graphs.compiled import CompiledStep, opaque_break
 
@@ -80,7 +81,7 @@ def test_compiled_digits_engine_on_graphs_matches_uncompiled(digits_cuda, backen
     from workers.engine import Engine, EngineConfig
     from workers.spec import ItemSpec
 
-    compiled = Engine(digits_cuda, EngineConfig(backend=backend, max_batch=16, compile="inductor"))
+    compiled = Engine(digits_cuda, EngineConfig(backend=backend, max_batch=16, speed=SpeedConfig(compile="inductor")))
     compiled.warmup()
     plain = Engine(digits_cuda, EngineConfig(backend=backend, max_batch=16))
     plain.warmup()
@@ -96,26 +97,16 @@ def test_compiled_digits_engine_on_graphs_matches_uncompiled(digits_cuda, backen
     assert stats["compile"]["compiled"] and stats["compile"]["graphs"] == 1
 
 
-@pytest.mark.parametrize("mode", ["aliased", "staged"])
-def test_break_args_on_graphs_match_uncompiled_and_aliased_ones_stage_nothing(digits_cuda, mode):
-    """Both ``set_break_args`` modes on a real breakable capture: 13 digits through every bucket equal the
-    uncompiled engine's (so no aliased break read memory that a later segment or capture had reused), and
-    aliased breaks (the default) made no staging buffer."""
-    from graphs import compiled as comp
+def test_aliased_break_args_on_graphs_match_uncompiled(digits_cuda):
+    """Aliased break arguments on a real breakable capture: 13 digits through every bucket equal the
+    uncompiled engine's (so no aliased break read memory that a later segment or capture had reused)."""
     from workers.engine import Engine, EngineConfig
     from workers.spec import ItemSpec
 
-    staged_before, before = dict(comp._STAGING.buffers), comp.break_args()
-    comp.set_break_args(mode)
-    try:
-        compiled = Engine(digits_cuda, EngineConfig(backend="breakable", max_batch=16, compile="inductor"))
-        compiled.warmup()
-    finally:
-        comp.set_break_args(before)
+    compiled = Engine(digits_cuda, EngineConfig(backend="breakable", max_batch=16, speed=SpeedConfig(compile="inductor")))
+    compiled.warmup()
     plain = Engine(digits_cuda, EngineConfig(backend="breakable", max_batch=16))
     plain.warmup()
     reqs = [ItemSpec(id=f"r{i}", label=i % 10, seed=300 + i, sampler="ddim", steps=6, guidance=2.0) for i in range(13)]
     for a, b in zip(compiled.generate(reqs), plain.generate(reqs)):
         assert (a.latents - b.latents).abs().max().item() <= 1e-3 * max(1.0, b.latents.abs().max().item())
-    if mode == "aliased":
-        assert comp._STAGING.buffers.keys() == staged_before.keys()

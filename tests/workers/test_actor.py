@@ -123,7 +123,7 @@ def test_a_worker_with_compile_inductor_runs_compiled_steps(tmp_path):
         assert failed == {} and Image.open(io.BytesIO(finished["job/50"])).size == (8, 8)
         groups = reports[-1]["stats"]["groups"]
         assert [g["compile"]["graphs"] for g in groups.values()] == [1]
-        assert w.engine.config.compile_scope == "blocks"  # reached the engine (DiT compiles its whole step)
+        assert w.engine.config.speed.compile_scope == "blocks"  # reached the engine (DiT compiles its whole step)
         assert [g["compile"]["scope"] for g in groups.values()] == ["step"]
         assert any((tmp_path / "inductor").iterdir())
     finally:
@@ -172,7 +172,7 @@ def test_timings_split_an_items_time_at_the_worker_and_the_lock_switches_fast(wo
 
 
 def test_a_model_listed_in_fp8_runs_its_block_linears_in_fp8_and_says_so():
-    from workers.fp8 import Fp8Linear
+    from workers.speed.fp8 import Fp8Linear
 
     w = Worker(WorkerSpec(models=("digits", "digits-text"), max_batch=4, torch_threads=1,
                           precision=(("digits-text", "fp8"),), kernels=(("digits", "eager"),)))

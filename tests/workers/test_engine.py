@@ -6,6 +6,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from workers.speed import SpeedConfig
 from workers.engine import Engine, EngineConfig
 from workers.spec import ItemSpec
 from workers.loading import load_model
@@ -156,12 +157,12 @@ def test_a_models_own_compile_mode_overrides_the_engines(model):
     the engine-wide mode, and the other way round; an unknown mode is refused."""
     text = load_model("digits-text")
     for default, own in (("off", "inductor"), ("inductor", "off")):
-        cfg = EngineConfig(backend="eager", max_batch=4, compile=default, compile_models=(("digits-text", own),))
+        cfg = EngineConfig(backend="eager", max_batch=4, speed=SpeedConfig(compile=default, compile_models=(("digits-text", own),)))
         eng = Engine([model, text], cfg)  # compiles lazily: nothing is compiled until a step runs
         compiled = {g.model.name: g.compiled is not None for g in eng.groups.values()}
         assert compiled == {"digits": default == "inductor", "digits-text": own == "inductor"}
     with pytest.raises(ValueError, match="compile must be one of"):
-        EngineConfig(compile_models=(("digits", "max-autotune"),))
+        EngineConfig(speed=SpeedConfig(compile_models=(("digits", "max-autotune"),)))
 
 
 def test_the_graphs_backend_captures_a_step_without_breaks_whole_and_keeps_breaks_where_a_family_has_them(model):
@@ -243,34 +244,3 @@ def test_a_failed_warm_up_example_leaves_warm_up_on_zeros(model, monkeypatch, ca
     assert e.generate([req(1)])[0].image.shape[:2] == (model.card.image_size,) * 2
 
 
-def test_an_overlapped_finish_hands_results_out_one_step_later_and_the_last_at_once(model):
-    """``overlap_finish``: a request that finishes while others are still active is handed out by the next
-    step() call (after that call queued its replays), with the image and latents the plain engine makes;
-    when nothing is left active, at once. Meanwhile it counts in ``num_finishing`` and ``progress()``, and a
-    cancel drops it."""
-    import numpy as np
-
-    reqs = [req(0, steps=3), req(1, steps=5), req(2, steps=3), req(3, steps=7)]
-    want = {r.request.id: r for r in engine(model).generate(reqs)}
-    e = Engine(model, EngineConfig(backend="eager", max_batch=8, overlap_finish=True))
-    e.add_many(reqs)
-    out: dict[int, list[str]] = {}
-    seen = {}
-    for call in range(1, 8):
-        results = e.step()
-        out[call] = [r.request.id for r in results]
-        seen.update({r.request.id: r for r in results})
-        if call == 3:  # r0 and r2 finished at this call: not yet out
-            assert e.num_finishing == 2 and e.progress()["r0"] == (3, 3) and e.num_active == 2
-    assert out[3] == [] and sorted(out[4]) == ["r0", "r2"] and out[6] == ["r1"] and out[7] == ["r3"]
-    assert e.num_finishing == 0 and e.num_active == 0 and set(seen) == set(want)
-    for rid, r in seen.items():
-        assert np.array_equal(r.image, want[rid].image) and torch.equal(r.latents, want[rid].latents)
-
-    e.add_many([req(4, steps=2), req(5, steps=4)])
-    e.step(), e.step()  # r4 finishes, handed out at the next call
-    assert e.num_finishing == 1 and e.cancel("r4") and e.num_finishing == 0 and not e.cancel("r4")
-    assert "r4" not in e.progress()
-    rest = [r.request.id for _ in range(2) for r in e.step()]
-    assert rest == ["r5"]
-    assert [r.request.id for r in e.generate([req(6, steps=2), req(7, steps=3)])] == ["r6", "r7"]

@@ -255,7 +255,7 @@ def test_encodings_are_cached_by_the_prompt_as_given(dev):
 
 def test_the_graph_engine_reading_its_modulation_tables_equals_the_pipeline(dev_dir):
     """Under the graph backends each request's modulation is made at admission for all of its steps
-    (``workers.modulation``, tables) and the rotary tables once per shape: still the pipeline's latents."""
+    (``workers.speed.modulation``, tables) and the rotary tables once per shape: still the pipeline's latents."""
     from workers.engine import step_specs
 
     model = load_model(dev_dir)  # its own: the graph engine patches the transformer it serves

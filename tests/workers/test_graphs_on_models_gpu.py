@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from workers.speed import SpeedConfig
+
 pytestmark = pytest.mark.gpu
 
 
@@ -42,7 +44,7 @@ def _rel(a, b):
 @pytest.fixture(scope="module")
 def dit_xl():
     from workers.loading import load_model
-    from workers.patches import break_attention
+    from workers.speed.patches import break_attention
 
     model = load_model("dit-xl-2-256", device="cuda", dtype=torch.bfloat16)
     break_attention(model.transformer)  # plain calls unless the backend is breakable
@@ -104,7 +106,7 @@ def test_dit_xl_captured_decode_makes_the_plain_decodes_images(dit_xl):
     from workers.spec import ItemSpec
 
     specs = [ItemSpec(id=str(i), label=i, seed=i, sampler="ddim", steps=5, guidance=4.0) for i in range(3)]
-    eng = Engine(dit_xl, EngineConfig(backend="breakable", max_batch=4, decode_graphs=True))
+    eng = Engine(dit_xl, EngineConfig(backend="breakable", max_batch=4, speed=SpeedConfig(decode_graphs=True)))
     eng.warmup()
     got = eng.generate(specs)
     # the plain decode of the very latents the engine decoded: only the decode differs (an engine of its own
@@ -137,7 +139,7 @@ def test_dit_xl_attention_kernels_are_measured_per_bucket_at_warmup(dit_xl):
     """The breakable warm-up meets each bucket's attention shape eagerly before capturing it: each gets a
     measured kernel (flash, cuDNN or memory-efficient, whichever is fastest and matches math), and the
     captured steps still equal eager."""
-    from workers.sdpa import CHOOSER
+    from workers.kernels.attention import CHOOSER
 
     graphs = _runner(dit_xl, "breakable", max_batch=8)
     graphs.warmup()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from workers.speed import SpeedConfig
 from workers.cards import read_card
 from workers.families import family_named
 from workers.engine import Engine, EngineConfig
@@ -142,16 +143,16 @@ def test_alpha_1024_conditions_on_resolution_and_aspect_ratio(tmp_path):
 
 
 def test_varlen_cross_attention_equals_the_pipeline_too(model):
-    """The engine with cross-attention over each prompt's real tokens (workers.varlen) computes what
+    """The engine with cross-attention over each prompt's real tokens (workers.speed.varlen) computes what
     the padded, masked reference computes; switching back restores diffusers' processors."""
     specs = [ItemSpec(id="a", seed=4, sampler="dpmpp_2m", steps=5, guidance=3.0, prompt="a red cat"),
              ItemSpec(id="b", seed=5, sampler="dpmpp_2m", steps=5, guidance=4.0, prompt="the big blue house drawn",
                       negative_prompt="small")]
     try:
-        results = Engine(model, EngineConfig(backend="eager", max_batch=4, cross_attention="varlen")).generate(specs)
+        results = Engine(model, EngineConfig(backend="eager", max_batch=4, speed=SpeedConfig(cross_attention="varlen"))).generate(specs)
         assert type(model.transformer.transformer_blocks[0].attn2.processor).__name__ == "VarlenCrossAttention"
     finally:
-        Engine(model, EngineConfig(backend="eager", max_batch=4, cross_attention="padded"))
+        Engine(model, EngineConfig(backend="eager", max_batch=4, speed=SpeedConfig(cross_attention="padded")))
     assert type(model.transformer.transformer_blocks[0].attn2.processor).__name__ == "AttnProcessor2_0"
     for spec, r in zip(specs, results):
         ref = _reference(model, spec.prompt, spec.negative_prompt, spec.seed, spec.steps, spec.guidance)
@@ -164,10 +165,10 @@ def test_the_engine_reports_which_cross_attention_kernel_runs(model):
     key counts on the host (the grouped SDPA fallback); padded is diffusers' masked SDPA."""
     from workers.engine import Engine, EngineConfig
 
-    varlen = Engine(model, EngineConfig(backend="eager", max_batch=2, cross_attention="varlen"))
+    varlen = Engine(model, EngineConfig(backend="eager", max_batch=2, speed=SpeedConfig(cross_attention="varlen")))
     assert varlen.attention == {model.name: "cross-attention: SDPA per key length (one host read per layer)"}
     assert varlen.stats()["attention"] == varlen.attention
-    padded = Engine(model, EngineConfig(backend="eager", max_batch=2, cross_attention="padded"))
+    padded = Engine(model, EngineConfig(backend="eager", max_batch=2, speed=SpeedConfig(cross_attention="padded")))
     assert padded.attention[model.name].startswith("cross-attention: padded")
 
 
@@ -182,7 +183,7 @@ def test_a_captured_decode_makes_the_images_the_plain_decode_makes(model, monkey
     plain = Engine(model, EngineConfig(backend="eager", max_batch=8)).generate(specs)
     out_px = model.image_size ** 2
     monkeypatch.setattr(eng, "DECODE_PIXELS", 2 * out_px)  # a largest decode batch of 2: 5 images in 2 + 2 + 1
-    captured = Engine(model, EngineConfig(backend="eager", max_batch=8, decode_graphs=True))
+    captured = Engine(model, EngineConfig(backend="eager", max_batch=8, speed=SpeedConfig(decode_graphs=True)))
     (group,) = captured.groups.values()
     assert group.decoder is not None and group.decoder.max_batch == 2
     got = captured.generate(specs)
@@ -271,8 +272,8 @@ def test_a_compiled_decode_compiles_once_and_makes_the_plain_decodes_images(mode
     from graphs.compiled import CompiledStep
     from workers import engine as eng
 
-    compiled = Engine(model, EngineConfig(backend="eager", max_batch=2, compile="inductor", decode_graphs=True))
-    plain = Engine(model, EngineConfig(backend="eager", max_batch=2, decode_graphs=True))
+    compiled = Engine(model, EngineConfig(backend="eager", max_batch=2, speed=SpeedConfig(compile="inductor", decode_graphs=True)))
+    plain = Engine(model, EngineConfig(backend="eager", max_batch=2, speed=SpeedConfig(decode_graphs=True)))
     assert isinstance(next(iter(compiled.groups.values())).decoder.step, CompiledStep)
     assert not isinstance(next(iter(plain.groups.values())).decoder.step, CompiledStep)
     (stats,) = compiled.stats()["groups"].values()

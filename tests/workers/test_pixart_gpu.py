@@ -5,6 +5,8 @@ graph replays the kernels eager runs at the same shape), and no step falls back 
 import pytest
 import torch
 
+from workers.speed import SpeedConfig
+
 pytestmark = pytest.mark.gpu
 
 
@@ -245,7 +247,7 @@ def test_a_compiled_captured_decode_makes_the_plain_decodes_images(pixart_cuda):
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=3, guidance=2.0, prompt=f"a cat number {i}")
              for i in range(3)]
     plain = Engine(pixart_cuda, EngineConfig(backend="eager", max_batch=4)).generate(specs)
-    engine = Engine(pixart_cuda, EngineConfig(backend="breakable", max_batch=4, compile="inductor", decode_graphs=True))
+    engine = Engine(pixart_cuda, EngineConfig(backend="breakable", max_batch=4, speed=SpeedConfig(compile="inductor", decode_graphs=True)))
     engine.warmup()
     got = engine.generate(specs)
     (stats,) = engine.stats()["groups"].values()
@@ -259,24 +261,3 @@ def test_a_compiled_captured_decode_makes_the_plain_decodes_images(pixart_cuda):
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)  # the compiled decode's layout
 
 
-def test_an_overlapped_finish_gives_the_same_images_from_pinned_copies(pixart_cuda):
-    """``overlap_finish`` on CUDA: the images and latents come from pinned host copies handed out a step later
-    (requests of different lengths, so some finish while others run), equal to the plain engine's."""
-    import numpy as np
-
-    from workers.engine import Engine, EngineConfig
-    from workers.spec import ItemSpec
-
-    specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=2 + i, guidance=2.0, prompt=f"a cat number {i}")
-             for i in range(4)]
-    plain = Engine(pixart_cuda, EngineConfig(backend="breakable", max_batch=4))
-    plain.warmup()
-    want = plain.generate(specs)
-    engine = Engine(pixart_cuda, EngineConfig(backend="breakable", max_batch=4, overlap_finish=True))
-    engine.warmup()
-    got = engine.generate(specs)
-    assert engine.num_finishing == 0
-    for a, b in zip(got, want):  # each warm-up times its own buckets: the splitter may plan other replays
-        assert a.request.id == b.request.id and np.abs(a.image.astype(int) - b.image.astype(int)).max() <= 1
-        assert a.latents.is_pinned()
-        torch.testing.assert_close(a.latents, b.latents, rtol=1e-5, atol=1e-5)

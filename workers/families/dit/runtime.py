@@ -41,7 +41,7 @@ class DiTRuntime(DiT):
 
     def compile_regions(self, model):
         """None: DiT's steps compile whole. Its blocks' norms read the hoisted modulation by their index
-        (``workers.patches.HoistedModulation``), so each block would be a graph of its own."""
+        (``workers.speed.patches.HoistedModulation``), so each block would be a graph of its own."""
         return None
 
     def make_step(self, model, shape=None):

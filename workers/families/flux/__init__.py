@@ -69,7 +69,7 @@ class Flux(Family):
                 "flux-dev-1024": Builtin(1024, DEV_PARAMS, DEV_ENCODER_PARAMS)}
     previews = {16: FLUX_VAE}
     runtime = "workers.families.flux.runtime:FluxRuntime"
-    joint_attention = True  # its joint attention by the kernel per shape (workers.joint_attention), not a break
+    joint_attention = True  # its joint attention by the kernel per shape (workers.speed.routing), not a break
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:

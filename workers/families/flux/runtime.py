@@ -34,13 +34,13 @@ import torch
 
 from graphs import TensorSpec
 from samplers import model_input, sampler_step
-from workers import modulation
+from workers.speed import modulation
 from workers.encoders import load_text_encoder, place_encoder
 from workers.families.flux import Flux, builtin
 from workers.families.textcache import encodings
 from workers.loading import (ModelError, assemble, cast, instantiate, load_vae, read_config,
                              refuse_without_safetensors)
-from workers.modulation import give as give_modulation
+from workers.speed.modulation import give as give_modulation
 
 CACHE_SIZE = 4096
 
@@ -73,7 +73,7 @@ class FluxRuntime(Flux):
         """The step's inputs that change every step and are known at admission: the modulation's row of the
         step (``workers.modulation``, tables), where the engine hoisted it."""
         cache = modulation.temb_modulation(model.transformer)
-        if cache is None or not modulation.TABLES:
+        if cache is None:
             return {}
         return {"modulation": TensorSpec((cache.width,), model.dtype)}
 

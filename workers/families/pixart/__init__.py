@@ -34,7 +34,7 @@ class PixArt(Family):
                 "pixart-sigma-1024": Builtin(1024, SIGMA_PARAMS, T5_XXL_PARAMS)}
     previews = {4: SD_VAE}
     runtime = "workers.families.pixart.runtime:PixArtRuntime"
-    break_attention = True  # self-attention (attn1: no mask) through workers.patches: fused q, k, v, the kernel
+    break_attention = True  # self-attention (attn1: no mask) through workers.speed.patches: fused q, k, v, the kernel
     encoder_graphs = True  # under the graph backends T5 replays from CUDA graphs (runtime.real_length_encode)
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,

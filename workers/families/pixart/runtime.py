@@ -21,7 +21,9 @@ from workers.encoders import load_text_encoder, padded_length, place_encoder
 from workers.families.pixart import PixArt
 from workers.families.pixart.builtin import build_pixart_sigma
 from workers.families.textcache import encodings
+from workers.kernels.varlen import kernel_name
 from workers.loading import LoadedModel, assemble, cast, load_component, load_vae, refuse_without_safetensors
+from workers.speed.varlen import VarlenCrossAttention, restore_cross_attention, varlen_cross_attention
 
 CACHE_SIZE = 4096
 
@@ -50,10 +52,8 @@ class PixArtRuntime(PixArt):
 
     def set_cross_attention(self, model, mode: str) -> None:
         """``padded``: diffusers' cross-attention over all ``max_tokens`` keys with the mask (graph-stable);
-        ``varlen``: each row attends to its real tokens only, in an eager break (workers.varlen); ``auto``:
+        ``varlen``: each row attends to its real tokens only, in an eager break (workers.speed.varlen); ``auto``:
         the measured default."""
-        from workers.varlen import restore_cross_attention, varlen_cross_attention
-
         mode = DEFAULT_CROSS_ATTENTION if mode == "auto" else mode
         if mode not in ("padded", "varlen"):
             raise ValueError(f"cross_attention must be 'auto', 'padded' or 'varlen', got {mode!r}")
@@ -62,15 +62,11 @@ class PixArtRuntime(PixArt):
     def needs_breaks(self, model) -> bool:
         """Whether this model's step has eager breaks: varlen cross-attention (its kernel plans from each row's
         real prompt length) is one; padded cross-attention captures whole."""
-        from workers.varlen import VarlenCrossAttention
-
         blocks = model.transformer.transformer_blocks
         return bool(blocks) and isinstance(getattr(blocks[0].attn2, "processor", None), VarlenCrossAttention)
 
     def attention_kernel(self, model) -> str:
         """The cross-attention kernel this model's steps run (reported by the engine at start-up)."""
-        from workers.varlen import kernel_name
-
         if self.needs_breaks(model):
             return "cross-attention: " + kernel_name(model.device, model.dtype, model.transformer.config.attention_head_dim)
         return "cross-attention: padded to the token limit, masked (SDPA)"

@@ -50,7 +50,7 @@ class SD3(Family):
     builtins = {"sd35-medium-1024": SD35_MEDIUM}
     previews = {16: SD3_VAE}
     runtime = "workers.families.sd3.runtime:SD3Runtime"
-    joint_attention = True  # its joint attention by the kernel per shape (workers.joint_attention), not a break
+    joint_attention = True  # its joint attention by the kernel per shape (workers.speed.routing), not a break
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:

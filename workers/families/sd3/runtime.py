@@ -28,13 +28,13 @@ import torch
 
 from graphs import TensorSpec
 from samplers import cfg_combine, model_input, sampler_step
-from workers import modulation
+from workers.speed import modulation
 from workers.encoders import load_text_encoder, place_encoder
 from workers.families.sd3 import SD3, builtin, skips_t5
 from workers.families.textcache import encodings
 from workers.loading import (ModelError, assemble, cast, load_component, load_vae, read_config,
                              refuse_without_safetensors)
-from workers.modulation import give as give_modulation
+from workers.speed.modulation import give as give_modulation
 
 CACHE_SIZE = 1024  # texts; ~2.8 GB of host memory for SD3.5 in bf16
 
@@ -117,7 +117,7 @@ class SD3Runtime(SD3):
         """The step's inputs that change every step and are known at admission: the modulation's rows of the
         step, the prompt's then the negative prompt's (``workers.modulation``, tables), where the engine hoisted it."""
         cache = modulation.temb_modulation(model.transformer)
-        if cache is None or not modulation.TABLES:
+        if cache is None:
             return {}
         return {"modulation": TensorSpec((2, cache.width), model.dtype)}
 

@@ -1,0 +1,60 @@
+"""What the speed layer does to a model (``workers.speed.apply``): one frozen config, passed in.
+
+Every field is a choice a user (or a benchmark comparing systems) makes; nothing is read from module globals.
+The defaults are the service's defaults: the graph backends' rewrites on, bf16, no compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COMPILE_MODES = ("off", "inductor")
+COMPILE_SCOPES = ("step", "blocks")
+PRECISIONS = ("bf16", "fp8", "fp8+attention")  # the model's dtype; FP8 linears; and FP8 joint attention
+
+
+@dataclass(frozen=True)
+class SpeedConfig:
+    attention_patch: bool = True  # BREAK_ATTENTION (DiT, PixArt) and JOINT_ATTENTION (SD3, FLUX.1) families: attention by
+                                  # the kernel per shape (q, k, v one product, the kernel measured fastest per shape):
+                                  # an eager break under `breakable`, captured inside the graph under `full`
+    hoist_modulation: bool = True  # the same families under both graph backends: every block's adaLN modulation
+                                   # computed at once by the first (workers.speed.patches.HoistedModulation); SD3's
+                                   # and FLUX.1's by one product of the step's embedding, made for all of a
+                                   # request's steps at admission (workers.speed.modulation)
+    gelu_epilogue: bool = True    # every family under both graph backends: tanh-GELU feed-forwards with the GELU in
+                                  # the product's epilogue on CUDA, FLUX's single blocks without their concatenation
+                                  # (workers.speed.epilogues, workers.speed.flux_blocks)
+    cross_attention: str = "auto"  # text families: "padded" (to max_tokens, masked) | "varlen" (real lengths)
+                                   # | "auto" (the family's measured default)
+    compile: str = "off"          # "inductor": each step compiled by Inductor once per model and latent shape
+                                  # (dynamic batch), then captured as before (graphs.compiled) | "off"
+    compile_scope: str = "step"   # with compile on: "step" compiles the whole step; "blocks" the transformer's
+                                  # repeated blocks, one graph per block class (graphs.compiled, "Regions"),
+                                  # where the family has them (DiT: the whole step either way)
+    compile_cache: str = ""       # the compiled kernels' cache directory, kept across restarts: Inductor's,
+                                  # and FlashAttention-4's under it ("": their defaults, under the temp directory)
+    compile_models: tuple[tuple[str, str], ...] = ()  # (model, mode): a model's own compile mode, over ``compile``
+    decode_graphs: bool = False   # the VAE decode of each group captured too (backend "full", power-of-two
+                                  # batches up to DECODE_PIXELS of output, the step's pool), compiled when the step
+                                  # is: 2-3x faster on an H200, off by default for the cold compile it adds per size
+    precision: tuple[tuple[str, str], ...] = ()  # (model, "bf16" | "fp8" | "fp8+attention"): over the precision the
+                                                 # model was loaded for (``load_model(precision=...)``)
+
+    def __post_init__(self) -> None:
+        for mode in (self.compile, *dict(self.compile_models).values()):
+            if mode not in COMPILE_MODES:
+                raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
+        if self.compile_scope not in COMPILE_SCOPES:
+            raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {self.compile_scope!r}")
+        for model, precision in self.precision:
+            if precision not in PRECISIONS:
+                raise ValueError(f"precision of {model!r} must be one of {PRECISIONS}, got {precision!r}")
+
+    def compile_mode(self, model: str) -> str:
+        """How ``model``'s steps run: its own mode if listed in ``compile_models``, else ``compile``."""
+        return dict(self.compile_models).get(model, self.compile)
+
+    def precision_for(self, model: str, loaded: str = "bf16") -> str:
+        """``model``'s precision: its entry in ``precision``, else ``loaded`` (what it was loaded for)."""
+        return dict(self.precision).get(model, loaded)
