@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from dit_serve.server.config import LimitsConfig
 from dit_serve.schemas import ImageGenerationRequest, JobParams, JobRequest, ModelCard
-from samplers.rules import RULES, check_settings
+from samplers.rules import RULES, Grid, SettingError, check_plan
 from workers import cards
 from workers.previews import preview_map_of
 from workers.sizes import parse_size
@@ -36,6 +36,11 @@ def model_entry(card: cards.ModelCard) -> ModelCard:
                      sizes=[f"{w}x{h}" for w, h in card.made_sizes()], class_names=card.class_names(),
                      defaults=card.defaults,
                      samplers=[n for n, rule in RULES.items() if card.prediction_type in rule.predictions])
+
+
+def grid_of(card: cards.ModelCard) -> Grid:
+    """What the samplers' rules read of a model's schedule (its worker builds NoiseSchedule from the same)."""
+    return Grid.of(card.scheduler or cards.DIT_SCHEDULER)
 
 
 @dataclass(frozen=True)
@@ -104,11 +109,10 @@ class Catalog:
         steps = steps or info.defaults["steps"]
         if steps > self.limits.max_steps:
             raise RequestError(f"steps must be at most {self.limits.max_steps}, got {steps}", "steps")
-        try:
-            check_settings(sampler, steps, eta, info.prediction_type, info.num_train_timesteps)
-        except ValueError as e:
-            msg = str(e)
-            raise RequestError(msg, "steps" if "num_steps" in msg else "eta" if "eta" in msg else "sampler") from None
+        try:  # the rule make_plan applies in the worker: an accepted job can run
+            check_plan(sampler, steps, eta, grid_of(info))
+        except SettingError as e:
+            raise RequestError(f"model {info.name!r}: {e}", e.param) from None
         guidance = info.defaults["guidance"] if guidance is None else guidance
         if negative_prompt and info.conditioning != "text":
             raise RequestError(f"model {info.name!r} is class-conditional: negative_prompt applies to text models",
