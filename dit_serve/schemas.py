@@ -82,7 +82,8 @@ class JobRequest(_Request):
     exact_size: bool = Field(False, description="models with aspect-ratio bins generate at the bin nearest "
                                                 "width x height; true resizes (and centre-crops) the result to "
                                                 "exactly width x height")
-    seed: int = Field(0, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="item i uses seed + i; a random seed (recorded "
+                                                                   "in each item) when omitted")
     seeds: list[Annotated[int, Field(ge=0, le=MAX_SEED)]] | None = Field(
         None, min_length=1, max_length=MAX_ITEMS, description="one seed per item; overrides `seed`")
     sampler: str | None = Field(None, max_length=50, description="ddpm, ddim, euler, euler_a, dpmpp_2m, "
@@ -111,7 +112,7 @@ class JobRequest(_Request):
             raise ValueError("send labels (class-conditional models) or prompts (text-to-image models): "
                              f"{'both were' if self.labels else 'neither was'} given")
         if self.seeds is None:
-            if self.seed + self.num_items - 1 > MAX_SEED:
+            if self.seed is not None and self.seed + self.num_items - 1 > MAX_SEED:
                 raise ValueError(f"seed + number of items must stay below 2**63, got seed {self.seed}")
             return self
         if len(self.seeds) != self.num_items:
@@ -266,7 +267,7 @@ class ImageGenerationRequest(_Request):
     user: str | None = Field(None, max_length=1000)
     moderation: str | None = Field(None, max_length=100)
     safety_identifier: str | None = Field(None, max_length=1000)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="image i uses seed + i; random when omitted")
     steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     guidance: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
     priority: int = Field(0, ge=-100, le=100, description="as for jobs: higher runs first")

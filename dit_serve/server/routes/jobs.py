@@ -42,7 +42,7 @@ def job_or_404(store: Store, job_id: str, who: Principal, with_items: bool = Tru
 def submit_job(req: JobRequest, store: StoreDep, catalog: CatalogDep, admission: AdmissionDep,
                who: Caller, idempotency_key: str | None = IdempotencyKey) -> Job:
     """Queue a job; 202 once it is committed to the store (429 with Retry-After when the queue is full)."""
-    job_id, created, job = admission.submit(catalog.resolve_job(req), who, idempotency_key)
+    job_id, created, job = admission.submit(catalog.resolve_job(req, idempotency_key), who, idempotency_key)
     headers = {"Location": f"/v1/jobs/{job_id}"} | ({} if created else {"Idempotent-Replayed": "true"})
     # a new job as written, not read back, and serialised here: this answer is on every image's path,
     # and the scheduler leasing the job meanwhile needs the interpreter that a re-validation would hold
