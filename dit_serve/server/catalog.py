@@ -150,8 +150,9 @@ class Catalog:
                 raise RequestError(str(e), "size") from None
         try:  # OpenAI's size is the image's size: snapped to a bin when needed, then resized to it
             size = _size(info, width, height, exact=True)
-        except RequestError as e:
-            raise RequestError(f"{e.message} (sizes: {', '.join(model_entry(info).sizes)}, or 'auto')", "size") from None
+        except RequestError:  # its message speaks of width and height, which this endpoint does not have
+            raise RequestError(f"model {info.name!r} does not make {req.size} images; size must be one of "
+                               f"{', '.join(model_entry(info).sizes)}, or 'auto' (its own size)", "size") from None
         params = self.params(info, None, req.steps, req.guidance, 0.0, size=size)
         seed = random_seed() if req.seed is None else req.seed
         seeds = [seed + i for i in range(req.n)]
