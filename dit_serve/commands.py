@@ -78,6 +78,8 @@ def serve(args) -> int:
     heap.limit_arenas()  # before the service's threads exist (dit_serve.server.heap says why)
     cfg = _config(args)
     roles = ("api", "scheduler") if args.role == "all" else (args.role,)
+    if "api" in roles:
+        _check_port(cfg.server.host, cfg.server.port)
     with Service(cfg, roles=roles, http_thread=False) as svc:
         where = svc.url if "api" in roles else "no HTTP (scheduler only)"
         print(f"dit-serve: serving {', '.join(cfg.workers.models)} at {where}; "
@@ -87,6 +89,21 @@ def serve(args) -> int:
         else:
             _serve_scheduler(svc, cfg)
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    """A port in use is said at once, not after Ray and the models started (the service binds it later)."""
+    import socket
+
+    if not port:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the service binds
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise CommandError(f"cannot listen on {host}:{port}: {e.strerror or e} (choose another with --port, "
+                               "or 0 for a free one)") from None
 
 
 def _serve_scheduler(svc, cfg) -> None:

@@ -209,3 +209,18 @@ def test_cli_and_commands_import_one_way():
     assert "dit_serve.cli" not in imported
     assert not any(isinstance(n, ast.ImportFrom) and n.module == "dit_serve" and any(a.name == "cli" for a in n.names)
                    for n in ast.walk(tree))
+
+
+def test_a_port_in_use_is_said_before_anything_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        err = one_line(cli("serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), timeout=60))
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+    assert not (tmp_path / "data").exists()  # nothing started: no store, no Ray
+
+
+def test_the_default_data_dir_is_ignored_by_git():
+    proc = subprocess.run(["git", "check-ignore", "-q", "dit-serve-data/jobs.db"], cwd=ROOT)
+    assert proc.returncode == 0
