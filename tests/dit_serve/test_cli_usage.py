@@ -224,3 +224,13 @@ def test_a_port_in_use_is_said_before_anything_starts(tmp_path):
 def test_the_default_data_dir_is_ignored_by_git():
     proc = subprocess.run(["git", "check-ignore", "-q", "dit-serve-data/jobs.db"], cwd=ROOT)
     assert proc.returncode == 0
+
+
+def test_the_webhooks_example_explains_a_refused_receiver(api, tmp_path):
+    """The service refuses the loopback receiver (as it should); the example says how to allow it."""
+    url, http, env = api
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "webhooks.py"), "--url", url, "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120, env=environ, cwd=ROOT)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "allow_hosts = [\"127.0.0.1\"]" in proc.stderr and "loopback" in proc.stderr
