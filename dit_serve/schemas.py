@@ -40,7 +40,9 @@ def _label(value):
     return value
 
 
-Label = Annotated[int | str, BeforeValidator(_label)]
+# the branches carry what _label checks, so the schema says it too
+Label = Annotated[Annotated[int, Field(ge=0, lt=2**31)] | Annotated[str, Field(min_length=1, max_length=MAX_NAME)],
+                  BeforeValidator(_label)]
 
 
 def _prompt(value):
@@ -49,7 +51,8 @@ def _prompt(value):
     return value
 
 
-Prompt = Annotated[str, BeforeValidator(_prompt), Field(max_length=MAX_PROMPT)]
+NOT_BLANK = r"\S"  # a search, as JSON Schema's pattern is: some character that is not a space
+Prompt = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT, pattern=NOT_BLANK), BeforeValidator(_prompt)]
 
 
 class _Request(BaseModel):
@@ -237,6 +240,15 @@ class EndEvent(_Response):
 
 JobEvent = Annotated[ProgressEvent | ItemEvent | PreviewEvent | EndEvent, Field(discriminator="event")]
 
+
+def event_schema() -> dict:
+    """JobEvent's JSON schema for OpenAPI: ``schema`` refers to components, ``components`` holds them."""
+    from pydantic import TypeAdapter
+
+    schema = TypeAdapter(JobEvent).json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+    return {"components": schema.pop("$defs", {}), "schema": schema}
+
+
 class JobList(_Response):
     data: list[Job]
     total: int
@@ -252,7 +264,7 @@ class ImageGenerationRequest(_Request):
     extensions (pass them with the OpenAI SDK's ``extra_body``)."""
 
     prompt: str = Field(min_length=1, max_length=32000)
-    model: str | None = Field(None, max_length=MAX_NAME)
+    model: str | None = Field(None, min_length=1, max_length=MAX_NAME)
     n: int = Field(1, ge=1, le=10_000)
     size: str | None = Field(None, max_length=20, description="'WxH': one of the model's sizes (GET /v1/models), or any size for "
                                                                  "models with aspect-ratio bins (generated at the "

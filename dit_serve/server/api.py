@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from dit_serve import __version__
-from dit_serve.schemas import clip
+from dit_serve.schemas import NOT_BLANK, clip, event_schema
 from dit_serve.server import web
 from dit_serve.server.catalog import Catalog, RequestError
 from dit_serve.server.config import ServerConfig
@@ -31,6 +31,7 @@ from dit_serve.server.keys import KeyRing
 from dit_serve.server.metrics import Metrics
 from dit_serve.server.routes import ERRORS, jobs, models, openai, ops
 from dit_serve.server.routes.admission import Admission
+from dit_serve.server.routes.jobs import EVENT_ID
 from dit_serve.server.store import Store
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,25 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
     state.event_streams = Streams(stream_limits)
     for router in ROUTERS:
         app.include_router(router)
+    _add_event_models(app)
     # for 405's Allow: app.router.routes holds each included router as one entry, without a path_regex
     state.all_routes = [r for r in (*(r for router in ROUTERS for r in router.routes), *app.router.routes)
                         if hasattr(r, "path_regex")]
     return app
+
+
+def _add_event_models(app: FastAPI) -> None:
+    """The events route's itemSchema refers to the event models: put them among the schema's components."""
+    base = app.openapi
+
+    def openapi() -> dict:
+        schema = base()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, model in event_schema()["components"].items():
+            components.setdefault(name, model)
+        return schema
+
+    app.openapi = openapi
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str | None = None,
@@ -122,7 +138,8 @@ def _not_json(request: Request, e: RequestValidationError) -> str | None:
 
 
 # what a pattern in the schema asks for, in words
-PATTERNS = {r"^https?://[^\s]+$": "an http:// or https:// URL without spaces",
+PATTERNS = {r"^https?://[^\s]+$": "an http:// or https:// URL without spaces", NOT_BLANK: "some text, not only spaces",
+            EVENT_ID: "the id of an event of this stream (e.g. '3.17.1520413.2'), or none",
             r"^[0-9a-zA-Z_-]+$": "letters, digits, '_' and '-' only", r"^[!-~]+$": "printable ASCII without spaces"}
 KINDS = {"int": "a whole number", "float": "a number", "bool": "true or false", "string": "a string",
          "list": "a list", "dict": "a JSON object", "model": "a JSON object", "finite": "a finite number"}
