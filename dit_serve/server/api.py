@@ -29,7 +29,7 @@ from dit_serve.server.events import StreamLimits, Streams
 from dit_serve.server.http_limits import LimitsMiddleware
 from dit_serve.server.keys import KeyRing
 from dit_serve.server.metrics import Metrics
-from dit_serve.server.routes import ERRORS, jobs, models, openai, ops
+from dit_serve.server.routes import ERRORS, docs, jobs, models, openai, ops
 from dit_serve.server.routes.admission import Admission
 from dit_serve.server.routes.jobs import EVENT_ID
 from dit_serve.server.store import Store
@@ -42,8 +42,10 @@ ROUTERS = (jobs.router, openai.router, models.router, web.router, ops.router)
 def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Metrics,
                workers_ready: Callable[[], int | None] = lambda: None, allow_hosts: tuple[str, ...] = (),
                stream_limits: StreamLimits = StreamLimits()) -> FastAPI:
+    local_docs = docs.assets_dir() is not None  # else FastAPI's pages, with their assets from a CDN
     app = FastAPI(title="dit-serve", version=__version__, responses=ERRORS,
-                  description="Batch image generation with diffusion transformers.")
+                  description="Batch image generation with diffusion transformers.",
+                  docs_url=None if local_docs else "/docs", redoc_url=None if local_docs else "/redoc")
     _add_error_handlers(app)
     app.add_middleware(LimitsMiddleware, max_body_bytes=server.max_body_bytes, read_timeout_s=server.read_timeout_s)
     state = app.state  # what the routes' dependencies read (dit_serve.server.routes.deps)
@@ -54,6 +56,8 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
     state.event_streams = Streams(stream_limits)
     for router in ROUTERS:
         app.include_router(router)
+    if local_docs:
+        app.include_router(docs.router)
     _add_event_models(app)
     # for 405's Allow: app.router.routes holds each included router as one entry, without a path_regex
     state.all_routes = [r for r in (*(r for router in ROUTERS for r in router.routes), *app.router.routes)
