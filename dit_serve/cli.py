@@ -1,5 +1,4 @@
-"""The `dit-serve` command line. Bad input prints one line to stderr and exits 2; so does a server-side
-command (serve, generate, demo, keys) where only the base install (the SDK and the client commands) is.
+"""Batch image generation with diffusion transformers.
 
     dit-serve serve [--config FILE]          the service (local Ray, SQLite, digits on the CPU by default)
     dit-serve submit --labels 3,7 [--out D]  queue a job (and wait for it and write its images);
@@ -11,6 +10,10 @@ command (serve, generate, demo, keys) where only the base install (the SDK and t
     dit-serve keys create|list|revoke        tenants' API keys, in the service's store
     dit-serve generate ...                   run locally, no service
     dit-serve demo                           the main job: service + SDK + images, then shut down
+
+The client commands talk to $DIT_SERVE_URL (else http://127.0.0.1:8000) with the key in $DIT_SERVE_API_KEY;
+--url and --api-key override them. Bad input prints one line to stderr and exits 2; so does a server-side
+command (serve, generate, demo, keys) where only the base install (the SDK and the client commands) is.
 """
 
 from __future__ import annotations
@@ -18,11 +21,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import sys
 from pathlib import Path
 
-EXIT_USAGE = 2
-DEFAULT_URL = "http://127.0.0.1:8000"
+from dit_serve import __version__, commands
+from dit_serve.commands import EXIT_PIPE, EXIT_USAGE, CommandError, user_error
+from dit_serve.errors import UsageError
+from samplers.rules import RULES
+
+SAMPLERS_HELP = f"{', '.join(RULES)} (default: the model's; GET /v1/models lists the samplers each model takes)"
 # What the server-side commands import beyond the base install; `pip install 'dit-serve[server]'` brings it.
 SERVICE_MODULES = ("fastapi", "uvicorn", "sqlalchemy", "prometheus_client")  # dit_serve.server.service: API, store, metrics
 MODEL_MODULES = ("torch", "diffusers", "safetensors")  # loading and running a model
@@ -55,28 +63,13 @@ def _add_conditioning(p) -> None:
                                                               "--width x --height")
 
 
-def prompts_of(args) -> list[str] | None:
-    """--prompt values, or the lines of --prompts-file (blank lines skipped); None for a labels job."""
-    if args.prompts_file is not None:
-        try:
-            return [line.strip() for line in args.prompts_file.read_text().splitlines() if line.strip()]
-        except OSError as e:
-            from dit_serve.errors import UsageError
-
-            raise UsageError(f"cannot read --prompts-file {str(args.prompts_file)!r}: {e.strerror or e}") from None
-    return args.prompts
-
-
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate images locally and write PNGs + manifest.json")
-    p.add_argument("--model", default=None, help="'digits' (the default), 'digits-flow', a built-in architecture, "
-                                                 "or a model directory")
+    p.add_argument("--model", default=None, help="'digits' (the default: class-conditional, --labels), "
+                                                 "'digits-text' (--prompt), a built-in architecture, or a model "
+                                                 "directory")
     _add_conditioning(p)
-    p.add_argument("--sampler", default=None, help="ddpm, ddim, euler, euler_a, dpmpp_2m, flow_euler")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale (>= 0)")
-    p.add_argument("--eta", type=float, default=0.0, help="DDIM eta (0 = deterministic)")
-    p.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
+    _add_sampling(p)
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "eager", "full", "breakable", "graphs"],
@@ -86,6 +79,20 @@ def _add_generate(sub) -> None:
                    help="fp8: the transformer blocks' linears as FP8 matrix products (GPUs of compute capability "
                         "8.9+, or the CPU); fp8+attention: and SD3's and FLUX.1's joint attention in FP8 (Hopper, "
                         "with the cuDNN frontend installed); bf16: the model's dtype")
+
+
+def _add_sampling(p) -> None:
+    p.add_argument("--seed", type=int, default=None, help="image i uses seed + i (default: a random seed, "
+                                                          "recorded with each image)")
+    p.add_argument("--sampler", help=SAMPLERS_HELP)
+    p.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
+    p.add_argument("--guidance", type=float, help="classifier-free guidance scale, 0..100 (default: the model's)")
+    p.add_argument("--eta", type=float, help="DDIM's eta, 0..1: 0 is deterministic (the default), 1 DDPM-like")
+
+
+def _add_service(p) -> None:
+    p.add_argument("--url", help="the service's base URL (default: $DIT_SERVE_URL, else http://127.0.0.1:8000)")
+    p.add_argument("--api-key", help="the service's API key (default: $DIT_SERVE_API_KEY)")
 
 
 def _add_serve(sub) -> None:
@@ -102,35 +109,36 @@ def _add_serve(sub) -> None:
 
 
 def _add_client(sub) -> None:
+    job_help = "the job's id (submit prints it; list shows them)"
     p = sub.add_parser("submit", help="queue a job on a running service")
-    p.add_argument("--url", default=DEFAULT_URL)
+    _add_service(p)
     p.add_argument("--model", help="a model the service serves (default: its first)")
     _add_conditioning(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sampler")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--guidance", type=float)
-    p.add_argument("--eta", type=float)
+    _add_sampling(p)
     p.add_argument("--priority", type=int, help="-100..100 (default 0): higher runs first")
+    p.add_argument("--preview-every", type=int, metavar="N", help="a preview of each running image every N steps "
+                                                                  "(models with a preview map)")
     p.add_argument("--webhook-url", help="POSTed the finished job as JSON")
     p.add_argument("--wait", action="store_true", help="wait for the job with a progress bar")
-    p.add_argument("--out", type=Path, help="wait, then write the images here")
+    p.add_argument("--out", type=Path, help="wait, then write the images here (an empty or new folder)")
+    p.add_argument("--force", action="store_true", help="write into --out even when it holds files")
     p = sub.add_parser("status", help="a job's state and progress")
-    p.add_argument("job")
-    p.add_argument("--url", default=DEFAULT_URL)
+    p.add_argument("job", help=job_help)
+    _add_service(p)
     p.add_argument("--json", action="store_true", help="print the whole job as JSON")
     p = sub.add_parser("list", help="the service's jobs, newest first")
-    p.add_argument("--url", default=DEFAULT_URL)
+    _add_service(p)
     p.add_argument("--limit", type=int, default=20, help="how many (1..100)")
-    p.add_argument("--offset", type=int, default=0)
+    p.add_argument("--offset", type=int, default=0, help="skip this many of the newest")
     p = sub.add_parser("cancel", help="cancel a job (queued items never run, running ones stop at the next step)")
-    p.add_argument("job")
-    p.add_argument("--url", default=DEFAULT_URL)
+    p.add_argument("job", help=job_help)
+    _add_service(p)
     p.add_argument("--delete", action="store_true", help="also delete the job and its images from the service")
     p = sub.add_parser("fetch", help="write a job's PNGs, grid.png and manifest.json")
-    p.add_argument("job")
-    p.add_argument("--url", default=DEFAULT_URL)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("job", help=job_help)
+    _add_service(p)
+    p.add_argument("--out", type=Path, required=True, help="the folder to write into (an empty or new one)")
+    p.add_argument("--force", action="store_true", help="write into --out even when it holds files")
     p.add_argument("--wait", action="store_true", help="wait for the job to finish first")
 
 
@@ -153,8 +161,9 @@ def _add_keys(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dit-serve", description="Batch image generation with diffusion transformers.")
+    parser = _Parser(prog="dit-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("--version", action="version", version=f"dit-serve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_serve(sub)
     _add_client(sub)
@@ -162,55 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_keys(sub)
     demo = sub.add_parser("demo", help="the main job: start the service, submit digits through the SDK, "
                                        "write PNGs + grid.png, shut down")
-    demo.add_argument("--out", type=Path, default=Path("out/demo"))
-    demo.add_argument("--num-per-label", type=int, default=8)
+    demo.add_argument("--out", type=Path, default=Path("out/demo"), help="where the images go (default out/demo)")
+    demo.add_argument("--num-per-label", type=int, default=8, help="images of each digit (default 8)")
     demo.add_argument("--config", type=Path, help="TOML config (default: the embedded defaults)")
     return parser
 
 
-def _cmd_generate(args) -> int:
-    from dit_serve.server.generate import GenerateArgs, run_generate
-
-    a = GenerateArgs(model=args.model, labels=args.labels or (), num_per_label=args.num_per_label or 1,
-                     prompts=tuple(prompts_of(args) or ()), negative_prompt=args.negative_prompt or "",
-                     num_per_prompt=args.num_per_prompt or 1, width=args.width, height=args.height,
-                     exact_size=args.exact_size,
-                     sampler=args.sampler, steps=args.steps, guidance=args.guidance, seed=args.seed,
-                     eta=args.eta, out=args.out, device=args.device, backend=args.backend,
-                     precision=args.precision)
-    manifest = run_generate(a, progress=sys.stderr.isatty())
-    print(f"wrote {manifest}")
-    return 0
-
-
-def _cmd_serve(args) -> int:
-    from dit_serve.commands import serve
-
-    return serve(args)
-
-
-def _cmd_client(args) -> int:
-    from dit_serve import commands
-
-    return {"submit": commands.submit, "status": commands.status, "fetch": commands.fetch,
-            "cancel": commands.cancel, "list": commands.list_jobs}[args.command](args)
-
-
-def _cmd_keys(args) -> int:
-    from dit_serve.commands import keys
-
-    return keys(args)
-
-
-def _cmd_demo(args) -> int:
-    from dit_serve.commands import demo
-
-    return demo(args)
-
-
-COMMANDS = {"generate": _cmd_generate, "demo": _cmd_demo, "serve": _cmd_serve,
-            "submit": _cmd_client, "status": _cmd_client, "fetch": _cmd_client, "cancel": _cmd_client,
-            "list": _cmd_client, "keys": _cmd_keys}
+COMMANDS = {"generate": commands.generate, "demo": commands.demo, "serve": commands.serve,
+            "submit": commands.submit, "status": commands.status, "fetch": commands.fetch,
+            "cancel": commands.cancel, "list": commands.list_jobs, "keys": commands.keys}
 
 
 def server_modules(args) -> tuple[str, ...]:
@@ -244,14 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     if (message := missing_extra(args)) is not None:
         print(message, file=sys.stderr)
         return EXIT_USAGE
-
-    from dit_serve.commands import CommandError, user_error
-    from dit_serve.errors import UsageError
-
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # here, not at exit: a reader gone by then is a BrokenPipeError caught below
+        return code
+    except BrokenPipeError:  # `dit-serve status JOB --json | head`: the reader went away; end quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush goes nowhere
+        return EXIT_PIPE
     except UsageError as e:
         print(f"dit-serve: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -15,7 +15,10 @@ and a service without the stream (older), a refused one (429) or one that keeps 
 pillow; never torch or ray, so a laptop can submit to a remote cluster. Service errors raise
 ``ApiError`` with the server's message.
 
-``api_key`` (default: the ``DIT_SERVE_API_KEY`` environment variable) is sent as a bearer token.
+``url`` defaults to the ``DIT_SERVE_URL`` environment variable, else http://127.0.0.1:8000; ``api_key``
+(default: the ``DIT_SERVE_API_KEY`` environment variable) is sent as a bearer token. A request that
+cannot be sent as JSON (a NaN or infinite number) raises ``InvalidRequest``, naming the field, before
+anything is sent.
 Requests that are safe to repeat are retried on connection errors and 502/503/504 answers, with
 backoff, and on 429 (the service's queue is full) after the ``Retry-After`` it sends (at most
 ``max_retry_after`` seconds); ``submit`` is one of them, because it sends an ``Idempotency-Key`` (a fresh
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import math
 import os
 import time
 import uuid
@@ -39,6 +43,7 @@ from pydantic import TypeAdapter
 from dit_serve.schemas import EndEvent, Job, JobEvent, JobList, ModelList, PreviewEvent, ProgressEvent
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+URL_ENV = "DIT_SERVE_URL"
 API_KEY_ENV = "DIT_SERVE_API_KEY"
 JobRef = Job | str
 PreviewFn = Callable[[int, int, Any], None]  # (item index, step, PIL image)
@@ -55,6 +60,18 @@ class ApiError(Exception):
         super().__init__(f"{message} (HTTP {status})")
         self.status, self.message, self.param, self.kind = status, message, param, kind
         self.retry_after = retry_after  # the Retry-After header of a 429 or 503, if any
+
+
+class InvalidRequest(ValueError):
+    """A request the SDK refuses to send; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+def _base_url(url: str | None) -> str:
+    return (url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
 
 
 def _check(r: httpx.Response) -> httpx.Response:
@@ -101,6 +118,9 @@ def _job_body(labels, **fields) -> dict[str, Any]:
     body = dict(labels=None if labels is None else list(labels), **fields)
     if body.get("prompts") is not None:
         body["prompts"] = list(body["prompts"])
+    for name, value in body.items():  # JSON has no NaN or infinity: httpx would fail deep inside
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidRequest(f"{name} must be a finite number, got {value}", name)
     return {k: v for k, v in body.items() if v is not None}
 
 
@@ -203,9 +223,9 @@ def _past(deadline: float | None) -> bool:
 class Client:
     """A blocking client. ``url`` is the service's base URL."""
 
-    def __init__(self, url: str = DEFAULT_URL, timeout: float = 60.0, http: httpx.Client | None = None, *,
+    def __init__(self, url: str | None = None, timeout: float = 60.0, http: httpx.Client | None = None, *,
                  api_key: str | None = None, retries: int = 3, max_retry_after: float = 60.0):
-        self.url = url.rstrip("/")
+        self.url = _base_url(url)
         self._http = http or httpx.Client(base_url=self.url, timeout=timeout)
         self._auth, self.retries, self.max_retry_after = _auth(api_key), retries, max_retry_after
 
@@ -227,7 +247,7 @@ class Client:
 
     def submit(self, labels: list[int | str] | None = None, *, prompts: list[str] | None = None,
                negative_prompt: str | None = None, num_per_prompt: int | None = None, model: str | None = None,
-               num_per_label: int | None = None, seed: int = 0,
+               num_per_label: int | None = None, seed: int | None = None,
                seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
                guidance: float | None = None, eta: float | None = None, priority: int | None = None,
                webhook_url: str | None = None, idempotency_key: str | None = None, width: int | None = None,
@@ -237,7 +257,8 @@ class Client:
         higher ``priority`` (-100..100, default 0) run first. ``webhook_url`` is POSTed the finished job.
         ``width`` x ``height``: a size the model makes, or (models with aspect-ratio bins) any size, made at
         the nearest bin and, with ``exact_size``, resized to it. ``preview_every`` N: a preview of each
-        running image every N steps (``wait(on_preview=...)``).
+        running image every N steps (``wait(on_preview=...)``). Item i uses ``seeds[i]``, else ``seed + i``;
+        without either the service draws a random seed (recorded in the job).
         The same ``idempotency_key`` (default: a fresh one) on a later call returns this job rather
         than a new one."""
         body = _job_body(labels, prompts=prompts, negative_prompt=negative_prompt, num_per_prompt=num_per_prompt,
@@ -380,9 +401,9 @@ class Client:
 class AsyncClient:
     """``Client`` with coroutines (a copy of its methods over ``httpx.AsyncClient``)."""
 
-    def __init__(self, url: str = DEFAULT_URL, timeout: float = 60.0, http: httpx.AsyncClient | None = None, *,
+    def __init__(self, url: str | None = None, timeout: float = 60.0, http: httpx.AsyncClient | None = None, *,
                  api_key: str | None = None, retries: int = 3, max_retry_after: float = 60.0):
-        self.url = url.rstrip("/")
+        self.url = _base_url(url)
         self._http = http or httpx.AsyncClient(base_url=self.url, timeout=timeout)
         self._auth, self.retries, self.max_retry_after = _auth(api_key), retries, max_retry_after
 
@@ -404,7 +425,7 @@ class AsyncClient:
 
     async def submit(self, labels: list[int | str] | None = None, *, prompts: list[str] | None = None,
                negative_prompt: str | None = None, num_per_prompt: int | None = None, model: str | None = None,
-               num_per_label: int | None = None, seed: int = 0,
+               num_per_label: int | None = None, seed: int | None = None,
                      seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
                      guidance: float | None = None, eta: float | None = None, priority: int | None = None,
                      webhook_url: str | None = None, idempotency_key: str | None = None, width: int | None = None,

@@ -1,20 +1,27 @@
-"""What the CLI's service commands do (``serve``, ``submit``, ``status``, ``cancel``, ``fetch``, ``demo``);
-``cli.py`` keeps the parser. The client commands import neither torch nor ray.
+"""What the CLI's commands do (``serve``, ``submit``, ``status``, ``cancel``, ``fetch``, ``generate``,
+``keys``, ``demo``); ``cli.py`` keeps the parser and imports this module, never the other way. The client
+commands import neither torch nor ray.
 
-Exit codes: 0 ok; 2 bad input (a 4xx from the service, a bad config, a port in use); 1 the service
-could not be reached or failed (5xx); 130 interrupted.
+Exit codes: 0 ok; 2 bad input (a 4xx from the service, a bad config or URL, a port in use); 1 the service
+could not be reached or failed (5xx); 130 interrupted; 141 the reader of stdout went away (as SIGPIPE).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-EXIT_USAGE, EXIT_FAILURE = 2, 1
+from dit_serve.errors import UsageError
+
+EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_PIPE = 2, 1, 130, 141
+URL_ENV = "DIT_SERVE_URL"
+DEFAULT_URL = "http://127.0.0.1:8000"
+RANDOM_SEEDS = 2**31  # a default seed is drawn below this: seed + i stays a small, easily retyped number
 
 
 @dataclass
@@ -27,11 +34,15 @@ def user_error(e: Exception) -> CommandError | None:
     """The one-line message and exit code for an error the user can act on; None for a bug."""
     import httpx
 
-    from dit_serve.client import ApiError
+    from dit_serve.client import ApiError, InvalidRequest
     from dit_serve.errors import ConfigError
 
+    if isinstance(e, ApiError) and e.status == 401:
+        return CommandError(f"{e.message} (set DIT_SERVE_API_KEY or pass --api-key)")
     if isinstance(e, ApiError):
         return CommandError(e.message, EXIT_USAGE if e.status < 500 else EXIT_FAILURE)
+    if isinstance(e, InvalidRequest):
+        return CommandError(str(e))
     if isinstance(e, httpx.TransportError):
         url = getattr(getattr(e, "request", None), "url", "the service")
         return CommandError(f"cannot reach dit-serve at {url}: {e or type(e).__name__}", EXIT_FAILURE)
@@ -67,6 +78,8 @@ def serve(args) -> int:
     heap.limit_arenas()  # before the service's threads exist (dit_serve.server.heap says why)
     cfg = _config(args)
     roles = ("api", "scheduler") if args.role == "all" else (args.role,)
+    if "api" in roles:
+        _check_port(cfg.server.host, cfg.server.port)
     with Service(cfg, roles=roles, http_thread=False) as svc:
         where = svc.url if "api" in roles else "no HTTP (scheduler only)"
         print(f"dit-serve: serving {', '.join(cfg.workers.models)} at {where}; "
@@ -76,6 +89,21 @@ def serve(args) -> int:
         else:
             _serve_scheduler(svc, cfg)
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    """A port in use is said at once, not after Ray and the models started (the service binds it later)."""
+    import socket
+
+    if not port:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the service binds
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise CommandError(f"cannot listen on {host}:{port}: {e.strerror or e} (choose another with --port, "
+                               "or 0 for a free one)") from None
 
 
 def _serve_scheduler(svc, cfg) -> None:
@@ -129,28 +157,78 @@ def keys(args) -> int:
     return 0
 
 
+def prompts_of(args) -> list[str] | None:
+    """--prompt values, or the lines of --prompts-file (blank lines skipped); None for a labels job."""
+    if args.prompts_file is not None:
+        try:
+            return [line.strip() for line in args.prompts_file.read_text().splitlines() if line.strip()]
+        except OSError as e:
+            raise UsageError(f"cannot read --prompts-file {str(args.prompts_file)!r}: {e.strerror or e}") from None
+    return args.prompts
+
+
+def seed_of(args) -> int:
+    """--seed, else a random one (repeated runs differ, as in the reference UIs; the seed is recorded)."""
+    return args.seed if args.seed is not None else secrets.randbelow(RANDOM_SEEDS)
+
+
+def generate(args) -> int:
+    from dit_serve.server.generate import GenerateArgs, run_generate
+
+    a = GenerateArgs(model=args.model, labels=args.labels or (), num_per_label=args.num_per_label or 1,
+                     prompts=tuple(prompts_of(args) or ()), negative_prompt=args.negative_prompt or "",
+                     num_per_prompt=args.num_per_prompt or 1, width=args.width, height=args.height,
+                     exact_size=args.exact_size, sampler=args.sampler, steps=args.steps, guidance=args.guidance,
+                     seed=seed_of(args), eta=args.eta or 0.0, out=args.out, device=args.device,
+                     backend=args.backend, precision=args.precision)
+    manifest = run_generate(a, progress=sys.stderr.isatty())
+    print(f"wrote {manifest}")
+    return 0
+
+
+def service_url(args) -> str:
+    """--url, else $DIT_SERVE_URL, else the local default; UsageError unless it is an http(s) URL with a host."""
+    import httpx
+
+    given = args.url or os.environ.get(URL_ENV) or DEFAULT_URL
+    where = "--url" if args.url else f"${URL_ENV}" if os.environ.get(URL_ENV) else "the default URL"
+    try:
+        url = httpx.URL(given)
+    except httpx.InvalidURL as e:
+        raise UsageError(f"{where} {given!r} is not a URL: {e}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise UsageError(f"{where} {given!r} is not a URL of the service: it needs http:// or https:// and a host "
+                         f"(e.g. {DEFAULT_URL})")
+    return given
+
+
 def _client(args):
     from dit_serve.client import Client
 
-    return Client(args.url)
+    return Client(service_url(args), api_key=args.api_key)
 
 
 def submit(args) -> int:
+    if args.out is not None:
+        _check_out(args.out, args.force)  # before the job exists: a folder that cannot take it stops here
     with _client(args) as client:
-        from dit_serve.cli import prompts_of
-
         job = client.submit(list(args.labels) if args.labels else None, prompts=prompts_of(args),
                             negative_prompt=args.negative_prompt, num_per_prompt=args.num_per_prompt,
                             model=args.model, num_per_label=args.num_per_label, seed=args.seed,
                             sampler=args.sampler, steps=args.steps, guidance=args.guidance, eta=args.eta,
                             priority=args.priority, webhook_url=args.webhook_url, width=args.width,
-                            height=args.height, exact_size=args.exact_size or None)
+                            height=args.height, exact_size=args.exact_size or None,
+                            preview_every=args.preview_every)
         print(job.id, flush=True)
         if args.wait or args.out:
-            job = client.wait(job, progress=sys.stderr.isatty())
+            try:
+                job = client.wait(job, progress=sys.stderr.isatty())
+            except KeyboardInterrupt:
+                raise CommandError(f"interrupted; job {job.id} keeps running on the service (stop it with: "
+                                   f"dit-serve cancel {job.id})", EXIT_INTERRUPTED) from None
             print(_summary(job), file=sys.stderr)
         if args.out:
-            return _write(client, job, args.out)
+            return _write(client, job, args.out, force=True)  # checked above, before the job existed
     return 0 if job.state != "failed" else EXIT_FAILURE
 
 
@@ -180,16 +258,26 @@ def cancel(args) -> int:
 
 
 def fetch(args) -> int:
+    _check_out(args.out, args.force)
     with _client(args) as client:
         job = client.wait(args.job, progress=sys.stderr.isatty()) if args.wait else client.get(args.job)
-        return _write(client, job, args.out)
+        return _write(client, job, args.out, args.force)
 
 
-def _write(client, job, out: Path) -> int:
+def _check_out(out: Path, force: bool) -> None:
+    from dit_serve.outputs import check_out
+
+    try:
+        check_out(out, force)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+
+
+def _write(client, job, out: Path, force: bool = False) -> int:
     from dit_serve.outputs import write_job
 
     try:
-        manifest = write_job(client, job, out)
+        manifest = write_job(client, job, out, force)
     except ValueError as e:
         raise CommandError(str(e)) from None
     except OSError as e:
@@ -213,6 +301,7 @@ def demo(args) -> int:
 
     if args.num_per_label < 1:
         raise CommandError(f"--num-per-label must be >= 1, got {args.num_per_label}")
+    _check_out(args.out, force=True)  # a rerun replaces the last run's images (outputs.write_job)
     with local_service(_config(args)) as svc, Client(svc.url) as client:
         cfg = svc.config
         print(f"dit-serve: service at {svc.url} (Ray {'at ' + cfg.ray.address if cfg.ray.address else 'local'}, "
@@ -221,6 +310,6 @@ def demo(args) -> int:
         job = client.submit(list(range(10)), model=model, num_per_label=args.num_per_label)
         job = client.wait(job, progress=True)
         print(_summary(job), file=sys.stderr)
-        code = _write(client, job, args.out)
+        code = _write(client, job, args.out, force=True)
     print(f"grid: {args.out / 'grid.png'}")
     return code

@@ -56,11 +56,37 @@ def grid_columns(labels: list) -> int:
     return max(1, math.ceil(math.sqrt(len(labels))))
 
 
-def write_job(client: Client, job: Job, out: Path) -> Path:
-    """Download the job's finished images into ``out``; returns the manifest's path."""
+def check_out(out: Path, force: bool = False) -> None:
+    """ValueError unless images can be written into ``out``: a folder (or one to create) that is writable
+    and, unless ``force``, holds no files (old PNGs beside a new manifest would look like the job's).
+    Creates nothing that it does not remove again."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"cannot write to {str(out)!r}: it is a file, not a folder")
+    if out.is_dir() and not force and any(not p.name.startswith(".partial-") for p in out.iterdir()):
+        raise ValueError(f"{str(out)!r} already holds files: choose an empty or new folder, or pass --force "
+                         "(files of an earlier fetch into it are then replaced)")
+    created = [p for p in (out, *out.parents) if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        Path(tempfile.mkdtemp(prefix=".partial-", dir=out)).rmdir()
+    except OSError as e:
+        raise ValueError(f"cannot write to {str(out)!r}: {e.strerror or e}") from None
+    finally:
+        for p in created:  # innermost first
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+
+
+def write_job(client: Client, job: Job, out: Path, force: bool = False) -> Path:
+    """Download the job's finished images into ``out`` (check_out's rules); returns the manifest's path.
+    With ``force``, the files an earlier manifest in ``out`` names are replaced, not left beside the new."""
     done = [it for it in job.items if it.state == "done"]
     if not done:
         raise ValueError(f"job {job.id} has no finished images (state: {job.state})")
+    check_out(out, force)
+    stale = _named_by_manifest(out)
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=out))
     try:
@@ -79,4 +105,18 @@ def write_job(client: Client, job: Job, out: Path) -> Path:
         raise
     manifest = {"job": job.id, "model": job.model, "state": job.state, **job.params.model_dump(),
                 "grid": "grid.png", "images": entries}
-    return publish(staging, out, [e["file"] for e in entries] + ["grid.png"], manifest)
+    files = [e["file"] for e in entries] + ["grid.png"]
+    path = publish(staging, out, files, manifest)
+    for name in stale - set(files):
+        (out / name).unlink(missing_ok=True)
+    return path
+
+
+def _named_by_manifest(out: Path) -> set[str]:
+    """The image files a manifest already in ``out`` names (plain names inside it only), else none."""
+    try:
+        old = json.loads((out / "manifest.json").read_text())
+        names = {e["file"] for e in old.get("images", [])} | {old.get("grid", "")}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return set()
+    return {n for n in names if isinstance(n, str) and n and Path(n).name == n}

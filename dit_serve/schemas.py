@@ -40,7 +40,9 @@ def _label(value):
     return value
 
 
-Label = Annotated[int | str, BeforeValidator(_label)]
+# the branches carry what _label checks, so the schema says it too
+Label = Annotated[Annotated[int, Field(ge=0, lt=2**31)] | Annotated[str, Field(min_length=1, max_length=MAX_NAME)],
+                  BeforeValidator(_label)]
 
 
 def _prompt(value):
@@ -49,7 +51,8 @@ def _prompt(value):
     return value
 
 
-Prompt = Annotated[str, BeforeValidator(_prompt), Field(max_length=MAX_PROMPT)]
+NOT_BLANK = r"\S"  # a search, as JSON Schema's pattern is: some character that is not a space
+Prompt = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT, pattern=NOT_BLANK), BeforeValidator(_prompt)]
 
 
 class _Request(BaseModel):
@@ -82,7 +85,8 @@ class JobRequest(_Request):
     exact_size: bool = Field(False, description="models with aspect-ratio bins generate at the bin nearest "
                                                 "width x height; true resizes (and centre-crops) the result to "
                                                 "exactly width x height")
-    seed: int = Field(0, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="item i uses seed + i; a random seed (recorded "
+                                                                   "in each item) when omitted")
     seeds: list[Annotated[int, Field(ge=0, le=MAX_SEED)]] | None = Field(
         None, min_length=1, max_length=MAX_ITEMS, description="one seed per item; overrides `seed`")
     sampler: str | None = Field(None, max_length=50, description="ddpm, ddim, euler, euler_a, dpmpp_2m, "
@@ -111,7 +115,7 @@ class JobRequest(_Request):
             raise ValueError("send labels (class-conditional models) or prompts (text-to-image models): "
                              f"{'both were' if self.labels else 'neither was'} given")
         if self.seeds is None:
-            if self.seed + self.num_items - 1 > MAX_SEED:
+            if self.seed is not None and self.seed + self.num_items - 1 > MAX_SEED:
                 raise ValueError(f"seed + number of items must stay below 2**63, got seed {self.seed}")
             return self
         if len(self.seeds) != self.num_items:
@@ -236,6 +240,15 @@ class EndEvent(_Response):
 
 JobEvent = Annotated[ProgressEvent | ItemEvent | PreviewEvent | EndEvent, Field(discriminator="event")]
 
+
+def event_schema() -> dict:
+    """JobEvent's JSON schema for OpenAPI: ``schema`` refers to components, ``components`` holds them."""
+    from pydantic import TypeAdapter
+
+    schema = TypeAdapter(JobEvent).json_schema(ref_template="#/components/schemas/{model}", mode="serialization")
+    return {"components": schema.pop("$defs", {}), "schema": schema}
+
+
 class JobList(_Response):
     data: list[Job]
     total: int
@@ -251,7 +264,7 @@ class ImageGenerationRequest(_Request):
     extensions (pass them with the OpenAI SDK's ``extra_body``)."""
 
     prompt: str = Field(min_length=1, max_length=32000)
-    model: str | None = Field(None, max_length=MAX_NAME)
+    model: str | None = Field(None, min_length=1, max_length=MAX_NAME)
     n: int = Field(1, ge=1, le=10_000)
     size: str | None = Field(None, max_length=20, description="'WxH': one of the model's sizes (GET /v1/models), or any size for "
                                                                  "models with aspect-ratio bins (generated at the "
@@ -266,7 +279,7 @@ class ImageGenerationRequest(_Request):
     user: str | None = Field(None, max_length=1000)
     moderation: str | None = Field(None, max_length=100)
     safety_identifier: str | None = Field(None, max_length=1000)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="image i uses seed + i; random when omitted")
     steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     guidance: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
     priority: int = Field(0, ge=-100, le=100, description="as for jobs: higher runs first")

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dit_serve.client import Client
+from dit_serve.client import ApiError, Client
 
 
 def receiver(listen: str, secret: str | None) -> tuple[http.server.ThreadingHTTPServer, queue.Queue]:
@@ -81,7 +81,15 @@ def run(url: str, out: Path, listen: str, public_host: str, secret: str | None, 
     hook = f"http://{public_host}:{server.server_address[1]}/dit-serve"
     try:
         with Client(url) as client:
-            job = client.submit(labels=[4, 2], num_per_label=2, seed=9, priority=50, webhook_url=hook)
+            try:
+                job = client.submit(labels=[4, 2], num_per_label=2, seed=9, priority=50, webhook_url=hook)
+            except ApiError as e:
+                if e.param != "webhook_url":
+                    raise
+                raise SystemExit(f"the service refused the receiver {hook}: {e.message}\nTo try it on one machine, "
+                                 f"list the receiver's host in the service's config and restart it:\n"
+                                 f"    [webhooks]\n    allow_hosts = [\"{public_host}\"]\n"
+                                 "or run this script without --url: it starts a local service that allows it") from None
             print(f"submitted job {job.id}; waiting for its webhook at {hook}")
             event = deliveries.get(timeout=timeout)  # no polling: the service calls us
             finished = event["job"]

@@ -10,12 +10,13 @@ where out is the (guided) network output at input c_in * x, hist the previous st
 fresh N(0, 1) draw. Each builder below is "the rows that make this update equal my scheduler's step". The
 target is diffusers' scheduler of the same name, quirks included (each docstring lists the quirks).
 """
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
-from samplers.rules import RULES, check_mu, check_settings
+from samplers.rules import RULES, Grid, check_mu, check_plan
 from samplers.schedules import (
     NoiseSchedule,
     alphas_cumprod,
@@ -250,13 +251,13 @@ def make_plan(name: str, num_steps: int, schedule: NoiseSchedule, eta: float = 0
     (samplers.rules.flow_mu gives it for an image size); ignored by other samplers and schedules, as
     diffusers' FlowMatchEulerDiscreteScheduler ignores it without dynamic shifting.
     """
-    check_settings(name, num_steps, eta, schedule.prediction_type, schedule.num_train_timesteps)
+    check_plan(name, num_steps, eta, Grid.of(dataclasses.asdict(schedule)))
     takes_mu = RULES[name].takes_mu
     if takes_mu and schedule.use_dynamic_shifting:
         check_mu(mu, schedule.time_shift_type)
     plan = SAMPLERS[name](num_steps, schedule, eta, **({"mu": mu} if takes_mu else {}))
     rest = [k for k in range(len(COEFFS)) if k != CLIP]
-    if not torch.isfinite(plan.coeffs[:, rest]).all():  # e.g. dpmpp_2m at S = N on a leading grid: h = 0
-        grid = "flow" if takes_mu else schedule.timestep_spacing
-        raise ValueError(f"{name} with {num_steps} steps on a {grid} grid is degenerate")
+    if not torch.isfinite(plan.coeffs[:, rest]).all():  # check_plan's rules (samplers.rules) missed a case
+        raise RuntimeError(f"{name} with {num_steps} steps passed samplers.rules.check_plan but its plan is not "
+                           "finite: a grid rule is missing there")
     return plan

@@ -1,14 +1,23 @@
 """Which settings each sampler accepts, as plain data: the API validates requests with these rules
 without importing torch (``samplers/__init__`` imports torch lazily), and ``make_plan`` applies the
-same rules before it builds a plan in the worker. ``flow_mu`` (a flow schedule's dynamic shift for an
+same rules (``check_plan``) before it builds a plan in the worker, so a job the API accepts is one
+the worker can run. ``flow_mu`` (a flow schedule's dynamic shift for an
 image size) is here for the same reason: plain arithmetic on the scheduler config.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from numbers import Real
+
+
+class SettingError(ValueError):
+    """Settings no plan can be built from; ``param`` names the request field to change (sampler, steps, eta)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -16,15 +25,21 @@ class SamplerRule:
     takes_eta: bool = False  # eta > 0 only means something to this sampler
     predictions: tuple[str, ...] = ("epsilon", "v_prediction")  # model outputs it can integrate
     takes_mu: bool = False  # its builder takes mu, the dynamic shift of a flow schedule
+    # Grid rules (the quirks of the diffusers scheduler each builder follows; samplers.schedules):
+    extra_points: int = 0  # points its leading/linspace grid spaces beyond its steps (DPM-Solver: n + 1, t = 0 dropped)
+    indexes_table: bool = False  # reads alphas_cumprod[t]: its first timestep must be at most N - 1
+    distinct: bool = False  # two equal timesteps (also two clamped to N - 1) are a step of h = 0 in log-SNR,
+    # which it divides by
+    min_steps_shift_terminal: int = 1  # shift_terminal stretches by 1 / (1 - sigma_last): 0 at one step
 
 
 RULES: dict[str, SamplerRule] = {
-    "ddpm": SamplerRule(),
-    "ddim": SamplerRule(takes_eta=True),
+    "ddpm": SamplerRule(indexes_table=True),
+    "ddim": SamplerRule(takes_eta=True, indexes_table=True),
     "euler": SamplerRule(),
     "euler_a": SamplerRule(),
-    "dpmpp_2m": SamplerRule(),
-    "flow_euler": SamplerRule(predictions=("flow",), takes_mu=True),
+    "dpmpp_2m": SamplerRule(extra_points=1, distinct=True),
+    "flow_euler": SamplerRule(predictions=("flow",), takes_mu=True, min_steps_shift_terminal=2),
 }
 
 
@@ -47,22 +62,84 @@ def prediction_type(scheduler_config: dict) -> str:
     return cfg.get("prediction_type", "epsilon")
 
 
+@dataclass(frozen=True)
+class Grid:
+    """What a sampler's rules read of a schedule: NoiseSchedule's fields of these names, with its defaults
+    (a test holds them equal), so the API reads them from a scheduler config without torch."""
+
+    num_train_timesteps: int = 1000
+    prediction_type: str = "epsilon"
+    timestep_spacing: str = "leading"
+    steps_offset: int = 0
+    shift_terminal: float | None = None
+
+    @classmethod
+    def of(cls, scheduler_config: dict) -> "Grid":
+        """From a scheduler_config.json dict (or dataclasses.asdict of a NoiseSchedule)."""
+        cfg = {**SCHEDULER_CLASS_DEFAULTS.get(scheduler_config.get("_class_name"), {}), **scheduler_config}
+        return cls(**{f.name: cfg[f.name] for f in fields(cls) if cfg.get(f.name) is not None})
+
+
+def check_plan(name: str, num_steps, eta, grid: Grid) -> None:
+    """Raise SettingError, with a message to act on, unless a plan can be built: the one check of a request's
+    sampler settings, made by the API at submission and by make_plan in the worker."""
+    check_settings(name, num_steps, eta, grid.prediction_type, grid.num_train_timesteps)
+    low = RULES[name].min_steps_shift_terminal if grid.shift_terminal else 1
+    if num_steps < low:
+        raise SettingError(f"{name} with {num_steps} step is degenerate with this model's shift_terminal: use at "
+                           f"least {low} steps", "steps")
+    if (why := _grid_problem(RULES[name], num_steps, grid)) is not None:
+        offset = f", steps_offset {grid.steps_offset}" if grid.steps_offset else ""
+        raise SettingError(f"{name} with {num_steps} steps on this model's {grid.timestep_spacing} grid{offset} is "
+                           f"degenerate: it {why}; use at most {max_steps(name, grid)} steps", "steps")
+
+
+def max_steps(name: str, grid: Grid) -> int:
+    """The most steps ``name`` takes on ``grid`` (a leading grid with steps_offset may refuse a few below it)."""
+    rule, n = RULES[name], grid.num_train_timesteps
+    if not (rule.indexes_table or rule.distinct):
+        return n
+    return next((s for s in range(n, 0, -1) if _grid_problem(rule, s, grid) is None), 0)
+
+
+def _grid_problem(rule: SamplerRule, steps: int, grid: Grid) -> str | None:
+    """What breaks the rule on the grid of ``steps`` steps, or None: samplers.schedules.spaced_timesteps
+    and dpm_timesteps, as arithmetic on the first timestep and the stride."""
+    n, spacing = grid.num_train_timesteps, grid.timestep_spacing
+    if spacing == "trailing":  # round(N - i N / steps) - 1: distinct, the first N - 1, for steps <= N
+        return None
+    points = steps + rule.extra_points
+    if rule.distinct and points > n:  # linspace: fewer than one timestep per point; leading: a stride of 0
+        return f"spaces {points} points over {n} training timesteps, so two coincide"
+    if spacing != "leading":
+        return None
+    stride = n // points  # the grid is arange(points - 1, ...) * stride + steps_offset (t = 0 dropped)
+    first = (points - 1) * stride + grid.steps_offset
+    if rule.indexes_table and first > n - 1:
+        return f"reaches timestep {first}, past the last training one ({n - 1})"
+    if rule.distinct and steps > 1 and first - stride >= n - 1:
+        return f"puts its first two timesteps past the last training one ({n - 1}), so they coincide"
+    return None
+
+
 def check_settings(name: str, num_steps, eta, prediction_type: str, num_train_timesteps: int) -> None:
-    """Raise ValueError, with a message to act on, for settings no plan can be built from."""
+    """Raise SettingError, with a message to act on, for a sampler, steps or eta no plan takes (grids aside:
+    check_plan)."""
     if name not in RULES:
-        raise ValueError(f"unknown sampler {name!r}; valid samplers: {', '.join(RULES)}")
+        raise SettingError(f"unknown sampler {name!r}; valid samplers: {', '.join(RULES)}", "sampler")
     n = num_train_timesteps
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or not 1 <= num_steps <= n:
-        raise ValueError(f"num_steps must be an integer from 1 to {n} (num_train_timesteps), got {num_steps!r}")
+        raise SettingError(f"steps must be an integer from 1 to {n} (the model's num_train_timesteps), got "
+                           f"{num_steps!r}", "steps")
     if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not eta >= 0:  # not >=: also NaN
-        raise ValueError(f"eta must be >= 0, got {eta!r}")
+        raise SettingError(f"eta must be >= 0, got {eta!r}", "eta")
     rule = RULES[name]
     if eta and not rule.takes_eta:
         takers = ", ".join(k for k, r in RULES.items() if r.takes_eta)
-        raise ValueError(f"eta applies only to {takers}; {name!r} got eta={eta!r}")
+        raise SettingError(f"eta applies only to {takers}; {name!r} got eta={eta!r}", "eta")
     if prediction_type not in rule.predictions:
-        raise ValueError(f"sampler {name!r} supports prediction_type {' or '.join(rule.predictions)}, "
-                         f"the model's schedule says {prediction_type!r}")
+        raise SettingError(f"sampler {name!r} supports prediction_type {' or '.join(rule.predictions)}, "
+                           f"the model's schedule says {prediction_type!r}", "sampler")
 
 
 # FlowMatchEulerDiscreteScheduler's defaults for the keys of calculate_shift (FluxPipeline reads them from

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from dit_serve import __version__
-from dit_serve.schemas import clip
+from dit_serve.schemas import NOT_BLANK, clip, event_schema
 from dit_serve.server import web
 from dit_serve.server.catalog import Catalog, RequestError
 from dit_serve.server.config import ServerConfig
@@ -29,8 +29,9 @@ from dit_serve.server.events import StreamLimits, Streams
 from dit_serve.server.http_limits import LimitsMiddleware
 from dit_serve.server.keys import KeyRing
 from dit_serve.server.metrics import Metrics
-from dit_serve.server.routes import ERRORS, jobs, models, openai, ops
+from dit_serve.server.routes import ERRORS, docs, jobs, models, openai, ops
 from dit_serve.server.routes.admission import Admission
+from dit_serve.server.routes.jobs import EVENT_ID
 from dit_serve.server.store import Store
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,10 @@ ROUTERS = (jobs.router, openai.router, models.router, web.router, ops.router)
 def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Metrics,
                workers_ready: Callable[[], int | None] = lambda: None, allow_hosts: tuple[str, ...] = (),
                stream_limits: StreamLimits = StreamLimits()) -> FastAPI:
+    local_docs = docs.assets_dir() is not None  # else FastAPI's pages, with their assets from a CDN
     app = FastAPI(title="dit-serve", version=__version__, responses=ERRORS,
-                  description="Batch image generation with diffusion transformers.")
+                  description="Batch image generation with diffusion transformers.",
+                  docs_url=None if local_docs else "/docs", redoc_url=None if local_docs else "/redoc")
     _add_error_handlers(app)
     app.add_middleware(LimitsMiddleware, max_body_bytes=server.max_body_bytes, read_timeout_s=server.read_timeout_s)
     state = app.state  # what the routes' dependencies read (dit_serve.server.routes.deps)
@@ -53,10 +56,27 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
     state.event_streams = Streams(stream_limits)
     for router in ROUTERS:
         app.include_router(router)
+    if local_docs:
+        app.include_router(docs.router)
+    _add_event_models(app)
     # for 405's Allow: app.router.routes holds each included router as one entry, without a path_regex
     state.all_routes = [r for r in (*(r for router in ROUTERS for r in router.routes), *app.router.routes)
                         if hasattr(r, "path_regex")]
     return app
+
+
+def _add_event_models(app: FastAPI) -> None:
+    """The events route's itemSchema refers to the event models: put them among the schema's components."""
+    base = app.openapi
+
+    def openapi() -> dict:
+        schema = base()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, model in event_schema()["components"].items():
+            components.setdefault(name, model)
+        return schema
+
+    app.openapi = openapi
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str | None = None,
@@ -78,7 +98,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(e.status, e.message, e.param, kind, headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_request, e: RequestValidationError):
+    async def validation_error(request: Request, e: RequestValidationError):
+        if (why := _not_json(request, e)) is not None:
+            return _error(415, why)
         errors = e.errors()
         message, param = _describe(errors[0])
         if len(errors) > 1:
@@ -108,17 +130,73 @@ def _allowed(request: Request) -> list[str]:
     return sorted(methods)
 
 
+def _not_json(request: Request, e: RequestValidationError) -> str | None:
+    """Why a body that failed validation is a 415: it was sent with a content type other than JSON."""
+    kind = request.headers.get("content-type", "")
+    media = kind.split(";")[0].strip().lower()
+    if not media or media == "application/json" or media.endswith("+json"):
+        return None
+    if not any(err.get("loc", ())[:1] == ("body",) for err in e.errors()):
+        return None
+    return f"the request body must be JSON sent with Content-Type: application/json, not {clip(kind, 100)!r}"
+
+
+# what a pattern in the schema asks for, in words
+PATTERNS = {r"^https?://[^\s]+$": "an http:// or https:// URL without spaces", NOT_BLANK: "some text, not only spaces",
+            EVENT_ID: "the id of an event of this stream (e.g. '3.17.1520413.2'), or none",
+            r"^[0-9a-zA-Z_-]+$": "letters, digits, '_' and '-' only", r"^[!-~]+$": "printable ASCII without spaces"}
+KINDS = {"int": "a whole number", "float": "a number", "bool": "true or false", "string": "a string",
+         "list": "a list", "dict": "a JSON object", "model": "a JSON object", "finite": "a finite number"}
+
+
 def _describe(err: dict) -> tuple[str, str | None]:
-    """One pydantic error as a sentence a user can act on, and the field it is about."""
+    """One pydantic error as a sentence a user can act on (the field, what was wrong, what is allowed),
+    and the field it is about."""
     loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header")]
     where = ".".join(loc)
-    kind = err.get("type", "")
+    kind, ctx, given = err.get("type", ""), err.get("ctx", {}), err.get("input")
     if kind == "json_invalid":
-        return f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}", None
+        return f"malformed JSON body: {ctx.get('error', err['msg'])}", None
     if kind == "missing" and not loc:
         return "the request needs a JSON body", None
     if kind == "extra_forbidden":
         return f"unknown field {where!r}", where
-    if kind == "model_attributes_type" and not loc:
+    if kind in ("model_attributes_type", "model_type", "dict_type") and not loc:
         return "the request body must be a JSON object", None
-    return (f"{where}: {err['msg']}" if where else err["msg"]), where or None
+    if kind == "value_error":  # our own validators' messages, without pydantic's "Value error, " prefix
+        message = str(ctx.get("error", err["msg"]))
+        return (f"{where}: {message}" if where else message), where or None
+    message = _sentence(kind, ctx, given, err["msg"])
+    return (f"{where} {message}" if where else message), where or None
+
+
+def _sentence(kind: str, ctx: dict, given, fallback: str) -> str:
+    """What is wrong, as the predicate of a sentence whose subject is the field."""
+    shown = clip(repr(given), 60)
+    if kind == "missing":
+        return "is required"
+    if kind in ("too_long", "string_too_long"):
+        unit = "characters" if isinstance(given, str) else "items"
+        return f"has {len(given)} {unit}; at most {ctx['max_length']} are allowed"
+    if kind in ("too_short", "string_too_short"):
+        unit = "characters" if isinstance(given, str) else "items"
+        return "must not be empty" if ctx.get("min_length") == 1 else \
+            f"has {len(given)} {unit}; at least {ctx['min_length']} are needed"
+    bounds = {"greater_than_equal": ("at least", "ge"), "less_than_equal": ("at most", "le"),
+              "greater_than": ("more than", "gt"), "less_than": ("less than", "lt")}
+    if kind in bounds:
+        words, key = bounds[kind]
+        limit = f"{ctx[key]:g}" if isinstance(ctx[key], float) else ctx[key]
+        return f"must be {words} {limit}, got {shown}"
+    if kind == "string_pattern_mismatch":
+        return f"must be {PATTERNS.get(ctx.get('pattern'), 'of the form ' + repr(ctx.get('pattern')))}, got {shown}"
+    if kind in ("literal_error", "enum"):
+        return f"must be {ctx.get('expected', '')}, got {shown}"
+    if kind == "finite_number":
+        return f"must be a finite number, got {shown}"
+    if kind in ("int_from_float", "int_parsing_size"):
+        return f"must be a whole number within its range, got {shown}"
+    base = kind.split("_")[0]
+    if base in KINDS and kind.endswith(("_type", "_parsing")):
+        return f"must be {KINDS[base]}, got {shown}"
+    return f"is not valid: {fallback}"

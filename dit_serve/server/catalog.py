@@ -11,11 +11,13 @@ defaults are filled in here, once.
 from __future__ import annotations
 
 import functools
+import hashlib
+import secrets
 from dataclasses import dataclass
 
 from dit_serve.server.config import LimitsConfig
 from dit_serve.schemas import ImageGenerationRequest, JobParams, JobRequest, ModelCard
-from samplers.rules import RULES, check_settings
+from samplers.rules import RULES, Grid, SettingError, check_plan
 from workers import cards
 from workers.families import preview_map_of
 from workers.sizes import parse_size
@@ -36,6 +38,20 @@ def model_entry(card: cards.ModelCard) -> ModelCard:
                      sizes=[f"{w}x{h}" for w, h in card.made_sizes()], class_names=card.class_names(),
                      defaults=card.defaults,
                      samplers=[n for n, rule in RULES.items() if card.prediction_type in rule.predictions])
+
+
+def random_seed(idempotency_key: str | None = None) -> int:
+    """The seed of a request that names none: repeated requests differ, as in the reference UIs; each item
+    records its seed. Below 2**31, so seed + i stays a number a user retypes. A submission with an
+    Idempotency-Key takes its seed from the key, so that its retry is the same request, not a conflict."""
+    if idempotency_key is None:
+        return secrets.randbelow(2**31)
+    return int.from_bytes(hashlib.sha256(idempotency_key.encode()).digest()[:4], "big") % 2**31
+
+
+def grid_of(card: cards.ModelCard) -> Grid:
+    """What the samplers' rules read of a model's schedule (its worker builds NoiseSchedule from the same)."""
+    return Grid.of(card.scheduler or cards.DIT_SCHEDULER)
 
 
 @dataclass(frozen=True)
@@ -68,8 +84,9 @@ class Catalog:
             raise RequestError(f"unknown model {name!r}; this service serves: {', '.join(self.models)}", "model")
         return self.models[name]
 
-    def resolve_job(self, req: JobRequest) -> NewJob:
-        """Check a job against the model and the limits; fill in the model's defaults."""
+    def resolve_job(self, req: JobRequest, idempotency_key: str | None = None) -> NewJob:
+        """Check a job against the model and the limits; fill in the model's defaults (and a seed, drawn
+        from ``idempotency_key`` when there is one: a retried submission is the same request)."""
         info = self.model(req.model)
         text = info.conditioning == "text"
         if text and req.prompts is None:
@@ -95,7 +112,8 @@ class Catalog:
         else:
             prompts = None
             labels = [lb for lb in (_label(info, lb) for lb in req.labels) for _ in range(req.num_per_label)]
-        seeds = req.seeds if req.seeds is not None else [req.seed + i for i in range(len(labels))]
+        seed = random_seed(idempotency_key) if req.seed is None else req.seed
+        seeds = req.seeds if req.seeds is not None else [seed + i for i in range(len(labels))]
         return NewJob(info.name, params, labels, seeds, req.priority, req.webhook_url, prompts)
 
     def params(self, info: cards.ModelCard, sampler: str | None, steps: int | None, guidance: float | None,
@@ -104,11 +122,10 @@ class Catalog:
         steps = steps or info.defaults["steps"]
         if steps > self.limits.max_steps:
             raise RequestError(f"steps must be at most {self.limits.max_steps}, got {steps}", "steps")
-        try:
-            check_settings(sampler, steps, eta, info.prediction_type, info.num_train_timesteps)
-        except ValueError as e:
-            msg = str(e)
-            raise RequestError(msg, "steps" if "num_steps" in msg else "eta" if "eta" in msg else "sampler") from None
+        try:  # the rule make_plan applies in the worker: an accepted job can run
+            check_plan(sampler, steps, eta, grid_of(info))
+        except SettingError as e:
+            raise RequestError(f"model {info.name!r}: {e}", e.param) from None
         guidance = info.defaults["guidance"] if guidance is None else guidance
         if negative_prompt and info.conditioning != "text":
             raise RequestError(f"model {info.name!r} is class-conditional: negative_prompt applies to text models",
@@ -133,10 +150,12 @@ class Catalog:
                 raise RequestError(str(e), "size") from None
         try:  # OpenAI's size is the image's size: snapped to a bin when needed, then resized to it
             size = _size(info, width, height, exact=True)
-        except RequestError as e:
-            raise RequestError(f"{e.message} (sizes: {', '.join(model_entry(info).sizes)}, or 'auto')", "size") from None
+        except RequestError:  # its message speaks of width and height, which this endpoint does not have
+            raise RequestError(f"model {info.name!r} does not make {req.size} images; size must be one of "
+                               f"{', '.join(model_entry(info).sizes)}, or 'auto' (its own size)", "size") from None
         params = self.params(info, None, req.steps, req.guidance, 0.0, size=size)
-        seeds = [(req.seed or 0) + i for i in range(req.n)]
+        seed = random_seed() if req.seed is None else req.seed
+        seeds = [seed + i for i in range(req.n)]
         if info.conditioning == "text":
             params.warnings.extend(_truncation_warnings(info, [req.prompt]))
             return NewJob(info.name, params, [0] * req.n, seeds, req.priority, prompts=[req.prompt] * req.n)

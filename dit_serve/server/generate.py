@@ -79,6 +79,16 @@ def prepare_out(out: Path) -> Path:
         raise UsageError(f"output directory {str(out)!r} is not writable: {e.strerror or e}") from None
 
 
+def _discard(staging: Path, out: Path, created: bool) -> None:
+    """A failed run leaves nothing: its staging folder, and DIR itself when this run created it."""
+    shutil.rmtree(staging, ignore_errors=True)
+    if created:
+        try:
+            out.rmdir()  # only when empty: never another run's files
+        except OSError:
+            pass
+
+
 def write_outputs(out: Path, staging: Path, model_name: str, entries: list[dict],
                   images: list[np.ndarray], cols: int) -> Path:
     """Write PNGs and the grid into staging, then publish them and the manifest into DIR."""
@@ -111,6 +121,7 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     try:
         card = read_card(a.model or DEFAULT_MODEL)
         text = _check_conditioning(card, a)
+        _check_sampling(card, a)
         model = load_model(a.model or DEFAULT_MODEL, device=device, dtype=run_dtype(card, device),
                            precision=a.precision)
         conds = [{"prompt": p, "negative_prompt": a.negative_prompt} for p in a.prompts for _ in range(a.num_per_prompt)] \
@@ -121,6 +132,7 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     sampler = a.sampler or model.defaults["sampler"]
     steps = a.steps or model.defaults["steps"]
     guidance = model.defaults["guidance"] if a.guidance is None else a.guidance
+    created = not a.out.exists()
     staging = prepare_out(a.out)
     n = len(conds)
     reqs = [ItemSpec(id=str(i), seed=a.seed + i, sampler=sampler, steps=steps, guidance=guidance, eta=a.eta,
@@ -134,7 +146,7 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
                   disable=not progress, leave=False) as bar:
             results = engine.generate(reqs, on_progress=lambda *_: bar.update(1), max_active=max_batch)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        _discard(staging, a.out, created)
         raise
     entries = [{"file": f"{i:05d}.png" if text else f"{i:05d}_label{r.request.label}.png",
                 **({"prompt": r.request.prompt, "negative_prompt": a.negative_prompt} if text else
@@ -154,6 +166,17 @@ def _size(card, a: GenerateArgs) -> dict:
     asked = (a.width or card.image_size, a.height or card.image_size)
     out = asked if a.exact_size and asked != (w, h) else (0, 0)
     return {"width": w, "height": h, "out_width": out[0], "out_height": out[1]}
+
+
+def _check_sampling(card, a: GenerateArgs) -> None:
+    """The API's check of sampler, steps and eta (samplers.rules, as make_plan applies it), before any load."""
+    from dit_serve.server.catalog import grid_of
+    from samplers.rules import SettingError, check_plan
+
+    try:
+        check_plan(a.sampler or card.defaults["sampler"], a.steps or card.defaults["steps"], a.eta, grid_of(card))
+    except SettingError as e:
+        raise UsageError(f"--{e.param}: {e}") from None
 
 
 def _check_conditioning(card, a: GenerateArgs) -> bool:

@@ -19,7 +19,8 @@ The rule is applied twice:
   (DNS rebinding) still reaches only a checked address.
 
 URLs are parsed by httpx, the library that sends the webhooks, so the check and the request agree on
-the host. Numeric spellings a resolver accepts ('2130706433', '127.1', '0x7f.1') are addresses too:
+the host, and both read the host through ``host_of`` (percent-escapes decoded, a final dot dropped), so
+``127.0.0.1.`` and ``%31%32%37.0.0.1`` are judged as the 127.0.0.1 they spell. Numeric spellings a resolver accepts ('2130706433', '127.1', '0x7f.1') are addresses too:
 they go through ``getaddrinfo`` like any name, which turns them into 127.0.0.1.
 """
 
@@ -29,6 +30,7 @@ import functools
 import ipaddress
 import re
 import socket
+import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -42,6 +44,7 @@ _SHARED = ipaddress.ip_network("100.64.0.0/10")  # carrier-grade NAT (RFC 6598):
 _THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")  # "this host on this network" (RFC 1122): connects locally
 _LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
 _HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+_HOST_CHARS = re.compile(r"[a-z0-9._:\[\]-]+")  # names, IPv4 and IPv6 spellings, lower case
 _NUMERIC = re.compile(r"([0-9.]+|[0-9a-fA-F.%]*:[0-9a-fA-F:.%]*)(/.*)?")  # IPv4 or IPv6 spelling, maybe a prefix
 
 
@@ -122,11 +125,26 @@ def _norm(host: str) -> str:
     return host.lower().rstrip(".")
 
 
+def host_of(raw_host: str) -> str:
+    """The host a URL names, as a resolver reads it: percent-escapes decoded (until none is left: '%2531'
+    is '%31' is '1'), lower case, without the final dot of a fully qualified name. UnsafeDestination
+    when what is left is not a host name or an address."""
+    host = raw_host
+    while "%" in host and (decoded := urllib.parse.unquote(host)) != host:
+        host = decoded
+    host = _norm(host)
+    if not _HOST_CHARS.fullmatch(host):
+        raise UnsafeDestination(f"webhook host {raw_host!r} is not a host name or an address")
+    return host
+
+
 def _addresses(host: str, port: int | None, resolve: bool = True) -> list[str]:
-    """``host``'s addresses, in the resolver's order; without ``resolve``, only numeric hosts are
-    parsed (OSError for a name). 'localhost' and its subdomains are loopback without a lookup, as
-    RFC 6761 reserves them ('localhost.' would otherwise go to DNS, which may not know it)."""
-    if _norm(host) == "localhost" or _norm(host).endswith(".localhost"):
+    """``host``'s addresses (read through ``host_of``), in the resolver's order; without ``resolve``,
+    only numeric hosts are parsed (OSError for a name). 'localhost' and its subdomains are loopback
+    without a lookup, as RFC 6761 reserves them ('localhost.' would otherwise go to DNS, which may not
+    know it)."""
+    host = host_of(host)
+    if host == "localhost" or host.endswith(".localhost"):
         return ["127.0.0.1", "::1"]
     flags = 0 if resolve else socket.AI_NUMERICHOST
     found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=flags)
@@ -157,7 +175,7 @@ def check_url(url: str, allow: Allowlist, resolve: bool = True) -> None:
     A host name that does not resolve (or any name, with ``resolve=False``) passes: the delivery checks
     again with ``resolve_safe``."""
     target = parse_url(url)
-    host = target.raw_host.decode("ascii")
+    host = host_of(target.raw_host.decode("ascii"))
     try:
         addresses = _addresses(host, target.port, resolve)
     except OSError:  # no address now; the delivery resolves it again and refuses it then if need be
@@ -171,6 +189,7 @@ def resolve_safe(host: str, port: int | None, allow: Allowlist) -> list[str]:
     is refused: a name with one internal address among public ones is refused, since the resolver's
     order, not this code, would pick which one a later connection uses. OSError when ``host`` does
     not resolve."""
+    host = host_of(host)
     addresses = _addresses(host, port)
     if (why := _refusal(host, addresses, allow)) is not None:
         raise UnsafeDestination(f"webhook destination {host} {why}")

@@ -38,12 +38,12 @@ def _stored_jobs(api) -> int:
     ({"labels": [1], "sampler": "warp"}, "sampler", "unknown sampler 'warp'"),
     ({"labels": [1], "sampler": "euler", "eta": 0.5}, "eta", "eta"),
     ({"labels": [1], "colour": "red"}, "colour", "unknown field 'colour'"),
-    ({"labels": []}, "labels", "at least 1"),
+    ({"labels": []}, "labels", "labels must not be empty"),
     ({"labels": [1.5]}, "labels.0", ""),
-    ({"labels": [1], "guidance": -1}, "guidance", "greater than or equal to 0"),
+    ({"labels": [1], "guidance": -1}, "guidance", "guidance must be at least 0, got -1"),
     ({"labels": [1, 2], "seeds": [1]}, None, "seeds has 1 entries but the job has 2 items"),
-    ({"labels": [1], "priority": 101}, "priority", "less than or equal to 100"),
-    ({"labels": [1], "webhook_url": "ftp://example.com/x"}, "webhook_url", "should match pattern"),
+    ({"labels": [1], "priority": 101}, "priority", "priority must be at most 100, got 101"),
+    ({"labels": [1], "webhook_url": "ftp://example.com/x"}, "webhook_url", "must be an http:// or https:// URL"),
 ])
 def test_bad_jobs_are_4xx_and_store_nothing(api, body, param, words):
     before = _stored_jobs(api)

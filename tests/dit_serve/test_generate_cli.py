@@ -111,3 +111,17 @@ def test_generate_in_fp8_writes_digits_close_to_the_models_dtype(tmp_path, monke
     assert _run(tmp_path, *args[:-1], "cuda", "--precision", "fp8", out="a100") != 0
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "A100-SXM4-80GB (compute capability 8.0) has no FP8 tensor cores" in err
+
+
+def test_a_failed_run_leaves_no_folder_it_created(tmp_path, monkeypatch):
+    """The engine failing mid-run: neither the staging folder nor the new --out folder stays behind."""
+    from workers.engine import Engine
+
+    def fail(*_, **__):
+        raise RuntimeError("the engine failed")
+
+    monkeypatch.setattr(Engine, "generate", fail)
+    out = tmp_path / "fresh"
+    with pytest.raises(RuntimeError, match="the engine failed"):
+        main(["generate", "--model", "digits", "--labels", "1", "--steps", "2", "--out", str(out)])
+    assert not out.exists()

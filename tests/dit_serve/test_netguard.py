@@ -11,6 +11,7 @@ import ssl
 import subprocess
 import threading
 
+import httpx
 import pytest
 
 from dit_serve.server.config import WebhookConfig
@@ -51,6 +52,21 @@ def test_names_and_odd_spellings_of_loopback_are_refused(url):
     with pytest.raises(UnsafeDestination, match="loopback address"):
         check_url(url, Allowlist())
     assert "loopback" in check_webhook_url(url, ())
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1.:8000/hook", "http://%31%32%37.0.0.1:8000/hook",
+                                 "http://127.0.0.1%2e:80/hook", "http://%6c%6f%63%61%6c%68%6f%73%74/hook",
+                                 "http://%2531%2532%2537.0.0.1/hook"])
+def test_a_final_dot_or_percent_escapes_do_not_hide_loopback(url):
+    """Spellings a resolver would not take as they are, read as the address they spell, at submission
+    and at delivery alike (both read the host through host_of)."""
+    assert "loopback" in check_webhook_url(url, ())
+    with pytest.raises(UnsafeDestination, match="loopback"):
+        resolve_safe(httpx.URL(url).raw_host.decode("ascii"), 80, Allowlist())
+
+
+def test_a_host_that_is_not_a_name_or_an_address_is_refused():
+    assert "is not a host name or an address" in check_webhook_url("http://a%20b/hook", ())
 
 
 def test_localhost_is_refused_even_without_resolving():

@@ -108,11 +108,11 @@ def test_the_images_endpoint_size_is_the_image_size(api):
     assert (p.width, p.height, p.output_width, p.output_height) == (32, 16, 64, 30)
     p = catalog.resolve_images(ImageGenerationRequest(model="pixart-tiny", prompt="a tree", size="16x32")).params
     assert (p.width, p.height, p.output_width, p.output_height) == (16, 32, 0, 0)
-    for size, words in (("big", "WIDTHxHEIGHT"), ("16x16", "makes 8x8 images only")):
+    for size, words in (("big", "WIDTHxHEIGHT"), ("16x16", "does not make 16x16 images; size must be one of 8x8")):
         r = http.post("/v1/images/generations", json={"model": "digits" if size == "16x16" else "pixart-tiny",
                                                       "prompt": "7", "size": size})
         assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
-        assert r.json()["error"]["param"] == "size"
+        assert r.json()["error"]["param"] == "size" and "width" not in r.json()["error"]["message"]
 
 
 def test_a_prompt_over_the_token_limit_is_cut_with_a_warning_in_the_job(api):

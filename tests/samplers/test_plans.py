@@ -55,7 +55,7 @@ def test_unknown_sampler_lists_the_valid_ones():
 
 @pytest.mark.parametrize("steps", [0, -3, 1001, 2.5, "10", True, None])
 def test_bad_step_counts(steps):
-    with pytest.raises(ValueError, match=r"num_steps must be an integer from 1 to 1000"):
+    with pytest.raises(ValueError, match=r"steps must be an integer from 1 to 1000"):
         make_plan("ddim", steps, VP)
 
 
@@ -79,7 +79,7 @@ def test_prediction_type_must_fit_the_sampler(name, schedule):
 @pytest.mark.parametrize("name", ["ddpm", "ddim"])
 def test_offset_past_the_table_is_refused(name):
     """Leading grid, 1000 steps, steps_offset 1: the first timestep would be 1000."""
-    with pytest.raises(ValueError, match="reach timestep 1000, past the last one"):
+    with pytest.raises(ValueError, match="reaches timestep 1000, past the last training one"):
         make_plan(name, 1000, NoiseSchedule(steps_offset=1))
 
 

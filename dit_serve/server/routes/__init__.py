@@ -13,7 +13,8 @@ from dit_serve.schemas import ErrorResponse
 DESCRIPTIONS = {400: "Bad request: the message names the field", 401: "Missing or invalid API key",
                 403: "Not allowed for this tenant", 404: "No such job, image or model (or another tenant's)",
                 405: "Method not allowed (see the Allow header)", 408: "The request body did not arrive in time",
-                409: "Conflict", 413: "Request body too large", 429: "Too many queued items: retry after Retry-After "
+                409: "Conflict", 413: "Request body too large",
+                415: "The body is not sent as JSON (Content-Type: application/json)", 429: "Too many queued items: retry after Retry-After "
                 "seconds", 500: "Internal error, or the generation failed", 503: "Not ready",
                 504: "The generation did not finish in time"}
 
@@ -23,4 +24,4 @@ def errors(*statuses: int) -> dict:
     return {s: {"model": ErrorResponse, "description": DESCRIPTIONS[s]} for s in statuses}
 
 
-ERRORS = errors(400, 401, 405, 408, 413, 500)  # any route can answer these (validation, key, limits, bugs)
+ERRORS = errors(400, 401, 405, 408, 413, 415, 500)  # any route can answer these (validation, key, limits, bugs)

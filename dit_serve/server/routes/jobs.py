@@ -11,7 +11,7 @@ from fastapi import Header, Path, Query, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, StreamingResponse
 
-from dit_serve.schemas import MAX_ITEMS, Job, JobList, JobRequest, clip
+from dit_serve.schemas import MAX_ITEMS, Job, JobList, JobRequest, clip, event_schema
 from dit_serve.server.catalog import RequestError
 from dit_serve.server.events import END_EVENT_ITEMS, Cursor, EventResponse, JobEvents
 from dit_serve.server.keys import Principal
@@ -21,12 +21,23 @@ from dit_serve.server.store import Store, dump_manifest
 
 MAX_OFFSET = 10**12
 JobId = Path(min_length=1, max_length=64, pattern=r"^[0-9a-zA-Z_-]+$", description="a job id")
-IdempotencyKey = Header(None, min_length=1, max_length=200, pattern=r"^[!-~]+$",
+IdempotencyKey = Header(None, alias="Idempotency-Key", min_length=1, max_length=200, pattern=r"^[!-~]+$",
                         description="a retried submission with the same key gets the first one's job")
-LastEventId = Header(None, max_length=100, description="resume: the id of the last event received")
-EVENTS_DOC = {"description": "Server-Sent Events: `progress`, `item` (once per item ending), `end`, then the "
-                             "stream closes; a reconnect with Last-Event-ID resumes (docs/service.md, Events)",
-              "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+# an id this service sends, as events.Cursor.parse reads it ("3.17" or "3.17.1520413.2"), or empty
+EVENT_ID = r"^(?:\d{1,12}\.\d{1,15}(?:\.-?\d{1,18}\.\d{1,9})?)?$"
+# a string, not nullable: a header has no null (a schema that allowed it had clients send "null")
+LastEventId = Header("", alias="Last-Event-ID", max_length=100, pattern=EVENT_ID,
+                     description="resume: the id of the last event received")
+# Each event of the stream (itemSchema, OpenAPI 3.2's way to describe a stream's items) carries one JSON
+# object in its `data`, a JobEvent by its `event` field (api.create_app adds the models to the components).
+EVENTS_DOC = {"description": "Server-Sent Events: `progress`, `item` (once per item ending), `preview`, `end`, "
+                             "then the stream closes; each event's data is a JSON object (itemSchema); a "
+                             "reconnect with Last-Event-ID resumes (docs/service.md, Events)",
+              "content": {"text/event-stream": {"itemSchema": {
+                  "type": "object", "required": ["data"],
+                  "properties": {"event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"},
+                                 "data": {"type": "string", "contentMediaType": "application/json",
+                                          "contentSchema": event_schema()["schema"]}}}}}}
 
 router = v1_router("jobs")
 
@@ -42,7 +53,7 @@ def job_or_404(store: Store, job_id: str, who: Principal, with_items: bool = Tru
 def submit_job(req: JobRequest, store: StoreDep, catalog: CatalogDep, admission: AdmissionDep,
                who: Caller, idempotency_key: str | None = IdempotencyKey) -> Job:
     """Queue a job; 202 once it is committed to the store (429 with Retry-After when the queue is full)."""
-    job_id, created, job = admission.submit(catalog.resolve_job(req), who, idempotency_key)
+    job_id, created, job = admission.submit(catalog.resolve_job(req, idempotency_key), who, idempotency_key)
     headers = {"Location": f"/v1/jobs/{job_id}"} | ({} if created else {"Idempotent-Replayed": "true"})
     # a new job as written, not read back, and serialised here: this answer is on every image's path,
     # and the scheduler leasing the job meanwhile needs the interpreter that a re-validation would hold
@@ -60,7 +71,7 @@ def get_job(store: StoreDep, who: Caller, job_id: str = JobId,
 @router.get("/jobs/{job_id}/events", status_code=200, response_class=EventResponse,
             responses={200: EVENTS_DOC, **errors(404, 429)})
 async def job_events(store: StoreDep, streams: StreamsDep, who: Caller, job_id: str = JobId,
-                     last_event_id: str | None = LastEventId) -> EventResponse:
+                     last_event_id: str = LastEventId) -> EventResponse:
     """The job's events as they happen (Server-Sent Events), ending with ``end``. With ``Last-Event-ID``,
     the items that ended since that event come first, and none sent before. 429 (Retry-After) past
     the open streams allowed: poll ``GET /v1/jobs/{id}`` instead."""

@@ -1,0 +1,236 @@
+"""The real CLI in a subprocess, on what a new user does wrong: one line on stderr, exit 2 for a usage
+error, nothing half-written, help that says what each option takes. No service runs here: the client
+commands are pointed at a port nothing listens on, or fail before they send anything."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    for name in ("DIT_SERVE_URL", "DIT_SERVE_API_KEY"):
+        if env is None or name not in env:
+            environ.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "dit_serve.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=environ, cwd=ROOT)
+
+
+def one_line(proc: subprocess.CompletedProcess, code: int = 2) -> str:
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    err = proc.stderr.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_generate_with_a_degenerate_plan_is_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "new" / "out"
+    err = one_line(cli("generate", "--model", "digits-text", "--prompt", "a seven", "--sampler", "dpmpp_2m",
+                       "--steps", "1000", "--out", str(out)))
+    assert "--steps" in err and "use at most 999 steps" in err
+    assert not (tmp_path / "new").exists()
+
+
+KEY = "cli-usage-key-0123"
+
+
+@pytest.fixture(scope="module")
+def api(digits_model, tmp_path_factory):
+    """An API-only service with a key (no workers: jobs stay queued), and the env that reaches it."""
+    import httpx
+
+    from dit_serve.server.service import Service
+
+    from .conftest import service_config
+
+    cfg = service_config(tmp_path_factory.mktemp("cli"), digits_model, server={"api_keys": [KEY]})
+    with Service(cfg, roles=("api",)) as svc:
+        with httpx.Client(base_url=svc.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=10) as http:
+            yield svc.url, http, {"DIT_SERVE_URL": svc.url, "DIT_SERVE_API_KEY": KEY}
+
+
+def _jobs(http) -> int:
+    return http.get("/v1/jobs").json()["total"]
+
+
+def test_non_finite_guidance_is_one_line_before_anything_is_sent(api):
+    url, http, env = api
+    before = _jobs(http)
+    for value in ("nan", "inf"):
+        err = one_line(cli("submit", "--labels", "1", "--guidance", value, env=env))
+        assert "guidance must be a finite number" in err
+    assert _jobs(http) == before
+
+
+def test_the_sdk_names_a_non_finite_field_before_sending():
+    import httpx
+
+    from dit_serve.client import Client, InvalidRequest
+
+    sent = []
+    transport = httpx.MockTransport(lambda request: sent.append(request) or httpx.Response(500))
+    with Client("http://test", http=httpx.Client(base_url="http://test", transport=transport)) as client:
+        with pytest.raises(InvalidRequest, match="eta must be a finite number") as caught:
+            client.submit([1], eta=float("nan"))
+    assert caught.value.param == "eta" and not sent
+
+
+def test_an_unwritable_out_stops_submit_before_the_job_exists(api, tmp_path):
+    url, http, env = api
+    before = _jobs(http)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for out in ("/proc/nope", str(blocker / "sub"), str(blocker)):
+        err = one_line(cli("submit", "--labels", "1", "--out", out, env=env))
+        assert "cannot write to" in err, err
+    assert _jobs(http) == before
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(api):
+    url, http, env = api
+    job = http.post("/v1/jobs", json={"labels": [1], "num_per_label": 50}).json()["id"]
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    for args in (["status", job, "--json"], ["list"], ["--help"]):
+        proc = subprocess.Popen([sys.executable, "-m", "dit_serve.cli", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=environ, cwd=ROOT)
+        proc.stdout.close()  # `| head` that has read enough
+        err = proc.stderr.read().decode()
+        assert proc.wait(60) in (0, 141) and "Traceback" not in err and "BrokenPipe" not in err, (args, err)
+
+
+def test_a_malformed_url_is_a_usage_error(api):
+    assert "--url 'notaurl' is not a URL" in one_line(cli("status", "abc", "--url", "notaurl"))
+    err = one_line(cli("list", env={"DIT_SERVE_URL": "ftp://host"}))
+    assert "$DIT_SERVE_URL 'ftp://host'" in err
+
+
+def test_the_url_and_key_come_from_the_environment_or_the_flags(api):
+    url, http, env = api
+    job = http.post("/v1/jobs", json={"labels": [2]}).json()["id"]
+    proc = cli("status", job, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith(job), proc.stderr
+    proc = cli("status", job, "--url", url, "--api-key", KEY, env={"DIT_SERVE_URL": "http://127.0.0.1:9"})
+    assert proc.returncode == 0, proc.stderr
+    err = one_line(cli("status", job, "--url", url))
+    assert "set DIT_SERVE_API_KEY or pass --api-key" in err
+
+
+def test_ctrl_c_while_waiting_says_the_job_keeps_running_and_how_to_cancel(api):
+    import signal
+
+    url, http, env = api
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    proc = subprocess.Popen([sys.executable, "-m", "dit_serve.cli", "submit", "--labels", "3", "--wait"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ, cwd=ROOT)
+    try:
+        job = proc.stdout.readline().strip()
+        assert job, proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert f"dit-serve cancel {job}" in err and "keeps running" in err and "Traceback" not in err
+    assert http.get(f"/v1/jobs/{job}").json()["state"] == "queued"
+
+
+def test_fetch_refuses_a_folder_that_holds_files_unless_forced(api, tmp_path):
+    url, http, env = api
+    job = http.post("/v1/jobs", json={"labels": [4]}).json()["id"]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "00000_label1.png").write_bytes(b"an older fetch's image")
+    err = one_line(cli("fetch", job, "--out", str(out), env=env))
+    assert "already holds files" in err and "--force" in err
+    err = one_line(cli("fetch", job, "--out", str(out), "--force", env=env))  # forced: on to the job itself
+    assert "has no finished images" in err
+    assert sorted(p.name for p in out.iterdir()) == ["00000_label1.png"]
+
+
+def test_jobs_without_a_seed_get_different_random_seeds(api):
+    url, http, env = api
+    seeds = set()
+    for _ in range(3):
+        job = http.post("/v1/jobs", json={"labels": [5]}).json()
+        seeds.add(http.get(f"/v1/jobs/{job['id']}").json()["items"][0]["seed"])
+    assert len(seeds) == 3
+    pinned = http.post("/v1/jobs", json={"labels": [5, 6], "seed": 9}).json()
+    assert [it["seed"] for it in http.get(f"/v1/jobs/{pinned['id']}").json()["items"]] == [9, 10]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--help"], ["dit-serve submit --labels 3,7", "DIT_SERVE_URL", "--version"]),
+    (["submit", "--help"], ["--seed", "random seed", "--preview-every", "DIT_SERVE_URL", "--api-key",
+                            "ddpm, ddim, euler, euler_a, dpmpp_2m, flow_euler", "denoising steps", "DDIM's eta"]),
+    (["status", "--help"], ["the job's id", "--api-key"]),
+    (["fetch", "--help"], ["the job's id", "--force"]),
+    (["cancel", "--help"], ["the job's id"]),
+    (["demo", "--help"], ["images of each digit", "where the images go"]),
+    (["generate", "--help"], ["digits-text", "random seed"]),
+])
+def test_help_says_what_each_option_takes(args, words):
+    proc = cli(*args)
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    for w in words:
+        assert w in text, (args, w)
+    assert "digits-flow" not in text
+
+
+def test_version():
+    from dit_serve import __version__
+
+    proc = cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"dit-serve {__version__}"
+
+
+def test_cli_and_commands_import_one_way():
+    """cli imports commands; commands never imports cli (no cycle hidden in a function)."""
+    import ast
+
+    tree = ast.parse((ROOT / "dit_serve" / "commands.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "dit_serve.cli" not in imported
+    assert not any(isinstance(n, ast.ImportFrom) and n.module == "dit_serve" and any(a.name == "cli" for a in n.names)
+                   for n in ast.walk(tree))
+
+
+def test_a_port_in_use_is_said_before_anything_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        err = one_line(cli("serve", "--port", str(port), "--data-dir", str(tmp_path / "data"), timeout=60))
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+    assert not (tmp_path / "data").exists()  # nothing started: no store, no Ray
+
+
+def test_the_default_data_dir_is_ignored_by_git():
+    proc = subprocess.run(["git", "check-ignore", "-q", "dit-serve-data/jobs.db"], cwd=ROOT)
+    assert proc.returncode == 0
+
+
+def test_the_webhooks_example_explains_a_refused_receiver(api, tmp_path):
+    """The service refuses the loopback receiver (as it should); the example says how to allow it."""
+    url, http, env = api
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "webhooks.py"), "--url", url, "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120, env=environ, cwd=ROOT)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "allow_hosts = [\"127.0.0.1\"]" in proc.stderr and "loopback" in proc.stderr
