@@ -465,13 +465,13 @@ def reference_images(model: str, items: list[tuple[int, int]], params: dict, max
     dtype and backend, in batches of ``max_batch`` (an image does not depend on its batch)."""
     import torch
 
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.spec import ItemSpec
     from workers.loading import load_model
 
     cuda = torch.cuda.is_available()
     loaded = load_model(model, device="cuda" if cuda else "cpu", dtype=worker_dtype(model, cuda))
-    engine = Engine(loaded, EngineConfig(backend="breakable" if cuda else "eager", max_batch=max_batch))
+    engine = Engine(loaded, WorkerConfig(backend="breakable" if cuda else "eager", max_batch=max_batch))
     engine.warmup()
     reqs = [ItemSpec(id=str(i), label=label, seed=seed, sampler=params["sampler"], steps=params["steps"],
                          guidance=params["guidance"], eta=params.get("eta", 0.0)) for i, (label, seed) in enumerate(items)]

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -50,30 +51,35 @@ FAMILIES = ("dit", "pixart", "sd3", "flux")
 BASELINES = ("diffusers", "torch.compile")
 PRESETS = ("default", "fast", "fastest")
 SYSTEMS = BASELINES + PRESETS
-# The compile scope of each family's best measured figure: DiT compiles its whole step (one graph a step);
-# PixArt, SD3 and FLUX.1 their transformer blocks (as fast within 0-2%, a fraction of the cold compile).
-FAST_SCOPE = {"dit": "step", "pixart": "blocks", "sd3": "blocks", "flux": "blocks"}
-FP8_ATTENTION = ("sd3", "flux")  # the families whose attention has an FP8 kernel
 
 
-def engine_config(preset: str, family: str, **overrides):
-    """The engine's config and the model's load precision for ``preset`` on a model of ``family``, with
-    ``overrides`` (EngineConfig fields, or ``precision``) applied last. The one place a benchmark's
-    engine settings are made."""
-    from workers.engine import EngineConfig
+class Setup(NamedTuple):
+    """A system's engine settings: the worker's config and what the speed layer does to the model."""
+
+    worker: object  # workers.config.WorkerConfig
+    speed: object   # workers.speed.SpeedConfig
+
+
+def engine_config(preset: str, family: str, **overrides) -> tuple[Setup, str]:
+    """The engine's settings and the model's load precision for ``preset`` on a model of ``family``, as a
+    worker at that speed makes them (``WorkerConfig.speed_for``), with ``overrides`` (WorkerConfig fields such
+    as backend, max_batch, compile, compile_scope, decode_graphs; SpeedConfig fields; or ``precision``)
+    applied last. The one place a benchmark's engine settings are made."""
+    from dataclasses import fields, replace
+
+    from workers.config import WorkerConfig
+    from workers.families import family_named
     from workers.speed import SpeedConfig
 
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {PRESETS}, got {preset!r}")
-    fields: dict = {"backend": "graphs", "precision": "bf16"}
-    if preset in ("fast", "fastest"):
-        fields.update(compile="inductor", compile_scope=FAST_SCOPE.get(family, "step"), decode_graphs=True)
-    if preset == "fastest":
-        fields["precision"] = "fp8+attention" if family in FP8_ATTENTION else "fp8"
-    fields.update(overrides)
-    precision = fields.pop("precision")
-    engine = {k: fields.pop(k) for k in ("backend", "max_batch", "max_shapes") if k in fields}
-    return EngineConfig(**engine, speed=SpeedConfig(**fields)), precision
+    speed_fields = {f.name for f in fields(SpeedConfig)} - set(WorkerConfig.model_fields)
+    own = {k: overrides.pop(k) for k in list(overrides) if k in speed_fields}
+    precision = overrides.pop("precision", None)
+    worker = WorkerConfig(backend="graphs", speed=preset, **overrides)
+    speed = replace(worker.speed_for("model", family_named(family)), **own)
+    speed = replace(speed, precision=precision or speed.precision or "bf16")
+    return Setup(worker, speed), speed.precision
 
 
 def unavailable(precision: str, device: str) -> str | None:
@@ -114,12 +120,12 @@ def load(model: str | Path, precision: str = "bf16", smoke: bool = False):
     return load_model(model, device=device, dtype=dtype, precision=precision)
 
 
-def build_engine(models, config, sizes=()) -> tuple[object, float]:
-    """An engine over ``models`` warmed as a worker warms it (at ``sizes`` too); and the seconds it took."""
+def build_engine(models, config: Setup, sizes=()) -> tuple[object, float]:
+    """An engine over ``models`` (with ``config``, ``engine_config``'s) warmed as a worker warms it (at ``sizes`` too); and the seconds it took."""
     from workers.engine import Engine
 
     t0 = time.perf_counter()
-    engine = Engine(models, config)
+    engine = Engine(models, config.worker, speed=config.speed)
     engine.warmup(sizes=sizes)
     sync()
     return engine, time.perf_counter() - t0

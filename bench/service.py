@@ -116,7 +116,7 @@ def build_engine(model: str, backend: str = "graphs"):
     import torch
 
     from workers.actor import SWITCH_INTERVAL_S
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
 
     torch.set_num_threads(worker_threads(dict(os.environ)))
@@ -125,7 +125,7 @@ def build_engine(model: str, backend: str = "graphs"):
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     cuda = torch.cuda.is_available()
     loaded = load_model(model, device="cuda" if cuda else "cpu", dtype=chaos.worker_dtype(model, cuda))
-    engine = Engine(loaded, EngineConfig(backend=backend if cuda else "eager", max_batch=MAX_BATCH))
+    engine = Engine(loaded, WorkerConfig(backend=backend if cuda else "eager", max_batch=MAX_BATCH))
     engine.warmup()
     return engine
 

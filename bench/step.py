@@ -249,10 +249,10 @@ def run_preset(name: str, args, models: dict, result: dict, reference: dict) -> 
 def run_baseline(name: str, args, models: dict, result: dict) -> None:
     """diffusers' loop body (``torch.compile``: its transformer compiled) on the plain model, before any
     engine patches it."""
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
 
     model = models["bf16"]
-    example = Engine(model, EngineConfig(backend="eager", max_batch=1))  # only its warm-up example
+    example = Engine(model, WorkerConfig(backend="eager", max_batch=1))  # only its warm-up example
     ref = compiled(model) if name == "torch.compile" else model
     block = result["systems"][name] = {}
     with torch.no_grad():

@@ -35,8 +35,11 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
 
+from workers.cards import read_card
+from workers.config import WorkerConfig
+from workers.sizes import parse_size
 from workers.spec import ItemSpec
 
 # The worker's thread switch interval (Python's default: 5 ms): a long poll woken when an image ends, or a
@@ -46,73 +49,43 @@ SWITCH_INTERVAL_S = 0.001
 # image 23 ms at 6, 3.7 ms at 1 (files +20%); a 1024 px one 358 ms at 6, 53 ms at 1 (+16%)
 PNG_COMPRESS_LEVEL = 1
 
-KERNELS = {"eager": "off", "fused": "inductor"}  # [workers.kernels] -> the engine's compile mode
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    models: tuple[str, ...] = ("digits", "digits-text")
-    device: str = "auto"   # auto: CUDA when present (Ray sets CUDA_VISIBLE_DEVICES per actor)
-    dtype: str = "auto"    # auto: the model card's on CUDA (bfloat16 unless it says float32), else float32
-    backend: str = "auto"  # auto: on CUDA the engine's "graphs" (per model: whole-step graphs, or breakable
-                           # ones where its step has eager breaks), eager on the CPU
-    max_batch: int = 64
-    torch_threads: int | None = None
-    cross_attention: str = "auto"  # text models: "auto" | "padded" | "varlen" (SpeedConfig)
-    warm_sizes: tuple[str, ...] = ()  # "WxH" captured at start-up besides the native sizes
-    text_encoder_device: str = ""     # text encoders elsewhere ("cpu", "cuda:1"); "" with the transformer
-    max_shapes: int = 8               # sizes of one model kept captured at once (EngineConfig)
-    compile: str = "off"              # "inductor": compiled steps inside the graphs (SpeedConfig)
-    compile_cache: str = ""           # the compiled kernels' cache directory (SpeedConfig)
-    compile_scope: str = "step"       # "blocks": the transformers' blocks compiled instead (SpeedConfig)
-    decode_graphs: bool = False       # the VAE decode captured too (SpeedConfig)
-    png_compress_level: int = PNG_COMPRESS_LEVEL  # zlib level of the finished images' PNGs (0-9)
-    png_threads: int = 0              # threads encoding PNGs off the step loop (0: up to 4, one per core)
-    precision: tuple[tuple[str, str], ...] = ()  # (model, "bf16" | "fp8" | "fp8+attention"); unlisted: its dtype
-    kernels: tuple[tuple[str, str], ...] = ()    # (model, "eager" | "fused"); unlisted: ``compile``
-
-
 class Worker:
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, config: WorkerConfig):
         import torch
 
-        from workers.engine import Engine, EngineConfig, auto_backend
+        from workers.engine import Engine, auto_backend
+        from workers.families import family_named
         from workers.loading import load_model
-        from workers.speed import SpeedConfig
+        from workers.memory import check_fits
         from workers.speed.apply import to_precision
 
-        if spec.torch_threads:
-            torch.set_num_threads(spec.torch_threads)
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         cuda = torch.cuda.is_available()
-        self.device = ("cuda" if cuda else "cpu") if spec.device == "auto" else spec.device
-        on_cuda = self.device.startswith("cuda")
-        dtypes = [self._dtype(spec.dtype, m) for m in spec.models]
-        if on_cuda:  # several models per worker only if their weights fit (else: what each one needs)
-            from workers.memory import check_fits
-
-            check_fits(list(spec.models), [str(d).removeprefix("torch.") for d in dtypes],
+        self.device = ("cuda" if cuda else "cpu") if config.device == "auto" else config.device
+        cards = [read_card(m) for m in config.models]
+        dtypes = [self._dtype(config.dtype, card) for card in cards]
+        if self.device.startswith("cuda"):  # several models per worker only if their weights fit
+            check_fits(list(config.models), [str(d).removeprefix("torch.") for d in dtypes],
                        torch.cuda.mem_get_info(torch.device(self.device))[0], self.device,
-                       encoders_here=spec.text_encoder_device in ("", self.device))
-        precision = dict(spec.precision)
-        models = []
-        for m, d in zip(spec.models, dtypes):
-            models.append(load_model(m, device=self.device, dtype=d, encoder_device=spec.text_encoder_device or None,
-                                     precision=precision.get(m, "bf16")))
+                       encoders_here=config.text_encoder_device in ("", self.device))
+        speed, models = {}, []  # speed by the loaded model's name (a directory's is its folder's)
+        for m, card, d in zip(config.models, cards, dtypes):
+            own = self._speed(config, m, family_named(card.family))
+            models.append(load_model(m, device=self.device, dtype=d, encoder_device=config.text_encoder_device or None,
+                                     precision=own.precision))
             to_precision(models[-1], models[-1].precision)  # FP8 now: its bf16 weights go before the next loads
-        self.backend = auto_backend(self.device) if spec.backend == "auto" else spec.backend
-        from workers.sizes import parse_size
-
-        speed = SpeedConfig(cross_attention=spec.cross_attention, compile=spec.compile,
-                            compile_cache=spec.compile_cache, compile_scope=spec.compile_scope,
-                            decode_graphs=spec.decode_graphs,
-                            compile_models=tuple((m, KERNELS[k]) for m, k in spec.kernels))
-        self.engine = Engine(models, EngineConfig(backend=self.backend, max_batch=spec.max_batch,
-                                                  max_shapes=spec.max_shapes, speed=speed))
+            speed[models[-1].name] = own
+        self.backend = auto_backend(self.device) if config.backend == "auto" else config.backend
+        self.config = config
+        self.engine = Engine(models, config, speed=speed)
         t0 = time.perf_counter()
-        self.engine.warmup(sizes=[parse_size(s) for s in spec.warm_sizes])
+        self.engine.warmup(sizes=[parse_size(s) for s in config.warm_sizes])
         log.info("worker ready: %s on %s (%s), warm-up %.1f s", ", ".join(self.engine.models), self.device,
                  self.backend, time.perf_counter() - t0)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -129,21 +102,38 @@ class Worker:
         self._crashed: list[tuple[str, str]] = []
         self._step_seconds: list[float] = []
         self._busy_s, self._since = 0.0, time.perf_counter()
-        self._png_level = spec.png_compress_level
-        self._encoder = ThreadPoolExecutor(max_workers=spec.png_threads or max(1, min(4, os.cpu_count() or 1)),
+        self._png_level = config.png_compress_level
+        self._encoder = ThreadPoolExecutor(max_workers=config.png_threads or max(1, min(4, os.cpu_count() or 1)),
                                            thread_name_prefix="png")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def _dtype(self, name: str, model: str):
+    def _dtype(self, name: str, card):
         """``auto``: the model card's dtype on CUDA, float32 on a CPU."""
         import torch
 
-        from workers.cards import read_card
         from workers.loading import run_dtype
 
-        return run_dtype(read_card(model), self.device) if name == "auto" else getattr(torch, name)
+        return run_dtype(card, self.device) if name == "auto" else getattr(torch, name)
+
+    def _speed(self, config: WorkerConfig, model: str, family):
+        """``model``'s speed-layer config on this worker's device: the speed's FP8 where the GPU has it (a
+        precision the speed picked falls back, FP8 attention to FP8 linears, then to bf16, and says so; one the
+        config names is refused by ``load_model``)."""
+        from workers.speed.apply import unsupported_reason
+
+        speed = config.speed_for(model, family)
+        wanted, own = config.precision_for(model, family)
+        if not wanted:
+            return replace(speed, precision="bf16")
+        for precision in ("fp8+attention", "fp8", "bf16")[("fp8+attention", "fp8", "bf16").index(wanted):]:
+            why = unsupported_reason(precision, self.device)
+            if own or why is None:
+                break
+            log.warning("%s: %s is not available on %s (%s); running %s", model, precision, self.device, why,
+                        "fp8" if precision == "fp8+attention" else "bf16")
+        return replace(speed, precision=precision)
 
     # -- the actor's methods (called by the scheduler) ---------------------------------------------
     def info(self) -> dict:
@@ -151,13 +141,14 @@ class Worker:
         from workers.kernels.attention import CHOOSER
 
         return {"models": sorted(self.engine.models), "device": self.device, "backend": self.backend,
-                "backends": {name: self.engine.config.backend_for(m) for name, m in self.engine.models.items()},
+                "backends": {name: self.engine.backend_for(m) for name, m in self.engine.models.items()},
                 "attention": dict(self.engine.attention),
                 "attention_kernels": CHOOSER.summary(),  # measured at warm-up: once, not in every poll's stats
                 "precision": {name: m.precision for name, m in self.engine.models.items()},
-                "kernels": {name: "fused" if self.engine.config.compile_mode(name) != "off" else "eager"
-                            for name in self.engine.models},
-                "decode_graphs": self.engine.config.speed.decode_graphs}
+                "speed": {m.name: self.engine.config.speed_of(spec) for spec, m in zip(self.config.models,
+                                                                                        self.engine.models.values())},
+                "compiled": {name: speed.compile != "off" for name, speed in self.engine.speed.items()},
+                "decode_graphs": {name: speed.decode_graphs for name, speed in self.engine.speed.items()}}
 
     def submit(self, items: list[ItemSpec]) -> list[bool]:
         now = time.time()

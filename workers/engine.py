@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ from workers.kernels.attention import CHOOSER
 from workers.loading import LoadedModel
 from workers.previews import to_rgb
 from workers.spec import ItemSpec
+from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 from workers.speed.apply import apply as apply_speed
 
@@ -77,33 +78,32 @@ class _PendingPreviews:
     ready: object = None        # a torch.cuda.Event recorded after the copy; None: already copied
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    backend: str = "eager"        # eager | full | breakable | graphs: per model, full where its step has no
-                                  # eager break (the family's needs_breaks), else breakable (backend_for)
-    max_batch: int = 64           # largest graph bucket (a power of two)
-    max_shapes: int = 8           # latent shapes of one model kept captured at once (least recently used
-                                  # idle ones beyond it are dropped, and captured again when asked for)
-    speed: SpeedConfig = SpeedConfig()  # what the speed layer does to each model (workers.speed.apply)
-
-    def backend_for(self, model) -> str:
-        """The graph backend of ``model``'s groups: ``backend``, except that "graphs" picks whole-step graphs
-        (one replay per step, no host work between kernels) for a step without eager breaks, and breakable
-        graphs for one whose family breaks it (PixArt's varlen cross-attention). DiT's self-attention
-        patch is a break only under breakable: under full the same kernel is captured in the graph."""
-        if self.backend != "graphs":
-            return self.backend
-        return "breakable" if family_of(model).needs_breaks(model) else "full"
-
-    def compile_mode(self, model: str) -> str:
-        """How ``model``'s steps run: ``speed.compile_mode``."""
-        return self.speed.compile_mode(model)
-
-
 def auto_backend(device: str) -> str:
     """The backend "auto" means for a worker or ``dit-serve generate`` on ``device``: "graphs" on CUDA
     (whole-step graphs per model, breakable ones where its step has eager breaks), "eager" elsewhere."""
     return "graphs" if str(device).startswith("cuda") else "eager"
+
+
+def backend_for(backend: str, model) -> str:
+    """The graph backend of ``model``'s groups under the config's ``backend``: "auto" as ``auto_backend`` says
+    for the model's device, and "graphs" picking whole-step graphs (one replay per step, no host work between
+    kernels) for a step without eager breaks and breakable graphs for one whose family breaks it (PixArt's
+    varlen cross-attention). DiT's self-attention patch is a break only under breakable: under full the same
+    kernel is captured in the graph."""
+    backend = auto_backend(model.device) if backend == "auto" else backend
+    if backend != "graphs":
+        return backend
+    return "breakable" if family_of(model).needs_breaks(model) else "full"
+
+
+def _speed_of(model, config: WorkerConfig, speed: SpeedConfig | Mapping[str, SpeedConfig] | None) -> SpeedConfig:
+    """``model``'s speed-layer config: ``speed``'s (for all models, or its entry), else its speed in
+    ``config`` (``WorkerConfig.speed_for``)."""
+    if isinstance(speed, SpeedConfig):
+        return speed
+    if speed is not None and model.name in speed:
+        return speed[model.name]
+    return config.speed_for(model.name, family_of(model))
 
 
 @dataclass
@@ -127,8 +127,8 @@ class _Group:
     shape: tuple[int, int, int]  # the latents' (C, H, W)
     active: list[_Active] = field(default_factory=list)
     last_used: int = 0           # the engine's step count when it last ran or admitted
-    compiled: CompiledStep | None = None  # the runner's step, when config.speed.compile is on
-    decoder: GraphRunner | None = None    # the VAE decode at this shape, when config.speed.decode_graphs is on
+    compiled: CompiledStep | None = None  # the runner's step, when the model's speed compiles it
+    decoder: GraphRunner | None = None    # the VAE decode at this shape, when the model's speed captures it
 
 
 BASE_INPUTS = ("x", "t", "guidance", "coeffs", "hist", "noise")
@@ -175,12 +175,19 @@ def table_inputs(model: LoadedModel, inputs: dict[str, torch.Tensor]) -> dict[st
 
 
 class Engine:
-    """Runs image requests for one or more loaded models with step-level batching."""
+    """Runs image requests for one or more loaded models with step-level batching.
 
-    def __init__(self, models: LoadedModel | Iterable[LoadedModel], config: EngineConfig = EngineConfig()):
+    ``config`` is the worker's (``workers.config.WorkerConfig``: backend, buckets, sizes kept, each model's
+    speed). ``speed``: what the speed layer does to the models, given outright (one ``SpeedConfig`` for all, or
+    one per model name) instead of from ``config``'s speeds: what tests and benchmarks compare. Each model
+    goes through the speed layer (``workers.speed.apply``) once, here; the engine then runs what it got."""
+
+    def __init__(self, models: LoadedModel | Iterable[LoadedModel], config: WorkerConfig = WorkerConfig(),
+                 speed: SpeedConfig | Mapping[str, SpeedConfig] | None = None):
         models = [models] if isinstance(models, LoadedModel) else list(models)
         self.config = config
         self.models = {m.name: m for m in models}
+        self.speed = {m.name: _speed_of(m, config, speed) for m in models}
         self.groups: dict[GraphKey, _Group] = {}
         self._keys: dict[tuple[str, tuple[int, int, int]], GraphKey] = {}
         self._pools: dict[torch.device, tuple] = {}  # one graph pool and stream per device, for every shape
@@ -190,18 +197,22 @@ class Engine:
         for m in models:  # encoder graphs an earlier engine made are not this one's
             m.text_graphs = None
         for m in models:
-            family = family_of(m)
-            applied = apply_speed(m, family, config.speed, graphs=config.backend != "eager")
+            family, graphs = family_of(m), self.backend_for(m) != "eager"
+            applied = apply_speed(m, family, self.speed[m.name], graphs=graphs)
             if applied.attention is not None:
                 self.attention[m.name] = applied.attention
                 log.info("%s: %s", m.name, applied.attention)
             self._group(m, tuple(m.latent_shape))
-            if config.backend != "eager" and family.encoder_graphs:
+            if graphs and family.encoder_graphs:
                 self._graph_encoder(m)
         self.real_rows = 0    # sample-steps served
         self.padded_rows = 0  # bucket rows replayed without a sample in them (padding waste)
         self.previews_made = 0
         self._previews: list[_PendingPreviews] = []
+
+    def backend_for(self, model: LoadedModel) -> str:
+        """The graph backend of ``model``'s groups (``backend_for``)."""
+        return backend_for(self.config.backend, model)
 
     def _group(self, model: LoadedModel, shape: tuple[int, int, int]) -> GraphKey:
         """The group of ``model`` at latent ``shape``, made on first use. Groups of every shape capture into
@@ -218,16 +229,16 @@ class Engine:
         pool, stream = self._pools.get(device, (None, None))
         inputs, outputs = step_specs(model, shape)
         step = family_of(model).make_step(model, shape)
-        compiled = None
-        if self.config.compile_mode(model.name) != "off":
-            regions = compile_regions(model) if self.config.speed.compile_scope == "blocks" else []
+        speed, compiled = self.speed[model.name], None
+        if speed.compile != "off":
+            regions = compile_regions(model) if speed.compile_scope == "blocks" else []
             compiled = CompiledStep(step, f"{model.name} at {'x'.join(map(str, shape))}", regions=regions)
         runner = GraphRunner(compiled or step, inputs, outputs,
-                             max_batch=self.config.max_batch, backend=self.config.backend_for(model), device=device,
+                             max_batch=self.config.max_batch, backend=self.backend_for(model), device=device,
                              pool=pool, stream=stream)
         key = GraphKey(model.name, shape, str(model.dtype).removeprefix("torch."), runner.backend)
-        decoder = decode_runner(model, shape, pool, stream, compiled=self.config.compile_mode(model.name) != "off") \
-            if self.config.speed.decode_graphs and model.vae is not None else None
+        decoder = decode_runner(model, shape, pool, stream, compiled=speed.compile != "off") \
+            if speed.decode_graphs and model.vae is not None else None
         self.groups[key] = _Group(model, runner, shape, last_used=self.steps_run, compiled=compiled, decoder=decoder)
         self._keys[model.name, shape] = key
         if self._warm:  # a size first asked for while serving: captured now, once (logged)

@@ -43,6 +43,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from dit_serve.errors import ConfigError  # defined on the SDK side: the CLI catches it without this module
+from workers.config import WorkerConfig  # the [workers] section: defined once, beside the worker it configures
 
 try:
     import tomllib
@@ -100,66 +101,6 @@ class RayConfig(_Section):
     log_to_driver: bool = False
 
 
-class WorkerConfig(_Section):
-    models: tuple[str, ...] = ("digits", "digits-text")
-    resource: str = Field("auto", min_length=1, description="auto | GPU | CPU | a custom resource name")
-    cpu_workers: int = Field(1, ge=1, description="workers when running on CPUs")
-    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved by each worker actor")
-    device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    backend: Literal["auto", "eager", "full", "breakable", "graphs"] = "auto"  # auto: graphs on CUDA, else eager
-    max_batch: int = Field(64, ge=1, description="largest graph bucket, a power of two")
-    max_inflight: int = Field(0, ge=0, description="items leased to one worker at once; 0: max_batch")
-    torch_threads: int | None = Field(None, ge=1)
-    cross_attention: Literal["auto", "padded", "varlen"] = Field(
-        "auto", description="text models: cross-attention over prompts padded to the token limit (masked), "
-                            "or over each prompt's real tokens in an eager break; auto: the family's measured "
-                            "default (varlen for PixArt)")
-    text_encoder_device: str = Field("", max_length=50, description="text models: where text encoders run "
-                                     "('' with the transformer; 'cpu' or 'cuda:1' to free the serving GPU)")
-    max_shapes: int = Field(8, ge=1, le=64, description="image sizes of one model kept captured at once; the "
-                                                       "least recently used idle one beyond it is dropped")
-    warm_sizes: tuple[str, ...] = Field((), description="'WxH' sizes captured at start-up besides each model's "
-                                                        "native size (others are captured when first asked for)")
-    compile: Literal["off", "inductor"] = Field("off", description="inductor: each model's step compiled by "
-                                                "Inductor once per size (dynamic batch) and captured into the "
-                                                "same graphs; faster steps, a slower start (see docs/benchmarks/"
-                                                "kernels.md)")
-    compile_scope: Literal["step", "blocks"] = Field(
-        "step", description="what a compiled model compiles: 'step' the whole step (the fastest steps), 'blocks' "
-        "the transformer's repeated blocks, one graph per block class (FLUX.1-dev at 1024: 19 s cold instead "
-        "of 107 s, steps 0-2.4% slower; DiT compiles its whole step either way; docs/design.md)")
-    compile_cache: str = Field("", max_length=500, description="a directory for the compiled kernels (Inductor's, "
-                                                               "and FlashAttention-4's under it), kept across restarts ('': "
-                                                               "their defaults under /tmp)")
-    png_compress_level: int = Field(1, ge=0, le=9, description="zlib level of the stored PNGs: 1 encodes a 1024 px "
-                                    "image about 6x faster than Pillow's default 6, for files about 15% larger")
-    decode_graphs: bool = Field(False, description="the VAE decode captured in graphs too, at power-of-two "
-                                "batches (a single small image's decode is mostly kernel launches), and compiled "
-                                "when the model's step is (docs/design.md)")
-    kernels: dict[str, Literal["eager", "fused"]] = Field(
-        default_factory=dict, description="per model, over `compile`: 'fused' compiles its steps with Inductor "
-        "inside the graphs (compile = 'inductor' for it alone), 'eager' runs the uncompiled kernels in the graphs")
-    precision: dict[str, Literal["bf16", "fp8", "fp8+attention"]] = Field(
-        default_factory=dict, description="per model: 'fp8' runs its transformer blocks' linears as FP8 matrix "
-        "products (GPUs of compute capability 8.9+: Ada, Hopper; refused on others such as the A100); "
-        "'fp8+attention' also runs SD3's and FLUX.1's joint attention in FP8 (Hopper, with the cuDNN frontend: "
-        "pip install 'dit-serve[fp8-attention]'; faster, about 3 dB of PSNR lower, docs/benchmarks/"
-        "fp8_quality_attention.md); 'bf16' or unlisted: the model's dtype (workers/fp8.py)")
-
-    @field_validator("warm_sizes")
-    @classmethod
-    def _sizes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        from workers.sizes import parse_size
-
-        for text in v:
-            parse_size(text)
-        return v
-
-    def inflight(self) -> int:
-        return self.max_inflight or self.max_batch
-
-
 class LimitsConfig(_Section):
     max_items_per_job: int = Field(10000, ge=1)
     max_steps: int = Field(1000, ge=1)
@@ -214,6 +155,15 @@ class Config(_Section):
     scheduler: SchedulerConfig = SchedulerConfig()
     webhooks: WebhookConfig = WebhookConfig()
 
+    def worker_config(self) -> WorkerConfig:
+        """The workers' section as the workers get it: their compiled kernels kept under the data directory
+        unless it names another place, so a restarted service starts from a warm cache (Inductor's kernels
+        and FlashAttention-4's)."""
+        if self.workers.compile_cache:
+            return self.workers
+        cache = str(Path(self.store.data_dir).resolve() / "compile-cache")
+        return self.workers.model_copy(update={"compile_cache": cache})
+
     def with_overrides(self, **sections: dict) -> "Config":
         """A copy with some fields replaced, e.g. ``with_overrides(server={"port": 0})``; validated."""
         data = self.model_dump()
@@ -242,3 +192,4 @@ def _validate(data: dict, source: str) -> Config:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"])
         raise ConfigError(f"{source}: {where}: {err['msg'].removeprefix('Value error, ')}") from None
+

@@ -111,7 +111,8 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     import torch
     from tqdm import tqdm
 
-    from workers.engine import Engine, EngineConfig, auto_backend
+    from workers.config import WorkerConfig
+    from workers.engine import Engine
     from workers.spec import ItemSpec
     from workers.cards import DEFAULT_MODEL, CardError, read_card
     from workers.loading import load_model, run_dtype
@@ -137,9 +138,8 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     n = len(conds)
     reqs = [ItemSpec(id=str(i), seed=a.seed + i, sampler=sampler, steps=steps, guidance=guidance, eta=a.eta,
                      **size, **c) for i, c in enumerate(conds)]
-    backend = auto_backend(device) if a.backend == "auto" else a.backend
     max_batch = min(64, 1 << (n - 1).bit_length())
-    engine = Engine(model, EngineConfig(backend=backend, max_batch=max_batch))
+    engine = Engine(model, WorkerConfig(backend=a.backend, max_batch=max_batch))
     try:
         engine.warmup()
         with tqdm(total=n * steps, desc=f"{model.name} {sampler} x{n}", unit="step",

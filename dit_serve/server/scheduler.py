@@ -41,10 +41,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from dit_serve.server.config import SchedulerConfig, WorkerConfig
+from dit_serve.server.config import SchedulerConfig
 from dit_serve.server.metrics import Metrics
 from dit_serve.server.store import Lease, Store, lease_shape
-from workers.actor import WorkerSpec, remote_worker_class
+from workers.actor import remote_worker_class
+from workers.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -169,16 +170,7 @@ class Scheduler:
             opts["resources"] = {plan.resource: 1}
         if plan.node_id is not None:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(plan.node_id, soft=False)
-        spec = WorkerSpec(models=tuple(self.cfg.models), device=self.cfg.device, dtype=self.cfg.dtype,
-                          backend=self.cfg.backend, max_batch=self.cfg.max_batch, torch_threads=self.cfg.torch_threads,
-                          cross_attention=self.cfg.cross_attention, warm_sizes=tuple(self.cfg.warm_sizes),
-                          text_encoder_device=self.cfg.text_encoder_device, max_shapes=self.cfg.max_shapes,
-                          compile=self.cfg.compile, compile_cache=self.cfg.compile_cache,
-                          compile_scope=self.cfg.compile_scope,
-                          decode_graphs=self.cfg.decode_graphs, png_compress_level=self.cfg.png_compress_level,
-                          precision=tuple(sorted(self.cfg.precision.items())),
-                          kernels=tuple(sorted(self.cfg.kernels.items())))
-        handle = _actor_class().options(**opts).remote(spec)
+        handle = _actor_class().options(**opts).remote(self.cfg)
         self.workers[key] = _Worker(key, plan, handle, handle.info.remote())
         log.info("starting worker %s (%s%s)", key, plan.resource, f" on node {plan.node_id[:12]}" if plan.node_id else "")
 
@@ -263,8 +255,9 @@ class Scheduler:
             for model, p in [(m, p) for m, p in value.get("precision", {}).items() if p != "bf16"]:
                 log.info("%s: %s runs %s in fp8", w.name, model,
                          "its blocks' linears and attention" if p == "fp8+attention" else "its blocks' linears")
-            for model in [m for m, k in value.get("kernels", {}).items() if k == "fused"]:
-                log.info("%s: %s runs compiled (fused) steps", w.name, model)
+            for model, speed in value.get("speed", {}).items():
+                log.info("%s: %s at speed %s%s", w.name, model, speed,
+                         " (compiled steps)" if value.get("compiled", {}).get(model) else "")
             return
         w.poll_ref = None
         w.news = bool(value["finished"] or value["failed"] or value.get("crashed"))

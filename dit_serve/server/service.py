@@ -66,7 +66,7 @@ def build_catalog(config: Config) -> Catalog:
             catalog.params(info, None, None, None, 0.0)
     except (ValueError, KeyError) as e:
         raise ServiceError(f"cannot serve the configured models: {getattr(e, 'message', e)}") from None
-    for table in ("kernels", "precision"):
+    for table in ("model_speed", "precision"):
         if unknown := sorted(set(getattr(config.workers, table)) - set(config.workers.models)):
             raise ServiceError(f"[workers.{table}] names {', '.join(map(repr, unknown))}, not among the served "
                                f"models ({', '.join(config.workers.models)})")
@@ -173,7 +173,7 @@ class Service:
 
         self._init_ray()
         cfg = self.config
-        self.scheduler = Scheduler(self.store, cfg.workers, cfg.scheduler, cfg.store.lease_seconds, self.metrics)
+        self.scheduler = Scheduler(self.store, cfg.worker_config(), cfg.scheduler, cfg.store.lease_seconds, self.metrics)
         # the first actors are created from this thread: Ray sets up its serializers (importing pydantic.v1)
         # on first use, and doing that while another thread imports FastAPI raced into a KeyError
         self.scheduler.reconcile()

@@ -16,17 +16,18 @@ import harness  # noqa: E402
                                                       ("sd3", "blocks", "fp8+attention"),
                                                       ("flux", "blocks", "fp8+attention")])
 def test_presets_build_the_engine_config_and_precision(family, scope, precision):
-    config, p = harness.engine_config("default", family)
-    assert (config.backend, config.compile, config.decode_graphs, p) == ("graphs", "off", False, "bf16")
-    config, p = harness.engine_config("fast", family)
-    assert (config.compile, config.compile_scope, config.decode_graphs, p) == ("inductor", scope, True, "bf16")
-    config, p = harness.engine_config("fastest", family)
-    assert (config.compile, config.compile_scope, p) == ("inductor", scope, precision)
+    (worker, speed), p = harness.engine_config("default", family)
+    assert (worker.backend, speed.compile, speed.decode_graphs, p) == ("graphs", "off", False, "bf16")
+    (worker, speed), p = harness.engine_config("fast", family)
+    assert (speed.compile, speed.compile_scope, speed.decode_graphs, p) == ("inductor", scope, True, "bf16")
+    (worker, speed), p = harness.engine_config("fastest", family)
+    assert (speed.compile, speed.compile_scope, speed.precision, p) == ("inductor", scope, precision, precision)
 
 
 def test_overrides_apply_last_and_unknown_presets_are_refused():
-    config, p = harness.engine_config("fastest", "flux", compile_scope="step", precision="fp8", max_batch=4)
-    assert (config.compile_scope, config.max_batch, p) == ("step", 4, "fp8")
+    (worker, speed), p = harness.engine_config("fastest", "flux", compile_scope="step", precision="fp8", max_batch=4,
+                                               gelu_epilogue=False)
+    assert (speed.compile_scope, worker.max_batch, speed.gelu_epilogue, p) == ("step", 4, False, "fp8")
     with pytest.raises(ValueError, match="preset"):
         harness.engine_config("turbo", "dit")
 

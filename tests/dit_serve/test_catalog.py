@@ -70,7 +70,7 @@ def test_openai_prompt_names_the_class(catalog):
         catalog.resolve_images(ImageGenerationRequest(prompt="a cat"))
 
 
-def test_precision_and_kernels_are_per_served_model_and_a_name_not_served_is_refused():
+def test_precision_and_speeds_are_per_served_model_and_a_name_not_served_is_refused():
     from dit_serve.errors import ConfigError
     from dit_serve.server.config import Config
     from dit_serve.server.service import ServiceError, build_catalog
@@ -79,9 +79,9 @@ def test_precision_and_kernels_are_per_served_model_and_a_name_not_served_is_ref
     assert ok.workers.precision == {"digits-text": "fp8"} and build_catalog(ok)
     with pytest.raises(ServiceError, match=r"\[workers.precision\] names 'digits-flow', not among the served models"):
         build_catalog(Config().with_overrides(workers={"models": ("digits",), "precision": {"digits-flow": "fp8"}}))
-    with pytest.raises(ServiceError, match=r"\[workers.kernels\] names 'x', not among the served models"):
-        build_catalog(Config().with_overrides(workers={"models": ("digits",), "kernels": {"x": "fused"}}))
-    with pytest.raises(ConfigError, match="workers.kernels.digits: Input should be 'eager' or 'fused'"):
-        Config().with_overrides(workers={"kernels": {"digits": "inductor"}})
+    with pytest.raises(ServiceError, match=r"\[workers.model_speed\] names 'x', not among the served models"):
+        build_catalog(Config().with_overrides(workers={"models": ("digits",), "model_speed": {"x": "fast"}}))
+    with pytest.raises(ConfigError, match="workers.model_speed.digits: Input should be 'default', 'fast' or 'fastest'"):
+        Config().with_overrides(workers={"model_speed": {"digits": "fused"}})
     with pytest.raises(ConfigError, match="workers.precision.digits: Input should be 'bf16', 'fp8' or 'fp8\\+attention'"):
         Config().with_overrides(workers={"precision": {"digits": "fp4"}})

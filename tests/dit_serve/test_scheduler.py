@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dit_serve.server.config import WorkerConfig
+from workers.config import WorkerConfig
 from dit_serve.server.scheduler import SlotPlan, plan_slots
 
 
@@ -28,8 +28,8 @@ def test_custom_resource_per_unit():
 
 
 def test_a_started_worker_gets_the_engine_switches_of_the_config(tmp_path, monkeypatch):
-    """``[workers]``'s engine switches (compile and its scope, kernels, precision, decode_graphs, the PNG level)
-    reach the WorkerSpec the scheduler starts its actors with."""
+    """``[workers]`` reaches the actors the scheduler starts as it is (one config, no copy), with the compiled
+    kernels' cache under the data directory unless the config names one."""
     from types import SimpleNamespace
 
     from dit_serve.server import scheduler as sched_mod
@@ -45,15 +45,19 @@ def test_a_started_worker_gets_the_engine_switches_of_the_config(tmp_path, monke
                 info=SimpleNamespace(remote=lambda: "ready-ref")))
 
     monkeypatch.setattr(sched_mod, "_actor_class", lambda: FakeActor)
-    cfg = WorkerConfig(models=("digits",), compile="inductor", decode_graphs=True, precision={"digits": "fp8"},
-                       kernels={"digits": "eager"}, png_compress_level=4, compile_scope="blocks")
+    from dit_serve.server.config import Config
+
+    config = Config().with_overrides(
+        store={"data_dir": str(tmp_path)},
+        workers={"models": ("digits",), "speed": "fast", "precision": {"digits": "fp8"}, "png_compress_level": 4})
+    cfg = config.worker_config()
     s = sched_mod.Scheduler(Store(f"sqlite:///{tmp_path}/s.db", tmp_path), cfg, SchedulerConfig(), 30.0)
     s._start("cpu-0", SlotPlan(None, "CPU"))
     (spec,) = specs
-    assert (spec.compile, spec.decode_graphs, spec.precision, spec.kernels, spec.png_compress_level) == (
-        "inductor", True, (("digits", "fp8"),), (("digits", "eager"),), 4)
-    assert spec.compile_scope == "blocks" and WorkerConfig().compile_scope == "step"
-    assert WorkerConfig().decode_graphs is False  # off by default: a cold compile per size when compiled
+    assert spec is cfg and (spec.speed, spec.precision, spec.png_compress_level) == ("fast", {"digits": "fp8"}, 4)
+    assert spec.compile_cache == str(tmp_path.resolve() / "compile-cache")
+    mine = Config().with_overrides(workers={"compile_cache": str(tmp_path / "mine")}).worker_config()
+    assert mine.compile_cache == str(tmp_path / "mine")
 
 
 def test_a_fill_prefers_the_sizes_the_worker_runs_and_strict_order_is_a_switch(tmp_path):

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 from graphs import GraphRunner, TensorSpec, breakable, eager_on_graph
 from graphs.compiled import CompiledStep, opaque_break
@@ -403,14 +404,14 @@ def _req(i):
 
 
 def test_compiled_digits_engine_matches_uncompiled_with_one_graph_and_the_same_breaks(digits):
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
     from workers.speed.patches import attention_into
 
-    compiled = Engine(digits, EngineConfig(backend="breakable", max_batch=8, speed=SpeedConfig(compile="inductor")))
+    compiled = Engine(digits, WorkerConfig(backend="breakable", max_batch=8), speed=SpeedConfig(compile="inductor"))
     compiled.warmup()  # the compile happens here, on a CPU too
     assert next(iter(compiled.groups.values())).compiled.graphs == 1
-    plain = Engine(load_model("digits"), EngineConfig(backend="breakable", max_batch=8))
+    plain = Engine(load_model("digits"), WorkerConfig(backend="breakable", max_batch=8))
     reqs = [_req(i) for i in range(13)]  # 8 + 4 + 1 per step
     for a, b in zip(compiled.generate(reqs), plain.generate(reqs)):
         assert (a.latents - b.latents).abs().max().item() <= 1e-4 * max(1.0, b.latents.abs().max().item())
@@ -439,19 +440,18 @@ def _step_inputs(model, n):
 
 
 def test_unknown_compile_mode_is_refused():
-    from workers.engine import EngineConfig
-
+    
     with pytest.raises(ValueError, match="compile must be one of"):
-        EngineConfig(speed=SpeedConfig(compile="max-autotune"))
+        SpeedConfig(compile="max-autotune")
     with pytest.raises(ValueError, match="compile_scope must be one of"):
-        EngineConfig(speed=SpeedConfig(compile="inductor", compile_scope="layers"))
+        SpeedConfig(compile="inductor", compile_scope="layers")
 
 
 def test_a_text_engine_compiled_by_blocks_matches_uncompiled_from_one_block_graph(digits):
     """digits-text (PixArt's transformer, 4 blocks) with ``compile_scope="blocks"``: one graph for its
     block class serves every bucket (CFG makes two rows of one image: no one-row graph), the images are
     the uncompiled engine's; DiT keeps its whole step (its blocks read the hoisted modulation by index)."""
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.families import compile_regions
     from workers.loading import load_model
     from workers.spec import ItemSpec
@@ -462,17 +462,17 @@ def test_a_text_engine_compiled_by_blocks_matches_uncompiled_from_one_block_grap
     reqs = [ItemSpec(id=f"t{i}", prompt=f"the number {i % 10}", seed=7 + i, sampler="ddim", steps=3, guidance=3.0)
             for i in range(5)]  # 4 + 1
     padded = SpeedConfig(cross_attention="padded")  # its (rows x heads, 1, L) key bias crosses every block
-    plain = Engine(model, EngineConfig(backend="breakable", max_batch=4, speed=padded)).generate(reqs)
-    alone = Engine(model, EngineConfig(backend="breakable", max_batch=4, speed=padded)).generate(reqs[:1])
+    plain = Engine(model, WorkerConfig(backend="breakable", max_batch=4), speed=padded).generate(reqs)
+    alone = Engine(model, WorkerConfig(backend="breakable", max_batch=4), speed=padded).generate(reqs[:1])
     compiled = SpeedConfig(cross_attention="padded", compile="inductor", compile_scope="blocks")
-    engine = Engine(model, EngineConfig(backend="breakable", max_batch=4, speed=compiled))
+    engine = Engine(model, WorkerConfig(backend="breakable", max_batch=4), speed=compiled)
     engine.warmup()
     for a, b in zip(engine.generate(reqs), plain):
         assert (a.latents - b.latents).abs().max().item() <= 1e-4 * max(1.0, b.latents.abs().max().item())
     stats = next(iter(engine.stats()["groups"].values()))["compile"]
     assert stats["scope"] == "blocks" and stats["compiled"], stats
     assert (stats["graphs"], stats["one_row_graphs"], stats["region_graphs"]) == (1, 0, 1), stats
-    again = Engine(model, EngineConfig(backend="breakable", max_batch=4, speed=padded)).generate(reqs[:1])  # plain again
+    again = Engine(model, WorkerConfig(backend="breakable", max_batch=4), speed=padded).generate(reqs[:1])  # plain again
     assert torch.equal(again[0].latents, alone[0].latents)
 
 
@@ -503,15 +503,15 @@ def test_aliased_break_args_are_inductors_own_memory_without_owning_it(digits, m
     """Under capture each break gets non-owning aliases of the compiled step's own buffers, and the step
     still computes what the uncompiled one does."""
     from graphs import compiled as comp
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
 
     aliases = []
     real_alias = comp._alias
     monkeypatch.setattr(comp, "_alias", lambda t: aliases.append((t, real_alias(t))) or aliases[-1][1])
-    engine = Engine(digits, EngineConfig(backend="breakable", max_batch=8, speed=SpeedConfig(compile="inductor")))
+    engine = Engine(digits, WorkerConfig(backend="breakable", max_batch=8), speed=SpeedConfig(compile="inductor"))
     engine.warmup()
-    plain = Engine(load_model("digits"), EngineConfig(backend="breakable", max_batch=8))
+    plain = Engine(load_model("digits"), WorkerConfig(backend="breakable", max_batch=8))
     live = _step_inputs(digits, 8)
     got, rec = _under_recorded_capture(engine, live)
     assert_close(got, next(iter(plain.groups.values())).runner.run(**live))

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 from graphs import GraphRunner, TensorSpec, eager_on_graph
 from graphs.compiled import CompiledStep, opaque_break
@@ -78,12 +79,12 @@ def digits_cuda():
 
 @pytest.mark.parametrize("backend", ["breakable", "full"])
 def test_compiled_digits_engine_on_graphs_matches_uncompiled(digits_cuda, backend):
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.spec import ItemSpec
 
-    compiled = Engine(digits_cuda, EngineConfig(backend=backend, max_batch=16, speed=SpeedConfig(compile="inductor")))
+    compiled = Engine(digits_cuda, WorkerConfig(backend=backend, max_batch=16), speed=SpeedConfig(compile="inductor"))
     compiled.warmup()
-    plain = Engine(digits_cuda, EngineConfig(backend=backend, max_batch=16))
+    plain = Engine(digits_cuda, WorkerConfig(backend=backend, max_batch=16))
     plain.warmup()
     reqs = [ItemSpec(id=f"r{i}", label=i % 10, seed=100 + i, sampler="ddim", steps=6, guidance=2.0) for i in range(13)]
     for a, b in zip(compiled.generate(reqs), plain.generate(reqs)):
@@ -100,12 +101,12 @@ def test_compiled_digits_engine_on_graphs_matches_uncompiled(digits_cuda, backen
 def test_aliased_break_args_on_graphs_match_uncompiled(digits_cuda):
     """Aliased break arguments on a real breakable capture: 13 digits through every bucket equal the
     uncompiled engine's (so no aliased break read memory that a later segment or capture had reused)."""
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.spec import ItemSpec
 
-    compiled = Engine(digits_cuda, EngineConfig(backend="breakable", max_batch=16, speed=SpeedConfig(compile="inductor")))
+    compiled = Engine(digits_cuda, WorkerConfig(backend="breakable", max_batch=16), speed=SpeedConfig(compile="inductor"))
     compiled.warmup()
-    plain = Engine(digits_cuda, EngineConfig(backend="breakable", max_batch=16))
+    plain = Engine(digits_cuda, WorkerConfig(backend="breakable", max_batch=16))
     plain.warmup()
     reqs = [ItemSpec(id=f"r{i}", label=i % 10, seed=300 + i, sampler="ddim", steps=6, guidance=2.0) for i in range(13)]
     for a, b in zip(compiled.generate(reqs), plain.generate(reqs)):

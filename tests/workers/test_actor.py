@@ -11,7 +11,8 @@ import pytest
 import numpy as np
 from PIL import Image
 
-from workers.actor import Worker, WorkerSpec
+from workers.actor import Worker
+from workers.config import WorkerConfig
 from workers.spec import ItemSpec
 
 DIGITS_DIR = Path(__file__).resolve().parents[2] / "workers" / "models" / "digits"
@@ -21,7 +22,7 @@ DIGITS_DIR = Path(__file__).resolve().parents[2] / "workers" / "models" / "digit
 def worker():
     if not (DIGITS_DIR / "model_index.json").exists():
         pytest.skip("the shipped digits model (workers/models/digits) is missing")
-    w = Worker(WorkerSpec(models=("digits",), max_batch=8, torch_threads=1))
+    w = Worker(WorkerConfig(models=("digits",), max_batch=8, torch_threads=1))
     yield w
     w.stop()
 
@@ -115,15 +116,15 @@ def test_a_long_poll_answers_when_an_item_ends_and_waits_when_nothing_does(worke
 def test_a_worker_with_compile_inductor_runs_compiled_steps(tmp_path):
     """``[workers] compile = "inductor"`` reaches the worker's engine: its step is compiled once (into the
     cache directory given) and the item still comes back as a PNG."""
-    w = Worker(WorkerSpec(models=("digits",), max_batch=4, torch_threads=1, compile="inductor",
-                          compile_cache=str(tmp_path / "inductor"), compile_scope="blocks"))
+    w = Worker(WorkerConfig(models=("digits",), max_batch=4, torch_threads=1, compile="inductor",
+                            compile_cache=str(tmp_path / "inductor"), compile_scope="blocks"))
     try:
         w.submit([_item(50, steps=4)])
         finished, failed, reports = _drain(w, {"job/50"})
         assert failed == {} and Image.open(io.BytesIO(finished["job/50"])).size == (8, 8)
         groups = reports[-1]["stats"]["groups"]
         assert [g["compile"]["graphs"] for g in groups.values()] == [1]
-        assert w.engine.config.speed.compile_scope == "blocks"  # reached the engine (DiT compiles its whole step)
+        assert w.engine.speed["digits"].compile_scope == "blocks"  # reached the engine (DiT compiles its whole step)
         assert [g["compile"]["scope"] for g in groups.values()] == ["step"]
         assert any((tmp_path / "inductor").iterdir())
     finally:
@@ -136,9 +137,9 @@ def test_a_worker_with_decode_graphs_decodes_through_its_decode_runner(tmp_path)
     from workers.models.tiny_dit import write_tiny_dit
 
     write_tiny_dit(tmp_path / "tiny-dit")
-    w = Worker(WorkerSpec(models=(str(tmp_path / "tiny-dit"),), max_batch=4, torch_threads=1, decode_graphs=True))
+    w = Worker(WorkerConfig(models=(str(tmp_path / "tiny-dit"),), max_batch=4, torch_threads=1, decode_graphs=True))
     try:
-        assert w.info()["decode_graphs"] is True
+        assert w.info()["decode_graphs"] == {"tiny-dit": True}
         group = next(iter(w.engine.groups.values()))
         assert group.decoder is not None
         runs = group.decoder.stats()["totals"]
@@ -174,11 +175,11 @@ def test_timings_split_an_items_time_at_the_worker_and_the_lock_switches_fast(wo
 def test_a_model_listed_in_fp8_runs_its_block_linears_in_fp8_and_says_so():
     from workers.speed.fp8 import Fp8Linear
 
-    w = Worker(WorkerSpec(models=("digits", "digits-text"), max_batch=4, torch_threads=1,
-                          precision=(("digits-text", "fp8"),), kernels=(("digits", "eager"),)))
+    w = Worker(WorkerConfig(models=("digits", "digits-text"), max_batch=4, torch_threads=1,
+                            precision={"digits-text": "fp8"}))
     try:
         assert w.info()["precision"] == {"digits": "bf16", "digits-text": "fp8"}
-        assert w.info()["kernels"] == {"digits": "eager", "digits-text": "eager"}
+        assert w.info()["compiled"] == {"digits": False, "digits-text": False}
         linears = {name: [isinstance(m, Fp8Linear) for m in model.transformer.modules()]
                    for name, model in w.engine.models.items()}
         assert not any(linears["digits"]) and sum(linears["digits-text"]) == w.engine.models["digits-text"].fp8_linears > 0
@@ -208,7 +209,7 @@ def test_pngs_are_encoded_off_the_step_loop_and_an_encoding_failure_fails_only_i
         return real(image, level)
 
     monkeypatch.setattr(actor, "_png", png)
-    w = Worker(WorkerSpec(models=("digits",), max_batch=8, torch_threads=1, png_compress_level=0))
+    w = Worker(WorkerConfig(models=("digits",), max_batch=8, torch_threads=1, png_compress_level=0))
     try:
         w.submit([_item(1, steps=2), _item(2, steps=40)])
         deadline, steps_while_held = time.monotonic() + 60, 0
@@ -247,7 +248,7 @@ def test_previews_are_encoded_by_the_poll_that_takes_them_never_by_the_step_loop
         return real(image, level)
 
     monkeypatch.setattr(actor, "_png", png)
-    w = Worker(WorkerSpec(models=("digits",), max_batch=8, torch_threads=1))
+    w = Worker(WorkerConfig(models=("digits",), max_batch=8, torch_threads=1))
     try:
         w.submit([_item(1, steps=300, preview_every=1), _item(2, steps=300, preview_every=1)])
         deadline = time.monotonic() + 30

@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
+from workers.config import WorkerConfig
 from workers.cards import read_card
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine
 from workers.families.builtins import CLIP_L, clip_token_ids, clip_tokenizer
 from workers.families.flux import builtin as flux_builtin
 from workers.families.flux import runtime as flux
@@ -46,7 +47,7 @@ FLUX_SMALL = dict(
     vae=SD3_SMALL["vae"])
 FAMILIES = {"sd35-medium-1024": (build_sd35_medium, SD3_SMALL, sd3, sd3_builtin),  # builder, shrunk configs,
             "flux-dev-1024": (build_flux_dev, FLUX_SMALL, flux, flux_builtin)}      # runtime and builder modules
-EAGER = EngineConfig(backend="eager", max_batch=2)
+EAGER = WorkerConfig(backend="eager", max_batch=2)
 
 
 def _small_card(name: str):

@@ -6,8 +6,9 @@ from collections import defaultdict
 import pytest
 import torch
 
+from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine
 from workers.spec import ItemSpec
 from workers.loading import load_model
 
@@ -20,7 +21,7 @@ def model():
 
 
 def engine(model, max_batch=8):
-    return Engine(model, EngineConfig(backend="eager", max_batch=max_batch))
+    return Engine(model, WorkerConfig(backend="eager", max_batch=max_batch))
 
 
 def req(i, **kw):
@@ -152,40 +153,39 @@ def test_a_preview_is_the_denoised_estimate(model):
     assert p.step == 1 and (p.image == expected).all()
 
 
-def test_a_models_own_compile_mode_overrides_the_engines(model):
-    """``compile_models`` gives one model compiled steps (``[workers.kernels]`` "fused") while another runs
-    the engine-wide mode, and the other way round; an unknown mode is refused."""
+def test_a_models_own_speed_overrides_the_workers(model):
+    """``model_speed`` gives one model compiled steps ("fast") while another runs the worker-wide speed, and
+    the other way round; an unknown speed is refused."""
     text = load_model("digits-text")
-    for default, own in (("off", "inductor"), ("inductor", "off")):
-        cfg = EngineConfig(backend="eager", max_batch=4, speed=SpeedConfig(compile=default, compile_models=(("digits-text", own),)))
+    for default, own in (("default", "fast"), ("fast", "default")):
+        cfg = WorkerConfig(backend="eager", max_batch=4, speed=default, model_speed={"digits-text": own})
         eng = Engine([model, text], cfg)  # compiles lazily: nothing is compiled until a step runs
         compiled = {g.model.name: g.compiled is not None for g in eng.groups.values()}
-        assert compiled == {"digits": default == "inductor", "digits-text": own == "inductor"}
-    with pytest.raises(ValueError, match="compile must be one of"):
-        EngineConfig(speed=SpeedConfig(compile_models=(("digits", "max-autotune"),)))
+        assert compiled == {"digits": default == "fast", "digits-text": own == "fast"}
+    with pytest.raises(ValueError, match="model_speed"):
+        WorkerConfig(model_speed={"digits": "fastest-ever"})
 
 
 def test_the_graphs_backend_captures_a_step_without_breaks_whole_and_keeps_breaks_where_a_family_has_them(model):
     """backend "graphs": a class-conditional DiT's step is one whole-step graph (full); PixArt with varlen
     cross-attention (an eager break per layer) keeps breakable graphs, padded cross-attention goes whole.
     The workers' and ``generate``'s "auto" is "graphs" on CUDA and eager on a CPU."""
-    from workers.engine import auto_backend
+    from workers.engine import auto_backend, backend_for
     from workers.families import family_named
 
     pixart = family_named("pixart")
 
-    graphs = EngineConfig(backend="graphs")
-    assert graphs.backend_for(model) == "full"
-    assert EngineConfig(backend="breakable").backend_for(model) == "breakable"
+    assert backend_for("graphs", model) == "full"
+    assert backend_for("breakable", model) == "breakable"
     text = load_model("digits-text")
     pixart.set_cross_attention(text, "varlen")
-    assert graphs.backend_for(text) == "breakable"
+    assert backend_for("graphs", text) == "breakable"
     pixart.set_cross_attention(text, "padded")
-    assert graphs.backend_for(text) == "full"
+    assert backend_for("graphs", text) == "full"
     assert auto_backend("cuda:1") == "graphs" and auto_backend("cpu") == "eager"
     # on a CPU the runner runs the step eagerly, whatever the backend: the images are the eager engine's
     r, own = req(3), load_model("digits")  # its own copy: the graph backends patch the model they run
-    got = Engine(own, EngineConfig(backend="graphs", max_batch=4)).generate([r])[0].latents
+    got = Engine(own, WorkerConfig(backend="graphs", max_batch=4)).generate([r])[0].latents
     assert close(got, alone(model, r))
 
 

@@ -15,15 +15,16 @@ import shutil
 import pytest
 import torch
 
+from workers.config import WorkerConfig
 from workers.cards import CardError, read_card
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine
 from workers.families import family_named
 from workers.families.flux.runtime import image_ids, pack, unpack
 from workers.loading import ModelError, load_model
 from workers.models.tiny_flux import IMAGE_SIZE, MAX_TOKENS, make_tiny_flux
 from workers.spec import ItemSpec
 
-EAGER = EngineConfig(backend="eager", max_batch=4)
+EAGER = WorkerConfig(backend="eager", max_batch=4)
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +262,7 @@ def test_the_graph_engine_reading_its_modulation_tables_equals_the_pipeline(dev_
     model = load_model(dev_dir)  # its own: the graph engine patches the transformer it serves
     specs = [ItemSpec(id="a", seed=1, sampler="flow_euler", steps=4, guidance=3.5, prompt="a red cat"),
              ItemSpec(id="b", seed=2, sampler="flow_euler", steps=3, guidance=7.0, prompt="The big blue house")]
-    engine = Engine(model, EngineConfig(backend="graphs", max_batch=4))
+    engine = Engine(model, WorkerConfig(backend="graphs", max_batch=4))
     assert "modulation" in step_specs(model)[0]
     _assert_equal_to_pipeline(model, specs, engine.generate(specs))
 

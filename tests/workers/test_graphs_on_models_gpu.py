@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 
 pytestmark = pytest.mark.gpu
@@ -79,11 +80,11 @@ def digits_cuda():
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_digits_through_graphs_match_eager_and_pass_the_oracle(digits_cuda, backend):
     from workers.digits import oracle_accuracy, sample_digits
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
 
-    graph_engine = Engine(digits_cuda, EngineConfig(backend=backend, max_batch=64))
+    graph_engine = Engine(digits_cuda, WorkerConfig(backend=backend, max_batch=64))
     graph_engine.warmup()
-    eager_engine = Engine(digits_cuda, EngineConfig(backend="eager", max_batch=64))
+    eager_engine = Engine(digits_cuda, WorkerConfig(backend="eager", max_batch=64))
     guidance = digits_cuda.defaults["guidance"]
     images, labels = sample_digits(graph_engine, 50, "ddim", 50, guidance)
     ref, _ = sample_digits(eager_engine, 50, "ddim", 50, guidance)
@@ -102,11 +103,11 @@ def test_dit_xl_captured_decode_makes_the_plain_decodes_images(dit_xl):
     each decode of one image takes."""
     import time
 
-    from workers.engine import Engine, EngineConfig, _vae_pixels, decode
+    from workers.engine import Engine, _vae_pixels, decode
     from workers.spec import ItemSpec
 
     specs = [ItemSpec(id=str(i), label=i, seed=i, sampler="ddim", steps=5, guidance=4.0) for i in range(3)]
-    eng = Engine(dit_xl, EngineConfig(backend="breakable", max_batch=4, speed=SpeedConfig(decode_graphs=True)))
+    eng = Engine(dit_xl, WorkerConfig(backend="breakable", max_batch=4), speed=SpeedConfig(decode_graphs=True))
     eng.warmup()
     got = eng.generate(specs)
     # the plain decode of the very latents the engine decoded: only the decode differs (an engine of its own

@@ -63,13 +63,13 @@ def _fallbacks(group_stats: dict) -> int:
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 @pytest.mark.parametrize("family", ["sd3", "flux"])
 def test_tiny_buckets_replay_what_eager_computes(tiny, family, backend):
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
 
     model, specs = tiny[family], _specs(13)  # 13 = 8 + 4 + 1 replays while all are active
-    graphs = Engine(model, EngineConfig(backend=backend, max_batch=8))
+    graphs = Engine(model, WorkerConfig(backend=backend, max_batch=8))
     graphs.warmup()
     got = graphs.generate(specs)
-    want = Engine(model, EngineConfig(backend="eager", max_batch=8)).generate(specs)
+    want = Engine(model, WorkerConfig(backend="eager", max_batch=8)).generate(specs)
     _assert_equal_latents(got, want)
     stats = next(iter(graphs.stats()["groups"].values()))
     assert stats["backend"] == backend and _fallbacks(stats) == 0
@@ -84,17 +84,17 @@ def test_tiny_buckets_replay_what_eager_computes(tiny, family, backend):
 def test_tiny_sizes_share_one_pool_and_replay_what_eager_computes(tiny, family, sizes):
     """Three latent shapes in one engine: all graphs capture into the device's one pool on one stream, and
     every shape's replays equal eager."""
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
 
     model, specs = tiny[family], _specs(15, sizes)
-    graphs = Engine(model, EngineConfig(backend="breakable", max_batch=8))
+    graphs = Engine(model, WorkerConfig(backend="breakable", max_batch=8))
     graphs.warmup(sizes=sizes)
     runners = [g.runner for g in graphs.groups.values()]
     assert len(runners) == 3 and len(graphs._pools) == 1
     assert len({id(r._shared_pool) for r in runners}) == 1 and runners[0]._shared_pool is not None
     assert len({id(r._stream) for r in runners}) == 1
     got = graphs.generate(specs)
-    want = Engine(model, EngineConfig(backend="eager", max_batch=8)).generate(specs)
+    want = Engine(model, WorkerConfig(backend="eager", max_batch=8)).generate(specs)
     for g in got:
         assert g.image.shape[:2] == (g.request.height, g.request.width)
     _assert_equal_latents(got, want)

@@ -2,8 +2,9 @@
 
 import pytest
 
+from workers.config import WorkerConfig
 from workers.digits import classify, load_split, oracle_accuracy, sample_digits
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine
 from workers.loading import load_model
 
 # (sampler, steps): each sampler at a step count it is meant for (ddim 50 has its own 500-image test)
@@ -13,7 +14,7 @@ SAMPLERS = [("ddpm", 100), ("ddim", 10), ("euler", 50), ("euler_a", 50), ("dpmpp
 @pytest.fixture(scope="module")
 def digits():
     model = load_model("digits")
-    return model, Engine(model, EngineConfig(backend="eager", max_batch=64))
+    return model, Engine(model, WorkerConfig(backend="eager", max_batch=64))
 
 
 def test_classifier_reads_real_digits():
@@ -48,7 +49,7 @@ def test_every_sampler_makes_digits(digits, sampler, steps):
 @pytest.mark.slow
 def test_flow_euler_on_the_flow_model():
     model = load_model("digits-flow")
-    engine = Engine(model, EngineConfig(backend="eager", max_batch=64))
+    engine = Engine(model, WorkerConfig(backend="eager", max_batch=64))
     images, labels = sample_digits(engine, 20, "flow_euler", model.defaults["steps"], model.defaults["guidance"])
     acc = oracle_accuracy(images, labels)
     assert acc >= 0.85, f"flow_euler: oracle accuracy {acc:.3f}"
@@ -96,7 +97,7 @@ def test_digits_text_through_our_engine_draws_the_asked_digit(held_out, target):
     d = model.defaults
     specs = [ItemSpec(id=str(i), seed=9000 + i, sampler=d["sampler"], steps=d["steps"], guidance=d["guidance"],
                       prompt=p) for i, p in enumerate(prompts)]
-    results = Engine(model, EngineConfig(backend="eager", max_batch=64)).generate(specs, max_active=64)
+    results = Engine(model, WorkerConfig(backend="eager", max_batch=64)).generate(specs, max_active=64)
     images = np.stack([r.latents[0].numpy() for r in results])  # pixel space: (8, 8) in [-1, 1]
     acc = oracle_accuracy(images, labels)
     assert acc >= target, f"oracle accuracy {acc:.3f} ({'held-out' if held_out else 'training-style'} prompts)"

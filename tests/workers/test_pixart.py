@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 from workers.cards import read_card
 from workers.families import family_named
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine
 from workers.loading import load_model
 from workers.models.tiny_pixart import MAX_TOKENS, make_tiny_pixart
 from workers.spec import ItemSpec
@@ -56,7 +57,7 @@ def test_prompts_batched_together_equal_the_diffusers_pipeline_alone(model):
              ItemSpec(id="b", seed=2, sampler="dpmpp_2m", steps=6, guidance=5.0, prompt="The big blue house",
                       negative_prompt="small photo"),
              ItemSpec(id="c", seed=3, sampler="dpmpp_2m", steps=6, guidance=1.5, prompt="  a dog drawn  ")]
-    results = Engine(model, EngineConfig(backend="eager", max_batch=4)).generate(specs)
+    results = Engine(model, WorkerConfig(backend="eager", max_batch=4)).generate(specs)
     for spec, r in zip(specs, results):
         ref = _reference(model, spec.prompt, spec.negative_prompt, spec.seed, spec.steps, spec.guidance)
         err = (r.latents - ref).abs().max().item()
@@ -83,7 +84,7 @@ def test_prompts_are_encoded_over_their_real_tokens_only(model):
 
 def test_encodings_are_cached_and_shared(model):
     model.cache.clear()
-    e = Engine(model, EngineConfig(backend="eager", max_batch=4))
+    e = Engine(model, WorkerConfig(backend="eager", max_batch=4))
     e.add_many([ItemSpec(id=str(i), seed=i, sampler="ddim", steps=2, guidance=2.0, prompt="A cat") for i in range(3)])
     assert sorted(model.cache) == ["", "a cat"]  # one encoding per distinct processed text
     first = model.cache["a cat"][0]
@@ -118,7 +119,7 @@ def test_the_alpha_layout_equals_the_alpha_pipeline(tmp_path):
     model = load_model(make_tiny_pixart(tmp_path / "alpha", seed=1, alpha=True))
     assert read_card(tmp_path / "alpha").max_tokens == MAX_TOKENS  # the directory's own limit wins (α: 120)
     spec = ItemSpec(id="a", seed=4, sampler="dpmpp_2m", steps=5, guidance=4.0, prompt="a green tree")
-    (ours,) = Engine(model, EngineConfig(backend="eager", max_batch=2)).generate([spec])
+    (ours,) = Engine(model, WorkerConfig(backend="eager", max_batch=2)).generate([spec])
     family_named("pixart").set_cross_attention(model, "padded")  # the reference runs diffusers' processors
     pipe = PixArtAlphaPipeline(tokenizer=model.tokenizer, text_encoder=model.text_encoder, vae=model.vae,
                                transformer=model.transformer,
@@ -136,7 +137,7 @@ def test_alpha_1024_conditions_on_resolution_and_aspect_ratio(tmp_path):
     model.transformer.register_forward_pre_hook(lambda _m, args, kwargs: seen.append(kwargs["added_cond_kwargs"]),
                                                 with_kwargs=True)
     specs = [ItemSpec(id=str(i), seed=i, sampler="ddim", steps=2, guidance=2.0, prompt="a cat") for i in range(3)]
-    Engine(model, EngineConfig(backend="eager", max_batch=4)).generate(specs)
+    Engine(model, WorkerConfig(backend="eager", max_batch=4)).generate(specs)
     assert seen and all(len(c["resolution"]) == len(c["aspect_ratio"]) and len(c["resolution"]) % 2 == 0 and
                         c["resolution"].tolist() == [[16.0, 16.0]] * len(c["resolution"]) and
                         c["aspect_ratio"].tolist() == [[1.0]] * len(c["aspect_ratio"]) for c in seen)  # both CFG halves
@@ -149,10 +150,10 @@ def test_varlen_cross_attention_equals_the_pipeline_too(model):
              ItemSpec(id="b", seed=5, sampler="dpmpp_2m", steps=5, guidance=4.0, prompt="the big blue house drawn",
                       negative_prompt="small")]
     try:
-        results = Engine(model, EngineConfig(backend="eager", max_batch=4, speed=SpeedConfig(cross_attention="varlen"))).generate(specs)
+        results = Engine(model, WorkerConfig(backend="eager", max_batch=4), speed=SpeedConfig(cross_attention="varlen")).generate(specs)
         assert type(model.transformer.transformer_blocks[0].attn2.processor).__name__ == "VarlenCrossAttention"
     finally:
-        Engine(model, EngineConfig(backend="eager", max_batch=4, speed=SpeedConfig(cross_attention="padded")))
+        Engine(model, WorkerConfig(backend="eager", max_batch=4), speed=SpeedConfig(cross_attention="padded"))
     assert type(model.transformer.transformer_blocks[0].attn2.processor).__name__ == "AttnProcessor2_0"
     for spec, r in zip(specs, results):
         ref = _reference(model, spec.prompt, spec.negative_prompt, spec.seed, spec.steps, spec.guidance)
@@ -163,27 +164,27 @@ def test_varlen_cross_attention_equals_the_pipeline_too(model):
 def test_the_engine_reports_which_cross_attention_kernel_runs(model):
     """Said per model at start-up (and in the worker's info): on a CPU, varlen cross-attention reads the
     key counts on the host (the grouped SDPA fallback); padded is diffusers' masked SDPA."""
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
 
-    varlen = Engine(model, EngineConfig(backend="eager", max_batch=2, speed=SpeedConfig(cross_attention="varlen")))
+    varlen = Engine(model, WorkerConfig(backend="eager", max_batch=2), speed=SpeedConfig(cross_attention="varlen"))
     assert varlen.attention == {model.name: "cross-attention: SDPA per key length (one host read per layer)"}
     assert varlen.stats()["attention"] == varlen.attention
-    padded = Engine(model, EngineConfig(backend="eager", max_batch=2, speed=SpeedConfig(cross_attention="padded")))
+    padded = Engine(model, WorkerConfig(backend="eager", max_batch=2), speed=SpeedConfig(cross_attention="padded"))
     assert padded.attention[model.name].startswith("cross-attention: padded")
 
 
 def test_a_captured_decode_makes_the_images_the_plain_decode_makes(model, monkeypatch):
-    """``EngineConfig(decode_graphs=True)``: each group's VAE decode is a GraphRunner of its own (eager on a
+    """``WorkerConfig(backend="eager", decode_graphs=True)``: each group's VAE decode is a GraphRunner of its own (eager on a
     CPU, the same code a capture records on a GPU), batched up to DECODE_PIXELS of output and chunked past
     that; the images equal the plain decode's, in order, including resized sizes."""
     from workers import engine as eng
 
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=3, guidance=2.0, prompt=f"a cat number {i}")
              for i in range(5)]
-    plain = Engine(model, EngineConfig(backend="eager", max_batch=8)).generate(specs)
+    plain = Engine(model, WorkerConfig(backend="eager", max_batch=8)).generate(specs)
     out_px = model.image_size ** 2
     monkeypatch.setattr(eng, "DECODE_PIXELS", 2 * out_px)  # a largest decode batch of 2: 5 images in 2 + 2 + 1
-    captured = Engine(model, EngineConfig(backend="eager", max_batch=8, speed=SpeedConfig(decode_graphs=True)))
+    captured = Engine(model, WorkerConfig(backend="eager", max_batch=8), speed=SpeedConfig(decode_graphs=True))
     (group,) = captured.groups.values()
     assert group.decoder is not None and group.decoder.max_batch == 2
     got = captured.generate(specs)
@@ -192,7 +193,7 @@ def test_a_captured_decode_makes_the_images_the_plain_decode_makes(model, monkey
         assert a.image.shape == b.image.shape and np.array_equal(a.image, b.image)
     runs = {b: s["eager_fallbacks"] + s["replays"] for b, s in group.decoder.stats()["buckets"].items()}
     assert sum(runs.values()) >= 3 and runs[2] >= 2  # the five images went through it, in chunks of two
-    assert Engine(model, EngineConfig(backend="eager", max_batch=8)).groups.popitem()[1].decoder is None  # off by default
+    assert Engine(model, WorkerConfig(backend="eager", max_batch=8)).groups.popitem()[1].decoder is None  # off by default
 
 
 def test_the_padded_steps_head_bias_is_the_one_diffusers_builds(model):
@@ -272,8 +273,8 @@ def test_a_compiled_decode_compiles_once_and_makes_the_plain_decodes_images(mode
     from graphs.compiled import CompiledStep
     from workers import engine as eng
 
-    compiled = Engine(model, EngineConfig(backend="eager", max_batch=2, speed=SpeedConfig(compile="inductor", decode_graphs=True)))
-    plain = Engine(model, EngineConfig(backend="eager", max_batch=2, speed=SpeedConfig(decode_graphs=True)))
+    compiled = Engine(model, WorkerConfig(backend="eager", max_batch=2), speed=SpeedConfig(compile="inductor", decode_graphs=True))
+    plain = Engine(model, WorkerConfig(backend="eager", max_batch=2), speed=SpeedConfig(decode_graphs=True))
     assert isinstance(next(iter(compiled.groups.values())).decoder.step, CompiledStep)
     assert not isinstance(next(iter(plain.groups.values())).decoder.step, CompiledStep)
     (stats,) = compiled.stats()["groups"].values()
@@ -298,7 +299,7 @@ def test_warm_up_captures_the_shortest_encoder_length_before_the_first_request(m
     first request does not pay that capture (on a CPU the runner is eager; the same calls capture on a GPU)."""
     from workers.encoders import EncoderGraphs, padded_length
 
-    engine = Engine(model, EngineConfig(backend="eager", max_batch=2))
+    engine = Engine(model, WorkerConfig(backend="eager", max_batch=2))
     model.text_graphs = EncoderGraphs(model.text_encoder, MAX_TOKENS, max_batch=2)  # as _graph_encoder on CUDA
     try:
         engine.warmup()

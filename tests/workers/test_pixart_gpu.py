@@ -5,6 +5,7 @@ graph replays the kernels eager runs at the same shape), and no step falls back 
 import pytest
 import torch
 
+from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 
 pytestmark = pytest.mark.gpu
@@ -20,17 +21,17 @@ def pixart_cuda(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_pixart_buckets_replay_what_eager_computes(pixart_cuda, backend):
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.spec import ItemSpec
 
     prompts = ["a red cat", "the big blue house", "a dog", "small green tree drawn", "a photo of a cat"]
     specs = [ItemSpec(id=str(i), seed=i, sampler=("dpmpp_2m", "ddim", "euler")[i % 3], steps=8 + i % 5,
                       guidance=1.0 + i % 4, prompt=prompts[i % 5], negative_prompt="small" if i % 2 else "")
              for i in range(13)]  # 13 = 8 + 4 + 1 replays while all are active
-    graphs = Engine(pixart_cuda, EngineConfig(backend=backend, max_batch=8))
+    graphs = Engine(pixart_cuda, WorkerConfig(backend=backend, max_batch=8))
     graphs.warmup()
     got = graphs.generate(specs)
-    want = Engine(pixart_cuda, EngineConfig(backend="eager", max_batch=8)).generate(specs)
+    want = Engine(pixart_cuda, WorkerConfig(backend="eager", max_batch=8)).generate(specs)
     for g, w in zip(got, want):
         err = ((g.latents - w.latents).abs().max() / w.latents.abs().max()).item()
         assert err <= 1e-5, (g.request.id, err)
@@ -45,20 +46,20 @@ def test_pixart_buckets_replay_what_eager_computes(pixart_cuda, backend):
 def test_mixed_sizes_share_one_pool_and_replay_what_eager_computes(pixart_cuda):
     """Three latent shapes in one engine: every shape's replays equal eager, all graphs capture into one
     pool on one stream, and later shapes reuse the pool memory the first one reserved."""
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.spec import ItemSpec
 
     sizes = [(16, 16), (32, 16), (16, 32)]
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=6, guidance=2.0 + i % 3,
                       prompt=("a red cat", "the big blue house", "a dog drawn")[i % 3],
                       width=sizes[i % 3][0], height=sizes[i % 3][1]) for i in range(15)]
-    graphs = Engine(pixart_cuda, EngineConfig(backend="breakable", max_batch=8))
+    graphs = Engine(pixart_cuda, WorkerConfig(backend="breakable", max_batch=8))
     graphs.warmup(sizes=sizes)
     runners = [g.runner for g in graphs.groups.values()]
     assert len(runners) == 3 and len({id(r._shared_pool) for r in runners}) == 1
     assert len({id(r._stream) for r in runners}) == 1
     got = graphs.generate(specs)
-    want = Engine(pixart_cuda, EngineConfig(backend="eager", max_batch=8)).generate(specs)
+    want = Engine(pixart_cuda, WorkerConfig(backend="eager", max_batch=8)).generate(specs)
     for g, w in zip(got, want):
         assert g.image.shape[:2] == (g.request.height, g.request.width)
         err = ((g.latents - w.latents).abs().max() / w.latents.abs().max()).item()
@@ -128,7 +129,7 @@ def test_full_size_pixart_sigma_buckets_replay_what_eager_computes(sigma_512):
 def test_an_offloaded_text_encoder_gives_the_same_images(tmp_path):
     """The T5 encoder on the host CPU, the transformer on the GPU: the same latents as all on the GPU."""
     from workers import encoders
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_pixart import make_tiny_pixart
     from workers.spec import ItemSpec
@@ -140,8 +141,8 @@ def test_an_offloaded_text_encoder_gives_the_same_images(tmp_path):
     assert next(away.text_encoder.parameters()).device.type == "cpu"
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=4, guidance=3.0, prompt=p)
              for i, p in enumerate(["a red cat", "the big blue house drawn"])]
-    got = Engine(away, EngineConfig(backend="breakable", max_batch=2)).generate(specs)
-    want = Engine(here, EngineConfig(backend="breakable", max_batch=2)).generate(specs)
+    got = Engine(away, WorkerConfig(backend="breakable", max_batch=2)).generate(specs)
+    want = Engine(here, WorkerConfig(backend="breakable", max_batch=2)).generate(specs)
     for g, w in zip(got, want):
         assert ((g.latents - w.latents).abs().max() / w.latents.abs().max()).item() <= 1e-4
     encoders.clear()
@@ -152,12 +153,12 @@ def test_previews_on_the_gpu_do_not_change_the_images(pixart_cuda):
     and the images are bit-equal to a run without them."""
     from dataclasses import replace
 
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.spec import ItemSpec
 
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=7, guidance=2.0, prompt="a red cat",
                       preview_every=2) for i in range(3)]
-    engine = Engine(pixart_cuda, EngineConfig(backend="breakable", max_batch=4))
+    engine = Engine(pixart_cuda, WorkerConfig(backend="breakable", max_batch=4))
     engine.warmup()
     got = engine.generate(specs)
     previews = engine.take_previews(wait=True)
@@ -176,11 +177,11 @@ def test_previews_add_no_host_wait_to_a_step(pixart_cuda):
     index: three pageable copies, each waiting for the GPU, every previewed step (+15 here)."""
     import warnings
 
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.spec import ItemSpec
 
     def syncs(preview_every: int) -> int:
-        engine = Engine(pixart_cuda, EngineConfig(backend="breakable", max_batch=4))
+        engine = Engine(pixart_cuda, WorkerConfig(backend="breakable", max_batch=4))
         engine.warmup()
         engine.add_many([ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=12, guidance=2.0, prompt="a cat",
                                   preview_every=preview_every if i != 1 else 0) for i in range(3)])
@@ -208,12 +209,12 @@ def test_the_text_encoder_replays_from_graphs_and_encodes_what_it_computes_eager
     warm-up, others on first use; every batch replays (no eager fallback), and each embedding equals the
     plain encoder's (float32: the same kernels at the same shapes). An eager engine leaves the encoder plain."""
     from workers.encoders import padded_length
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.families.pixart.runtime import real_length_encode
     from workers.spec import ItemSpec
 
     pixart_cuda.cache.clear()
-    engine = Engine(pixart_cuda, EngineConfig(backend="breakable", max_batch=4))
+    engine = Engine(pixart_cuda, WorkerConfig(backend="breakable", max_batch=4))
     engine.warmup()
     graphs = pixart_cuda.text_graphs
     shortest = padded_length(1, pixart_cuda.card.max_tokens)
@@ -232,7 +233,7 @@ def test_the_text_encoder_replays_from_graphs_and_encodes_what_it_computes_eager
         plain = real_length_encode(pixart_cuda, texts)
     for a, b in zip(graphed, plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    Engine(pixart_cuda, EngineConfig(backend="eager", max_batch=4))
+    Engine(pixart_cuda, WorkerConfig(backend="eager", max_batch=4))
     assert pixart_cuda.text_graphs is None
 
 
@@ -241,13 +242,13 @@ def test_a_compiled_captured_decode_makes_the_plain_decodes_images(pixart_cuda):
     from graphs; its images equal the plain decode's within one level (float32)."""
     import numpy as np
 
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.spec import ItemSpec
 
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=3, guidance=2.0, prompt=f"a cat number {i}")
              for i in range(3)]
-    plain = Engine(pixart_cuda, EngineConfig(backend="eager", max_batch=4)).generate(specs)
-    engine = Engine(pixart_cuda, EngineConfig(backend="breakable", max_batch=4, speed=SpeedConfig(compile="inductor", decode_graphs=True)))
+    plain = Engine(pixart_cuda, WorkerConfig(backend="eager", max_batch=4)).generate(specs)
+    engine = Engine(pixart_cuda, WorkerConfig(backend="breakable", max_batch=4), speed=SpeedConfig(compile="inductor", decode_graphs=True))
     engine.warmup()
     got = engine.generate(specs)
     (stats,) = engine.stats()["groups"].values()

@@ -18,8 +18,9 @@ import shutil
 import pytest
 import torch
 
+from workers.config import WorkerConfig
 from workers.cards import CardError, read_card
-from workers.engine import Engine, EngineConfig, decode
+from workers.engine import Engine, decode
 from workers.families.sd3 import aspect_sizes
 from workers.loading import ModelError, load_model
 from workers.models.tiny_sd3 import MAX_TOKENS, make_tiny_sd3
@@ -178,7 +179,7 @@ def test_prompts_batched_together_equal_the_diffusers_pipeline_alone(model):
              ItemSpec(id="b", seed=2, sampler="flow_euler", steps=5, guidance=5.0, prompt="The big Blue house!",
                       negative_prompt="small photo"),
              ItemSpec(id="c", seed=3, sampler="flow_euler", steps=4, guidance=1.5, prompt="  a dog drawn  ")]
-    results = Engine(model, EngineConfig(backend="eager", max_batch=4)).generate(specs)
+    results = Engine(model, WorkerConfig(backend="eager", max_batch=4)).generate(specs)
     _assert_equal_to_pipeline(model, specs, results)
     assert results[0].image.shape == (16, 16, 3)
 
@@ -188,7 +189,7 @@ def test_a_non_square_size_equals_the_pipeline_at_that_size(model):
                       width=32, height=16),
              ItemSpec(id="t", seed=6, sampler="flow_euler", steps=4, guidance=4.0, prompt="a green tree",
                       width=16, height=32)]
-    results = Engine(model, EngineConfig(backend="eager", max_batch=4)).generate(specs)
+    results = Engine(model, WorkerConfig(backend="eager", max_batch=4)).generate(specs)
     assert results[0].latents.shape == (16, 8, 16) and results[1].latents.shape == (16, 16, 8)
     _assert_equal_to_pipeline(model, specs, results)
 
@@ -202,14 +203,14 @@ def test_without_t5_equals_the_pipeline_without_text_encoder_3(sd3_dir, tmp_path
     assert read_card(root).tokenizer_file == ""  # T5's token count means nothing then
     specs = [ItemSpec(id="a", seed=7, sampler="flow_euler", steps=4, guidance=3.0, prompt="a small dog",
                       negative_prompt="photo")]
-    _assert_equal_to_pipeline(model, specs, Engine(model, EngineConfig(backend="eager", max_batch=2)).generate(specs))
+    _assert_equal_to_pipeline(model, specs, Engine(model, WorkerConfig(backend="eager", max_batch=2)).generate(specs))
     embeds = model.cache["a small dog"][0]
     assert embeds.shape == (77 + MAX_TOKENS, 64) and not embeds[77:].any()  # T5's part is zeros
 
 
 def test_encodings_are_cached_and_equal_encode_prompt(model):
     model.cache.clear()
-    e = Engine(model, EngineConfig(backend="eager", max_batch=4))
+    e = Engine(model, WorkerConfig(backend="eager", max_batch=4))
     e.add_many([ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=2, guidance=2.0, prompt="A cat")
                 for i in range(3)])
     assert sorted(model.cache) == ["", "A cat"]  # one encoding per distinct text, nothing lower-cased

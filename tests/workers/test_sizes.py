@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from workers.config import WorkerConfig
 from workers.cards import CardError, read_card
 from workers.families import family_named
-from workers.engine import Engine, EngineConfig, resize_and_crop
+from workers.engine import Engine, resize_and_crop
 from workers.loading import load_model
 from workers.models.tiny_pixart import MAX_TOKENS, make_tiny_pixart
 from workers.sizes import nearest_bin, parse_size, pixart_bins
@@ -93,7 +94,7 @@ def test_mixed_sizes_in_one_engine_equal_the_pipeline_at_each_size(model):
     specs = [ItemSpec(id=str(i), seed=10 + i, sampler="dpmpp_2m", steps=4, guidance=2.5,
                       prompt=("a red cat", "a blue house", "the big dog")[i % 3], width=w, height=h)
              for i, (w, h) in enumerate(sizes)]
-    engine = Engine(model, EngineConfig(backend="eager", max_batch=4))
+    engine = Engine(model, WorkerConfig(backend="eager", max_batch=4))
     results = engine.generate(specs)
     shapes = {k.split(":")[1] for k in engine.stats()["groups"]}
     assert shapes == {"4x8x8", "4x8x16", "4x16x8"}  # one group per latent shape (C x H x W)
@@ -106,7 +107,7 @@ def test_mixed_sizes_in_one_engine_equal_the_pipeline_at_each_size(model):
 
 def test_an_exact_size_is_resized_and_cropped_from_the_made_image(model):
     spec = ItemSpec(id="a", seed=3, sampler="ddim", steps=3, guidance=2.0, prompt="a cat", width=32, height=16)
-    engine = Engine(model, EngineConfig(backend="eager", max_batch=2))
+    engine = Engine(model, WorkerConfig(backend="eager", max_batch=2))
     made = engine.generate([spec])[0]
     exact = engine.generate([ItemSpec(**{**spec.__dict__, "id": "b", "out_width": 30, "out_height": 14})])[0]
     assert exact.image.shape == (14, 30, 3)
@@ -116,7 +117,7 @@ def test_an_exact_size_is_resized_and_cropped_from_the_made_image(model):
 
 
 def test_a_size_the_model_does_not_make_is_refused_at_admission(model):
-    engine = Engine(model, EngineConfig(backend="eager", max_batch=2))
+    engine = Engine(model, WorkerConfig(backend="eager", max_batch=2))
     with pytest.raises(ValueError, match="does not make 48x16"):
         engine.add(ItemSpec(id="a", seed=0, sampler="ddim", steps=2, guidance=1.0, prompt="a", width=48, height=16))
     assert engine.num_active == 0
@@ -138,7 +139,7 @@ def test_generate_makes_the_size_asked_from_the_command_line(pixart_dir, tmp_pat
 
 
 def test_only_max_shapes_stay_captured_the_least_recently_used_idle_one_goes(model):
-    engine = Engine(model, EngineConfig(backend="eager", max_batch=2, max_shapes=2))
+    engine = Engine(model, WorkerConfig(backend="eager", max_batch=2, max_shapes=2))
     spec = lambda i, w, h: ItemSpec(id=str(i), seed=i, sampler="ddim", steps=2, guidance=2.0, prompt="a cat",
                                     width=w, height=h)
     first = engine.generate([spec(0, 32, 16)])[0]

@@ -12,10 +12,11 @@ import torch
 from dit_serve.schemas import JobRequest
 from dit_serve.server.catalog import Catalog, RequestError, model_entry
 from dit_serve.server.config import LimitsConfig
+from workers.config import WorkerConfig
 from graphs import GraphRunner, TensorSpec
 from samplers import NoiseSchedule, cfg_combine, model_input, sampler_step
 from workers.cards import builtin_names, read_card
-from workers.engine import Engine, EngineConfig, step_specs
+from workers.engine import Engine, step_specs
 from workers.families import FAMILIES, family_named, preview_map_of, register
 from workers.families.base import DIT_SCHEDULER, Builtin, Family, ModelCard
 from workers.loading import LoadedModel, load_model
@@ -118,9 +119,9 @@ def test_the_engine_serves_the_toy(toy):
     model = load_model("toy-4")
     specs = [ItemSpec(id=str(i), model="toy-4", label=i % CLASSES, seed=i, sampler="ddim", steps=4, guidance=2.0)
              for i in range(5)]
-    engine = Engine(model, EngineConfig(backend="eager", max_batch=4))
+    engine = Engine(model, WorkerConfig(backend="eager", max_batch=4))
     batched = engine.generate(specs)
-    alone = Engine(model, EngineConfig(backend="eager", max_batch=4)).generate(specs[3:4])
+    alone = Engine(model, WorkerConfig(backend="eager", max_batch=4)).generate(specs[3:4])
     assert [r.image.shape for r in batched] == [(SIDE, SIDE)] * 5
     assert torch.equal(batched[3].latents, alone[0].latents)  # its own seed: the same image in any batch
     assert engine.stats()["real_rows"] == 5 * 4 and engine.attention == {}

@@ -157,6 +157,9 @@ class Family:
     break_attention: ClassVar[bool] = False
     joint_attention: ClassVar[bool] = False
     encoder_graphs: ClassVar[bool] = False
+    compile_scope: ClassVar[str] = "step"         # what the `fast` speed compiles: the scope measured best for
+                                                  # the family ("step": the whole step; "blocks": its blocks)
+    fp8_attention: ClassVar[bool] = False         # `fastest` runs its attention in FP8 too (cuDNN, Hopper)
 
     # -- the torch-free part: cards, built-ins, previews -----------------------------------------------
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,

@@ -43,9 +43,9 @@ class Applied:
 def apply(model, family, config: SpeedConfig = SpeedConfig(), graphs: bool = True) -> Applied:
     """Make ``model`` (a ``LoadedModel`` of ``family``, a ``workers.families.base.Family``) fast as ``config`` says;
     ``graphs``: its steps run under a graph backend (``full``, ``breakable``), not eagerly."""
-    precision = config.precision_for(model.name, model.precision)
+    precision = config.precision or model.precision
     to_precision(model, precision)
-    if config.compile_mode(model.name) != "off":
+    if config.compile != "off":
         prepare_compile(config.compile_cache)
     if config.compile_cache:  # FlashAttention-4 compiles its kernels whether or not the steps are compiled
         use_attention_cache(config.compile_cache)

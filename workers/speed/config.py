@@ -15,7 +15,7 @@ PRECISIONS = ("bf16", "fp8", "fp8+attention")  # the model's dtype; FP8 linears;
 
 @dataclass(frozen=True)
 class SpeedConfig:
-    attention_patch: bool = True  # BREAK_ATTENTION (DiT, PixArt) and JOINT_ATTENTION (SD3, FLUX.1) families: attention by
+    attention_patch: bool = True  # break_attention (DiT, PixArt) and joint_attention (SD3, FLUX.1) families: attention by
                                   # the kernel per shape (q, k, v one product, the kernel measured fastest per shape):
                                   # an eager break under `breakable`, captured inside the graph under `full`
     hoist_modulation: bool = True  # the same families under both graph backends: every block's adaLN modulation
@@ -34,27 +34,16 @@ class SpeedConfig:
                                   # where the family has them (DiT: the whole step either way)
     compile_cache: str = ""       # the compiled kernels' cache directory, kept across restarts: Inductor's,
                                   # and FlashAttention-4's under it ("": their defaults, under the temp directory)
-    compile_models: tuple[tuple[str, str], ...] = ()  # (model, mode): a model's own compile mode, over ``compile``
     decode_graphs: bool = False   # the VAE decode of each group captured too (backend "full", power-of-two
                                   # batches up to DECODE_PIXELS of output, the step's pool), compiled when the step
                                   # is: 2-3x faster on an H200, off by default for the cold compile it adds per size
-    precision: tuple[tuple[str, str], ...] = ()  # (model, "bf16" | "fp8" | "fp8+attention"): over the precision the
-                                                 # model was loaded for (``load_model(precision=...)``)
+    precision: str = ""           # "bf16" | "fp8" | "fp8+attention": what the model runs in; "": what it was
+                                  # loaded for (``load_model(precision=...)``)
 
     def __post_init__(self) -> None:
-        for mode in (self.compile, *dict(self.compile_models).values()):
-            if mode not in COMPILE_MODES:
-                raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.compile_scope not in COMPILE_SCOPES:
             raise ValueError(f"compile_scope must be one of {COMPILE_SCOPES}, got {self.compile_scope!r}")
-        for model, precision in self.precision:
-            if precision not in PRECISIONS:
-                raise ValueError(f"precision of {model!r} must be one of {PRECISIONS}, got {precision!r}")
-
-    def compile_mode(self, model: str) -> str:
-        """How ``model``'s steps run: its own mode if listed in ``compile_models``, else ``compile``."""
-        return dict(self.compile_models).get(model, self.compile)
-
-    def precision_for(self, model: str, loaded: str = "bf16") -> str:
-        """``model``'s precision: its entry in ``precision``, else ``loaded`` (what it was loaded for)."""
-        return dict(self.precision).get(model, loaded)
+        if self.precision and self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")

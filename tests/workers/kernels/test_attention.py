@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 from workers.kernels import attention as sdpa
 from workers.kernels.attention import AttentionChooser
@@ -169,14 +170,14 @@ def test_the_kernel_cache_directory_reaches_fa4_before_its_import_only(monkeypat
 def test_an_engine_with_a_compile_cache_gives_it_to_fa4(monkeypatch, tmp_path):
     import sys
 
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
 
     for name in (sdpa.FA4_CACHE_ENABLED, sdpa.FA4_CACHE_DIR):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delitem(sys.modules, "flash_attn.cute.cache_utils", raising=False)
     model = load_model("digits", device="cpu")
-    Engine(model, EngineConfig(backend="eager"))
+    Engine(model, WorkerConfig(backend="eager"))
     assert sdpa.FA4_CACHE_DIR not in sdpa.os.environ  # no cache directory configured: FA4's default
-    Engine(model, EngineConfig(backend="eager", speed=SpeedConfig(compile_cache=str(tmp_path))))  # not compiled: FA4 still compiles
+    Engine(model, WorkerConfig(backend="eager"), speed=SpeedConfig(compile_cache=str(tmp_path)))  # not compiled: FA4 still compiles
     assert sdpa.os.environ[sdpa.FA4_CACHE_DIR] == str(tmp_path / "flash-attention-4")

@@ -153,7 +153,7 @@ def test_the_precision_is_refused_where_the_kernel_cannot_run_and_the_config_kno
 
 
 def test_the_engine_routes_fp8_attention_for_a_model_in_fp8_plus_attention(tmp_path, monkeypatch):
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_flux import make_tiny_flux
     from workers.spec import ItemSpec
@@ -161,9 +161,9 @@ def test_the_engine_routes_fp8_attention_for_a_model_in_fp8_plus_attention(tmp_p
     model = to_precision(load_model(str(make_tiny_flux(tmp_path / "flux", head_dim=16)), precision="fp8"))
     specs = [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=2, guidance=3.5, prompt="a red cat")
              for i in range(2)]
-    want = Engine(model, EngineConfig(backend="breakable", max_batch=2)).generate(specs)
+    want = Engine(model, WorkerConfig(backend="breakable", max_batch=2)).generate(specs)
     model.precision = "fp8+attention"
-    engine = Engine(model, EngineConfig(backend="breakable", max_batch=2))
+    engine = Engine(model, WorkerConfig(backend="breakable", max_batch=2))
     assert engine.attention[model.name] == "fp8 (cuDNN)"
     processors = [m.processor for m in model.transformer.modules() if hasattr(m, "processor")]
     assert processors and all(p.fp8 is not None for p in processors)
@@ -176,7 +176,7 @@ def test_the_engine_routes_fp8_attention_for_a_model_in_fp8_plus_attention(tmp_p
         err = ((g.latents - w.latents).norm() / w.latents.norm()).item()
         assert 0 < err < 0.05, err
     model.precision = "fp8"  # and back: an engine made now routes the attention in the model's dtype
-    Engine(model, EngineConfig(backend="breakable", max_batch=2))
+    Engine(model, WorkerConfig(backend="breakable", max_batch=2))
     assert all(m.processor.fp8 is None for m in model.transformer.modules() if hasattr(m, "processor"))
 
 

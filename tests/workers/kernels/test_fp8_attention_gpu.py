@@ -76,7 +76,8 @@ def test_fp8_attention_captures_into_a_cuda_graph_and_replays_on_new_inputs():
 @needs_kernel
 @pytest.mark.slow
 def test_flux_fp8_attention_in_compiled_graphs_makes_what_bf16_attention_makes(tmp_path):
-    from workers.engine import Engine, EngineConfig
+    from workers.config import WorkerConfig
+    from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_flux import make_tiny_flux
     from workers.spec import ItemSpec
@@ -85,8 +86,9 @@ def test_flux_fp8_attention_in_compiled_graphs_makes_what_bf16_attention_makes(t
                        precision="fp8+attention"))
     specs = [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=2, guidance=1.0 + i % 4,
                       prompt=("a red cat", "the big blue house", "a dog")[i % 3]) for i in range(13)]
-    config = EngineConfig(backend="graphs", max_batch=8, speed=SpeedConfig(compile="inductor", compile_scope="blocks"))
-    engine = Engine(model, config)
+    config = WorkerConfig(backend="graphs", max_batch=8)
+    speed = SpeedConfig(compile="inductor", compile_scope="blocks")
+    engine = Engine(model, config, speed=speed)
     assert engine.attention[model.name] == "fp8 (cuDNN)"
     engine.warmup()
     calls = []
@@ -98,7 +100,7 @@ def test_flux_fp8_attention_in_compiled_graphs_makes_what_bf16_attention_makes(t
     assert stats["compile"]["compiled"] and stats["compile"]["fallback_reason"] is None, stats["compile"]
     assert stats["compile"]["graphs"] == 1 and stats["compile"]["one_row_graphs"] <= 1, stats["compile"]
     with mock.patch.object(model, "precision", "fp8"):  # the same FP8 linears, the attention routed anew in bf16
-        bf16 = Engine(model, config)
+        bf16 = Engine(model, config, speed=speed)
     assert model.name not in bf16.attention
     want = bf16.generate(specs)
     errs = [((g.latents - w.latents).float().norm() / w.latents.float().norm()).item() for g, w in zip(got, want)]

@@ -146,7 +146,8 @@ def test_fused_norm_flux_blocks_in_compiled_graphs_stay_close_to_their_own_forwa
 
     from workers.kernels import fp8_attention
     from workers.speed import flux_blocks
-    from workers.engine import Engine, EngineConfig
+    from workers.config import WorkerConfig
+    from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_flux import make_tiny_flux
     from workers.spec import ItemSpec
@@ -157,14 +158,15 @@ def test_fused_norm_flux_blocks_in_compiled_graphs_stay_close_to_their_own_forwa
                        precision=precision))
     specs = [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=2, guidance=1.0 + i % 4,
                       prompt=("a red cat", "the big blue house", "a dog")[i % 3]) for i in range(13)]
-    config = EngineConfig(backend="graphs", max_batch=8, speed=SpeedConfig(compile="inductor", compile_scope="blocks"))
+    config = WorkerConfig(backend="graphs", max_batch=8)
+    speed = SpeedConfig(compile="inductor", compile_scope="blocks")
     with mock.patch.object(flux_blocks, "fuse_block_norms", lambda tr: 0):  # the same model without
-        plain = Engine(model, config)
+        plain = Engine(model, config, speed=speed)
     tr = model.transformer
     assert flux_blocks.fused_blocks(tr) == 0
     want = plain.generate(specs)
     del plain
-    engine = Engine(model, config)
+    engine = Engine(model, config, speed=speed)
     assert flux_blocks.fused_blocks(tr) == len(tr.transformer_blocks) + len(tr.single_transformer_blocks)
     got = engine.generate(specs)
     (stats,) = engine.stats()["groups"].values()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 from workers.speed import flux_blocks
 from workers.speed.epilogues import GeluEpilogue, epilogue_ok, fuse_gelu_epilogues
@@ -129,13 +130,13 @@ def test_no_epilogue_off_cuda():
 @pytest.mark.parametrize("backend,switch,patched", [("full", True, True), ("breakable", True, True),
                                                      ("eager", True, False), ("full", False, False)])
 def test_the_engine_patches_under_graph_backends_when_asked(backend, switch, patched):
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.spec import ItemSpec
 
     model = load_model("digits")
     reqs = [ItemSpec(id=f"r{i}", label=i, seed=i, sampler="ddim", steps=2, guidance=2.0) for i in range(3)]
-    want = Engine(load_model("digits"), EngineConfig(backend="eager", max_batch=4)).generate(reqs)
-    got = Engine(model, EngineConfig(backend=backend, max_batch=4, speed=SpeedConfig(gelu_epilogue=switch))).generate(reqs)
+    want = Engine(load_model("digits"), WorkerConfig(backend="eager", max_batch=4)).generate(reqs)
+    got = Engine(model, WorkerConfig(backend=backend, max_batch=4), speed=SpeedConfig(gelu_epilogue=switch)).generate(reqs)
     assert any(type(m) is GeluEpilogue for m in model.transformer.modules()) == patched
     for a, b in zip(got, want):
         torch.testing.assert_close(a.latents, b.latents, rtol=1e-5, atol=1e-5)

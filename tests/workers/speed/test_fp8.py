@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from workers.config import WorkerConfig
 from workers.speed.apply import to_precision
 from workers.speed import SpeedConfig
 from workers.speed import flux_blocks, fp8
@@ -102,14 +103,14 @@ def test_a_compiled_fp8_step_compiles_once_and_computes_what_the_uncompiled_one_
     """Inductor traces the FP8 products (``_scaled_mm.out`` has no fake kernel: the compiled path takes the
     functional op), so ``kernels = "fused"`` with ``precision = "fp8"`` really compiles instead of falling
     back to the uncompiled step."""
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.spec import ItemSpec
 
-    compiled = Engine(to_precision(load_model("digits", precision="fp8")), EngineConfig(backend="breakable", max_batch=4, speed=SpeedConfig(compile="inductor")))
+    compiled = Engine(to_precision(load_model("digits", precision="fp8")), WorkerConfig(backend="breakable", max_batch=4), speed=SpeedConfig(compile="inductor"))
     compiled.warmup()
     stats = next(iter(compiled.stats()["groups"].values()))["compile"]
     assert stats["compiled"] and stats["graphs"] == 1 and stats["fallback_reason"] is None
-    plain = Engine(load_model("digits"), EngineConfig(backend="breakable", max_batch=4))
+    plain = Engine(load_model("digits"), WorkerConfig(backend="breakable", max_batch=4))
     reqs = [ItemSpec(id=f"r{i}", label=i, seed=i, sampler="ddim", steps=4, guidance=2.0) for i in range(5)]
     for a, b in zip(compiled.generate(reqs), plain.generate(reqs)):
         rel = ((a.latents - b.latents).norm() / b.latents.norm()).item()
@@ -238,7 +239,7 @@ def test_a_feed_forwards_gelu_moves_into_its_second_linears_quantization_and_com
 def test_mmdit_blocks_and_flux_single_blocks_are_taken_and_the_latents_stay_close(tmp_path):
     """The tiny FLUX.1-dev layout: its double blocks' joint projections and its single blocks' linears
     are taken; the final latents of a 5-step image stay within a few percent of float32's."""
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_flux import make_tiny_flux
     from workers.spec import ItemSpec
@@ -250,7 +251,7 @@ def test_mmdit_blocks_and_flux_single_blocks_are_taken_and_the_latents_stay_clos
     assert any(n.startswith("single_transformer_blocks.") and n.endswith("proj_mlp") for n in names)
     assert any(n.endswith("attn.add_q_proj") for n in names) and not any("norm" in n for n in names)
     spec = ItemSpec(id="a", seed=1, sampler="flow_euler", steps=5, guidance=3.5, prompt="a red cat")
-    got, want = (Engine(m, EngineConfig(backend="eager", max_batch=1)).generate([spec])[0].latents
+    got, want = (Engine(m, WorkerConfig(backend="eager", max_batch=1)).generate([spec])[0].latents
                  for m in (model, load_model(folder)))
     rel = ((got - want).norm() / want.norm()).item()
     assert 0.0 < rel < 0.05, rel
@@ -315,7 +316,7 @@ def text_oracle(device: str, backend: str, compile_mode: str = "off") -> dict[st
     ``device`` with ``backend`` (and ``compile_mode``): oracle accuracy in its own dtype ("bf16") and with
     FP8 linears, same seeds."""
     from workers.digits import oracle_accuracy
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
     from workers.models import train_digits_text as recipe
     from workers.spec import ItemSpec
@@ -325,7 +326,7 @@ def text_oracle(device: str, backend: str, compile_mode: str = "off") -> dict[st
     for precision in ("bf16", "fp8"):
         model = to_precision(load_model("digits-text", device=device, dtype=torch.float32, precision=precision))
         assert (model.fp8_linears > 0) == (precision == "fp8")
-        engine = Engine(model, EngineConfig(backend=backend, max_batch=64, speed=SpeedConfig(compile=compile_mode)))
+        engine = Engine(model, WorkerConfig(backend=backend, max_batch=64), speed=SpeedConfig(compile=compile_mode))
         d = model.defaults
         reqs = [ItemSpec(id=str(i), model="digits-text", prompt=p, seed=100 + i, sampler=d["sampler"],
                          steps=d["steps"], guidance=d["guidance"]) for i, p in enumerate(prompts)]

@@ -8,6 +8,7 @@ bf16 graphs); FP8 against bf16 on the same inputs, DiT-XL/2 with random weights:
 import pytest
 import torch
 
+from workers.config import WorkerConfig
 from workers.speed.apply import to_precision
 from workers.speed import SpeedConfig
 
@@ -76,14 +77,14 @@ def test_the_text_oracle_through_fp8_graphs_is_within_two_points():
 def test_the_text_oracle_through_compiled_fp8_graphs_is_within_two_points():
     """The fused path (Inductor inside breakable graphs) with and without FP8: the oracle holds, and one
     compile serves every bucket (no recompiles)."""
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
 
     acc = text_oracle("cuda", "breakable", compile_mode="inductor")
     print(f"digits-text oracle through compiled graphs: {acc}")
     assert acc["bf16"] >= 0.9 and acc["fp8"] >= acc["bf16"] - 0.02, acc
     engine = Engine(to_precision(load_model("digits-text", device="cuda", dtype=torch.float32, precision="fp8")),
-                    EngineConfig(backend="breakable", max_batch=64, speed=SpeedConfig(compile="inductor")))
+                    WorkerConfig(backend="breakable", max_batch=64), speed=SpeedConfig(compile="inductor"))
     engine.warmup()
     (group,) = engine.stats()["groups"].values()
     assert group["compile"]["compiled"] and group["compile"]["graphs"] == 1  # every bucket from one compile

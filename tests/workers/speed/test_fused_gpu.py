@@ -21,6 +21,7 @@ graphs' test asserts (the text oracle through it is in test_fp8_gpu.py).
 
 from __future__ import annotations
 
+from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 
 import statistics
@@ -32,7 +33,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 PROMPTS = ("a red cat", "the big blue house", "a dog", "small green tree drawn", "a photo of a cat")
 FAMILIES = [("dit", "auto"), ("pixart", "padded"), ("pixart", "varlen"), ("sd3", "auto"), ("flux", "auto")]
-SCOPES = ["step", "blocks"]  # EngineConfig.compile_scope: the whole step, or the transformer's blocks
+SCOPES = ["step", "blocks"]  # SpeedConfig.compile_scope: the whole step, or the transformer's blocks
 
 
 @pytest.fixture(scope="module")
@@ -63,21 +64,21 @@ def _specs(model, family: str, n: int = 13):
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("family,cross", FAMILIES)
 def test_fused_graphs_make_what_eager_makes_from_one_compile(tiny_bf16, family, cross, scope):
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
 
     model = load_model(tiny_bf16[family], device="cuda", dtype=torch.bfloat16)
     specs = _specs(model, family)
-    config = EngineConfig(backend="graphs", max_batch=8, speed=SpeedConfig(compile="inductor", cross_attention=cross, compile_scope=scope))
-    fused = Engine(model, config)
+    config = WorkerConfig(backend="graphs", max_batch=8)
+    fused = Engine(model, config, speed=SpeedConfig(compile="inductor", cross_attention=cross, compile_scope=scope))
     fused.warmup()
     got = fused.generate(specs)
-    want = Engine(model, EngineConfig(backend="eager", max_batch=8, speed=SpeedConfig(cross_attention=cross))).generate(specs)
+    want = Engine(model, WorkerConfig(backend="eager", max_batch=8), speed=SpeedConfig(cross_attention=cross)).generate(specs)
     errs = [((g.latents - w.latents).abs().max() / w.latents.abs().max()).item() for g, w in zip(got, want)]
     print(f"{family}/{cross}/{scope}: fused vs eager, max {max(errs):.4f}, median {statistics.median(errs):.4f}")
     assert max(errs) <= 5e-2 and statistics.median(errs) <= 2e-2, errs
     (stats,) = fused.stats()["groups"].values()
-    assert stats["backend"] == config.backend_for(model)
+    assert stats["backend"] == fused.backend_for(model)
     assert stats["compile"]["compiled"] and stats["compile"]["fallback_reason"] is None, stats["compile"]
     assert stats["compile"]["graphs"] == 1 and stats["compile"]["one_row_graphs"] <= 1, stats["compile"]
     assert stats["compile"]["scope"] == ("blocks" if scope == "blocks" and family != "dit" else "step")
@@ -89,11 +90,11 @@ def test_fused_graphs_make_what_eager_makes_from_one_compile(tiny_bf16, family, 
 
 def test_digits_through_fused_graphs_pass_the_oracle():
     from workers.digits import oracle_accuracy, sample_digits
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
 
     model = load_model("digits", device="cuda", dtype=torch.float32)
-    engine = Engine(model, EngineConfig(backend="graphs", max_batch=64, speed=SpeedConfig(compile="inductor")))
+    engine = Engine(model, WorkerConfig(backend="graphs", max_batch=64), speed=SpeedConfig(compile="inductor"))
     engine.warmup()
     images, labels = sample_digits(engine, 50, "ddim", 50, model.defaults["guidance"])
     acc = oracle_accuracy(images, labels)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.config import WorkerConfig
 from workers.kernels import attention as sdpa
 from workers.speed.flux_attention import RoutedFluxAttention
 from workers.speed.routing import restore_joint_attention, route_joint_attention
@@ -82,14 +83,14 @@ def test_a_masked_call_keeps_diffusers_path(monkeypatch):
 
 
 def test_the_engine_routes_joint_attention_under_the_graph_backends_only(tmp_path):
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_flux import make_tiny_flux
 
     model = load_model(str(make_tiny_flux(tmp_path / "flux")), device="cpu", dtype=torch.float32)
-    Engine(model, EngineConfig(backend="eager"))
+    Engine(model, WorkerConfig(backend="eager"))
     assert not any(isinstance(m.processor, RoutedFluxAttention) for m in model.transformer.modules()
                    if hasattr(m, "processor"))
-    Engine(model, EngineConfig(backend="breakable"))
+    Engine(model, WorkerConfig(backend="breakable"))
     assert any(isinstance(m.processor, RoutedFluxAttention) for m in model.transformer.modules()
                if hasattr(m, "processor"))

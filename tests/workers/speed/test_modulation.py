@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 from workers.speed import fp8, modulation
 
@@ -159,14 +160,14 @@ def test_other_models_are_left_alone(tmp_path):
 
 
 def test_the_engine_hoists_under_the_graph_backends_only(tiny_flux):
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
 
     tr = tiny_flux.transformer
-    Engine(tiny_flux, EngineConfig(backend="graphs", max_batch=2))
+    Engine(tiny_flux, WorkerConfig(backend="graphs", max_batch=2))
     assert modulation.hoisted(tr) == len(tr._temb_modulation.linears) > 0
-    Engine(tiny_flux, EngineConfig(backend="eager", max_batch=2))
+    Engine(tiny_flux, WorkerConfig(backend="eager", max_batch=2))
     assert modulation.hoisted(tr) == 0
-    Engine(tiny_flux, EngineConfig(backend="graphs", max_batch=2, speed=SpeedConfig(hoist_modulation=False)))
+    Engine(tiny_flux, WorkerConfig(backend="graphs", max_batch=2), speed=SpeedConfig(hoist_modulation=False))
     assert modulation.hoisted(tr) == 0
 
 
@@ -175,7 +176,7 @@ def test_hoisted_sd3_blocks_compile_once_for_every_bucket_and_make_the_eager_lat
     """The tiny SD3.5 layout through the engine's blocks-scope compile (Inductor on a CPU) with the modulation
     hoisted: the views' rows dynamic as the blocks' arguments are, so nothing falls back and no block recompiles
     across buckets; the latents those of the eager engine."""
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_sd3 import make_tiny_sd3
     from workers.spec import ItemSpec
@@ -183,8 +184,8 @@ def test_hoisted_sd3_blocks_compile_once_for_every_bucket_and_make_the_eager_lat
     model = load_model(make_tiny_sd3(tmp_path / "sd3"))
     specs = [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=2, guidance=4.0,
                       prompt=("a red cat", "a blue house", "a dog")[i % 3]) for i in range(7)]
-    want = Engine(model, EngineConfig(backend="eager", max_batch=4)).generate(specs)
-    engine = Engine(model, EngineConfig(backend="graphs", max_batch=4, speed=SpeedConfig(compile="inductor", compile_scope="blocks")))
+    want = Engine(model, WorkerConfig(backend="eager", max_batch=4)).generate(specs)
+    engine = Engine(model, WorkerConfig(backend="graphs", max_batch=4), speed=SpeedConfig(compile="inductor", compile_scope="blocks"))
     assert modulation.hoisted(model.transformer) == len(model.transformer._temb_modulation.linears) > 0
     got = engine.generate(specs)
     (stats,) = engine.stats()["groups"].values()
@@ -227,7 +228,7 @@ def test_each_requests_modulation_table_gives_the_steps_what_their_own_product_g
     """With tables (the default), the engine computes a request's modulation for all of its steps at admission:
     one product per admitted batch, none in a step, and the embedding's own layers run only for the tables;
     the latents are those of the engine that multiplies every step (tables off) and of the eager engine."""
-    from workers.engine import Engine, EngineConfig, step_specs
+    from workers.engine import Engine, step_specs
     from workers.spec import ItemSpec
 
     model = _tiny(kind, tmp_path)
@@ -235,8 +236,8 @@ def test_each_requests_modulation_table_gives_the_steps_what_their_own_product_g
     d = model.card.defaults
     specs = [ItemSpec(id=str(i), seed=i, sampler=d["sampler"], steps=3 + i, guidance=(3.5, 5.0, 7.0)[i],
                       prompt=("a red cat", "a blue house", "a dog")[i]) for i in range(3)]
-    want = Engine(model, EngineConfig(backend="eager", max_batch=2)).generate(specs)
-    engine = Engine(model, EngineConfig(backend="graphs", max_batch=2))
+    want = Engine(model, WorkerConfig(backend="eager", max_batch=2)).generate(specs)
+    engine = Engine(model, WorkerConfig(backend="graphs", max_batch=2))
     cache = tr._temb_modulation
     rows = 2 if kind == "sd3" else 1
     assert tuple(step_specs(model)[0]["modulation"].shape_per_sample) == ((2, cache.width) if rows == 2 else (cache.width,))
@@ -259,12 +260,12 @@ def test_a_table_row_is_the_product_the_forward_computes_at_that_step(tiny_flux)
     """``step_tables``' rows against what the hoisted forward itself multiplies at the same timestep, guidance
     and pooled prompt (the step's inputs as the engine gives them)."""
     from samplers import make_plan
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.families import family_named
     from workers.spec import ItemSpec
 
     model, flux = tiny_flux, family_named("flux")
-    Engine(model, EngineConfig(backend="graphs", max_batch=2))
+    Engine(model, WorkerConfig(backend="graphs", max_batch=2))
     d = model.card.defaults
     spec = ItemSpec(id="a", seed=0, sampler=d["sampler"], steps=4, guidance=4.5, prompt="a red cat")
     plan = make_plan(spec.sampler, spec.steps, model.schedule, **flux.plan_kwargs(model, tuple(model.latent_shape)))
@@ -288,11 +289,11 @@ def test_a_table_row_is_the_product_the_forward_computes_at_that_step(tiny_flux)
 def test_a_step_reading_its_table_traces_in_one_graph(kind, tmp_path):
     """A compiled step (the engine's "step" scope) traces the table's hand-over, the embedding's stand-in and
     FLUX.1's rotary tables without a break, and computes what the step computes uncompiled."""
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.families import family_of
 
     model = _tiny(kind, tmp_path)
-    Engine(model, EngineConfig(backend="graphs", max_batch=2))  # hoists the modulation
+    Engine(model, WorkerConfig(backend="graphs", max_batch=2))  # hoists the modulation
     example = Engine._example(model, tuple(model.latent_shape))
     assert "modulation" in example
     step = family_of(model).make_step(model)

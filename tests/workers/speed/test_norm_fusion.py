@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workers.config import WorkerConfig
 from workers.speed.apply import to_precision
 from workers.speed import SpeedConfig
 from workers.kernels import norm as norm_kernel
@@ -159,7 +160,7 @@ def test_fused_norm_dit_blocks_compute_what_diffusers_blocks_compute(tmp_path, h
 def test_the_engine_fuses_pixart_fp8_norms_under_the_graph_backends_and_compiled_its_images_stay_the_same(tmp_path):
     """The fused blocks under a blocks-scope compile: one graph for every block and bucket, no fallback,
     and the latents of eager diffusers blocks (float32 on a CPU)."""
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_pixart import make_tiny_pixart
     from workers.spec import ItemSpec
@@ -171,7 +172,7 @@ def test_the_engine_fuses_pixart_fp8_norms_under_the_graph_backends_and_compiled
     runs = {}
     for name, backend, compile_mode in (("fused", "breakable", "inductor"), ("eager", "eager", "off")):
         model = to_precision(load_model(folder, precision="fp8"))
-        engine = Engine(model, EngineConfig(backend=backend, max_batch=4, speed=SpeedConfig(cross_attention="varlen", compile=compile_mode, compile_scope="blocks")))
+        engine = Engine(model, WorkerConfig(backend=backend, max_batch=4), speed=SpeedConfig(cross_attention="varlen", compile=compile_mode, compile_scope="blocks"))
         patched = [type(b) is norm_fusion._block_class() for b in model.transformer.transformer_blocks]
         assert all(patched) if backend != "eager" else not any(patched)
         runs[name] = [r.latents for r in engine.generate(specs)]

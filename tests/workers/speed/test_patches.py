@@ -2,6 +2,7 @@
 
 import torch
 
+from workers.config import WorkerConfig
 from workers.speed.apply import to_precision
 from workers.speed import SpeedConfig
 from workers.loading import load_model
@@ -89,16 +90,16 @@ def test_graph_backends_run_the_patched_attention_and_eager_and_the_switch_keep_
     ``attention_patch=False`` keep diffusers' processor."""
     from diffusers.models.attention_processor import AttnProcessor2_0
 
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.speed.patches import BreakableSelfAttention
     from workers.spec import ItemSpec
 
     reqs = [ItemSpec(id=f"r{i}", label=i, seed=i, sampler="ddim", steps=3, guidance=2.0) for i in range(3)]
-    want = Engine(load_model("digits"), EngineConfig(backend="eager", max_batch=4)).generate(reqs)
+    want = Engine(load_model("digits"), WorkerConfig(backend="eager", max_batch=4)).generate(reqs)
     for backend, patch, kind in (("full", True, BreakableSelfAttention), ("breakable", True, BreakableSelfAttention),
                                  ("full", False, AttnProcessor2_0), ("eager", True, AttnProcessor2_0)):
         m = load_model("digits")
-        got = Engine(m, EngineConfig(backend=backend, max_batch=4, speed=SpeedConfig(attention_patch=patch))).generate(reqs)
+        got = Engine(m, WorkerConfig(backend=backend, max_batch=4), speed=SpeedConfig(attention_patch=patch)).generate(reqs)
         procs = [blk.attn1.processor for blk in m.transformer.transformer_blocks]
         assert all(type(p) is kind for p in procs), (backend, patch)
         assert kind is AttnProcessor2_0 or all(p.qkv is not None for p in procs)
@@ -147,7 +148,7 @@ def test_hoisted_modulation_computes_what_each_block_computes_in_views_of_the_sa
 
 
 def test_hoisting_leaves_other_families_alone_and_the_engine_hoists_under_graph_backends(tmp_path):
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.models.tiny_pixart import make_tiny_pixart
     from workers.speed.patches import hoist_modulation
     from workers.spec import ItemSpec
@@ -157,11 +158,11 @@ def test_hoisting_leaves_other_families_alone_and_the_engine_hoists_under_graph_
     assert not hoist_modulation(pixart.transformer)
     assert all(torch.equal(v, before[k]) for k, v in pixart.transformer.state_dict().items())
     reqs = [ItemSpec(id=f"r{i}", label=i, seed=i, sampler="ddim", steps=3, guidance=2.0) for i in range(3)]
-    want = Engine(load_model("digits"), EngineConfig(backend="eager", max_batch=4)).generate(reqs)
+    want = Engine(load_model("digits"), WorkerConfig(backend="eager", max_batch=4)).generate(reqs)
     for backend, hoist, hoisted in (("full", True, True), ("breakable", True, True), ("eager", True, False),
                                     ("breakable", False, False)):
         m = to_precision(load_model("digits", precision="fp8" if backend == "full" else "bf16"))  # FP8 leaves these linears
-        got = Engine(m, EngineConfig(backend=backend, max_batch=4, speed=SpeedConfig(hoist_modulation=hoist))).generate(reqs)
+        got = Engine(m, WorkerConfig(backend=backend, max_batch=4), speed=SpeedConfig(hoist_modulation=hoist)).generate(reqs)
         assert ("forward" in vars(m.transformer.transformer_blocks[0].norm1)) == hoisted, (backend, hoist)
         if m.precision == "bf16":
             for a, b in zip(got, want):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.config import WorkerConfig
 from workers.speed.apply import to_precision
 from workers.speed import SpeedConfig
 from workers.speed import fp8, patches, varlen
@@ -65,7 +66,7 @@ def test_the_varlen_break_quantizes_the_rows_of_each_prompts_real_keys():
 @pytest.mark.parametrize("compile_mode", ["off", "inductor"])
 def test_engines_with_quantized_breaks_make_the_latents_they_made_without(tmp_path, compile_mode, monkeypatch):
     from workers.speed import norm_fusion
-    from workers.engine import Engine, EngineConfig
+    from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_pixart import make_tiny_pixart
     from workers.spec import ItemSpec
@@ -81,7 +82,7 @@ def test_engines_with_quantized_breaks_make_the_latents_they_made_without(tmp_pa
             monkeypatch.setattr(varlen, "quantized_output", lambda attn: False)
         model = to_precision(load_model(folder, device="cuda", dtype=torch.bfloat16, precision="fp8"))
         monkeypatch.setattr(patches, "attention_quantized_into", lambda *a: calls.append(on) or real(*a))
-        engine = Engine(model, EngineConfig(backend="breakable", max_batch=4, speed=SpeedConfig(cross_attention="varlen", compile=compile_mode, compile_scope="blocks")))
+        engine = Engine(model, WorkerConfig(backend="breakable", max_batch=4), speed=SpeedConfig(cross_attention="varlen", compile=compile_mode, compile_scope="blocks"))
         engine.warmup()
         assert norm_fusion.fused_blocks(model.transformer) == len(model.transformer.transformer_blocks)
         runs[on] = [r.latents for r in engine.generate(specs)]

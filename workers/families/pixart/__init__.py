@@ -35,6 +35,7 @@ class PixArt(Family):
     previews = {4: SD_VAE}
     runtime = "workers.families.pixart.runtime:PixArtRuntime"
     break_attention = True  # self-attention (attn1: no mask) through workers.speed.patches: fused q, k, v, the kernel
+    compile_scope = "blocks"  # PixArt-Σ 512 end to end 160 ms compiled by blocks (docs/benchmarks/pixart_inductor-blocks.md)
     encoder_graphs = True  # under the graph backends T5 replays from CUDA graphs (runtime.real_length_encode)
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
