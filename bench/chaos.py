@@ -465,6 +465,7 @@ def reference_images(model: str, items: list[tuple[int, int]], params: dict, max
     dtype and backend, in batches of ``max_batch`` (an image does not depend on its batch)."""
     import torch
 
+    from workers.config import WorkerConfig
     from workers.engine import Engine
     from workers.spec import ItemSpec
     from workers.loading import load_model
@@ -485,12 +486,8 @@ def worker_dtype(model: str, cuda: bool):
 
     if not cuda:
         return torch.float32
-    try:
-        from workers.cards import read_card
-    except ImportError:
-        from workers.actor import _dtype
+    from workers.cards import read_card
 
-        return _dtype("auto", model, cuda)
     return getattr(torch, read_card(model).dtype)
 
 

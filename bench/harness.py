@@ -82,6 +82,14 @@ def engine_config(preset: str, family: str, **overrides) -> tuple[Setup, str]:
     return Setup(worker, speed), speed.precision
 
 
+def describe(config: Setup) -> dict:
+    """A system's settings for its report: the engine's backend and buckets, and the speed layer's fields."""
+    import dataclasses
+
+    return {"backend": config.worker.backend, "max_batch": config.worker.max_batch,
+            **dataclasses.asdict(config.speed)}
+
+
 def unavailable(precision: str, device: str) -> str | None:
     """Why ``precision`` cannot run on ``device`` (a system to skip, with its reason), or None."""
     from workers.speed.apply import unsupported_reason

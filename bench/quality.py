@@ -74,7 +74,7 @@ def generate(name: str, preset: str, n: int, args) -> tuple[list, dict]:
     t0 = time.perf_counter()
     results = engine.generate(specs(model, n, args.steps))
     d = model.card.defaults
-    info = {"family": model.card.family, "precision": precision, "compile": config.compile,
+    info = {"family": model.card.family, "precision": precision, "compile": config.speed.compile,
             "sampler": d["sampler"], "steps": args.steps or d["steps"], "guidance": d["guidance"],
             "generate_s": round(time.perf_counter() - t0, 2)}
     del engine, model

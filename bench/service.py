@@ -104,7 +104,7 @@ ROWS = [("1 image ms: engine -> service, until done", "engine_single_ms", "servi
 def worker_threads(environ: dict) -> int:
     """A worker actor's torch threads: OMP_NUM_THREADS where the service's environment sets it, else what
     Ray sets it to in the actor, its num_cpus rounded down ([workers] num_cpus, 1 by default)."""
-    from dit_serve.server.config import WorkerConfig
+    from workers.config import WorkerConfig
 
     return int(environ.get("OMP_NUM_THREADS") or max(1, math.floor(WorkerConfig().num_cpus)))
 
@@ -116,6 +116,7 @@ def build_engine(model: str, backend: str = "graphs"):
     import torch
 
     from workers.actor import SWITCH_INTERVAL_S
+    from workers.config import WorkerConfig
     from workers.engine import Engine
     from workers.loading import load_model
 

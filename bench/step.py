@@ -232,7 +232,7 @@ def run_preset(name: str, args, models: dict, result: dict, reference: dict) -> 
     model = models[precision]
     engine, warm_s = harness.build_engine(model, config)
     runner = next(iter(engine.groups.values())).runner
-    block = result["systems"][name] = {"config": config, "precision": precision, "warmup_s": round(warm_s, 2),
+    block = result["systems"][name] = {"config": harness.describe(config), "precision": precision, "warmup_s": round(warm_s, 2),
                                        "pool_mib": round(runner.stats()["pool_reserved_bytes"] / 2**20, 1),
                                        "backend": runner.backend}
     with torch.no_grad():
@@ -249,6 +249,7 @@ def run_preset(name: str, args, models: dict, result: dict, reference: dict) -> 
 def run_baseline(name: str, args, models: dict, result: dict) -> None:
     """diffusers' loop body (``torch.compile``: its transformer compiled) on the plain model, before any
     engine patches it."""
+    from workers.config import WorkerConfig
     from workers.engine import Engine
 
     model = models["bf16"]

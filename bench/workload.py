@@ -191,7 +191,7 @@ def run_engine(engine, models, targets, jobs: list[Job], inflight: int, stop_s: 
     from workers import admission
 
     pending, queue, start, by_id = list(jobs), [], time.perf_counter(), {j.id: j for j in jobs}
-    while pending or queue or engine.num_active or engine.num_finishing:
+    while pending or queue or engine.num_active:
         now = time.perf_counter() - start
         if now > stop_s:
             for rid in list(engine.progress()):  # leave the engine empty for the next point
@@ -202,7 +202,7 @@ def run_engine(engine, models, targets, jobs: list[Job], inflight: int, stop_s: 
         room = max(0, inflight - engine.num_active)
         if room and queue and (started := admission.take(queue, room, engine.in_flight_shapes(), capacity=inflight)):
             engine.add_many(started)
-        if engine.num_active == 0 and not engine.num_finishing:
+        if engine.num_active == 0:
             time.sleep(max(0.0, min(0.005, pending[0].arrival - now)) if pending else 0.0)
             continue
         for r in engine.step():
