@@ -466,7 +466,7 @@ def reference_images(model: str, items: list[tuple[int, int]], params: dict, max
     import torch
 
     from workers.engine import Engine, EngineConfig
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
     from workers.loading import load_model
 
     cuda = torch.cuda.is_available()
@@ -486,7 +486,7 @@ def worker_dtype(model: str, cuda: bool):
     if not cuda:
         return torch.float32
     try:
-        from workers.cards import read_card
+        from workers.request.cards import read_card
     except ImportError:
         from workers.actor import _dtype
 

@@ -37,7 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from workers.spec import ItemSpec
+from workers.request.spec import ItemSpec
 
 # The worker's thread switch interval (Python's default: 5 ms): a long poll woken when an image ends, or a
 # submit arriving, waits at most this long for the step loop's thread to hand the interpreter lock over.
@@ -91,7 +91,7 @@ class Worker:
         on_cuda = self.device.startswith("cuda")
         dtypes = [self._dtype(spec.dtype, m) for m in spec.models]
         if on_cuda:  # several models per worker only if their weights fit (else: what each one needs)
-            from workers.memory import check_fits
+            from workers.families.memory import check_fits
 
             check_fits(list(spec.models), [str(d).removeprefix("torch.") for d in dtypes],
                        torch.cuda.mem_get_info(torch.device(self.device))[0], self.device,
@@ -103,7 +103,7 @@ class Worker:
                                      precision=precision.get(m, "bf16")))
             to_precision(models[-1], models[-1].precision)  # FP8 now: its bf16 weights go before the next loads
         self.backend = auto_backend(self.device) if spec.backend == "auto" else spec.backend
-        from workers.sizes import parse_size
+        from workers.request.sizes import parse_size
 
         speed = SpeedConfig(cross_attention=spec.cross_attention, compile=spec.compile,
                             compile_cache=spec.compile_cache, compile_scope=spec.compile_scope,
@@ -140,7 +140,7 @@ class Worker:
         """``auto``: the model card's dtype on CUDA, float32 on a CPU."""
         import torch
 
-        from workers.cards import read_card
+        from workers.request.cards import read_card
         from workers.loading import run_dtype
 
         return run_dtype(read_card(model), self.device) if name == "auto" else getattr(torch, name)

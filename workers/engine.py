@@ -39,13 +39,13 @@ import torch
 from graphs import GraphKey, GraphRunner, TensorSpec
 from graphs.compiled import CompiledStep
 from samplers import Plan, make_plan
-from workers.admission import spec_shape
 from workers.encoders import EncoderGraphs, padded_length
 from workers.families import compile_regions, family_of, preview_map_of
 from workers.kernels.attention import CHOOSER
 from workers.loading import LoadedModel
 from workers.previews import to_rgb
-from workers.spec import ItemSpec
+from workers.request.admission import spec_shape
+from workers.request.spec import ItemSpec
 from workers.speed import SpeedConfig
 from workers.speed.apply import apply as apply_speed
 
@@ -370,7 +370,7 @@ class Engine:
         return sum(len(g.active) for g in self.groups.values())
 
     def in_flight_shapes(self) -> set[tuple[str, int, int]]:
-        """The shapes of the active requests (``workers.admission.spec_shape``)."""
+        """The shapes of the active requests (``workers.request.admission.spec_shape``)."""
         return {spec_shape(a.req) for g in self.groups.values() for a in g.active}
 
     def progress(self) -> dict[str, tuple[int, int]]:

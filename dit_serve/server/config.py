@@ -150,7 +150,7 @@ class WorkerConfig(_Section):
     @field_validator("warm_sizes")
     @classmethod
     def _sizes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        from workers.sizes import parse_size
+        from workers.request.sizes import parse_size
 
         for text in v:
             parse_size(text)

@@ -112,8 +112,8 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     from tqdm import tqdm
 
     from workers.engine import Engine, EngineConfig, auto_backend
-    from workers.spec import ItemSpec
-    from workers.cards import DEFAULT_MODEL, CardError, read_card
+    from workers.request.spec import ItemSpec
+    from workers.request.cards import DEFAULT_MODEL, CardError, read_card
     from workers.loading import load_model, run_dtype
 
     check_args(a)

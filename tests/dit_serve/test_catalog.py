@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dit_serve.server.catalog import Catalog, RequestError
-from workers.cards import read_card
+from workers.request.cards import read_card
 from dit_serve.server.config import LimitsConfig
 from dit_serve.schemas import ImageGenerationRequest, JobRequest
 

@@ -397,7 +397,7 @@ def digits():
 
 
 def _req(i):
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     return ItemSpec(id=f"r{i}", label=i % 10, seed=100 + i, sampler="ddim", steps=4, guidance=2.0)
 
@@ -454,7 +454,7 @@ def test_a_text_engine_compiled_by_blocks_matches_uncompiled_from_one_block_grap
     from workers.engine import Engine, EngineConfig
     from workers.families import compile_regions
     from workers.loading import load_model
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     assert compile_regions(digits) == []
     model = load_model("digits-text")

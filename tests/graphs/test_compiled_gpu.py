@@ -79,7 +79,7 @@ def digits_cuda():
 @pytest.mark.parametrize("backend", ["breakable", "full"])
 def test_compiled_digits_engine_on_graphs_matches_uncompiled(digits_cuda, backend):
     from workers.engine import Engine, EngineConfig
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     compiled = Engine(digits_cuda, EngineConfig(backend=backend, max_batch=16, speed=SpeedConfig(compile="inductor")))
     compiled.warmup()
@@ -101,7 +101,7 @@ def test_aliased_break_args_on_graphs_match_uncompiled(digits_cuda):
     """Aliased break arguments on a real breakable capture: 13 digits through every bucket equal the
     uncompiled engine's (so no aliased break read memory that a later segment or capture had reused)."""
     from workers.engine import Engine, EngineConfig
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     compiled = Engine(digits_cuda, EngineConfig(backend="breakable", max_batch=16, speed=SpeedConfig(compile="inductor")))
     compiled.warmup()

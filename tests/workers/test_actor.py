@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 from workers.actor import Worker, WorkerSpec
-from workers.spec import ItemSpec
+from workers.request.spec import ItemSpec
 
 DIGITS_DIR = Path(__file__).resolve().parents[2] / "workers" / "models" / "digits"
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.digits import oracle_accuracy
+from workers.models.digits import oracle_accuracy
 from workers.models import train_digits_text as recipe
 
 MODEL_DIR = Path(recipe.__file__).parent / "digits-text"

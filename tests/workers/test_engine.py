@@ -8,7 +8,7 @@ import torch
 
 from workers.speed import SpeedConfig
 from workers.engine import Engine, EngineConfig
-from workers.spec import ItemSpec
+from workers.request.spec import ItemSpec
 from workers.loading import load_model
 
 TOL = 1e-5
@@ -190,7 +190,7 @@ def test_the_graphs_backend_captures_a_step_without_breaks_whole_and_keeps_break
 
 
 def test_the_shapes_in_flight_are_the_active_requests_admission_keys(model):
-    from workers.admission import spec_shape
+    from workers.request.admission import spec_shape
 
     e = engine(model)
     assert e.in_flight_shapes() == set()

@@ -78,7 +78,7 @@ def digits_cuda():
 
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_digits_through_graphs_match_eager_and_pass_the_oracle(digits_cuda, backend):
-    from workers.digits import oracle_accuracy, sample_digits
+    from workers.models.digits import oracle_accuracy, sample_digits
     from workers.engine import Engine, EngineConfig
 
     graph_engine = Engine(digits_cuda, EngineConfig(backend=backend, max_batch=64))
@@ -103,7 +103,7 @@ def test_dit_xl_captured_decode_makes_the_plain_decodes_images(dit_xl):
     import time
 
     from workers.engine import Engine, EngineConfig, _vae_pixels, decode
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     specs = [ItemSpec(id=str(i), label=i, seed=i, sampler="ddim", steps=5, guidance=4.0) for i in range(3)]
     eng = Engine(dit_xl, EngineConfig(backend="breakable", max_batch=4, speed=SpeedConfig(decode_graphs=True)))

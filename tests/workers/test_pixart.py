@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from workers.speed import SpeedConfig
-from workers.cards import read_card
+from workers.request.cards import read_card
 from workers.families import family_named
 from workers.engine import Engine, EngineConfig
 from workers.loading import load_model
 from workers.models.tiny_pixart import MAX_TOKENS, make_tiny_pixart
-from workers.spec import ItemSpec
+from workers.request.spec import ItemSpec
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import torch
 
 import dataclasses
 
-from workers.cards import read_card
+from workers.request.cards import read_card
 from workers.families import preview_map_of
 from workers.families.flux import FLUX_VAE
 from workers.families.sd3 import SD3_VAE

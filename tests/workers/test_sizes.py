@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from workers.cards import CardError, read_card
+from workers.request.cards import CardError, read_card
 from workers.families import family_named
 from workers.engine import Engine, EngineConfig, resize_and_crop
 from workers.loading import load_model
 from workers.models.tiny_pixart import MAX_TOKENS, make_tiny_pixart
-from workers.sizes import nearest_bin, parse_size, pixart_bins
-from workers.spec import ItemSpec
+from workers.families.pixart.bins import pixart_bins
+from workers.request.sizes import nearest_bin, parse_size
+from workers.request.spec import ItemSpec
 
 
 @pytest.fixture(scope="module")

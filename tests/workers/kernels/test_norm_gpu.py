@@ -149,7 +149,7 @@ def test_fused_norm_flux_blocks_in_compiled_graphs_stay_close_to_their_own_forwa
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
     from workers.models.tiny_flux import make_tiny_flux
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     if precision == "fp8+attention" and (why := fp8_attention.unavailable_reason("cuda")) is not None:
         pytest.skip(why)

@@ -70,7 +70,7 @@ def _forward(model, family: str, seed: int = 0) -> torch.Tensor:
 
 
 def _specs(model):
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     return [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=2, guidance=3.5, prompt=p,
                      negative_prompt="")
@@ -130,7 +130,7 @@ def test_no_epilogue_off_cuda():
                                                      ("eager", True, False), ("full", False, False)])
 def test_the_engine_patches_under_graph_backends_when_asked(backend, switch, patched):
     from workers.engine import Engine, EngineConfig
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     model = load_model("digits")
     reqs = [ItemSpec(id=f"r{i}", label=i, seed=i, sampler="ddim", steps=2, guidance=2.0) for i in range(3)]

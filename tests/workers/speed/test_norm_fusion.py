@@ -162,7 +162,7 @@ def test_the_engine_fuses_pixart_fp8_norms_under_the_graph_backends_and_compiled
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
     from workers.models.tiny_pixart import make_tiny_pixart
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     folder = make_tiny_pixart(tmp_path / "p")
     prompts = ["a red cat", "the big blue house", "a dog"]

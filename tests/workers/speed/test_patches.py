@@ -91,7 +91,7 @@ def test_graph_backends_run_the_patched_attention_and_eager_and_the_switch_keep_
 
     from workers.engine import Engine, EngineConfig
     from workers.speed.patches import BreakableSelfAttention
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     reqs = [ItemSpec(id=f"r{i}", label=i, seed=i, sampler="ddim", steps=3, guidance=2.0) for i in range(3)]
     want = Engine(load_model("digits"), EngineConfig(backend="eager", max_batch=4)).generate(reqs)
@@ -150,7 +150,7 @@ def test_hoisting_leaves_other_families_alone_and_the_engine_hoists_under_graph_
     from workers.engine import Engine, EngineConfig
     from workers.models.tiny_pixart import make_tiny_pixart
     from workers.speed.patches import hoist_modulation
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     pixart = load_model(make_tiny_pixart(tmp_path / "tiny-pixart"))
     before = {k: v.clone() for k, v in pixart.transformer.state_dict().items()}

@@ -68,7 +68,7 @@ def test_engines_with_quantized_breaks_make_the_latents_they_made_without(tmp_pa
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
     from workers.models.tiny_pixart import make_tiny_pixart
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     folder = make_tiny_pixart(tmp_path / "p")
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=4, guidance=1.0 + i, prompt=p)
