@@ -140,8 +140,8 @@ class Worker:
         """``auto``: the model card's dtype on CUDA, float32 on a CPU."""
         import torch
 
-        from workers.request.cards import read_card
         from workers.loading import run_dtype
+        from workers.request.cards import read_card
 
         return run_dtype(read_card(model), self.device) if name == "auto" else getattr(torch, name)
 

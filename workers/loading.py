@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 
 from samplers import NoiseSchedule
-from workers.speed.apply import unsupported_reason
-from workers.speed.config import PRECISIONS
 from workers.encoders import encoders_on
 from workers.families import family_named
 from workers.families.base import DIT_SCHEDULER, FALLBACK_DEFAULTS, CardError, ModelCard, read_json
 from workers.request.cards import read_card
 from workers.request.labels import resolve_label
+from workers.speed.apply import unsupported_reason
+from workers.speed.config import PRECISIONS
 
 log = logging.getLogger(__name__)
 

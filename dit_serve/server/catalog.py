@@ -15,11 +15,11 @@ import hashlib
 import secrets
 from dataclasses import dataclass
 
-from dit_serve.server.config import LimitsConfig
 from dit_serve.schemas import ImageGenerationRequest, JobParams, JobRequest, ModelCard
+from dit_serve.server.config import LimitsConfig
 from samplers.rules import RULES, Grid, SettingError, check_plan
-from workers.request import cards
 from workers.families import preview_map_of
+from workers.request import cards
 from workers.request.sizes import parse_size
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.speed import SpeedConfig
 from graphs import GraphRunner, TensorSpec, eager_on_graph
 from graphs.compiled import CompiledStep, opaque_break
+from workers.speed import SpeedConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

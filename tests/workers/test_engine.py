@@ -6,10 +6,10 @@ from collections import defaultdict
 import pytest
 import torch
 
-from workers.speed import SpeedConfig
 from workers.engine import Engine, EngineConfig
-from workers.request.spec import ItemSpec
 from workers.loading import load_model
+from workers.request.spec import ItemSpec
+from workers.speed import SpeedConfig
 
 TOL = 1e-5
 

@@ -78,8 +78,8 @@ def digits_cuda():
 
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_digits_through_graphs_match_eager_and_pass_the_oracle(digits_cuda, backend):
-    from workers.models.digits import oracle_accuracy, sample_digits
     from workers.engine import Engine, EngineConfig
+    from workers.models.digits import oracle_accuracy, sample_digits
 
     graph_engine = Engine(digits_cuda, EngineConfig(backend=backend, max_batch=64))
     graph_engine.warmup()
@@ -102,7 +102,8 @@ def test_dit_xl_captured_decode_makes_the_plain_decodes_images(dit_xl):
     each decode of one image takes."""
     import time
 
-    from workers.engine import Engine, EngineConfig, _vae_pixels, decode
+    from workers.decode import _vae_pixels, decode
+    from workers.engine import Engine, EngineConfig
     from workers.request.spec import ItemSpec
 
     specs = [ItemSpec(id=str(i), label=i, seed=i, sampler="ddim", steps=5, guidance=4.0) for i in range(3)]

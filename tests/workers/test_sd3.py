@@ -18,11 +18,12 @@ import shutil
 import pytest
 import torch
 
-from workers.request.cards import CardError, read_card
-from workers.engine import Engine, EngineConfig, decode
+from workers.decode import decode
+from workers.engine import Engine, EngineConfig
 from workers.families.sd3 import aspect_sizes
 from workers.loading import ModelError, load_model
 from workers.models.tiny_sd3 import MAX_TOKENS, make_tiny_sd3
+from workers.request.cards import CardError, read_card
 from workers.request.spec import ItemSpec
 
 

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from workers.speed.apply import to_precision
 from workers.kernels import fp8_attention as fa
+from workers.speed.apply import to_precision
 from workers.speed.flux_attention import RoutedFluxAttention
 from workers.speed.joint_attention import static_scale
 from workers.speed.routing import route_joint_attention

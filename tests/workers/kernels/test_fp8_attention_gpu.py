@@ -17,9 +17,9 @@ from unittest import mock
 import pytest
 import torch
 
-from workers.speed.apply import to_precision
-from workers.speed import SpeedConfig
 from workers.kernels import fp8_attention as fa
+from workers.speed import SpeedConfig
+from workers.speed.apply import to_precision
 
 pytestmark = pytest.mark.gpu
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
+from workers.loading import load_model
 from workers.speed import SpeedConfig
 from workers.speed import flux_blocks
 from workers.speed.epilogues import GeluEpilogue, epilogue_ok, fuse_gelu_epilogues
-from workers.loading import load_model
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from workers.speed.apply import to_precision
+from workers.loading import load_model
 from workers.speed import SpeedConfig
 from workers.speed import flux_blocks, fp8
-from workers.loading import load_model
+from workers.speed.apply import to_precision
 from workers.speed.fp8 import Fp8Linear, linear_into, quantize_linears, quantize_rows
 
 
@@ -314,10 +314,10 @@ def text_oracle(device: str, backend: str, compile_mode: str = "off") -> dict[st
     """The shipped digits-text model (float32), 200 prompts of the training grammar, through the engine on
     ``device`` with ``backend`` (and ``compile_mode``): oracle accuracy in its own dtype ("bf16") and with
     FP8 linears, same seeds."""
-    from workers.models.digits import oracle_accuracy
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
     from workers.models import train_digits_text as recipe
+    from workers.models.digits import oracle_accuracy
     from workers.request.spec import ItemSpec
 
     prompts, labels = recipe.oracle_prompts(20, held_out=False, seed=3)

@@ -88,9 +88,9 @@ def test_fused_graphs_make_what_eager_makes_from_one_compile(tiny_bf16, family, 
 
 
 def test_digits_through_fused_graphs_pass_the_oracle():
-    from workers.models.digits import oracle_accuracy, sample_digits
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
+    from workers.models.digits import oracle_accuracy, sample_digits
 
     model = load_model("digits", device="cuda", dtype=torch.float32)
     engine = Engine(model, EngineConfig(backend="graphs", max_batch=64, speed=SpeedConfig(compile="inductor")))

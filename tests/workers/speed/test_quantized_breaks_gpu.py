@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.speed.apply import to_precision
 from workers.speed import SpeedConfig
 from workers.speed import fp8, patches, varlen
+from workers.speed.apply import to_precision
 
 pytestmark = pytest.mark.gpu
 
@@ -64,11 +64,11 @@ def test_the_varlen_break_quantizes_the_rows_of_each_prompts_real_keys():
 
 @pytest.mark.parametrize("compile_mode", ["off", "inductor"])
 def test_engines_with_quantized_breaks_make_the_latents_they_made_without(tmp_path, compile_mode, monkeypatch):
-    from workers.speed import norm_fusion
     from workers.engine import Engine, EngineConfig
     from workers.loading import load_model
     from workers.models.tiny_pixart import make_tiny_pixart
     from workers.request.spec import ItemSpec
+    from workers.speed import norm_fusion
 
     folder = make_tiny_pixart(tmp_path / "p")
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=4, guidance=1.0 + i, prompt=p)
