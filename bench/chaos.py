@@ -467,8 +467,9 @@ def reference_images(model: str, items: list[tuple[int, int]], params: dict, max
 
     from workers.config import WorkerConfig
     from workers.engine import Engine
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
     from workers.loading import load_model
+    from workers.request.spec import ItemSpec
 
     cuda = torch.cuda.is_available()
     loaded = load_model(model, device="cuda" if cuda else "cpu", dtype=worker_dtype(model, cuda))
@@ -486,7 +487,7 @@ def worker_dtype(model: str, cuda: bool):
 
     if not cuda:
         return torch.float32
-    from workers.cards import read_card
+    from workers.request.cards import read_card
 
     return getattr(torch, read_card(model).dtype)
 

@@ -76,7 +76,7 @@ def unavailable(precision: str, device: str) -> str | None:
 
 
 def spec(i: int, **fields):
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     return ItemSpec(id=str(i), seed=i, **fields)
 
@@ -135,8 +135,8 @@ def run(args) -> dict:
         print(json.dumps({name: figures[name]}), flush=True)
 
     dit = engine(load(names["dit"]), "default", "dit")
-    label = lambda i: spec(i, label=207 % dit.models[names["dit"]].num_classes, sampler="ddim", steps=50,  # noqa: E731
-                           guidance=4.0)
+    cls = 207 % next(iter(dit.models.values())).num_classes
+    label = lambda i: spec(i, label=cls, sampler="ddim", steps=50, guidance=4.0)  # noqa: E731
     record("dit one image", one_image_ms(dit, label, runs), "ms")
     record("dit images/s", [images_per_s(dit, label, 16 if args.smoke else 128, 8 if args.smoke else 64)], "img/s")
     del dit

@@ -53,7 +53,7 @@ def compare(bf16: list, fp8: list) -> dict:
 
 
 def specs(model, n: int, steps: int | None = None) -> list:
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     d, text = model.card.defaults, model.card.conditioning == "text"
     return [ItemSpec(id=str(i), seed=i, sampler=d["sampler"], steps=steps or d["steps"], guidance=d["guidance"],

@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 
 from samplers.rules import RULES, check_settings
-from workers.cards import read_card
+from workers.request.cards import read_card
 
 _spec = importlib.util.spec_from_file_location("chaos", Path(__file__).with_name("chaos.py"))
 chaos = sys.modules["chaos"] = importlib.util.module_from_spec(_spec)  # bench/ is not a package
@@ -132,7 +132,7 @@ def build_engine(model: str, backend: str = "graphs"):
 
 
 def specs(s: dict, n: int, preview_every: int = 0) -> list:
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     return [ItemSpec(id=str(i), seed=i, sampler=s["sampler"], steps=s["steps"], guidance=s["guidance"],
                      label=i % s["classes"], preview_every=preview_every) for i in range(n)]

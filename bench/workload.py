@@ -11,7 +11,7 @@ Sections (``--sections``):
                models and sizes asked (--models, --sizes; 1:1 by request), seeded Poisson arrivals at each
                offered load (images/s), one single-threaded clock (a request's latency runs from its arrival
                to its last image decoded). A preset's engine batches at step level (images join at any step,
-               admitted as the service leases: ``workers.admission``), at most --inflight images in flight,
+               admitted as the service leases: ``workers.request.admission``), at most --inflight images in flight,
                warmed at every size first; ``diffusers`` batches statically (the first queued request and the
                queued ones of its model and size, up to --inflight images a call, waiting at most 0.1 s). Per
                system: the max sustained images/s (a backlog with the mix exactly, queued at t=0, run to
@@ -94,7 +94,7 @@ def backlog(targets: int, largest: int, seed: int = 99) -> list[Job]:
 def item(model, rid: str, seed: int, cond: int, size=(0, 0), steps: int | None = None):
     """One image of ``model`` as a request makes it: the card's sampler, steps (unless ``steps``) and
     guidance; a label or a prompt from ``cond``; made at ``size`` (width, height; (0, 0): native)."""
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     d, text = model.card.defaults, model.card.conditioning == "text"
     return ItemSpec(id=rid, model=model.name, seed=seed, sampler=d["sampler"], steps=steps or int(d["steps"]),
@@ -186,9 +186,9 @@ def job_items(models, targets, j: Job, steps: int | None) -> list:
 
 def run_engine(engine, models, targets, jobs: list[Job], inflight: int, stop_s: float, steps=None) -> None:
     """Step-level batching: arrived images join at any step boundary, the queue's head first, then images of
-    the shapes in flight (``workers.admission``, as the service leases), while fewer than ``inflight`` are in
+    the shapes in flight (``workers.request.admission``, as the service leases), while fewer than ``inflight`` are in
     flight."""
-    from workers import admission
+    from workers.request import admission
 
     pending, queue, start, by_id = list(jobs), [], time.perf_counter(), {j.id: j for j in jobs}
     while pending or queue or engine.num_active:

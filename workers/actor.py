@@ -37,10 +37,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from workers.cards import read_card
 from workers.config import WorkerConfig
-from workers.sizes import parse_size
-from workers.spec import ItemSpec
+from workers.request.cards import read_card
+from workers.request.sizes import parse_size
+from workers.request.spec import ItemSpec
 
 # The worker's thread switch interval (Python's default: 5 ms): a long poll woken when an image ends, or a
 # submit arriving, waits at most this long for the step loop's thread to hand the interpreter lock over.
@@ -60,7 +60,7 @@ class Worker:
         from workers.engine import Engine, auto_backend
         from workers.families import family_named
         from workers.loading import load_model
-        from workers.memory import check_fits
+        from workers.families.memory import check_fits
         from workers.speed.apply import to_precision
 
         if config.torch_threads:
@@ -114,6 +114,7 @@ class Worker:
         import torch
 
         from workers.loading import run_dtype
+        from workers.request.cards import read_card
 
         return run_dtype(card, self.device) if name == "auto" else getattr(torch, name)
 

@@ -29,7 +29,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from workers.sizes import parse_size
+from workers.request.sizes import parse_size
 from workers.speed.config import SpeedConfig
 
 SPEEDS = ("default", "fast", "fastest")

@@ -9,7 +9,7 @@ active requests advance exactly one denoising step through that group's ``GraphR
 splits them into power-of-two replays. Because every per-sample quantity is a tensor row, a
 batch mixes samplers, step counts, steps and guidance scales, and requests join or leave at any
 step boundary (step-level batching). Finished latents are decoded (VAE for latent models) into
-uint8 images.
+uint8 images (``workers.decode``).
 
 Compiled steps (``SpeedConfig.compile = "inductor"``, ``workers.speed``): each group's step is compiled by Inductor once,
 with a dynamic batch, at warm-up, and captured into the same graphs (``graphs.compiled``); the attention
@@ -18,8 +18,8 @@ breaks stay breaks. Compile time, graphs compiled and cache hits are in ``stats(
 Previews (``ItemSpec.preview_every``): after a group's step, the requests that asked for one at this
 step (every N-th, not the last) get their denoised estimate (``hist_next``, a graph output) mapped to
 small RGB by ``workers.previews``, outside the graph: one batched matmul and resize per group, a uint8
-copy to the host that does not wait for the GPU (pinned, non-blocking, with an event), collected by
-``take_previews()``. Previews read the step's outputs and write nothing back: images are bit-equal
+copy to the host that does not wait for the GPU (pinned, non-blocking, with an event: ``workers.decode``),
+collected by ``take_previews()``. Previews read the step's outputs and write nothing back: images are bit-equal
 with and without them.
 
 Determinism: the starting noise of a request comes from ``torch.Generator("cpu").manual_seed(seed)``
@@ -39,14 +39,16 @@ import torch
 from graphs import GraphKey, GraphRunner, TensorSpec
 from graphs.compiled import CompiledStep
 from samplers import Plan, make_plan
-from workers.admission import spec_shape
+from workers.config import WorkerConfig
+from workers.decode import (Preview, _PendingPreviews, _upload, decode, decode_runner, previews_on_host,
+                            previews_to_host)
 from workers.encoders import EncoderGraphs, padded_length
 from workers.families import compile_regions, family_of, preview_map_of
 from workers.kernels.attention import CHOOSER
 from workers.loading import LoadedModel
 from workers.previews import to_rgb
-from workers.spec import ItemSpec
-from workers.config import WorkerConfig
+from workers.request.admission import spec_shape
+from workers.request.spec import ItemSpec
 from workers.speed import SpeedConfig
 from workers.speed.apply import apply as apply_speed
 
@@ -62,20 +64,6 @@ class ImageResult:
     latents: torch.Tensor  # final x on the CPU, float32 (C, H, W): for equality checks
 
 
-@dataclass
-class Preview:
-    request_id: str
-    step: int          # steps done when it was taken
-    image: np.ndarray  # (h, w, 3) or (h, w) uint8, at most ``workers.previews.MAX_SIDE`` a side
-
-
-@dataclass
-class _PendingPreviews:
-    """A batch of previews on its way to the host: ``host`` (B, h, w, c) uint8, valid once ``ready``."""
-
-    ids: list[tuple[str, int]]  # (request id, step) per row
-    host: torch.Tensor
-    ready: object = None        # a torch.cuda.Event recorded after the copy; None: already copied
 
 
 def auto_backend(device: str) -> str:
@@ -381,7 +369,7 @@ class Engine:
         return sum(len(g.active) for g in self.groups.values())
 
     def in_flight_shapes(self) -> set[tuple[str, int, int]]:
-        """The shapes of the active requests (``workers.admission.spec_shape``)."""
+        """The shapes of the active requests (``workers.request.admission.spec_shape``)."""
         return {spec_shape(a.req) for g in self.groups.values() for a in g.active}
 
     def progress(self) -> dict[str, tuple[int, int]]:
@@ -435,28 +423,11 @@ class Engine:
                 denoised.index_select(0, _upload(torch.tensor(rows), denoised.device))
             rgb = to_rgb(due, pmap)  # (b, h, w, c) uint8 on the device
         ids = [(active[i].req.id, active[i].step) for i in rows]
-        if rgb.device.type != "cuda":
-            self._previews.append(_PendingPreviews(ids, rgb.cpu()))
-            return
-        host = torch.empty(rgb.shape, dtype=torch.uint8, pin_memory=True)
-        host.copy_(rgb, non_blocking=True)  # no wait: the host goes on queueing steps
-        ready = torch.cuda.Event()
-        ready.record()
-        self._previews.append(_PendingPreviews(ids, host, ready))
+        self._previews.append(previews_to_host(ids, rgb))
 
     def take_previews(self, wait: bool = False) -> list[Preview]:
         """The previews whose copies have reached the host (all of them with ``wait``), oldest first."""
-        out, left = [], []
-        for p in self._previews:
-            if p.ready is not None and not wait and not p.ready.query():
-                left.append(p)
-                continue
-            if p.ready is not None:
-                p.ready.synchronize()
-            imgs = p.host.numpy()
-            out += [Preview(rid, step, img[..., 0] if img.shape[-1] == 1 else img)
-                    for (rid, step), img in zip(p.ids, imgs)]
-        self._previews = left
+        out, self._previews = previews_on_host(self._previews, wait)
         self.previews_made += len(out)
         return out
 
@@ -522,104 +493,3 @@ def _group_stats(group: _Group) -> dict:
     if group.decoder is not None and isinstance(group.decoder.step, CompiledStep):
         stats["decode_compile"] = group.decoder.step.stats()
     return stats
-
-
-def _upload(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor to ``device`` without waiting: on CUDA, a pinned copy, asynchronous, so the host
-    goes on while the GPU finishes earlier replays (PyTorch's caching host allocator keeps the pinned
-    block until the copy is done). A pageable copy would wait for the stream to drain."""
-    if torch.device(device).type != "cuda" or t.is_cuda:  # on the CPU, or made on the GPU already
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-DECODE_PIXELS = 1 << 20  # a captured decode's largest batch makes at most this many output pixels (16 images
-                         # at 256 px, 4 at 512, 1 at 1024): a VAE's activations at full size are large
-
-
-def _vae_pixels(model: LoadedModel, latents: torch.Tensor) -> torch.Tensor:
-    """The VAE's decode of latents (B, C, h, w) as float32 pixels (B, c, H, W) in [-1, 1] (not clamped)."""
-    return model.vae.decode(latents.to(model.vae.dtype) / model.vae_scale + model.vae_shift).sample.float()
-
-
-def decode_runner(model: LoadedModel, shape: tuple[int, int, int], pool=None, stream=None,
-                  compiled: bool = False) -> GraphRunner:
-    """``model``'s VAE decode at latent ``shape`` as a GraphRunner: backend "full" (a VAE needs no eager
-    breaks) on CUDA, eager elsewhere, in the step's pool; batches up to DECODE_PIXELS of output, larger
-    ones in chunks of that. ``compiled``: the decode compiled by Inductor first (``CompiledStep``: one
-    compile for every batch), as the model's step is (on an H200, PixArt-Σ's 512 px decode took 7.2 ms
-    as a compiled graph against 20.6 as a plain one), with the VAE's weights in channels-last on CUDA (the
-    compiled graph's convolutions then run cuDNN's NHWC kernels: PixArt-Σ 512's decode at the 4-image bucket
-    5.34 ms an image against 8.44; cuDNN's autotuning adds nothing to either, ``bench/decode_layouts.py``)."""
-    c, h, w = shape
-    if compiled and model.device.type == "cuda":  # NHWC weights: cuDNN's NHWC convolutions (see the docstring)
-        model.vae.to(memory_format=torch.channels_last)
-    factor = model.image_size // model.latent_shape[1]  # the VAE's upsampling
-    out = (model.vae.config.out_channels, h * factor, w * factor)
-    largest = max(1, min(64, DECODE_PIXELS // (out[1] * out[2])))
-    fn = lambda latents: {"pixels": _vae_pixels(model, latents)}  # noqa: E731
-    if compiled:
-        fn = CompiledStep(fn, f"{model.name} decode at {'x'.join(map(str, shape))}")
-    return GraphRunner(fn, {"latents": TensorSpec(tuple(shape), torch.float32)},
-                       {"pixels": TensorSpec(out, torch.float32)}, max_batch=1 << (largest.bit_length() - 1),
-                       backend="full", device=model.device, pool=pool, stream=stream)
-
-
-DECODE_CONVERT = 8  # images converted to uint8 and copied to the host at once
-
-
-def decode(model: LoadedModel, latents: torch.Tensor, out_sizes: list[tuple[int, int]] | None = None,
-           pixels: torch.Tensor | None = None) -> list[np.ndarray]:
-    """Latents (B, C, h, w) -> uint8 images; pixel-space models are their own image. ``out_sizes`` (width,
-    height per image; (0, 0) keeps the size) resizes and centre-crops, as the reference pipelines do.
-    ``pixels``: the VAE's decode of ``latents`` made already (a captured decode), else it is made here."""
-    return decode_start(model, latents, out_sizes, pixels).get()
-
-
-class _Images:
-    """Converted images on the host (``decode_start``): ``get()`` returns them in order."""
-
-    def __init__(self, n: int) -> None:
-        self.parts: list[tuple[list[int], torch.Tensor]] = []  # (image indices, (b, H, W, c) uint8 on the host)
-        self.n = n
-
-    def get(self) -> list[np.ndarray]:
-        images: list[np.ndarray] = [None] * self.n  # type: ignore[list-item]
-        for rows, host in self.parts:
-            host = host.numpy()
-            for j, i in enumerate(rows):
-                images[i] = host[j, ..., 0] if host.shape[-1] == 1 else host[j]
-        return images
-
-
-@torch.no_grad()
-def decode_start(model: LoadedModel, latents: torch.Tensor, out_sizes: list[tuple[int, int]] | None = None,
-                 pixels: torch.Tensor | None = None) -> _Images:
-    """``decode``'s conversions, each chunk copied to the host at once; ``_Images.get()`` returns the images."""
-    if pixels is None:
-        pixels = latents.float() if model.vae is None else _vae_pixels(model, latents)
-    by_size: dict[tuple[int, int], list[int]] = {}  # the images of one output size convert and cross together:
-    for i, size in enumerate(out_sizes or [(0, 0)] * len(pixels)):  # one copy to the host, not one per image
-        by_size.setdefault(tuple(size), []).append(i)
-    out = _Images(len(pixels))
-    for (w, h), same in by_size.items():
-        for at in range(0, len(same), DECODE_CONVERT):  # chunks bound the float copies on the device
-            rows = same[at:at + DECODE_CONVERT]
-            img = pixels if len(rows) == len(pixels) else pixels[rows]              # (b, c, H, W)
-            img = (resize_and_crop(img, w, h) if w else img).clamp(-1, 1)  # a copy: the decode's output stays
-            img = img.add_(1).mul_(127.5).round_().to(torch.uint8).permute(0, 2, 3, 1)  # (b, H, W, c)
-            out.parts.append((rows, img.cpu()))
-    return out
-
-
-def resize_and_crop(pixels: torch.Tensor, width: int, height: int) -> torch.Tensor:
-    """(B, c, H, W) -> (B, c, height, width): scaled (bilinear) until it covers the target, then cropped
-    about the centre, as diffusers' ``resize_and_crop_tensor`` (PixArt's resolution binning)."""
-    h0, w0 = pixels.shape[-2:]
-    if (h0, w0) == (height, width):
-        return pixels
-    ratio = max(height / h0, width / w0)
-    rh, rw = int(h0 * ratio), int(w0 * ratio)
-    pixels = torch.nn.functional.interpolate(pixels, size=(rh, rw), mode="bilinear", align_corners=False)
-    top, left = (rh - height) // 2, (rw - width) // 2
-    return pixels[..., top:top + height, left:left + width]

@@ -4,7 +4,7 @@ directory or a built-in architecture, and what every family's loader shares: saf
 without random initialisation, casting and freezing, the VAE, and the ``LoadedModel`` they return.
 
 The directory layouts each family accepts are in its folder (``workers.families.<name>``), read by
-``workers.cards.read_card``: the same reader the API uses.
+``workers.request.cards.read_card``: the same reader the API uses.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 
 from samplers import NoiseSchedule
-from workers.speed.apply import unsupported_reason
-from workers.speed.config import PRECISIONS
-from workers.cards import read_card
 from workers.encoders import encoders_on
 from workers.families import family_named
 from workers.families.base import DIT_SCHEDULER, FALLBACK_DEFAULTS, CardError, ModelCard, read_json
-from workers.labels import resolve_label
+from workers.request.cards import read_card
+from workers.request.labels import resolve_label
+from workers.speed.apply import unsupported_reason
+from workers.speed.config import PRECISIONS
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class LoadedModel:
     vae_shift: float = 0.0              # SD3/FLUX VAEs: latents are decoded as latents / scale + shift
     id2label: dict[int, str] = field(default_factory=dict)
     defaults: dict = field(default_factory=lambda: dict(FALLBACK_DEFAULTS))
-    card: ModelCard | None = None  # what it was loaded from (workers.cards)
+    card: ModelCard | None = None  # what it was loaded from (workers.request.cards)
     precision: str = "bf16"        # what it runs in (workers.speed.apply makes it so): "fp8": its blocks' linears as FP8
                                    # matrix products (workers.speed.fp8); "fp8+attention": and its joint attention
     fp8_linears: int = 0           # how many linears are FP8 now
@@ -91,8 +91,9 @@ def load_model(spec: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, encoder_device: str | None = None,
                precision: str = "bf16") -> LoadedModel:
     """Load ``digits``, a built-in architecture name, or a local model directory: the model its card
-    (``workers.cards.read_card``, the same reader the API uses) describes, built by its family's ``load``. Text encoders load on
-    ``encoder_device`` when given (offload: "cpu", another GPU), once per distinct weights.
+    (``workers.request.cards.read_card``, the same reader the API uses) describes, built by its family's
+    ``load``. Text encoders load on ``encoder_device`` when given (offload: "cpu", another GPU), once per
+    distinct weights.
     ``precision``: what the model is to run in (``workers.speed.config.PRECISIONS``), made so by the speed
     layer (``workers.speed.apply``: "fp8", its blocks' linears as FP8 matrix products; "fp8+attention", those
     and SD3's and FLUX.1's joint attention in FP8 under the graph backends). A device without what the

@@ -2,7 +2,7 @@
 against models and limits.
 
 The API process may run without a worker, a GPU or torch (several API processes in front of one
-PostgreSQL store), so it reads each model's card (``workers.cards``: the model directory's JSON files,
+PostgreSQL store), so it reads each model's card (``workers.request.cards``: the model directory's JSON files,
 the same reader the worker's loader uses) and checks sampler settings with the rules in
 ``samplers.rules`` (plain data). A request that passes ``resolve_job`` is one the workers can run; its
 defaults are filled in here, once.
@@ -15,12 +15,12 @@ import hashlib
 import secrets
 from dataclasses import dataclass
 
-from dit_serve.server.config import LimitsConfig
 from dit_serve.schemas import ImageGenerationRequest, JobParams, JobRequest, ModelCard
+from dit_serve.server.config import LimitsConfig
 from samplers.rules import RULES, Grid, SettingError, check_plan
-from workers import cards
 from workers.families import preview_map_of
-from workers.sizes import parse_size
+from workers.request import cards
+from workers.request.sizes import parse_size
 
 
 class RequestError(ValueError):

@@ -172,7 +172,7 @@ def test_the_preview_harness_encodes_each_items_latest_at_the_end(monkeypatch, f
     import numpy as np
 
     import workers.actor
-    from workers.engine import Preview
+    from workers.decode import Preview
 
     class Engine:
         def add_many(self, items):

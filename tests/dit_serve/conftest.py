@@ -36,7 +36,7 @@ def service_config(data_dir: Path, model: str = "digits", **sections) -> Config:
 
 def oracle(images, labels) -> float:
     """The digit classifier's accuracy on PIL images (8x8 grayscale) for the labels asked for."""
-    from workers.digits import oracle_accuracy
+    from workers.models.digits import oracle_accuracy
 
     x = np.stack([np.asarray(im.convert("L"), dtype=np.float32) for im in images]) / 127.5 - 1.0  # (N, 8, 8)
     return oracle_accuracy(x, np.asarray(labels))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from dit_serve.server.catalog import Catalog, RequestError
-from workers.cards import read_card
-from dit_serve.server.config import LimitsConfig
 from dit_serve.schemas import ImageGenerationRequest, JobRequest
+from dit_serve.server.catalog import Catalog, RequestError
+from dit_serve.server.config import LimitsConfig
+from workers.request.cards import read_card
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 from graphs import GraphRunner, TensorSpec, breakable, eager_on_graph
 from graphs.compiled import CompiledStep, opaque_break
+from workers.speed import SpeedConfig
 
 pytestmark = pytest.mark.slow
 
@@ -398,7 +399,7 @@ def digits():
 
 
 def _req(i):
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     return ItemSpec(id=f"r{i}", label=i % 10, seed=100 + i, sampler="ddim", steps=4, guidance=2.0)
 
@@ -454,7 +455,7 @@ def test_a_text_engine_compiled_by_blocks_matches_uncompiled_from_one_block_grap
     from workers.engine import Engine
     from workers.families import compile_regions
     from workers.loading import load_model
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     assert compile_regions(digits) == []
     model = load_model("digits-text")

@@ -16,6 +16,7 @@ from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 from graphs import GraphRunner, TensorSpec, eager_on_graph
 from graphs.compiled import CompiledStep, opaque_break
+from workers.speed import SpeedConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -80,7 +81,7 @@ def digits_cuda():
 @pytest.mark.parametrize("backend", ["breakable", "full"])
 def test_compiled_digits_engine_on_graphs_matches_uncompiled(digits_cuda, backend):
     from workers.engine import Engine
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     compiled = Engine(digits_cuda, WorkerConfig(backend=backend, max_batch=16), speed=SpeedConfig(compile="inductor"))
     compiled.warmup()
@@ -102,7 +103,7 @@ def test_aliased_break_args_on_graphs_match_uncompiled(digits_cuda):
     """Aliased break arguments on a real breakable capture: 13 digits through every bucket equal the
     uncompiled engine's (so no aliased break read memory that a later segment or capture had reused)."""
     from workers.engine import Engine
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     compiled = Engine(digits_cuda, WorkerConfig(backend="breakable", max_batch=16), speed=SpeedConfig(compile="inductor"))
     compiled.warmup()

@@ -1,4 +1,4 @@
-"""Shape-aware admission (workers/admission.py): the head first, then the shapes in flight, never past a
+"""Shape-aware admission (workers/request/admission.py): the head first, then the shapes in flight, never past a
 higher priority, and nothing starves."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 from collections import Counter
 
 from graphs.splitter import bucket_sizes, split_batch
-from workers import admission
-from workers.spec import ItemSpec
+from workers.request import admission
+from workers.request.spec import ItemSpec
 
 
 def _shape(c):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from workers.config import WorkerConfig
-from workers.cards import read_card
+from workers.request.cards import read_card
 from workers.engine import Engine
 from workers.families.builtins import CLIP_L, clip_token_ids, clip_tokenizer
 from workers.families.flux import builtin as flux_builtin
@@ -25,7 +25,8 @@ from workers.families.sd3 import builtin as sd3_builtin
 from workers.families.sd3 import runtime as sd3
 from workers.families.sd3.builtin import build_sd35_medium, sd35_medium_on_meta
 from workers.loading import load_model
-from workers.spec import ItemSpec
+from workers.request.cards import read_card
+from workers.request.spec import ItemSpec
 
 # widths as the real models' proportions (CLIP-L + bigG narrower than T5 = joint_attention_dim; SD3's
 # projections add up to pooled_projection_dim; FLUX's pooled input is CLIP's width); vocabularies stay full

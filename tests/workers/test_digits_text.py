@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from workers.digits import oracle_accuracy
 from workers.models import train_digits_text as recipe
+from workers.models.digits import oracle_accuracy
 
 MODEL_DIR = Path(recipe.__file__).parent / "digits-text"
 STEPS, GUIDANCE = recipe.DEFAULTS["steps"], recipe.DEFAULTS["guidance"]  # dpmpp_2m: the shipped scheduler

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from workers import encoders
-from workers.cards import read_card
+from workers.families.memory import check_fits, components
 from workers.loading import load_model
-from workers.memory import check_fits, components
 from workers.models.tiny_pixart import make_tiny_pixart
+from workers.request.cards import read_card
 
 
 @pytest.fixture()

@@ -9,8 +9,10 @@ import torch
 from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 from workers.engine import Engine
-from workers.spec import ItemSpec
+from workers.request.spec import ItemSpec
 from workers.loading import load_model
+from workers.request.spec import ItemSpec
+from workers.speed import SpeedConfig
 
 TOL = 1e-5
 
@@ -190,7 +192,7 @@ def test_the_graphs_backend_captures_a_step_without_breaks_whole_and_keeps_break
 
 
 def test_the_shapes_in_flight_are_the_active_requests_admission_keys(model):
-    from workers.admission import spec_shape
+    from workers.request.admission import spec_shape
 
     e = engine(model)
     assert e.in_flight_shapes() == set()

@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from workers.config import WorkerConfig
-from workers.cards import CardError, read_card
+from workers.request.cards import CardError, read_card
 from workers.engine import Engine
 from workers.families import family_named
 from workers.families.flux.runtime import image_ids, pack, unpack
 from workers.loading import ModelError, load_model
 from workers.models.tiny_flux import IMAGE_SIZE, MAX_TOKENS, make_tiny_flux
-from workers.spec import ItemSpec
+from workers.request.cards import CardError, read_card
+from workers.request.spec import ItemSpec
 
 EAGER = WorkerConfig(backend="eager", max_batch=4)
 

@@ -79,7 +79,7 @@ def digits_cuda():
 
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_digits_through_graphs_match_eager_and_pass_the_oracle(digits_cuda, backend):
-    from workers.digits import oracle_accuracy, sample_digits
+    from workers.models.digits import oracle_accuracy, sample_digits
     from workers.engine import Engine
 
     graph_engine = Engine(digits_cuda, WorkerConfig(backend=backend, max_batch=64))
@@ -104,7 +104,9 @@ def test_dit_xl_captured_decode_makes_the_plain_decodes_images(dit_xl):
     import time
 
     from workers.engine import Engine, _vae_pixels, decode
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
+    from workers.decode import _vae_pixels, decode
+    from workers.engine import Engine
 
     specs = [ItemSpec(id=str(i), label=i, seed=i, sampler="ddim", steps=5, guidance=4.0) for i in range(3)]
     eng = Engine(dit_xl, WorkerConfig(backend="breakable", max_batch=4), speed=SpeedConfig(decode_graphs=True))

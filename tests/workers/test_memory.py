@@ -4,8 +4,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from workers.cards import read_card
-from workers.memory import check_fits, safetensors_params, weight_bytes, weight_params
+from workers.families.memory import check_fits, safetensors_params, weight_bytes, weight_params
+from workers.request.cards import read_card
 
 
 def test_params_come_from_the_headers(tmp_path):

@@ -24,6 +24,8 @@ import gc
 import pytest
 import torch
 
+from workers.config import WorkerConfig
+
 pytestmark = pytest.mark.gpu
 
 PROMPTS = ("a red cat", "the big blue house", "a dog", "small green tree drawn", "a photo of a cat")
@@ -42,7 +44,7 @@ def tiny(tmp_path_factory):
 
 
 def _specs(n: int, sizes=((0, 0),)):
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     return [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=6 + i % 5, guidance=1.0 + i % 4,
                      prompt=PROMPTS[i % 5], negative_prompt="small" if i % 2 else "",  # SD3's CFG; FLUX ignores
@@ -110,7 +112,7 @@ LONG = ("a cat", "a photograph of an astronaut riding a horse on the moon, drama
 def _live(model, family, plan, b: int) -> dict[str, torch.Tensor]:
     """The step's inputs for b images at step 5, with b of LONG's prompts (SD3: negatives too)."""
     from samplers import gather_rows
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     specs = [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=28, guidance=3.5 + i,
                       prompt=LONG[i % 4], negative_prompt=LONG[(i + 1) % 4] if i % 2 else "") for i in range(b)]

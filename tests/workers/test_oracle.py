@@ -3,9 +3,10 @@
 import pytest
 
 from workers.config import WorkerConfig
-from workers.digits import classify, load_split, oracle_accuracy, sample_digits
+from workers.models.digits import classify, load_split, oracle_accuracy, sample_digits
 from workers.engine import Engine
 from workers.loading import load_model
+from workers.models.digits import classify, load_split, oracle_accuracy, sample_digits
 
 # (sampler, steps): each sampler at a step count it is meant for (ddim 50 has its own 500-image test)
 SAMPLERS = [("ddpm", 100), ("ddim", 10), ("euler", 50), ("euler_a", 50), ("dpmpp_2m", 20)]
@@ -68,7 +69,7 @@ def test_mixed_staggered_batch_keeps_labels_apart(digits):
     every image must still be the digit its own request asked for."""
     import numpy as np
 
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     model, engine = digits
     mix = [("ddim", 25, 2.0), ("dpmpp_2m", 12, 2.5), ("euler", 20, 2.0), ("ddim", 15, 3.0)]
@@ -90,7 +91,7 @@ def test_digits_text_through_our_engine_draws_the_asked_digit(held_out, target):
     import numpy as np
 
     from workers.models.train_digits_text import oracle_prompts
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     model = load_model("digits-text")
     prompts, labels = oracle_prompts(10, held_out, seed=7)

@@ -10,12 +10,14 @@ import torch
 
 from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
-from workers.cards import read_card
+from workers.request.cards import read_card
 from workers.families import family_named
 from workers.engine import Engine
 from workers.loading import load_model
 from workers.models.tiny_pixart import MAX_TOKENS, make_tiny_pixart
-from workers.spec import ItemSpec
+from workers.request.cards import read_card
+from workers.request.spec import ItemSpec
+from workers.speed import SpeedConfig
 
 
 @pytest.fixture(scope="module")
@@ -177,13 +179,13 @@ def test_a_captured_decode_makes_the_images_the_plain_decode_makes(model, monkey
     """``WorkerConfig(backend="eager", decode_graphs=True)``: each group's VAE decode is a GraphRunner of its own (eager on a
     CPU, the same code a capture records on a GPU), batched up to DECODE_PIXELS of output and chunked past
     that; the images equal the plain decode's, in order, including resized sizes."""
-    from workers import engine as eng
+    from workers import decode as dec
 
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=3, guidance=2.0, prompt=f"a cat number {i}")
              for i in range(5)]
     plain = Engine(model, WorkerConfig(backend="eager", max_batch=8)).generate(specs)
     out_px = model.image_size ** 2
-    monkeypatch.setattr(eng, "DECODE_PIXELS", 2 * out_px)  # a largest decode batch of 2: 5 images in 2 + 2 + 1
+    monkeypatch.setattr(dec, "DECODE_PIXELS", 2 * out_px)  # a largest decode batch of 2: 5 images in 2 + 2 + 1
     captured = Engine(model, WorkerConfig(backend="eager", max_batch=8), speed=SpeedConfig(decode_graphs=True))
     (group,) = captured.groups.values()
     assert group.decoder is not None and group.decoder.max_batch == 2
@@ -271,7 +273,7 @@ def test_a_compiled_decode_compiles_once_and_makes_the_plain_decodes_images(mode
     one-image graph; its images equal the plain decode's within a level. (diffusers' VAE branches on batches
     of 64 and more, and the CPU convolution at 16: batches across those would compile once per range.)"""
     from graphs.compiled import CompiledStep
-    from workers import engine as eng
+    from workers import decode as dec
 
     compiled = Engine(model, WorkerConfig(backend="eager", max_batch=2), speed=SpeedConfig(compile="inductor", decode_graphs=True))
     plain = Engine(model, WorkerConfig(backend="eager", max_batch=2), speed=SpeedConfig(decode_graphs=True))
@@ -281,12 +283,12 @@ def test_a_compiled_decode_compiles_once_and_makes_the_plain_decodes_images(mode
     assert stats["decode_compile"]["graphs"] == 0  # reported with the group's; compiled at warm-up, not yet
     assert "decode_compile" not in next(iter(plain.stats()["groups"].values()))
 
-    monkeypatch.setattr(eng, "DECODE_PIXELS", 4 * model.image_size ** 2)
-    runner = eng.decode_runner(model, model.latent_shape, compiled=True)
+    monkeypatch.setattr(dec, "DECODE_PIXELS", 4 * model.image_size ** 2)
+    runner = dec.decode_runner(model, model.latent_shape, compiled=True)
     runner.warmup()
     latents = torch.randn(3, *model.latent_shape, generator=torch.Generator().manual_seed(0))
-    got = eng.decode(model, latents, None, runner.run(latents=latents)["pixels"])
-    want = eng.decode(model, latents)
+    got = dec.decode(model, latents, None, runner.run(latents=latents)["pixels"])
+    want = dec.decode(model, latents)
     stats = runner.step.stats()
     assert runner.max_batch == 4 and stats["compiled"] and stats["fallback_reason"] is None, stats
     assert stats["graphs"] == 1 and stats["one_row_graphs"] == 1, stats

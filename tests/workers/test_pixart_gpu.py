@@ -22,7 +22,7 @@ def pixart_cuda(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_pixart_buckets_replay_what_eager_computes(pixart_cuda, backend):
     from workers.engine import Engine
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     prompts = ["a red cat", "the big blue house", "a dog", "small green tree drawn", "a photo of a cat"]
     specs = [ItemSpec(id=str(i), seed=i, sampler=("dpmpp_2m", "ddim", "euler")[i % 3], steps=8 + i % 5,
@@ -47,7 +47,7 @@ def test_mixed_sizes_share_one_pool_and_replay_what_eager_computes(pixart_cuda):
     """Three latent shapes in one engine: every shape's replays equal eager, all graphs capture into one
     pool on one stream, and later shapes reuse the pool memory the first one reserved."""
     from workers.engine import Engine
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     sizes = [(16, 16), (32, 16), (16, 32)]
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=6, guidance=2.0 + i % 3,
@@ -88,7 +88,7 @@ def test_full_size_pixart_sigma_buckets_replay_what_eager_computes(sigma_512):
     from workers.families import family_named
 
     pixart = family_named("pixart")
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     prompts = ["a cat", "a photograph of an astronaut riding a horse on the moon, dramatic light, 35mm",
                "", "a bowl of fruit on a wooden table, oil painting in the style of the old masters"]
@@ -132,7 +132,7 @@ def test_an_offloaded_text_encoder_gives_the_same_images(tmp_path):
     from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_pixart import make_tiny_pixart
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     path = make_tiny_pixart(tmp_path / "p")
     encoders.clear()
@@ -154,7 +154,7 @@ def test_previews_on_the_gpu_do_not_change_the_images(pixart_cuda):
     from dataclasses import replace
 
     from workers.engine import Engine
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=7, guidance=2.0, prompt="a red cat",
                       preview_every=2) for i in range(3)]
@@ -178,7 +178,7 @@ def test_previews_add_no_host_wait_to_a_step(pixart_cuda):
     import warnings
 
     from workers.engine import Engine
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     def syncs(preview_every: int) -> int:
         engine = Engine(pixart_cuda, WorkerConfig(backend="breakable", max_batch=4))
@@ -211,7 +211,7 @@ def test_the_text_encoder_replays_from_graphs_and_encodes_what_it_computes_eager
     from workers.encoders import padded_length
     from workers.engine import Engine
     from workers.families.pixart.runtime import real_length_encode
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     pixart_cuda.cache.clear()
     engine = Engine(pixart_cuda, WorkerConfig(backend="breakable", max_batch=4))
@@ -243,7 +243,7 @@ def test_a_compiled_captured_decode_makes_the_plain_decodes_images(pixart_cuda):
     import numpy as np
 
     from workers.engine import Engine
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=3, guidance=2.0, prompt=f"a cat number {i}")
              for i in range(3)]

@@ -4,11 +4,11 @@ import torch
 
 import dataclasses
 
-from workers.cards import read_card
 from workers.families import preview_map_of
 from workers.families.flux import FLUX_VAE
 from workers.families.sd3 import SD3_VAE
 from workers.previews import IDENTITY, SD_VAE, preview_size, to_rgb
+from workers.request.cards import read_card
 
 
 def preview_map(family: str, latent_channels: int, pixel_space: bool):

@@ -12,13 +12,17 @@ import pytest
 import torch
 
 from workers.config import WorkerConfig
-from workers.cards import CardError, read_card
+from workers.request.cards import CardError, read_card
 from workers.families import family_named
 from workers.engine import Engine, resize_and_crop
+from workers.decode import resize_and_crop
+from workers.engine import Engine
+from workers.families.pixart.bins import pixart_bins
 from workers.loading import load_model
 from workers.models.tiny_pixart import MAX_TOKENS, make_tiny_pixart
-from workers.sizes import nearest_bin, parse_size, pixart_bins
-from workers.spec import ItemSpec
+from workers.request.cards import CardError, read_card
+from workers.request.sizes import nearest_bin, parse_size
+from workers.request.spec import ItemSpec
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +157,7 @@ def test_only_max_shapes_stay_captured_the_least_recently_used_idle_one_goes(mod
 def test_a_batch_decoded_at_several_output_sizes_equals_each_image_decoded_alone():
     from types import SimpleNamespace
 
-    from workers.engine import decode
+    from workers.decode import decode
 
     model = SimpleNamespace(vae=None)  # a pixel-space model: its latents are the image
     g = torch.Generator().manual_seed(0)

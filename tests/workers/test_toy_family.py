@@ -15,14 +15,15 @@ from dit_serve.server.config import LimitsConfig
 from workers.config import WorkerConfig
 from graphs import GraphRunner, TensorSpec
 from samplers import NoiseSchedule, cfg_combine, model_input, sampler_step
-from workers.cards import builtin_names, read_card
+from workers.request.cards import builtin_names, read_card
 from workers.engine import Engine, step_specs
 from workers.families import FAMILIES, family_named, preview_map_of, register
 from workers.families.base import DIT_SCHEDULER, Builtin, Family, ModelCard
+from workers.families.memory import weight_params
 from workers.loading import LoadedModel, load_model
-from workers.memory import weight_params
 from workers.previews import IDENTITY
-from workers.spec import ItemSpec
+from workers.request.cards import builtin_names, read_card
+from workers.request.spec import ItemSpec
 
 CLASSES, SIDE = 3, 4  # three classes of 1 x 4 x 4 pixel images
 

@@ -3,7 +3,7 @@ hooks and their defaults are documented there), so the engine, the splitter and 
 which family they run.
 
 The registry below is one line per family: its torch-free part, which reads its model directories'
-cards (``workers.cards.read_card`` dispatches here). ``family_named`` and ``family_of`` give a family's
+cards (``workers.request.cards.read_card`` dispatches here). ``family_named`` and ``family_of`` give a family's
 torch part, the object the engine calls hooks on. Adding a family is one folder
 (``workers/families/<name>/``) and one line here; ``register`` adds one at run time (docs/design.md,
 "Adding a family").

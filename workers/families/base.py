@@ -52,9 +52,9 @@ from pathlib import Path
 from typing import ClassVar
 
 from samplers.rules import prediction_type
-from workers.labels import resolve_label
 from workers.previews import IDENTITY, PreviewMap
-from workers.sizes import nearest_bin, parse_size
+from workers.request.labels import resolve_label
+from workers.request.sizes import nearest_bin, parse_size
 
 DIT_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 0.02,
                  "beta_schedule": "linear", "prediction_type": "epsilon", "clip_sample": False}
@@ -164,8 +164,8 @@ class Family:
     # -- the torch-free part: cards, built-ins, previews -----------------------------------------------
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:
-        """The card of a model directory (its JSON files, read by ``workers.cards``); CardError when a part
-        it needs is missing. ``transformer``: transformer/config.json (config.json of a bare directory)."""
+        """The card of a model directory (its JSON files, read by ``workers.request.cards``); CardError when a
+        part it needs is missing. ``transformer``: transformer/config.json (config.json of a bare directory)."""
         raise CardError(f"{path}: family {self.name!r} reads no model directories")
 
     def builtin_card(self, name: str) -> ModelCard:

@@ -1,7 +1,7 @@
 """Train the embedded ``digits`` model: a tiny class-conditional DiT on scikit-learn's 8x8 digits.
 
 Reproducible recipe (seeded): the digits data set ships inside scikit-learn (no download); the
-same stratified 80/20 split (``workers.digits.split``) trains this model and the oracle classifier.
+same stratified 80/20 split (``workers.models.digits.split``) trains this model and the oracle classifier.
 Pixels 0..16 map to [-1, 1]. Two objectives: ``eps`` (the ``digits`` model): epsilon-prediction
 with DDPM linear betas (1e-4..0.02, 1000 steps) as DiT uses; ``flow`` (``digits-flow``): rectified
 flow, x_s = (1 - s) x0 + s eps, predicting the velocity eps - x0 at timestep 1000 s. The label embedding drops 10% of labels to the null class (index 10) for
@@ -26,7 +26,7 @@ import torch
 from diffusers import DiTTransformer2DModel
 from safetensors.torch import save_file
 
-from workers.digits import DIGIT_NAMES, load_split
+from workers.models.digits import DIGIT_NAMES, load_split
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Train the shipped ``digits-text`` model: a tiny text-to-image model in PixArt-Sigma's format, on the 8x8 digits.
 
 Reproducible recipe (seeded, offline): the images are scikit-learn's bundled digits on the same stratified
-split as ``digits`` (``workers.digits.load_split``), pixels in [-1, 1], no VAE (pixel space). Prompts come
+split as ``digits`` (``workers.models.digits.load_split``), pixels in [-1, 1], no VAE (pixel space). Prompts come
 from a small grammar: a prefix, the digit as a word or a numeral, a suffix ("a bold 3", "the number seven,
 drawn thin"), some capitalised and some carrying random letter strings between their words, so that words
 the model never saw are noise to it rather than a signal. ``HELD_OUT_TEMPLATES`` are phrasings the
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workers.digits import DIGIT_NAMES, load_split
+from workers.models.digits import DIGIT_NAMES, load_split
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +351,7 @@ def oracle_prompts(per_digit: int, held_out: bool, seed: int) -> tuple[list[str]
 def evaluate(pipe, per_digit: int, guidance: float, steps: int, held_out: bool, seed: int = 0) -> dict:
     """Oracle accuracy (the fraction of images the digits classifier reads as the prompt's digit) and the
     fraction of images with a pixel beyond +-1.5 before clipping."""
-    from workers.digits import oracle_accuracy
+    from workers.models.digits import oracle_accuracy
 
     prompts, labels = oracle_prompts(per_digit, held_out, seed)
     images = generate(pipe, prompts, guidance, steps, seed)
@@ -421,7 +421,7 @@ so 64 px asks for the 8x8 pixel grid; `output_type="latent"` skips decoding.
 
 ## The oracle figure
 
-Images are read by the digits oracle (`workers.digits.oracle_accuracy`, an SVC that reads 99.2% of real
+Images are read by the digits oracle (`workers.models.digits.oracle_accuracy`, an SVC that reads 99.2% of real
 held-out digits). Training-style prompts are drawn from the grammar; held-out prompts use templates the
 grammar cannot make and that were never trained on:
 

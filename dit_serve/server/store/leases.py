@@ -15,8 +15,8 @@ from sqlalchemy import and_, bindparam, func, or_, select, update
 from dit_serve.schemas import JobParams
 from dit_serve.server.store.base import NO_LEASE, StoreBase
 from dit_serve.server.store.tables import items, jobs
-from workers import admission
-from workers.spec import ItemSpec
+from workers.request import admission
+from workers.request.spec import ItemSpec
 
 
 @dataclass
@@ -78,10 +78,10 @@ class LeasesMixin(StoreBase):
         with the sending). ``expect``: the caller knows items were just queued (a submission's signal), so
         the read-only check that spares an idle poll the write lock is skipped. ``prefer``: the shapes
         ((model, width, height) as stored) the caller's worker runs now: the lease reads up to
-        ``workers.admission.WINDOW`` x ``limit`` candidates and takes ``limit`` of them by shape-aware
+        ``workers.request.admission.WINDOW`` x ``limit`` candidates and takes ``limit`` of them by shape-aware
         admission (the queue's head always, then items of those shapes and the head's, never past a
         higher priority; with ``capacity``, the most items the worker holds, no other shape started for a
-        handful of items: ``workers.admission`` rule 4); None: the first ``limit`` in queue order."""
+        handful of items: ``workers.request.admission`` rule 4); None: the first ``limit`` in queue order."""
         now = time.time()
         if limit <= 0:
             return []
@@ -237,7 +237,7 @@ _SET_RUNNING = (update(items).where(items.c.job_id == bindparam("j"), items.c.id
 
 
 def lease_shape(model: str, params: JobParams) -> tuple[str, int, int]:
-    """A stored item's ``workers.admission.shape_key``, for shape-aware leasing."""
+    """A stored item's ``workers.request.admission.shape_key``, for shape-aware leasing."""
     return admission.shape_key(model, params.width, params.height)
 
 

@@ -11,8 +11,10 @@ import math
 import pytest
 import torch
 
-from workers.speed.apply import to_precision
+from workers.config import WorkerConfig
+
 from workers.kernels import fp8_attention as fa
+from workers.speed.apply import to_precision
 from workers.speed.flux_attention import RoutedFluxAttention
 from workers.speed.joint_attention import static_scale
 from workers.speed.routing import route_joint_attention
@@ -156,7 +158,7 @@ def test_the_engine_routes_fp8_attention_for_a_model_in_fp8_plus_attention(tmp_p
     from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_flux import make_tiny_flux
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     model = to_precision(load_model(str(make_tiny_flux(tmp_path / "flux", head_dim=16)), precision="fp8"))
     specs = [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=2, guidance=3.5, prompt="a red cat")

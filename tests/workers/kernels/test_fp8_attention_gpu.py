@@ -17,9 +17,9 @@ from unittest import mock
 import pytest
 import torch
 
-from workers.speed.apply import to_precision
-from workers.speed import SpeedConfig
 from workers.kernels import fp8_attention as fa
+from workers.speed import SpeedConfig
+from workers.speed.apply import to_precision
 
 pytestmark = pytest.mark.gpu
 
@@ -80,7 +80,7 @@ def test_flux_fp8_attention_in_compiled_graphs_makes_what_bf16_attention_makes(t
     from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_flux import make_tiny_flux
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     model = to_precision(load_model(make_tiny_flux(tmp_path / "flux", head_dim=16), device="cuda", dtype=torch.bfloat16,
                        precision="fp8+attention"))

@@ -10,8 +10,8 @@ next to a code boundary can round either way: at most 2% of codes differ, each b
 
 from __future__ import annotations
 
-from workers.speed.apply import to_precision
 from workers.speed import SpeedConfig
+from workers.speed.apply import to_precision
 
 import pytest
 import torch
@@ -89,8 +89,8 @@ def test_the_kernel_compiles_once_for_a_dynamic_batch_and_replays_from_a_cuda_gr
 def test_fused_norm_pixart_blocks_on_the_kernel_stay_close_to_diffusers_blocks(tmp_path, cross):
     """bf16 on CUDA: the fused path rounds once where diffusers rounds after each operation, and both
     quantize to FP8, so the outputs differ by FP8 code flips, far below the values."""
-    from workers.speed import norm_fusion
     from workers.families import family_named
+    from workers.speed import norm_fusion
 
     pixart = family_named("pixart")
     from workers.loading import load_model
@@ -150,7 +150,8 @@ def test_fused_norm_flux_blocks_in_compiled_graphs_stay_close_to_their_own_forwa
     from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_flux import make_tiny_flux
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
+    from workers.speed import flux_blocks
 
     if precision == "fp8+attention" and (why := fp8_attention.unavailable_reason("cuda")) is not None:
         pytest.skip(why)

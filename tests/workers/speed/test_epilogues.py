@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from workers.config import WorkerConfig
+from workers.loading import load_model
 from workers.speed import SpeedConfig
 from workers.speed import flux_blocks
 from workers.speed.epilogues import GeluEpilogue, epilogue_ok, fuse_gelu_epilogues
-from workers.loading import load_model
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def _forward(model, family: str, seed: int = 0) -> torch.Tensor:
 
 
 def _specs(model):
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     return [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=2, guidance=3.5, prompt=p,
                      negative_prompt="")
@@ -131,7 +131,7 @@ def test_no_epilogue_off_cuda():
                                                      ("eager", True, False), ("full", False, False)])
 def test_the_engine_patches_under_graph_backends_when_asked(backend, switch, patched):
     from workers.engine import Engine
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     model = load_model("digits")
     reqs = [ItemSpec(id=f"r{i}", label=i, seed=i, sampler="ddim", steps=2, guidance=2.0) for i in range(3)]

@@ -10,9 +10,10 @@ from torch import nn
 
 from workers.config import WorkerConfig
 from workers.speed.apply import to_precision
+from workers.loading import load_model
 from workers.speed import SpeedConfig
 from workers.speed import flux_blocks, fp8
-from workers.loading import load_model
+from workers.speed.apply import to_precision
 from workers.speed.fp8 import Fp8Linear, linear_into, quantize_linears, quantize_rows
 
 
@@ -104,7 +105,7 @@ def test_a_compiled_fp8_step_compiles_once_and_computes_what_the_uncompiled_one_
     functional op), so ``kernels = "fused"`` with ``precision = "fp8"`` really compiles instead of falling
     back to the uncompiled step."""
     from workers.engine import Engine
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     compiled = Engine(to_precision(load_model("digits", precision="fp8")), WorkerConfig(backend="breakable", max_batch=4), speed=SpeedConfig(compile="inductor"))
     compiled.warmup()
@@ -242,7 +243,7 @@ def test_mmdit_blocks_and_flux_single_blocks_are_taken_and_the_latents_stay_clos
     from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_flux import make_tiny_flux
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     folder = make_tiny_flux(tmp_path / "flux")
     model = to_precision(load_model(folder, precision="fp8"))
@@ -315,11 +316,12 @@ def text_oracle(device: str, backend: str, compile_mode: str = "off") -> dict[st
     """The shipped digits-text model (float32), 200 prompts of the training grammar, through the engine on
     ``device`` with ``backend`` (and ``compile_mode``): oracle accuracy in its own dtype ("bf16") and with
     FP8 linears, same seeds."""
-    from workers.digits import oracle_accuracy
+    from workers.models.digits import oracle_accuracy
     from workers.engine import Engine
     from workers.loading import load_model
     from workers.models import train_digits_text as recipe
-    from workers.spec import ItemSpec
+    from workers.models.digits import oracle_accuracy
+    from workers.request.spec import ItemSpec
 
     prompts, labels = recipe.oracle_prompts(20, held_out=False, seed=3)
     acc = {}

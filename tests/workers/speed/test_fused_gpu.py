@@ -51,7 +51,7 @@ def tiny_bf16(tmp_path_factory):
 
 
 def _specs(model, family: str, n: int = 13):
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     if family == "dit":
         return [ItemSpec(id=str(i), seed=i, label=i % model.num_classes, sampler=("ddim", "euler", "dpmpp_2m")[i % 3],
@@ -89,9 +89,10 @@ def test_fused_graphs_make_what_eager_makes_from_one_compile(tiny_bf16, family, 
 
 
 def test_digits_through_fused_graphs_pass_the_oracle():
-    from workers.digits import oracle_accuracy, sample_digits
+    from workers.models.digits import oracle_accuracy, sample_digits
     from workers.engine import Engine
     from workers.loading import load_model
+    from workers.models.digits import oracle_accuracy, sample_digits
 
     model = load_model("digits", device="cuda", dtype=torch.float32)
     engine = Engine(model, WorkerConfig(backend="graphs", max_batch=64), speed=SpeedConfig(compile="inductor"))

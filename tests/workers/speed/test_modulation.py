@@ -179,7 +179,7 @@ def test_hoisted_sd3_blocks_compile_once_for_every_bucket_and_make_the_eager_lat
     from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_sd3 import make_tiny_sd3
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     model = load_model(make_tiny_sd3(tmp_path / "sd3"))
     specs = [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=2, guidance=4.0,
@@ -229,7 +229,7 @@ def test_each_requests_modulation_table_gives_the_steps_what_their_own_product_g
     one product per admitted batch, none in a step, and the embedding's own layers run only for the tables;
     the latents are those of the engine that multiplies every step (tables off) and of the eager engine."""
     from workers.engine import Engine, step_specs
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     model = _tiny(kind, tmp_path)
     tr = model.transformer
@@ -262,7 +262,7 @@ def test_a_table_row_is_the_product_the_forward_computes_at_that_step(tiny_flux)
     from samplers import make_plan
     from workers.engine import Engine
     from workers.families import family_named
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     model, flux = tiny_flux, family_named("flux")
     Engine(model, WorkerConfig(backend="graphs", max_batch=2))

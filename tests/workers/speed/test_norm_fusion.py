@@ -12,7 +12,9 @@ from workers.config import WorkerConfig
 from workers.speed.apply import to_precision
 from workers.speed import SpeedConfig
 from workers.kernels import norm as norm_kernel
+from workers.speed import SpeedConfig
 from workers.speed import flux_blocks, fp8, norm_fusion
+from workers.speed.apply import to_precision
 
 
 def _rows(b=3, t=5, k=48, seed=0):
@@ -163,7 +165,7 @@ def test_the_engine_fuses_pixart_fp8_norms_under_the_graph_backends_and_compiled
     from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_pixart import make_tiny_pixart
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     folder = make_tiny_pixart(tmp_path / "p")
     prompts = ["a red cat", "the big blue house", "a dog"]
@@ -205,9 +207,9 @@ def test_text_rows_are_normed_as_the_rows_of_the_concatenation():
 
 
 def _tiny_flux_fp8(tmp_path, fp8_attention: bool):
-    from workers.speed.routing import route_joint_attention
     from workers.loading import load_model
     from workers.models.tiny_flux import make_tiny_flux
+    from workers.speed.routing import route_joint_attention
 
     model = to_precision(load_model(make_tiny_flux(tmp_path / "flux", head_dim=16), precision="fp8"))
     route_joint_attention(model.transformer, fp8=fp8_attention)
@@ -256,9 +258,9 @@ def test_fused_norm_flux_blocks_compute_what_their_own_forward_computes(tmp_path
 
 
 def test_flux_blocks_without_fp8_or_routed_attention_keep_their_forward(tmp_path, monkeypatch):
-    from workers.speed.routing import restore_joint_attention
     from workers.loading import load_model
     from workers.models.tiny_flux import make_tiny_flux
+    from workers.speed.routing import restore_joint_attention
 
     assert flux_blocks.fuse_block_norms(load_model(make_tiny_flux(tmp_path / "bf16")).transformer) == 0
     model = _tiny_flux_fp8(tmp_path, False)

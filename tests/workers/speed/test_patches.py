@@ -6,6 +6,8 @@ from workers.config import WorkerConfig
 from workers.speed.apply import to_precision
 from workers.speed import SpeedConfig
 from workers.loading import load_model
+from workers.speed import SpeedConfig
+from workers.speed.apply import to_precision
 from workers.speed.patches import break_attention, restore_attention
 
 
@@ -91,8 +93,8 @@ def test_graph_backends_run_the_patched_attention_and_eager_and_the_switch_keep_
     from diffusers.models.attention_processor import AttnProcessor2_0
 
     from workers.engine import Engine
+    from workers.request.spec import ItemSpec
     from workers.speed.patches import BreakableSelfAttention
-    from workers.spec import ItemSpec
 
     reqs = [ItemSpec(id=f"r{i}", label=i, seed=i, sampler="ddim", steps=3, guidance=2.0) for i in range(3)]
     want = Engine(load_model("digits"), WorkerConfig(backend="eager", max_batch=4)).generate(reqs)
@@ -150,8 +152,8 @@ def test_hoisted_modulation_computes_what_each_block_computes_in_views_of_the_sa
 def test_hoisting_leaves_other_families_alone_and_the_engine_hoists_under_graph_backends(tmp_path):
     from workers.engine import Engine
     from workers.models.tiny_pixart import make_tiny_pixart
+    from workers.request.spec import ItemSpec
     from workers.speed.patches import hoist_modulation
-    from workers.spec import ItemSpec
 
     pixart = load_model(make_tiny_pixart(tmp_path / "tiny-pixart"))
     before = {k: v.clone() for k, v in pixart.transformer.state_dict().items()}

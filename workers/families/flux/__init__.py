@@ -31,7 +31,7 @@ from pathlib import Path
 
 from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes, read_json
 from workers.previews import PreviewMap
-from workers.sizes import ratio_sizes
+from workers.request.sizes import ratio_sizes
 
 NATIVE_SIZE = 1024
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses more T5 tokens

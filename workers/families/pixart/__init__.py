@@ -3,8 +3,8 @@ model card of its pipeline directories and its built-in architectures. The model
 
 The layout is ``PixArt-alpha/PixArt-Sigma-XL-2-1024-MS``'s (and the α pipelines'): transformer/
 (PixArtTransformer2DModel), text_encoder/ (T5EncoderModel) with tokenizer/, an optional vae/, scheduler/.
-Sizes are the reference pipelines' aspect-ratio bins (``workers.sizes.pixart_bins``) unless the directory
-lists its own (``dit_serve.sizes``).
+Sizes are the reference pipelines' aspect-ratio bins (``bins.pixart_bins``) unless the directory lists its
+own (``dit_serve.sizes``).
 
 Built-ins: ``pixart-sigma-512`` / ``-1024``, PixArt-Σ-XL/2 with a T5-XXL-sized encoder and the SDXL VAE,
 randomly initialised on the device (``builtin``), for benchmarks.
@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes
+from workers.families.pixart.bins import pixart_bins
 from workers.previews import SD_VAE
-from workers.sizes import pixart_bins
 
 PIXART_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 0.02, "beta_schedule": "linear",
                     "prediction_type": "epsilon", "algorithm_type": "dpmsolver++", "solver_order": 2,

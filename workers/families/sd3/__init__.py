@@ -23,7 +23,7 @@ from pathlib import Path
 
 from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes, read_json
 from workers.previews import PreviewMap
-from workers.sizes import ratio_sizes
+from workers.request.sizes import ratio_sizes
 
 CLIP_ARCH = "CLIPTextModelWithProjection"
 T5_ARCH = "T5EncoderModel"

@@ -19,7 +19,7 @@ from pathlib import Path
 from workers.families import builtin_family, builtin_names as family_builtins, family_for
 from workers.families.base import CardError, ModelCard, read_json
 
-MODELS_DIR = Path(__file__).resolve().parent / "models"
+MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 SHIPPED = ("digits", "digits-flow", "digits-text")  # pipeline directories under workers/models
 DEFAULT_MODEL = "digits"  # what the CLI's local commands use when no model is named
 

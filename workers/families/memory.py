@@ -12,9 +12,9 @@ import json
 import struct
 from pathlib import Path
 
-from workers.cards import ModelCard, read_card
 from workers.encoders import fingerprint
 from workers.families import FAMILIES
+from workers.request.cards import ModelCard, read_card
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 WEIGHT_DIRS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")

@@ -1,16 +1,14 @@
-"""Image sizes: the aspect-ratio bins of the PixArt family, and how a requested width x height maps
-to the size a model makes.
+"""PixArt's aspect-ratio bins, torch-free.
 
 PixArt-α and PixArt-Σ were trained on a fixed set of (height, width) bins per base resolution; their
 reference pipelines snap a request to the bin whose height/width ratio is nearest, generate at the
 bin, and resize the image back to the asked size (``use_resolution_binning``). The bins below are the
 reference pipelines' tables (``ASPECT_RATIO_{256,512,1024,2048}_BIN``), kept as data so the API can
-check sizes without torch. Keys are height / width rounded to two places; values height x width.
+check sizes without torch. Keys are height / width rounded to two places; values height x width. The
+nearest bin is ``workers.request.sizes.nearest_bin``'s.
 """
 
 from __future__ import annotations
-
-import math
 
 
 def _bins(text: str) -> dict[float, tuple[int, int]]:
@@ -59,39 +57,3 @@ def pixart_bins(sample_size: int) -> list[tuple[int, int]]:
     for sizes the reference pipelines do not bin (they then generate at the size asked)."""
     base = BIN_BY_SAMPLE_SIZE.get(int(sample_size))
     return [(w, h) for h, w in ASPECT_RATIO_BINS[base].values()] if base else []
-
-
-def nearest_bin(width: int, height: int, sizes: list[tuple[int, int]]) -> tuple[int, int]:
-    """The (width, height) in ``sizes`` whose height/width ratio is nearest the request's, as the reference
-    pipelines choose (ties: the first listed)."""
-    ratio = height / width
-    return min(sizes, key=lambda wh: abs(round(wh[1] / wh[0], 2) - ratio))
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    """'WxH' -> (width, height); ValueError naming the expected form."""
-    try:
-        w, h = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"size must be 'WIDTHxHEIGHT' in pixels (e.g. '512x768'), got {text!r}") from None
-    if w <= 0 or h <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return w, h
-
-
-RATIOS = ((4, 3), (3, 2), (16, 9), (21, 9))  # width:height besides the square, each also transposed
-
-
-def ratio_sizes(native: int, unit: int) -> list[tuple[int, int]]:
-    """(width, height): the native square, then each of RATIOS at the native pixel count, landscape then
-    portrait, each side rounded to the nearest ``unit`` (sizes already listed dropped). For families that
-    make any multiple of their patch (SD3, FLUX) but have no reference bins."""
-    def side(v: float) -> int:
-        return max(unit, round(v / unit) * unit)
-
-    out = [(native, native)]
-    for w, h in RATIOS:
-        r = math.sqrt(w / h)
-        wide = (side(native * r), side(native / r))
-        out += [s for s in (wide, wide[::-1]) if s not in out]
-    return out

@@ -50,7 +50,7 @@ def oracle_accuracy(images: np.ndarray, labels: np.ndarray) -> float:
 def sample_digits(engine, per_class: int, sampler: str, steps: int, guidance: float,
                   seed: int = 0, model: str = "") -> tuple[np.ndarray, np.ndarray]:
     """Generate ``per_class`` images of each digit through ``engine``; (images (N, 8, 8) in [-1, 1], labels)."""
-    from workers.spec import ItemSpec
+    from workers.request.spec import ItemSpec
 
     labels = np.repeat(np.arange(10), per_class)
     reqs = [ItemSpec(id=str(i), label=int(lb), seed=seed + i, sampler=sampler, steps=steps,
