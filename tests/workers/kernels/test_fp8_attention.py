@@ -197,7 +197,7 @@ def test_fp8_output_projections_take_the_attentions_codes_as_they_are(monkeypatc
     projected, scaled = [], []
     real_project, real_pair = flux_attention.project_codes, flux_fast.quantize_pair
     monkeypatch.setattr(flux_attention, "project_codes", lambda p, c, d: projected.append(c.dtype) or real_project(p, c, d))
-    monkeypatch.setattr(flux_blocks, "quantize_pair", lambda a, b, g="tanh", s=None: scaled.append(
+    monkeypatch.setattr(flux_fast, "quantize_pair", lambda a, b, g="tanh", s=None: scaled.append(
         (a.dtype, s is not None)) or real_pair(a, b, g, s))
     coded = _run(model, x)
     assert projected == [fa.FP8, fa.FP8]  # one double block: its image's and its text's projections
