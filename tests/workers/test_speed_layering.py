@@ -1,5 +1,5 @@
-"""The speed layer's shape, read from the source: pure kernels import no model library or family, and no
-choice is an ambient switch (a module-level boolean flipped by patching)."""
+"""The speed layer's shape, read from the source: pure kernels import no model library or family, the speed
+layer imports no family, and no choice is an ambient switch (a module-level boolean flipped by patching)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,17 @@ def test_kernels_import_no_model_library_and_nothing_above_them():
     bad = {f.name: n for f in files for n in _imports(f)
            if any(n == p or n.startswith(p + ".") for p in FORBIDDEN)
            or (n.startswith("workers") and not n.startswith("workers.kernels"))}
+    assert not bad, bad
+
+
+def test_the_speed_layer_imports_no_family():
+    """``workers/speed`` is generic: a family's own fast paths live in its folder and reach the speed layer
+    through ``Family.speed_rewrites`` and the registries it fills (families may import the speed layer, not
+    the other way round)."""
+    files = sorted((ROOT / "workers" / "speed").glob("*.py"))
+    assert files
+    bad = {f.name: n for f in files for n in _imports(f)
+           if n == "workers.families" or n.startswith("workers.families.")}
     assert not bad, bad
 
 

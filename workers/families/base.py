@@ -41,6 +41,21 @@ Hooks, all called with the loaded model (``workers.loading.LoadedModel``) as the
     table_inputs(model, inputs)                  the tables' inputs of a step's rows (benchmarks)
     set_cross_attention(model, mode) (no-op)     the engine's cross_attention setting (PixArt)
     attention_kernel(model) (None)               the attention kernel its steps run, for the engine's report
+    speed_rewrites(model, stage, config, graphs) (nothing; 0)
+                                                 the family's own fast paths (FLUX.1's blocks), made by the
+                                                 speed layer's ``apply`` at each of ``SPEED_STAGES`` in its
+                                                 order (below); returns how many modules it rewrote
+
+The speed layer (``workers.speed.apply``) reads the flags and calls the hooks above; it imports no family.
+A family's own fast paths live in its folder (``workers/families/flux/fast.py``) and reach the generic
+rewrites in two ways: ``speed_rewrites`` at the points below, and the speed layer's registries (a routed
+joint attention processor registers itself with ``workers.speed.routing.routes``).
+
+    speed_rewrites stage  when ``apply`` calls it (after the generic rewrite of that point)
+    "precision"           its linears are FP8 now (``to_precision``), before any other rewrite; every backend
+    "epilogues"           the GELU epilogues are in (graph backends, ``SpeedConfig.gelu_epilogue``)
+    "norms"               the FP8 blocks' norms are fused (graph backends, ``attention_patch``, a family with
+                          ``break_attention`` or ``joint_attention``)
 """
 
 from __future__ import annotations
@@ -59,6 +74,7 @@ from workers.request.sizes import nearest_bin, parse_size
 DIT_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 0.02,
                  "beta_schedule": "linear", "prediction_type": "epsilon", "clip_sample": False}
 FALLBACK_DEFAULTS = {"guidance": 4.0, "sampler": "ddim", "steps": 50}
+SPEED_STAGES = ("precision", "epilogues", "norms")  # where workers.speed.apply calls speed_rewrites, in order
 
 
 class CardError(ValueError):
@@ -215,6 +231,12 @@ class Family:
 
     def attention_kernel(self, model) -> str | None:
         return None
+
+    def speed_rewrites(self, model, stage: str, config, graphs: bool) -> int:
+        """The family's own rewrites of ``model`` at ``stage`` (one of ``SPEED_STAGES``) of the speed layer's
+        ``apply``, as ``config`` (a ``workers.speed.SpeedConfig``) says; ``graphs``: its steps run under a graph
+        backend. Returns how many modules it rewrote; applying again changes nothing done already."""
+        return 0
 
 
 def repeated_blocks(transformer) -> list:

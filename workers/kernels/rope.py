@@ -3,7 +3,7 @@ e4m3 codes at once, and v's codes at the power of two of its largest magnitude.
 
 Why a kernel of our own
 -----------------------
-With FP8 attention (``workers.speed.flux_attention``) every FLUX.1 block turns its projections' bf16 q, k and v
+With FP8 attention (``workers.families.flux.attention``) every FLUX.1 block turns its projections' bf16 q, k and v
 into e4m3 codes: q and k RMS-normed per head (the text's and the image's by their own weights in a double
 block), concatenated text first, rotated by the rotary embedding, times their fixed power-of-two scales; v at
 the scale of its largest magnitude, which no kernel knows before it has read all of v. Inductor makes one

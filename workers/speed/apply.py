@@ -6,7 +6,14 @@ joint attention, the hoisted modulation, the GELU epilogues, the fused norms, th
 the process-wide preparation a compiled step needs. The engine calls ``apply`` once per model and runs what it
 gets. Which rewrites a model takes is read from its family's flags (``break_attention``, ``joint_attention``)
 and hooks (``set_cross_attention``, ``attention_kernel``) on ``workers.families.base.Family``; the family is
-passed in, so the speed layer imports no family.
+passed in, so the speed layer imports no family. A family's own fast paths (FLUX.1's blocks) live in its
+folder: ``apply`` calls its ``speed_rewrites`` hook at three points of the order below ("precision",
+"epilogues", "norms"), and its routed joint attention processors register with ``workers.speed.routing``.
+
+The order matters (a later rewrite wraps or replaces what an earlier one made): FP8 linears, then the family's
+"precision" rewrites; compile preparation; the attention breaks and hoisted modulation; the joint-attention
+modulation; the routed joint attention; the GELU epilogues, then the family's "epilogues"; the
+cross-attention mode; the fused norms, then the family's "norms".
 
 Rewrites made for the graph backends (``graphs``) are left out for eager steps, which run diffusers' modules;
 applying again to the same model (a second engine) changes nothing it already did.
@@ -20,7 +27,7 @@ from dataclasses import dataclass
 from graphs.compiled import opaque_break, use_cache_dir
 from workers.kernels import fp8_attention
 from workers.kernels.attention import use_cache_dir as use_attention_cache
-from workers.speed import epilogues, flux_blocks, fp8, norm_fusion
+from workers.speed import epilogues, fp8, norm_fusion
 from workers.speed.config import SpeedConfig
 from workers.speed.joint_attention import attention_fp8_inline, attention_inline
 from workers.speed.modulation import hoist_temb_modulation, restore_temb_modulation
@@ -45,6 +52,8 @@ def apply(model, family, config: SpeedConfig = SpeedConfig(), graphs: bool = Tru
     ``graphs``: its steps run under a graph backend (``full``, ``breakable``), not eagerly."""
     precision = config.precision or model.precision
     to_precision(model, precision)
+    if model.fp8_linears:
+        family.speed_rewrites(model, "precision", config, graphs)
     if config.compile != "off":
         prepare_compile(config.compile_cache)
     if config.compile_cache:  # FlashAttention-4 compiles its kernels whether or not the steps are compiled
@@ -67,11 +76,11 @@ def apply(model, family, config: SpeedConfig = SpeedConfig(), graphs: bool = Tru
             attention = "fp8 (cuDNN)"
     if graphs and config.gelu_epilogue:
         epilogues.fuse_gelu_epilogues(t)
-        flux_blocks.fuse_gelu_epilogues(t)
+        family.speed_rewrites(model, "epilogues", config, graphs)
     family.set_cross_attention(model, config.cross_attention)
     if graphs and config.attention_patch and (breaks or joint):  # FP8 blocks: each norm and its codes one kernel
         norm_fusion.fuse_block_norms(t)
-        flux_blocks.fuse_block_norms(t)
+        family.speed_rewrites(model, "norms", config, graphs)
     if (kernel := family.attention_kernel(model)) is not None:
         attention = kernel
     return Applied(model, attention)
@@ -89,7 +98,8 @@ def unsupported_reason(precision: str, device) -> str | None:
 def to_precision(model, precision: str | None = None):
     """``model`` with its transformer blocks' linears as FP8 matrix products for "fp8" and "fp8+attention"
     (``precision``; None: the one it was loaded for), once: their bf16 weights are released, so a model made
-    FP8 stays FP8. ``model.precision`` says which; returns ``model``."""
+    FP8 stays FP8. ``model.precision`` says which; returns ``model``. The family's own FP8 rewrites (FLUX.1's
+    single blocks' GELU folded into their output's quantization) follow in ``apply`` ("precision")."""
     precision = precision or model.precision
     if precision == model.precision and (precision == "bf16" or model.fp8_linears):
         return model
@@ -98,19 +108,11 @@ def to_precision(model, precision: str | None = None):
     if (why := unsupported_reason(precision, model.device)) is not None:
         raise ValueError(f"cannot run {model.name} in {precision}: {why}")
     if not model.fp8_linears:
-        model.fp8_linears = len(quantize(model.transformer))
+        model.fp8_linears = len(fp8.quantize_linears(model.transformer))
     model.precision = precision
     log.info("%s: %d linears of its blocks in fp8%s", model.name, model.fp8_linears,
              ", its joint attention too" if precision == "fp8+attention" else "")
     return model
-
-
-def quantize(transformer) -> list[str]:
-    """The block linears of ``transformer`` as ``Fp8Linear`` (``workers.speed.fp8.quantize_linears``), FLUX.1's
-    single blocks' GELU folded into their output's quantization; returns the linears' names."""
-    done = fp8.quantize_linears(transformer)
-    flux_blocks.fold_single_block_gelus(transformer)
-    return done
 
 
 def prepare_compile(cache_dir: str) -> None:

@@ -24,7 +24,7 @@ class SpeedConfig:
                                    # request's steps at admission (workers.speed.modulation)
     gelu_epilogue: bool = True    # every family under both graph backends: tanh-GELU feed-forwards with the GELU in
                                   # the product's epilogue on CUDA, FLUX's single blocks without their concatenation
-                                  # (workers.speed.epilogues, workers.speed.flux_blocks)
+                                  # (workers.speed.epilogues; FLUX.1's in workers.families.flux.fast)
     cross_attention: str = "auto"  # text families: "padded" (to max_tokens, masked) | "varlen" (real lengths)
                                    # | "auto" (the family's measured default)
     compile: str = "off"          # "inductor": each step compiled by Inductor once per model and latent shape

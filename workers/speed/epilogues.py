@@ -9,7 +9,7 @@ form) and the bias in the product's epilogue (``torch._addmm_activation``, which
 extern call), so the activation leaves the product already applied. In FLUX's single blocks, the
 concatenation goes too: ``proj_out`` over ``[a | m]`` is ``a @ Wa^T + m @ Wm^T + b`` with ``Wa``, ``Wm``
 column blocks (views) of its weight, two products and an add the following gate and residual fuse with
-(``workers.speed.flux_blocks``).
+(``workers.families.flux.fast``).
 
 Measured on an H200 (bf16, 12288 x 3072 -> 12288): product then GELU 1.57 ms, product with the GELU
 epilogue 1.42, product alone 1.37. The epilogue rounds once (GELU of the float32 accumulator) where the
@@ -79,7 +79,7 @@ class GeluEpilogue(nn.Module):
 
 def fuse_gelu_epilogues(transformer: nn.Module) -> int:
     """Patch ``transformer``'s tanh-GELU feed-forwards as the module docstring says; returns how many were
-    patched now (FLUX.1's single blocks: ``workers.speed.flux_blocks.fuse_gelu_epilogues``). The epilogue is
+    patched now (FLUX.1's single blocks: ``workers.families.flux.fast.fuse_gelu_epilogues``). The epilogue is
     used only where ``epilogue_ok`` holds for the transformer's device; patching again changes nothing (a
     second engine on one model)."""
     from diffusers.models.activations import GELU

@@ -32,7 +32,7 @@ How
   quantization alone is about three times slower than it.
 * FLUX.1's single blocks run ``proj_out(cat([attention, gelu(proj_mlp(x))]))``: their GELU moves into
   ``proj_out``'s quantization too, which reads the attention and the MLP's product from where they are
-  (``quantize_pair``, ``fold_single_block_gelus``): the activation and the concatenation are never written
+  (``quantize_pair``; ``workers.families.flux.fast.fold_single_block_gelus``): the activation and the concatenation are never written
   (on an H200, FLUX.1-dev 1024's FP8 step 2.2-3.9 ms faster, ``docs/benchmarks/kernels_flux1024_fp8_pair.md``).
 * PixArt's, DiT's and FLUX.1's blocks go one step further (``workers.speed.norm_fusion``): each norm, its modulation and the next
   linear's quantization are one kernel of our own (``workers.kernels.norm``), and the projections take its

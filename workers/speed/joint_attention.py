@@ -1,7 +1,7 @@
 """SD3's and FLUX.1's joint attention through the attention kernel measured per shape (``workers.kernels.attention``).
 
-The pieces the routed processors share (``workers.speed.sd3_attention``, ``workers.speed.flux_attention``;
-swapped in by ``workers.speed.routing.route_joint_attention``).
+The pieces the routed processors share (SD3's ``workers.families.sd3.fast``, FLUX.1's
+``workers.families.flux.attention``; swapped in by ``workers.speed.routing.route_joint_attention``).
 
 diffusers' processors (``JointAttnProcessor2_0`` for SD3/SD3.5, ``FluxAttnProcessor`` for FLUX.1) call
 PyTorch's attention with its fixed kernel rule. The processors here are copies of theirs (diffusers 0.42)

@@ -65,7 +65,7 @@ def _qualifies(block: nn.Module) -> bool:
 
 def fuse_block_norms(transformer: nn.Module) -> int:
     """Patch ``transformer``'s qualifying PixArt and DiT blocks (module docstring); returns how many are patched
-    (again: the same count, nothing changes). FLUX.1's: ``workers.speed.flux_blocks.fuse_block_norms``."""
+    (again: the same count, nothing changes). FLUX.1's: ``workers.families.flux.fast.fuse_block_norms``."""
     count = 0
     for block in getattr(transformer, "transformer_blocks", []):
         if type(block) is _block_class():

@@ -1,25 +1,35 @@
-"""SD3's and FLUX.1's attention processors swapped for their routed copies (``workers.speed.sd3_attention``,
-``workers.speed.flux_attention``), with or without FP8 attention."""
+"""Joint attention processors swapped for their routed copies (``workers.speed.joint_attention``), with or
+without FP8 attention.
+
+Which processor class is routed by which is a registry that the families fill from their own folders
+(``routes``): SD3's ``JointAttnProcessor2_0`` by ``workers.families.sd3.fast.RoutedJointAttention``, FLUX.1's
+``FluxAttnProcessor`` by ``workers.families.flux.attention.RoutedFluxAttention``; a family's torch part
+imports its routed processor, so the registry holds it once that family runs. The swap itself is generic.
+"""
 
 from __future__ import annotations
 
 import torch
-from diffusers.models.attention_processor import JointAttnProcessor2_0
-from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 from workers.kernels import fp8_attention
-from workers.speed.flux_attention import RoutedFluxAttention
 from workers.speed.joint_attention import fp8_scales
-from workers.speed.sd3_attention import RoutedJointAttention
+
+ROUTED: dict[type, type] = {}  # diffusers' processor class -> its routed copy
 
 
-ROUTED = {JointAttnProcessor2_0: RoutedJointAttention, FluxAttnProcessor: RoutedFluxAttention}
+def routes(plain: type):
+    """Class decorator: the decorated processor class is the routed copy of ``plain`` (a diffusers attention
+    processor class) from now on."""
+    def register(routed: type) -> type:
+        ROUTED[plain] = routed
+        return routed
+    return register
 
 
 def route_joint_attention(transformer: torch.nn.Module, fp8: bool = False) -> int:
-    """Swap every SD3 / FLUX.1 attention processor of ``transformer`` for its routed copy (FP8 attention where
-    ``fp8``, for heads a multiple of 16 as the kernel wants: FLUX.1's 128, SD3's 64); returns how many. A
-    routed processor is made again, with or without FP8 as asked."""
+    """Swap every attention processor of ``transformer`` that has a routed copy (``ROUTED``) for that copy
+    (FP8 attention where ``fp8``, for heads a multiple of 16 as the kernel wants: FLUX.1's 128, SD3's 64);
+    returns how many. A routed processor is made again, with or without FP8 as asked."""
     kinds = {**ROUTED, **{routed: routed for routed in ROUTED.values()}}
     n = 0
     for module in transformer.modules():

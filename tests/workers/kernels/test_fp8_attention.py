@@ -14,8 +14,8 @@ import torch
 from workers.config import WorkerConfig
 
 from workers.kernels import fp8_attention as fa
+from workers.families.flux.attention import RoutedFluxAttention
 from workers.speed.apply import to_precision
-from workers.speed.flux_attention import RoutedFluxAttention
 from workers.speed.joint_attention import static_scale
 from workers.speed.routing import route_joint_attention
 
@@ -187,18 +187,19 @@ def test_fp8_output_projections_take_the_attentions_codes_as_they_are(monkeypatc
     attention's e4m3 codes at its one descale (``project_codes``), the single blocks' output quantization
     reads them (``quantize_pair``'s ``a_scale``): no bf16 copy in between. The model stays within FP8's error of
     float32, and of the path that dequantizes and quantizes again (where the projections take no codes)."""
-    from workers.speed import flux_attention, flux_blocks
-    from workers.speed.apply import quantize
+    from workers.families.flux import attention as flux_attention, fast as flux_fast
+    from workers.speed.fp8 import quantize_linears
 
     ref_model, x = _tiny_flux(), _flux_inputs()
     ref = _run(ref_model, x)
     model = _tiny_flux()
-    quantize(model)
+    quantize_linears(model)
+    flux_fast.fold_single_block_gelus(model)  # as the family's "precision" rewrite
     assert route_joint_attention(model, fp8=True) == 3
     projected, scaled = [], []
-    real_project, real_pair = flux_attention.project_codes, flux_blocks.quantize_pair
+    real_project, real_pair = flux_attention.project_codes, flux_fast.quantize_pair
     monkeypatch.setattr(flux_attention, "project_codes", lambda p, c, d: projected.append(c.dtype) or real_project(p, c, d))
-    monkeypatch.setattr(flux_blocks, "quantize_pair", lambda a, b, g="tanh", s=None: scaled.append(
+    monkeypatch.setattr(flux_fast, "quantize_pair", lambda a, b, g="tanh", s=None: scaled.append(
         (a.dtype, s is not None)) or real_pair(a, b, g, s))
     coded = _run(model, x)
     assert projected == [fa.FP8, fa.FP8]  # one double block: its image's and its text's projections

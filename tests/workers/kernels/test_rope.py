@@ -11,7 +11,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 
 from workers.kernels import fp8_attention as fa
 from workers.kernels import rope as rope_kernel
-from workers.speed.flux_attention import RoutedFluxAttention
+from workers.families.flux.attention import RoutedFluxAttention
 from workers.speed.routing import route_joint_attention
 
 from .test_fp8_attention import _rel_rms, _tiny_flux

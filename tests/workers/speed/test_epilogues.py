@@ -15,7 +15,7 @@ from torch import nn
 from workers.config import WorkerConfig
 from workers.loading import load_model
 from workers.speed import SpeedConfig
-from workers.speed import flux_blocks
+from workers.families.flux import fast as flux_fast
 from workers.speed.epilogues import GeluEpilogue, epilogue_ok, fuse_gelu_epilogues
 
 
@@ -31,8 +31,9 @@ def tiny_dirs(tmp_path_factory):
 
 
 def _fuse_all(transformer) -> int:
-    """The GELU epilogues the speed layer makes: every family's feed-forwards and FLUX.1's single blocks."""
-    return fuse_gelu_epilogues(transformer) + flux_blocks.fuse_gelu_epilogues(transformer)
+    """The GELU epilogues the speed layer makes: every family's feed-forwards and FLUX.1's single blocks (its
+    family's "epilogues" rewrite)."""
+    return fuse_gelu_epilogues(transformer) + flux_fast.fuse_gelu_epilogues(transformer)
 
 
 def _gelus(transformer) -> int:
@@ -96,24 +97,9 @@ def test_patched_blocks_compute_what_diffusers_computes(family, tiny_dirs):
     assert torch.equal(_forward(model, family), got)
 
 
-def test_flux_single_blocks_keep_one_class_and_their_weights(tiny_dirs):
-    """A blocks-scope compile makes one graph per block class: the patched single blocks share one class,
-    and the patch moved no weight (the state dict is the same tensors)."""
-    from workers.families.base import repeated_blocks
-
-    model = load_model(tiny_dirs["flux"])
-    before = {k: v.data_ptr() for k, v in model.transformer.state_dict().items()}
-    _fuse_all(model.transformer)
-    singles = model.transformer.single_transformer_blocks
-    assert len({type(b) for b in singles}) == 1 and type(singles[0]).__name__ == "EpilogueFluxSingleBlock"
-    assert singles in [getattr(model.transformer, n) for n, _ in model.transformer.named_children()]
-    assert len(repeated_blocks(model.transformer)) == len(singles) + len(model.transformer.transformer_blocks)
-    assert {k: v.data_ptr() for k, v in model.transformer.state_dict().items()} == before
-
-
 def test_fp8_linears_are_left_to_fp8():
     """FP8 feed-forwards fold their GELU into the next linear's quantization (workers.speed.fp8): not patched."""
-    from workers.speed.apply import quantize as quantize_linears
+    from workers.speed.fp8 import quantize_linears
 
     model = load_model("digits")
     quantize_linears(model.transformer)

@@ -12,7 +12,8 @@ from workers.config import WorkerConfig
 from workers.speed.apply import to_precision
 from workers.loading import load_model
 from workers.speed import SpeedConfig
-from workers.speed import flux_blocks, fp8
+from workers.loading import load_model
+from workers.speed import fp8
 from workers.speed.apply import to_precision
 from workers.speed.fp8 import Fp8Linear, linear_into, quantize_linears, quantize_rows
 
@@ -256,43 +257,6 @@ def test_mmdit_blocks_and_flux_single_blocks_are_taken_and_the_latents_stay_clos
                  for m in (model, load_model(folder)))
     rel = ((got - want).norm() / want.norm()).item()
     assert 0.0 < rel < 0.05, rel
-
-
-def test_flux_single_blocks_fold_their_gelu_into_the_output_projections_quantization(tmp_path, monkeypatch):
-    """FP8 FLUX.1 single blocks: ``proj_mlp`` keeps only its product and ``proj_out`` quantizes
-    cat([attention, gelu(mlp)]) by ``quantize_pair``; the transformer's output is what the unfolded FP8 blocks
-    give (the same operations on a CPU), and bf16 single blocks are left to the GELU epilogue."""
-    import copy
-
-    from workers.loading import load_model
-    from workers.models.tiny_flux import make_tiny_flux
-
-    folder = make_tiny_flux(tmp_path / "flux")
-    model = to_precision(load_model(folder, precision="fp8"))
-    (block,) = model.transformer.single_transformer_blocks
-    assert type(block).__name__ == "Fp8FluxSingleBlock" and block._mlp_gelu == "tanh"
-    assert flux_blocks.fold_single_block_gelus(model.transformer) == 0  # nothing left to fold
-    assert type(load_model(folder).transformer.single_transformer_blocks[0]).__name__ == "FluxSingleTransformerBlock"
-    unfolded = copy.deepcopy(model.transformer)
-    assert flux_blocks.unfold_single_block_gelus(unfolded) == 1
-    assert type(unfolded.single_transformer_blocks[0]).__name__ == "FluxSingleTransformerBlock"
-    calls = []
-    real = flux_blocks.quantize_pair
-    monkeypatch.setattr(flux_blocks, "quantize_pair", lambda a, b, gelu="tanh", s=None: calls.append(gelu) or real(a, b, gelu, s))
-    g = torch.Generator().manual_seed(0)
-    cfg = model.transformer.config
-    n, text = 16, 5
-    inputs = dict(hidden_states=torch.randn(2, n, cfg.in_channels, generator=g),
-                  encoder_hidden_states=torch.randn(2, text, cfg.joint_attention_dim, generator=g),
-                  pooled_projections=torch.randn(2, cfg.pooled_projection_dim, generator=g),
-                  timestep=torch.tensor([0.5, 0.25]), guidance=torch.tensor([3.5, 3.5]),
-                  img_ids=torch.randn(n, 3, generator=g), txt_ids=torch.zeros(text, 3))
-    with torch.no_grad():
-        got = model.transformer(**inputs).sample
-        want = unfolded(**inputs).sample
-    assert calls == ["tanh"]
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    assert got.abs().max() > 0
 
 
 def test_devices_without_fp8_are_refused_with_the_reason(monkeypatch):

@@ -1,4 +1,5 @@
-"""SD3's and FLUX.1's attention routed through the kernel per shape (workers/joint_attention.py): on a CPU the
+"""SD3's and FLUX.1's attention routed through the kernel per shape (``workers.speed.joint_attention``; the
+routed processors are the families', registered with ``workers.speed.routing``): on a CPU the
 routed processors compute what diffusers' compute (tiny random transformers, float32), every attention call
 goes through the chooser, a masked call keeps diffusers' path, and restoring brings diffusers' processors back."""
 
@@ -8,9 +9,9 @@ import torch
 
 from workers.config import WorkerConfig
 from workers.kernels import attention as sdpa
-from workers.speed.flux_attention import RoutedFluxAttention
+from workers.families.flux.attention import RoutedFluxAttention
+from workers.families.sd3.fast import RoutedJointAttention
 from workers.speed.routing import restore_joint_attention, route_joint_attention
-from workers.speed.sd3_attention import RoutedJointAttention
 
 
 def _tiny_flux(head=8):

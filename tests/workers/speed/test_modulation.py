@@ -12,7 +12,7 @@ from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 from workers.speed import fp8, modulation
 
-from .test_norm_fusion import _flux_call
+from tests.workers.families.test_flux_fast import _flux_call
 
 
 @pytest.fixture
@@ -119,7 +119,7 @@ def test_sd3_and_sd35_norms_are_hoisted_too(tmp_path):
 def test_fp8_flux_with_fused_norms_reads_the_hoisted_modulation(tmp_path):
     from workers.speed import norm_fusion
 
-    from .test_norm_fusion import _tiny_flux_fp8
+    from tests.workers.families.test_flux_fast import _tiny_flux_fp8
 
     tr = _tiny_flux_fp8(tmp_path, fp8_attention=True).transformer
     norm_fusion.fuse_block_norms(tr)

@@ -12,8 +12,7 @@ from workers.config import WorkerConfig
 from workers.speed.apply import to_precision
 from workers.speed import SpeedConfig
 from workers.kernels import norm as norm_kernel
-from workers.speed import SpeedConfig
-from workers.speed import flux_blocks, fp8, norm_fusion
+from workers.speed import SpeedConfig, fp8, norm_fusion
 from workers.speed.apply import to_precision
 
 
@@ -204,70 +203,3 @@ def test_text_rows_are_normed_as_the_rows_of_the_concatenation():
     assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
     with pytest.raises(ValueError, match="no residual add"):
         norm_kernel.add_norm_quantize(x, x, text=text)
-
-
-def _tiny_flux_fp8(tmp_path, fp8_attention: bool):
-    from workers.loading import load_model
-    from workers.models.tiny_flux import make_tiny_flux
-    from workers.speed.routing import route_joint_attention
-
-    model = to_precision(load_model(make_tiny_flux(tmp_path / "flux", head_dim=16), precision="fp8"))
-    route_joint_attention(model.transformer, fp8=fp8_attention)
-    return model
-
-
-def _flux_call(tr, n=16, text=5, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    cfg = tr.config
-    return dict(hidden_states=torch.randn(2, n, cfg.in_channels, generator=g),
-                encoder_hidden_states=torch.randn(2, text, cfg.joint_attention_dim, generator=g),
-                pooled_projections=torch.randn(2, cfg.pooled_projection_dim, generator=g),
-                timestep=torch.tensor([0.5, 0.25]), guidance=torch.tensor([3.5, 3.5]),
-                img_ids=torch.randn(n, 3, generator=g), txt_ids=torch.zeros(text, 3))
-
-
-@pytest.mark.parametrize("fp8_attention", [False, True])
-def test_fused_norm_flux_blocks_compute_what_their_own_forward_computes(tmp_path, fp8_attention, monkeypatch):
-    """FLUX.1's FP8 double and single blocks with the norms fused and one product for each stream's q, k and v
-    (and the single blocks' MLP): the transformer's output against the same FP8 blocks' own forward (float32
-    on a CPU: the same arithmetic, but for the rounding order ahead of a code)."""
-    model = _tiny_flux_fp8(tmp_path, fp8_attention)
-    tr = model.transformer
-    doubles, singles = len(tr.transformer_blocks), len(tr.single_transformer_blocks)
-    calls = []
-    kernel = flux_blocks.add_norm_quantize
-    monkeypatch.setattr(flux_blocks, "add_norm_quantize",
-                        lambda *a, **k: calls.append("text" in k) or kernel(*a, **k))
-    inputs = _flux_call(tr)
-    with torch.no_grad():
-        want = tr(**inputs).sample
-        assert flux_blocks.fuse_block_norms(tr) == doubles + singles == flux_blocks.fused_blocks(tr)
-        assert flux_blocks.fuse_block_norms(tr) == doubles + singles  # again: nothing changes
-        got = tr(**inputs).sample
-    assert calls == [False] * 4 * doubles + [True] * singles  # two norms a stream; one of text and image together
-    rel = ((got - want).norm() / want.norm()).item()
-    assert rel < 1e-4, rel  # 0 on a CPU today: the fused arithmetic is the same float32
-    assert got.abs().max() > 0
-    keys = set(tr.state_dict())
-    flux_blocks.restore_block_norms(tr)
-    assert flux_blocks.fused_blocks(tr) == 0 and set(tr.state_dict()) == keys  # the fused products are no submodules
-    assert type(tr.single_transformer_blocks[0]).__name__ == "Fp8FluxSingleBlock"
-    with torch.no_grad():
-        again = tr(**inputs).sample
-    torch.testing.assert_close(again, want)  # the parts' weights, views of the fused ones, are what they were
-
-
-def test_flux_blocks_without_fp8_or_routed_attention_keep_their_forward(tmp_path, monkeypatch):
-    from workers.loading import load_model
-    from workers.models.tiny_flux import make_tiny_flux
-    from workers.speed.routing import restore_joint_attention
-
-    assert flux_blocks.fuse_block_norms(load_model(make_tiny_flux(tmp_path / "bf16")).transformer) == 0
-    model = _tiny_flux_fp8(tmp_path, False)
-    tr = model.transformer
-    assert flux_blocks.fuse_block_norms(tr) > 0
-    restore_joint_attention(tr)  # diffusers' processors: the fused forward steps aside
-    monkeypatch.setattr(flux_blocks, "add_norm_quantize", lambda *a, **k: pytest.fail("fused path taken"))
-    with torch.no_grad():
-        out = tr(**_flux_call(tr)).sample
-    assert out.shape == (2, 16, tr.config.in_channels) and torch.isfinite(out).all()

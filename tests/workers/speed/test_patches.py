@@ -37,7 +37,7 @@ def test_fused_qkv_matches_separate_projections_and_adds_no_weights():
     """``break_attention`` fuses each block's q, k, v projections into one product (its weights are the
     same memory as to_q, to_k, to_v); the model computes what it computes with them separate, in float32
     and with FP8 linears."""
-    from workers.speed.apply import quantize as quantize_linears
+    from workers.speed.fp8 import quantize_linears
 
     g = torch.Generator().manual_seed(1)
     x, t, y = torch.randn(5, 1, 8, 8, generator=g), torch.tensor([3, 90, 400, 800, 999]), torch.arange(5)
@@ -61,7 +61,7 @@ def test_patching_a_model_again_keeps_the_fused_weights_the_first_patch_made():
     """A second engine on one model patches it again: the fused q|k|v modules must be the first patch's
     (same memory), or the first engine's captured graphs would read a freed weight (seen on a GPU as NaN
     images from the engine built first). A part replaced since (FP8 after fusing) is fused afresh."""
-    from workers.speed.apply import quantize as quantize_linears
+    from workers.speed.fp8 import quantize_linears
     from workers.speed.fp8 import fuse_linears
 
     m = load_model("digits")

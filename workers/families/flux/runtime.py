@@ -36,7 +36,7 @@ from graphs import TensorSpec
 from samplers import model_input, sampler_step
 from workers.speed import modulation
 from workers.encoders import load_text_encoder, place_encoder
-from workers.families.flux import Flux, builtin
+from workers.families.flux import Flux, builtin, fast  # fast: its routed attention registers on import
 from workers.families.textcache import encodings
 from workers.loading import (ModelError, assemble, cast, instantiate, load_vae, read_config,
                              refuse_without_safetensors)
@@ -101,6 +101,14 @@ class FluxRuntime(Flux):
         else:
             temb = embed.forward(timestep, pooled)
         return {"modulation": modulation.temb_modulation(tr).table(temb)}                # (N, width)
+
+    def speed_rewrites(self, model, stage: str, config, graphs: bool) -> int:
+        """FLUX.1's blocks made fast (``workers.families.flux.fast``): the FP8 single blocks' GELU folded into
+        their output's quantization ("precision"), the bf16 single blocks' GELU in its product's epilogue
+        ("epilogues"), the FP8 blocks' norms fused with their codes ("norms"); how many blocks."""
+        rewrite = {"precision": fast.fold_single_block_gelus, "epilogues": fast.fuse_gelu_epilogues,
+                   "norms": fast.fuse_block_norms}.get(stage)
+        return rewrite(model.transformer) if rewrite is not None else 0
 
     def plan_kwargs(self, model, shape: tuple[int, int, int]) -> dict:
         """FLUX.1-dev's resolution-dependent shift: ``mu`` from the packed sequence length (h/2)(w/2), as

@@ -1,4 +1,6 @@
-"""FLUX.1's blocks made fast (diffusers' ``FluxTransformerBlock`` and ``FluxSingleTransformerBlock``, 0.42).
+"""FLUX.1's own fast paths: its blocks made fast (diffusers' ``FluxTransformerBlock`` and
+``FluxSingleTransformerBlock``, 0.42), applied by the speed layer through the family's ``speed_rewrites``
+(``workers.families.flux.runtime``; its routed attention is ``workers.families.flux.attention``).
 
 Three rewrites of FLUX.1's block classes, each one class for all blocks of a kind (a blocks-scope compile
 still makes one graph per kind):
@@ -11,7 +13,7 @@ still makes one graph per kind):
   split over the concatenation's two parts (``workers.speed.epilogues``).
 * FP8 blocks with fused norms (``fuse_block_norms``), as ``workers.speed.norm_fusion`` does PixArt's and
   DiT's. FLUX.1's blocks (diffusers' ``FluxTransformerBlock`` and ``FluxSingleTransformerBlock``, FP8 with the GELUs
-folded, ``workers.speed.fp8``) run the same way, their attention routed (``workers.speed.joint_attention``):
+folded, ``workers.speed.fp8``) run the same way, their attention routed (``workers.families.flux.attention``):
 
     double:  n = LN(x) * (1 + scale_msa) + shift_msa for the image's and the text's states (two calls) -> each
              stream's q, k and v as one product of those codes (``fuse_linears``), handed to the processor
@@ -33,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.families.flux.attention import RoutedFluxAttention
 from workers.kernels.norm import add_norm_quantize
 from workers.speed.epilogues import epilogue_ok, linear_gelu
-from workers.speed.flux_attention import RoutedFluxAttention
 from workers.speed.fp8 import Fp8Linear, Projection, fuse_linears, quantize_pair
 from workers.speed.norm_fusion import _plain_norm
 

@@ -1,4 +1,6 @@
-"""SD3's joint attention processor routed through the measured kernels (``workers.speed.joint_attention``).
+"""SD3's own fast path: its joint attention processor routed through the measured kernels
+(``workers.speed.joint_attention``), registered with the speed layer's routing (``workers.speed.routing``), which
+swaps it in for diffusers' under the graph backends.
 
 A copy of diffusers' ``JointAttnProcessor2_0`` (0.42) that differs in the attention call: bf16 by the kernel
 the chooser measured for the shape (``attention_inline``), or FP8 (``fp8`` set: precision "fp8+attention")
@@ -11,8 +13,10 @@ import torch
 from diffusers.models.attention_processor import JointAttnProcessor2_0
 
 from workers.speed.joint_attention import Fp8Scales, attention_inline, fp8_joint_attention
+from workers.speed.routing import routes
 
 
+@routes(JointAttnProcessor2_0)
 class RoutedJointAttention(JointAttnProcessor2_0):
     """SD3's joint attention (as JointAttnProcessor2_0, diffusers 0.42), its attention by ``attention_inline``
     (or FP8, ``fp8_joint_attention``, where ``fp8`` holds its scales)."""

@@ -1,4 +1,6 @@
-"""FLUX.1's attention processor routed through the measured kernels (``workers.speed.joint_attention``).
+"""FLUX.1's attention processor routed through the measured kernels (``workers.speed.joint_attention``),
+registered with the speed layer's routing (``workers.speed.routing``), which swaps it in for diffusers' under
+the graph backends.
 
 A copy of diffusers' ``FluxAttnProcessor`` (0.42) that differs in the attention call: bf16 by the kernel the
 chooser measured for the shape (``attention_inline``), q, k and v normed and rotated into the joint layout
@@ -19,8 +21,10 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, _g
 from workers.kernels import fp8_attention, rope
 from workers.speed.joint_attention import (Fp8Scales, _plain_rms, attend_codes, attention_inline,
                                            fp8_joint_attention_codes, project_codes, takes_codes)
+from workers.speed.routing import routes
 
 
+@routes(FluxAttnProcessor)
 class RoutedFluxAttention(FluxAttnProcessor):
     """FLUX.1's attention (as FluxAttnProcessor, diffusers 0.42), its attention by ``attention_inline`` (or
     FP8, ``fp8_joint_attention``, where ``fp8`` holds its scales)."""
@@ -29,7 +33,7 @@ class RoutedFluxAttention(FluxAttnProcessor):
 
     # ``projected`` (in the methods below): the six projections ``_get_qkv_projections`` would make (q, k, v of
     # the image's states, then the text's, None for a single block), made by the caller from rows it
-    # quantized with its norm (``workers.speed.norm_fusion``); ``hidden_states`` and ``encoder_hidden_states`` then
+    # quantized with its norm (``workers.families.flux.fast``); ``hidden_states`` and ``encoder_hidden_states`` then
     # give only the shapes and the dtype.
 
     def attention_codes(self, attn, hidden_states, image_rotary_emb=None, projected=None):
