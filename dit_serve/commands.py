@@ -226,7 +226,7 @@ def submit(args) -> int:
             except KeyboardInterrupt:
                 raise CommandError(f"interrupted; job {job.id} keeps running on the service (stop it with: "
                                    f"dit-serve cancel {job.id})", EXIT_INTERRUPTED) from None
-            print(_summary(job), file=sys.stderr)
+            print(_report(job), file=sys.stderr)
         if args.out:
             return _write(client, job, args.out, force=True)  # checked above, before the job existed
     return 0 if job.state != "failed" else EXIT_FAILURE
@@ -235,7 +235,7 @@ def submit(args) -> int:
 def status(args) -> int:
     with _client(args) as client:
         job = client.get(args.job, items=args.json)
-        print(job.model_dump_json(indent=2) if args.json else _summary(job))
+        print(job.model_dump_json(indent=2) if args.json else _report(job))
     return 0
 
 
@@ -292,6 +292,14 @@ def _summary(job) -> str:
             f"({job.model}, {job.params.sampler}, {job.params.steps} steps)")
 
 
+def _report(job) -> str:
+    """``_summary``, then each distinct reason items failed for, with how many: one line each."""
+    lines = [_summary(job)]
+    for f in job.failures:
+        lines.append(f"  {f.items} item{'s' if f.items != 1 else ''} failed (first: item {f.first}): {f.error}")
+    return "\n".join(lines)
+
+
 def demo(args) -> int:
     """The main job: the service on the embedded default (local Ray, SQLite in a temporary folder,
     digits on the CPU), a job of the ten digits through the SDK with a progress bar, PNGs + grid +
@@ -309,7 +317,7 @@ def demo(args) -> int:
         model = client.models().data[0].id
         job = client.submit(list(range(10)), model=model, num_per_label=args.num_per_label)
         job = client.wait(job, progress=True)
-        print(_summary(job), file=sys.stderr)
+        print(_report(job), file=sys.stderr)
         code = _write(client, job, args.out, force=True)
     print(f"grid: {args.out / 'grid.png'}")
     return code

@@ -167,12 +167,30 @@ class WebhookStatus(_Response):
     error: str | None = Field(None, description="why the last delivery failed")
 
 
+class Failure(_Response):
+    """One reason items of a job failed, and how many failed so."""
+
+    error: str
+    items: int = Field(description="how many items failed with this reason")
+    first: int = Field(description="the lowest index of such an item")
+
+
+def failure_summary(failures: list[Failure], failed: int, num_items: int, shown: int = 3) -> str:
+    """One line: how many items failed and why, the most common reasons first."""
+    reasons = "; ".join(f"{clip(f.error, 300)} ({f.items})" for f in failures[:shown])
+    more = f"; {len(failures) - shown} other reasons" if len(failures) > shown else ""
+    return f"{failed} of {num_items} items failed: {reasons}{more}"
+
+
 class Job(_Response):
     id: str
     state: State
     model: str
     params: JobParams | None = Field(description="null only for a stored job that cannot be read (see error)")
-    error: str | None = Field(None, description="why the job could not be read back from the store")
+    error: str | None = Field(None, description="a failed job: how many items failed and why (the reasons are in "
+                                                "`failures`); or why the job could not be read back from the store")
+    failures: list[Failure] = Field(default_factory=list, description="why items failed: each distinct reason "
+                                                                      "with its count, the most common first")
     tenant: str = "default"
     priority: int = 0
     webhook: WebhookStatus | None = None
