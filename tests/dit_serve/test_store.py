@@ -262,6 +262,17 @@ def test_cancel(store):
     assert not store.cancel_job("no-such-job")
 
 
+def test_the_queues_reserve_is_for_tenants_that_hold_little(store):
+    bounds = dict(max_active=10, reserve=3)
+    store.submit("digits", PARAMS, [1] * 7, list(range(7)), tenant="a", **bounds)  # 7 = 10 - 3: fits
+    with pytest.raises(QueueFull, match="last 3 places are kept for tenants holding at most 3") as e:
+        store.submit("digits", PARAMS, [1], [7], tenant="a", **bounds)  # a would hold 8 > 3
+    assert not e.value.never
+    store.submit("digits", PARAMS, [1] * 3, [1, 2, 3], tenant="b", **bounds)  # b holds 3 <= 3: fits, 10 of 10
+    with pytest.raises(QueueFull, match="the service has 10 items"):
+        store.submit("digits", PARAMS, [1], [1], tenant="c", **bounds)
+
+
 def test_a_cancel_keeps_the_progress_made(store):
     job_id = _job(store, 3)
     (running,) = store.lease("w", ["digits"], 1, ttl=30)

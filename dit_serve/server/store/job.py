@@ -48,10 +48,12 @@ class JobsMixin(StoreBase):
     def submit(self, model: str, params: JobParams, labels: list[int], seeds: list[int],
                idempotency_key: str | None = None, priority: int = 0, webhook_url: str | None = None, *,
                tenant: str = DEFAULT_TENANT, max_active: int | None = None,
-               tenant_max_active: int | None = None, prompts: list[str] | None = None, view: bool = False) -> tuple:
+               tenant_max_active: int | None = None, prompts: list[str] | None = None, view: bool = False,
+               reserve: int = 0) -> tuple:
         """``create_job`` that also says whether the job is new (False: an earlier submission's) and
         belongs to ``tenant`` (Idempotency-Keys are per tenant). ``QueueFull``, and nothing stored, when
-        the queued and running items would exceed ``max_active`` (all tenants) or ``tenant_max_active``.
+        the queued and running items would exceed ``max_active`` (all tenants) or ``tenant_max_active``,
+        or would pass ``max_active - reserve`` while the tenant then holds more than ``reserve`` items.
         With ``view``, a third element: the new job as ``get_job`` would read it right after (None for an
         earlier submission's), made from what was written rather than read back."""
         stored = params.model_dump_json()
@@ -77,7 +79,7 @@ class JobsMixin(StoreBase):
             with self._tx() as conn:  # the key's lookup inside the writing transaction: one transaction, not two
                 if idempotency_key is not None and (found := self._by_key(tenant, idempotency_key, digest, conn)):
                     return earlier(found)
-                self._check_room(conn, len(labels), tenant, max_active, tenant_max_active)
+                self._check_room(conn, len(labels), tenant, max_active, tenant_max_active, reserve)
                 conn.execute(_INSERT_JOB, job_row)
                 conn.execute(_INSERT_ITEMS, item_rows)
         except IntegrityError:  # the same key committed by a concurrent submission: that one stands
@@ -91,13 +93,19 @@ class JobsMixin(StoreBase):
         rows = [SimpleNamespace(**_ITEM_DEFAULTS, **r) for r in item_rows]  # read as result rows are
         return job_id, True, _job(SimpleNamespace(**job_row), _stats_of_rows(rows), rows)
 
-    def _check_room(self, conn, n: int, tenant: str, max_active: int | None, tenant_max_active: int | None) -> None:
+    def _check_room(self, conn, n: int, tenant: str, max_active: int | None, tenant_max_active: int | None,
+                    reserve: int = 0) -> None:
         """Raise ``QueueFull`` if ``n`` more items would pass a bound; inside the submitting transaction
-        (PostgreSQL: serialised by a lock, so concurrent submissions cannot pass it together)."""
+        (PostgreSQL: serialised by a lock, so concurrent submissions cannot pass it together).
+
+        The last ``reserve`` places of ``max_active`` take only jobs whose tenant then holds at most
+        ``reserve`` items: a tenant holding more stops at ``max_active - reserve``, so while the queue is
+        as full as one tenant (or several large ones) can make it, a small tenant's job still fits."""
         if max_active is None and tenant_max_active is None:
             return
         if conn.dialect.name == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(7346120985)"))
+        held = {}
         for bound, query, whose in ((max_active, _ACTIVE_ALL, "the service"),
                                     (tenant_max_active, _ACTIVE_OF_TENANT, "your tenant")):
             if bound is None:
@@ -105,10 +113,18 @@ class JobsMixin(StoreBase):
             if n > bound:
                 raise QueueFull(f"the job has {n} items but {whose} may hold at most {bound} queued or running "
                                 "items: split it into smaller jobs", never=True)
-            held = conn.execute(query, {"tenant": tenant}).scalar_one()
-            if held + n > bound:
-                raise QueueFull(f"{whose} has {held} items queued or running and may hold at most {bound}; "
+            held[whose] = conn.execute(query, {"tenant": tenant}).scalar_one()
+            if held[whose] + n > bound:
+                raise QueueFull(f"{whose} has {held[whose]} items queued or running and may hold at most {bound}; "
                                 f"this job of {n} would pass that: retry later")
+        if max_active is None or not reserve or held["the service"] + n <= max_active - reserve:
+            return
+        mine = held.get("your tenant")
+        mine = conn.execute(_ACTIVE_OF_TENANT, {"tenant": tenant}).scalar_one() if mine is None else mine
+        if mine + n > reserve:
+            raise QueueFull(f"the service's queue holds {held['the service']} of {max_active} items; its last "
+                            f"{reserve} places are kept for tenants holding at most {reserve}, and this job of {n} "
+                            f"would make yours hold {mine + n}: retry later")
 
     def _by_key(self, tenant: str, key: str, digest: str, conn=None) -> str | None:
         if conn is None:
