@@ -22,7 +22,10 @@ MAX_STEPS = 10_000
 MAX_GUIDANCE = 100.0
 MAX_PREVIEW_EVERY = 1000
 MAX_NAME = 200  # model names, class names
-MAX_PROMPT = 2000  # characters; the model's tokenizer then truncates to its token limit, as the reference does
+# characters, for /v1/jobs' prompts and /v1/images/generations' prompt alike (OpenAI's own bound for its
+# images API); the model's tokenizer then truncates to its token limit, as the reference does, with a warning.
+# GET /v1/models says it per model (max_prompt_chars).
+MAX_PROMPT = 32000
 
 
 def clip(text: str, n: int = 100) -> str:
@@ -281,7 +284,7 @@ class ImageGenerationRequest(_Request):
     opaque, non-streamed output exists; ``seed``, ``steps``, ``guidance`` and ``priority`` are
     extensions (pass them with the OpenAI SDK's ``extra_body``)."""
 
-    prompt: str = Field(min_length=1, max_length=32000)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT)
     model: str | None = Field(None, min_length=1, max_length=MAX_NAME)
     n: int = Field(1, ge=1, le=10_000)
     size: str | None = Field(None, max_length=20, description="'WxH': one of the model's sizes (GET /v1/models), or any size for "
@@ -323,6 +326,8 @@ class ModelCard(_Response):
     family: str = "dit"
     num_classes: int = 0
     max_tokens: int = Field(0, description="text models: prompts are truncated to this many tokens")
+    max_prompt_chars: int = Field(MAX_PROMPT, description="the longest prompt a request may send, in characters "
+                                                          "(/v1/jobs and /v1/images/generations alike)")
     image_size: int
     sizes: list[str] = Field(default_factory=list, description="'WxH' sizes the model makes")
     class_names: list[str] = Field(default_factory=list, description="index i names class i; empty if unnamed")

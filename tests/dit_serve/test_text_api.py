@@ -55,7 +55,7 @@ def test_a_text_job_stores_its_prompts(api):
     ({"model": "digits", "prompts": ["seven"]}, "prompts", "class-conditional: send labels"),
     ({"model": "digits", "labels": [7], "negative_prompt": "blurry"}, "negative_prompt", "applies to text models"),
     ({"model": "pixart-tiny", "prompts": ["   "]}, "prompts.0", "non-empty"),
-    ({"model": "pixart-tiny", "prompts": ["x" * 2001]}, "prompts.0", "at most 2000"),
+    ({"model": "pixart-tiny", "prompts": ["x" * 32001]}, "prompts.0", "at most 32000"),
     ({"model": "digits", "labels": [1], "width": 32}, "width", "makes 8x8 images only"),
     ({"model": "digits", "labels": [1], "height": 16, "exact_size": True}, "height", "makes 8x8 images only"),
     ({"model": "pixart-tiny"}, None, "neither was given"),
@@ -140,6 +140,22 @@ def test_digits_text_counts_tokens_before_its_tokenizer_truncates(api):
     job = _openai_job(http, {"model": "digits-text", "prompt": huge})
     (warning,) = job["params"]["warnings"]
     assert warning.startswith("prompt 'seven seven") and "has 1667 tokens" in warning, warning
+
+
+def test_one_prompt_limit_for_jobs_and_the_images_endpoint_from_the_model_card(api):
+    _, http = api
+    card = http.get("/v1/models/digits-text").json()
+    limit = card["max_prompt_chars"]
+    assert limit == 32000
+    fits, over = "seven " * ((limit - 1) // 6), "x" * (limit + 1)
+    r = http.post("/v1/jobs", json={"model": "digits-text", "prompts": [fits]})
+    assert r.status_code == 202, r.text
+    http.delete(f"/v1/jobs/{r.json()['id']}")
+    assert _openai_job(http, {"model": "digits-text", "prompt": fits})["params"]["warnings"]
+    for path, body, param in (("/v1/jobs", {"model": "digits-text", "prompts": [over]}, "prompts.0"),
+                              ("/v1/images/generations", {"model": "digits-text", "prompt": over}, "prompt")):
+        err = http.post(path, json=body).json()["error"]
+        assert err["param"] == param and f"has {limit + 1} characters; at most {limit}" in err["message"], err
 
 
 def _openai_job(http, body: dict) -> dict:
