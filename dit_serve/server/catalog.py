@@ -20,6 +20,7 @@ from dit_serve.schemas import ImageGenerationRequest, JobParams, JobRequest, Mod
 from samplers.rules import RULES, Grid, SettingError, check_plan
 from workers import cards
 from workers.families import preview_map_of
+from workers.families.base import DIT_SCHEDULER
 from workers.sizes import parse_size
 
 
@@ -51,7 +52,7 @@ def random_seed(idempotency_key: str | None = None) -> int:
 
 def grid_of(card: cards.ModelCard) -> Grid:
     """What the samplers' rules read of a model's schedule (its worker builds NoiseSchedule from the same)."""
-    return Grid.of(card.scheduler or cards.DIT_SCHEDULER)
+    return Grid.of(card.scheduler or DIT_SCHEDULER)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from dit_serve.server.catalog import grid_of
 from dit_serve.server.metrics import Metrics
 from dit_serve.server.service import build_catalog, open_store
 from samplers.rules import RULES, max_steps
-from workers.cards import DIT_SCHEDULER, SHIPPED, read_card
+from workers.cards import SHIPPED, read_card
+from workers.families.base import DIT_SCHEDULER
 
 from .conftest import service_config
 
