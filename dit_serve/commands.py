@@ -127,7 +127,11 @@ def keys(args) -> int:
     from dit_serve.server import keys as k
     from dit_serve.server.service import open_store
 
-    store = open_store(_config(args))
+    cfg = _config(args)
+    where = _store_shown(cfg.store.database_url())
+    if args.action != "create":
+        _check_store_exists(cfg.store.database_url(), where)
+    store = open_store(cfg)
     try:
         if args.action == "create":
             for flag, value, lo, hi in (("--max-queued", args.max_queued, 1, 10**9),
@@ -140,9 +144,11 @@ def keys(args) -> int:
                 raise CommandError(str(e)) from None
             k.set_limits(store, args.tenant, args.max_queued, args.max_priority)
             print(key)
-            print(f"key {key_id} for tenant {args.tenant!r} ({'admin' if args.admin else 'user'}): "
-                  "store it now, it is not shown again", file=sys.stderr)
+            print(f"key {key_id} for tenant {args.tenant!r} ({'admin' if args.admin else 'user'}) written to the "
+                  f"store {where}: keep the key now, it is not shown again", file=sys.stderr)
         elif args.action == "list":
+            print(f"keys in the store {where}", file=sys.stderr)
+            print(f"{'ID':<{KEY_ID_WIDTH}}  {'TENANT':<20} {'ROLE':<5} {'STATE':<7} {'CREATED':<16}  LIMITS  NAME")
             for row in k.list_keys(store):
                 when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["created_at"]))
                 state = "revoked" if row["revoked_at"] else "active"
@@ -155,6 +161,27 @@ def keys(args) -> int:
     finally:
         store.close()
     return 0
+
+
+KEY_ID_WIDTH = 12  # an id as dit_serve.server.keys makes it (its header column is as wide)
+
+
+def _store_shown(url: str) -> str:
+    """The store's URL as said to a user: without its password."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _check_store_exists(url: str, where: str) -> None:
+    """A read-only command (keys list, keys revoke) never creates a store: an SQLite file that is not there
+    is a wrong folder or a missing --config, said as such."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database and not Path(parsed.database).exists():
+        raise CommandError(f"no job store at {parsed.database} ({where}): pass the service's --config, or "
+                           "--database-url or --data-dir (keys create makes a store; this command only reads one)")
 
 
 def prompts_of(args) -> list[str] | None:

@@ -304,3 +304,23 @@ def test_a_cancelled_job_keeps_its_progress_in_status(service, api):
     assert cli("cancel", job, env=env).returncode == 0
     proc = cli("status", job, env=env)
     assert proc.returncode == 0 and f"{job} cancelled: 2 cancelled; 83/200 steps" in proc.stdout, proc.stdout
+
+
+def test_keys_list_never_creates_a_store_and_keys_say_which_store(tmp_path):
+    def keys(*args):
+        environ = {**os.environ, "PYTHONPATH": str(ROOT)}
+        return subprocess.run([sys.executable, "-m", "dit_serve.cli", "keys", *args], capture_output=True,
+                              text=True, timeout=120, env=environ, cwd=tmp_path)
+
+    for args in (["list"], ["revoke", "abc"]):  # another folder, no --config: nothing there to read
+        err = one_line(keys(*args))
+        assert "no job store at dit-serve-data/jobs.db" in err and "--config" in err, err
+    assert list(tmp_path.iterdir()) == []
+    data = tmp_path / "data"
+    created = keys("create", "--tenant", "alice", "--data-dir", str(data))
+    assert created.returncode == 0 and f"written to the store sqlite:///{data / 'jobs.db'}" in created.stderr
+    listing = keys("list", "--data-dir", str(data))
+    assert listing.returncode == 0 and f"sqlite:///{data / 'jobs.db'}" in listing.stderr
+    header, row = listing.stdout.splitlines()
+    assert header.split() == ["ID", "TENANT", "ROLE", "STATE", "CREATED", "LIMITS", "NAME"]
+    assert row.split()[1:4] == ["alice", "user", "active"] and row.index("alice") == header.index("TENANT")
