@@ -127,7 +127,11 @@ def keys(args) -> int:
     from dit_serve.server import keys as k
     from dit_serve.server.service import open_store
 
-    store = open_store(_config(args))
+    cfg = _config(args)
+    where = _store_shown(cfg.store.database_url())
+    if args.action != "create":
+        _check_store_exists(cfg.store.database_url(), where)
+    store = open_store(cfg)
     try:
         if args.action == "create":
             for flag, value, lo, hi in (("--max-queued", args.max_queued, 1, 10**9),
@@ -140,9 +144,11 @@ def keys(args) -> int:
                 raise CommandError(str(e)) from None
             k.set_limits(store, args.tenant, args.max_queued, args.max_priority)
             print(key)
-            print(f"key {key_id} for tenant {args.tenant!r} ({'admin' if args.admin else 'user'}): "
-                  "store it now, it is not shown again", file=sys.stderr)
+            print(f"key {key_id} for tenant {args.tenant!r} ({'admin' if args.admin else 'user'}) written to the "
+                  f"store {where}: keep the key now, it is not shown again", file=sys.stderr)
         elif args.action == "list":
+            print(f"keys in the store {where}", file=sys.stderr)
+            print(f"{'ID':<{KEY_ID_WIDTH}}  {'TENANT':<20} {'ROLE':<5} {'STATE':<7} {'CREATED':<16}  LIMITS  NAME")
             for row in k.list_keys(store):
                 when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["created_at"]))
                 state = "revoked" if row["revoked_at"] else "active"
@@ -155,6 +161,27 @@ def keys(args) -> int:
     finally:
         store.close()
     return 0
+
+
+KEY_ID_WIDTH = 12  # an id as dit_serve.server.keys makes it (its header column is as wide)
+
+
+def _store_shown(url: str) -> str:
+    """The store's URL as said to a user: without its password."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _check_store_exists(url: str, where: str) -> None:
+    """A read-only command (keys list, keys revoke) never creates a store: an SQLite file that is not there
+    is a wrong folder or a missing --config, said as such."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database and not Path(parsed.database).exists():
+        raise CommandError(f"no job store at {parsed.database} ({where}): pass the service's --config, or "
+                           "--database-url or --data-dir (keys create makes a store; this command only reads one)")
 
 
 def prompts_of(args) -> list[str] | None:
@@ -226,7 +253,7 @@ def submit(args) -> int:
             except KeyboardInterrupt:
                 raise CommandError(f"interrupted; job {job.id} keeps running on the service (stop it with: "
                                    f"dit-serve cancel {job.id})", EXIT_INTERRUPTED) from None
-            print(_summary(job), file=sys.stderr)
+            print(_report(job), file=sys.stderr)
         if args.out:
             return _write(client, job, args.out, force=True)  # checked above, before the job existed
     return 0 if job.state != "failed" else EXIT_FAILURE
@@ -235,7 +262,7 @@ def submit(args) -> int:
 def status(args) -> int:
     with _client(args) as client:
         job = client.get(args.job, items=args.json)
-        print(job.model_dump_json(indent=2) if args.json else _summary(job))
+        print(job.model_dump_json(indent=2) if args.json else _report(job))
     return 0
 
 
@@ -292,6 +319,14 @@ def _summary(job) -> str:
             f"({job.model}, {job.params.sampler}, {job.params.steps} steps)")
 
 
+def _report(job) -> str:
+    """``_summary``, then each distinct reason items failed for, with how many: one line each."""
+    lines = [_summary(job)]
+    for f in job.failures:
+        lines.append(f"  {f.items} item{'s' if f.items != 1 else ''} failed (first: item {f.first}): {f.error}")
+    return "\n".join(lines)
+
+
 def demo(args) -> int:
     """The main job: the service on the embedded default (local Ray, SQLite in a temporary folder,
     digits on the CPU), a job of the ten digits through the SDK with a progress bar, PNGs + grid +
@@ -309,7 +344,7 @@ def demo(args) -> int:
         model = client.models().data[0].id
         job = client.submit(list(range(10)), model=model, num_per_label=args.num_per_label)
         job = client.wait(job, progress=True)
-        print(_summary(job), file=sys.stderr)
+        print(_report(job), file=sys.stderr)
         code = _write(client, job, args.out, force=True)
     print(f"grid: {args.out / 'grid.png'}")
     return code

@@ -22,7 +22,10 @@ MAX_STEPS = 10_000
 MAX_GUIDANCE = 100.0
 MAX_PREVIEW_EVERY = 1000
 MAX_NAME = 200  # model names, class names
-MAX_PROMPT = 2000  # characters; the model's tokenizer then truncates to its token limit, as the reference does
+# characters, for /v1/jobs' prompts and /v1/images/generations' prompt alike (OpenAI's own bound for its
+# images API); the model's tokenizer then truncates to its token limit, as the reference does, with a warning.
+# GET /v1/models says it per model (max_prompt_chars).
+MAX_PROMPT = 32000
 
 
 def clip(text: str, n: int = 100) -> str:
@@ -167,12 +170,30 @@ class WebhookStatus(_Response):
     error: str | None = Field(None, description="why the last delivery failed")
 
 
+class Failure(_Response):
+    """One reason items of a job failed, and how many failed so."""
+
+    error: str
+    items: int = Field(description="how many items failed with this reason")
+    first: int = Field(description="the lowest index of such an item")
+
+
+def failure_summary(failures: list[Failure], failed: int, num_items: int, shown: int = 3) -> str:
+    """One line: how many items failed and why, the most common reasons first."""
+    reasons = "; ".join(f"{clip(f.error, 300)} ({f.items})" for f in failures[:shown])
+    more = f"; {len(failures) - shown} other reasons" if len(failures) > shown else ""
+    return f"{failed} of {num_items} items failed: {reasons}{more}"
+
+
 class Job(_Response):
     id: str
     state: State
     model: str
     params: JobParams | None = Field(description="null only for a stored job that cannot be read (see error)")
-    error: str | None = Field(None, description="why the job could not be read back from the store")
+    error: str | None = Field(None, description="a failed job: how many items failed and why (the reasons are in "
+                                                "`failures`); or why the job could not be read back from the store")
+    failures: list[Failure] = Field(default_factory=list, description="why items failed: each distinct reason "
+                                                                      "with its count, the most common first")
     tenant: str = "default"
     priority: int = 0
     webhook: WebhookStatus | None = None
@@ -263,7 +284,7 @@ class ImageGenerationRequest(_Request):
     opaque, non-streamed output exists; ``seed``, ``steps``, ``guidance`` and ``priority`` are
     extensions (pass them with the OpenAI SDK's ``extra_body``)."""
 
-    prompt: str = Field(min_length=1, max_length=32000)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT)
     model: str | None = Field(None, min_length=1, max_length=MAX_NAME)
     n: int = Field(1, ge=1, le=10_000)
     size: str | None = Field(None, max_length=20, description="'WxH': one of the model's sizes (GET /v1/models), or any size for "
@@ -305,6 +326,8 @@ class ModelCard(_Response):
     family: str = "dit"
     num_classes: int = 0
     max_tokens: int = Field(0, description="text models: prompts are truncated to this many tokens")
+    max_prompt_chars: int = Field(MAX_PROMPT, description="the longest prompt a request may send, in characters "
+                                                          "(/v1/jobs and /v1/images/generations alike)")
     image_size: int
     sizes: list[str] = Field(default_factory=list, description="'WxH' sizes the model makes")
     class_names: list[str] = Field(default_factory=list, description="index i names class i; empty if unnamed")

@@ -15,10 +15,11 @@ import hashlib
 import secrets
 from dataclasses import dataclass
 
-from dit_serve.schemas import ImageGenerationRequest, JobParams, JobRequest, ModelCard
+from dit_serve.schemas import ImageGenerationRequest, JobParams, JobRequest, ModelCard, clip
 from dit_serve.server.config import LimitsConfig
 from samplers.rules import RULES, Grid, SettingError, check_plan
 from workers.families import preview_map_of
+from workers.families.base import DIT_SCHEDULER
 from workers.request import cards
 from workers.request.sizes import parse_size
 
@@ -51,7 +52,7 @@ def random_seed(idempotency_key: str | None = None) -> int:
 
 def grid_of(card: cards.ModelCard) -> Grid:
     """What the samplers' rules read of a model's schedule (its worker builds NoiseSchedule from the same)."""
-    return Grid.of(card.scheduler or cards.DIT_SCHEDULER)
+    return Grid.of(card.scheduler or DIT_SCHEDULER)
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ class Catalog:
         seed = random_seed() if req.seed is None else req.seed
         seeds = [seed + i for i in range(req.n)]
         if info.conditioning == "text":
-            params.warnings.extend(_truncation_warnings(info, [req.prompt]))
+            params.warnings.extend(_truncation_warnings(info, [req.prompt], "prompt"))
             return NewJob(info.name, params, [0] * req.n, seeds, req.priority, prompts=[req.prompt] * req.n)
         try:
             label = info.label_id(req.prompt)
@@ -168,14 +169,21 @@ class Catalog:
 
 @functools.lru_cache(maxsize=16)
 def _tokenizer(path: str):
+    """The model's tokenizer.json, to count a prompt's tokens: without the truncation and padding a file may
+    carry (digits-text's cuts at 32 and pads to 32), which would make every prompt as long as the limit."""
     from tokenizers import Tokenizer  # the Rust tokenizer alone: no torch, no transformers
 
-    return Tokenizer.from_file(path)
+    tok = Tokenizer.from_file(path)
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
 
 
-def _truncation_warnings(info: cards.ModelCard, prompts: list[str], limit: int = 10) -> list[str]:
+def _truncation_warnings(info: cards.ModelCard, prompts: list[str], field: str = "prompts",
+                         limit: int = 10) -> list[str]:
     """Prompts longer than the model's token limit are cut there, as the reference pipelines do; the job
-    says which (counted with the model's own tokenizer.json; a directory without one is not counted)."""
+    says which, naming each such prompt and its token count (counted with the model's own tokenizer.json;
+    a directory without one is not counted)."""
     if not info.tokenizer_file or not info.max_tokens:
         return []
     try:
@@ -186,8 +194,9 @@ def _truncation_warnings(info: cards.ModelCard, prompts: list[str], limit: int =
     for i, p in enumerate(prompts):
         n = len(tok.encode(p.lower().strip() if info.lowercase_prompts else p).ids)
         if n > info.max_tokens and len(out) < limit:
-            out.append(f"prompts[{i}] has {n} tokens; model {info.name!r} reads the first {info.max_tokens} "
-                       "(the rest is cut, as the reference pipelines do)")
+            where = field if len(prompts) == 1 and field != "prompts" else f"{field}[{i}]"
+            out.append(f"{where} {clip(p, 60)!r} has {n} tokens; model {info.name!r} reads the first "
+                       f"{info.max_tokens} (the rest is cut, as the reference pipelines do)")
     return out
 
 

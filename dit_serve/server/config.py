@@ -110,8 +110,18 @@ class LimitsConfig(_Section):
                                                              "beyond it gets a 429 with Retry-After")
     tenant_max_queued_items: int = Field(20_000, ge=1, description="the same per tenant, unless the tenant "
                                                                    "has its own limit (dit-serve keys create)")
+    reserve_fraction: float = Field(0.1, ge=0, lt=1, description="the last part of max_queued_items kept for "
+                                                                  "tenants that hold little: a job that would take "
+                                                                  "the queue into it is admitted only if its tenant "
+                                                                  "then holds at most that many items, so no tenant "
+                                                                  "(an admin's included) fills the queue for the others")
     tenant_max_priority: int = Field(100, ge=-100, le=100, description="highest job priority a tenant may "
                                                                        "ask for, unless it has its own limit")
+
+    @property
+    def reserved_items(self) -> int:
+        """The reserve of ``reserve_fraction``, in items."""
+        return int(self.max_queued_items * self.reserve_fraction)
 
 
 class WebhookConfig(_Section):

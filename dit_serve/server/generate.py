@@ -18,6 +18,7 @@ from PIL import Image
 
 from dit_serve.errors import UsageError
 from dit_serve.outputs import grid, publish
+from dit_serve.schemas import MAX_PROMPT
 
 if TYPE_CHECKING:  # numpy is the server extra's: grid and publish also serve the client's `fetch`
     import numpy as np
@@ -25,7 +26,6 @@ if TYPE_CHECKING:  # numpy is the server extra's: grid and publish also serve th
 log = logging.getLogger(__name__)
 
 MAX_STEPS = 1000
-MAX_PROMPT = 2000  # as the API (dit_serve.schemas)
 
 
 @dataclass(frozen=True)

@@ -72,9 +72,22 @@ def test_unknown_ids_and_indices(api):
     _error(http.get("/v1/jobs/nope/archive"), 404)
     job = http.post("/v1/jobs", json={"labels": [3], "num_per_label": 2}).json()
     assert "has 2 images (0..1), not 2" in _error(http.get(f"/v1/jobs/{job['id']}/images/2"), 404)["message"]
-    assert "not ready (item state: queued)" in _error(http.get(f"/v1/jobs/{job['id']}/images/0"), 409)["message"]
+    assert "is not ready yet (queued, step 0 of" in _error(http.get(f"/v1/jobs/{job['id']}/images/0"), 409)["message"]
     _error(http.get("/v1/jobs/x/images/minus-one"), 400)
     _error(http.get("/v1/no-such-route"), 404)
+
+
+def test_a_failed_or_cancelled_items_image_is_gone_and_says_why(api):
+    svc, http = api
+    job = http.post("/v1/jobs", json={"labels": [3], "num_per_label": 2, "priority": 100}).json()["id"]
+    leases = sorted(svc.store.lease("test-api", ["digits"], 1, 60.0), key=lambda ls: ls.index)
+    assert [(ls.job_id, ls.index) for ls in leases] == [(job, 0)]
+    assert svc.store.fail_item(leases[0], "dpmpp_2m with 1000 steps is degenerate")
+    err = _error(http.get(f"/v1/jobs/{job}/images/0"), 410)
+    assert f"image 0 of job {job} failed: dpmpp_2m with 1000 steps is degenerate" in err["message"]
+    assert f"/v1/jobs/{job}/retry" in err["message"] and err["param"] == "index"
+    http.delete(f"/v1/jobs/{job}")
+    assert "was cancelled" in _error(http.get(f"/v1/jobs/{job}/images/1"), 410)["message"]
 
 
 def test_submit_resolves_names_defaults_and_seeds(api):

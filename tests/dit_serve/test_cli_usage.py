@@ -49,18 +49,42 @@ KEY = "cli-usage-key-0123"
 
 
 @pytest.fixture(scope="module")
-def api(digits_model, tmp_path_factory):
-    """An API-only service with a key (no workers: jobs stay queued), and the env that reaches it."""
-    import httpx
-
+def service(digits_model, tmp_path_factory):
+    """An API-only service with a key (no workers: jobs stay queued unless a test plays the worker)."""
     from dit_serve.server.service import Service
 
     from .conftest import service_config
 
     cfg = service_config(tmp_path_factory.mktemp("cli"), digits_model, server={"api_keys": [KEY]})
     with Service(cfg, roles=("api",)) as svc:
-        with httpx.Client(base_url=svc.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=10) as http:
-            yield svc.url, http, {"DIT_SERVE_URL": svc.url, "DIT_SERVE_API_KEY": KEY}
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def api(service):
+    """The service's URL, a client with its key, and the env that reaches it."""
+    import httpx
+
+    with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=10) as http:
+        yield service.url, http, {"DIT_SERVE_URL": service.url, "DIT_SERVE_API_KEY": KEY}
+
+
+def _play_worker(store, job_id: str, errors: list[str | None]) -> None:
+    """Lease the job's items (submitted with priority 100: first in line) and end item i as a worker would:
+    failed with ``errors[i]``, or done with a PNG when it is None."""
+    import io
+
+    from PIL import Image
+
+    leases = sorted(store.lease("test-cli", ["digits"], len(errors), 60.0), key=lambda ls: ls.index)
+    assert [(ls.job_id, ls.index) for ls in leases] == [(job_id, i) for i in range(len(errors))]
+    for lease, error in zip(leases, errors):
+        if error is None:
+            buf = io.BytesIO()
+            Image.new("L", (8, 8), 128).save(buf, format="PNG")
+            assert store.commit_result(lease, buf.getvalue())
+        else:
+            assert store.fail_item(lease, error)
 
 
 def _jobs(http) -> int:
@@ -234,3 +258,69 @@ def test_the_webhooks_example_explains_a_refused_receiver(api, tmp_path):
                            str(tmp_path)], capture_output=True, text=True, timeout=120, env=environ, cwd=ROOT)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "allow_hosts = [\"127.0.0.1\"]" in proc.stderr and "loopback" in proc.stderr
+
+
+def test_a_failed_jobs_reasons_show_in_status_and_the_jobs_json(service, api):
+    url, http, env = api
+    job = http.post("/v1/jobs", json={"labels": [1], "num_per_label": 3, "priority": 100}).json()["id"]
+    _play_worker(service.store, job, ["out of memory", "out of memory", "plan is degenerate"])
+    proc = cli("status", job, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"{job} failed: 3 failed")
+    assert lines[1:] == ["  2 items failed (first: item 0): out of memory",
+                         "  1 item failed (first: item 2): plan is degenerate"]
+    body = http.get(f"/v1/jobs/{job}?items=false").json()
+    assert body["error"] == "3 of 3 items failed: out of memory (2); plan is degenerate (1)"
+    assert body["failures"] == [{"error": "out of memory", "items": 2, "first": 0},
+                                {"error": "plan is degenerate", "items": 1, "first": 2}]
+
+
+def test_submit_wait_shows_why_a_job_failed(service, api):
+    url, http, env = api
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    proc = subprocess.Popen([sys.executable, "-m", "dit_serve.cli", "submit", "--labels", "2,3", "--priority", "100",
+                             "--wait"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ,
+                            cwd=ROOT)
+    try:
+        job = proc.stdout.readline().strip()
+        assert job, proc.stderr.read()
+        _play_worker(service.store, job, [None, "the worker ran out of memory"])
+        assert proc.wait(60) == 1
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert f"{job} failed: 1 done, 1 failed" in err
+    assert "  1 item failed (first: item 1): the worker ran out of memory" in err and "Traceback" not in err
+
+
+def test_a_cancelled_job_keeps_its_progress_in_status(service, api):
+    url, http, env = api
+    job = http.post("/v1/jobs", json={"labels": [1], "num_per_label": 2, "priority": 100, "steps": 100}).json()["id"]
+    leases = sorted(service.store.lease("test-cli", ["digits"], 2, 60.0), key=lambda ls: ls.index)
+    leases[0].step = 83
+    assert service.store.heartbeat(leases, 60.0) == []
+    assert cli("cancel", job, env=env).returncode == 0
+    proc = cli("status", job, env=env)
+    assert proc.returncode == 0 and f"{job} cancelled: 2 cancelled; 83/200 steps" in proc.stdout, proc.stdout
+
+
+def test_keys_list_never_creates_a_store_and_keys_say_which_store(tmp_path):
+    def keys(*args):
+        environ = {**os.environ, "PYTHONPATH": str(ROOT)}
+        return subprocess.run([sys.executable, "-m", "dit_serve.cli", "keys", *args], capture_output=True,
+                              text=True, timeout=120, env=environ, cwd=tmp_path)
+
+    for args in (["list"], ["revoke", "abc"]):  # another folder, no --config: nothing there to read
+        err = one_line(keys(*args))
+        assert "no job store at dit-serve-data/jobs.db" in err and "--config" in err, err
+    assert list(tmp_path.iterdir()) == []
+    data = tmp_path / "data"
+    created = keys("create", "--tenant", "alice", "--data-dir", str(data))
+    assert created.returncode == 0 and f"written to the store sqlite:///{data / 'jobs.db'}" in created.stderr
+    listing = keys("list", "--data-dir", str(data))
+    assert listing.returncode == 0 and f"sqlite:///{data / 'jobs.db'}" in listing.stderr
+    header, row = listing.stdout.splitlines()
+    assert header.split() == ["ID", "TENANT", "ROLE", "STATE", "CREATED", "LIMITS", "NAME"]
+    assert row.split()[1:4] == ["alice", "user", "active"] and row.index("alice") == header.index("TENANT")

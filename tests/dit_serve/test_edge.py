@@ -15,7 +15,7 @@ from .conftest import service_config
 @pytest.fixture(scope="module")
 def api(digits_model, tmp_path_factory):
     cfg = service_config(tmp_path_factory.mktemp("edge"), digits_model,
-                         limits={"max_items_per_job": 50, "max_queued_items": 60})
+                         limits={"max_items_per_job": 50, "max_queued_items": 60, "reserve_fraction": 0})
     with Service(cfg, roles=("api",)) as svc:
         with httpx.Client(base_url=svc.url, timeout=10) as http:
             yield svc, http

@@ -26,7 +26,7 @@ def http(tmp_path_factory):
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({"model": "digits-text", "prompts": ["x" * 2001]}, "prompts.0", "prompts.0 has 2001 characters; at most 2000"),
+    ({"model": "digits-text", "prompts": ["x" * 32001]}, "prompts.0", "prompts.0 has 32001 characters; at most 32000"),
     ({"labels": []}, "labels", "labels must not be empty"),
     ({"labels": [1], "seeds": []}, "seeds", "seeds must not be empty"),
     ({"labels": [1], "steps": 1e308}, "steps", "steps must be a whole number"),

@@ -21,14 +21,15 @@ CONFIG = """
 [checks.positive_data_acceptance]
 # a request the schema accepts may still be one the chosen model cannot run: which conditioning it takes
 # (labels or prompts), its class names, samplers, sizes and step bounds are the model card's, checked by
-# the catalog with a 400 that names the field
-expected-statuses = ["2XX", "400", "401", "403", "404", "409", "429"]
+# the catalog with a 400 that names the field; an item's image is 409 while not made yet, 410 once it failed
+# or was cancelled
+expected-statuses = ["2XX", "400", "401", "403", "404", "409", "410", "429"]
 
 [[operations]]
 include-path = "/v1/images/generations"
 # no worker here: the images endpoint waits for a job that never runs and answers its schema's 504
 checks.not_a_server_error.expected-statuses = ["2XX", "3XX", "4XX", "504"]
-checks.positive_data_acceptance.expected-statuses = ["2XX", "400", "401", "403", "404", "409", "429", "504"]
+checks.positive_data_acceptance.expected-statuses = ["2XX", "400", "401", "403", "404", "409", "410", "429", "504"]
 """
 
 

@@ -262,6 +262,45 @@ def test_cancel(store):
     assert not store.cancel_job("no-such-job")
 
 
+def test_the_queues_reserve_is_for_tenants_that_hold_little(store):
+    bounds = dict(max_active=10, reserve=3)
+    store.submit("digits", PARAMS, [1] * 7, list(range(7)), tenant="a", **bounds)  # 7 = 10 - 3: fits
+    with pytest.raises(QueueFull, match="last 3 places are kept for tenants holding at most 3") as e:
+        store.submit("digits", PARAMS, [1], [7], tenant="a", **bounds)  # a would hold 8 > 3
+    assert not e.value.never
+    store.submit("digits", PARAMS, [1] * 3, [1, 2, 3], tenant="b", **bounds)  # b holds 3 <= 3: fits, 10 of 10
+    with pytest.raises(QueueFull, match="the service has 10 items"):
+        store.submit("digits", PARAMS, [1], [1], tenant="c", **bounds)
+
+
+def test_a_cancel_keeps_the_progress_made(store):
+    job_id = _job(store, 3)
+    (running,) = store.lease("w", ["digits"], 1, ttl=30)
+    running.step = 4
+    assert store.heartbeat([running], ttl=30) == []
+    assert store.cancel_job(job_id)
+    for job in (store.get_job(job_id), store.get_job(job_id, with_items=False), store.list_jobs(10, 0)[0][0]):
+        # 4 of item 0's 10 steps, of 3 x 10: the bar stays where it was, beside "cancelled"
+        assert (job.state, job.steps_done, job.steps_total) == ("cancelled", 4, 30)
+    assert [it.step for it in store.get_job(job_id).items] == [4, 0, 0]
+
+
+def test_a_failed_job_says_why_with_counts(store):
+    job_id = _job(store, 4)
+    leases = store.lease("w", ["digits"], 4, ttl=30)
+    for ls, why in zip(leases, ["out of memory", "bad plan", "out of memory", None]):
+        if why:
+            assert store.fail_item(ls, why)
+        else:
+            assert store.commit_result(ls, b"png")
+    for job in (store.get_job(job_id), store.get_job(job_id, with_items=False), store.list_jobs(10, 0)[0][0]):
+        assert job.state == "failed"
+        assert [(f.error, f.items, f.first) for f in job.failures] == [("out of memory", 2, 0), ("bad plan", 1, 1)]
+        assert job.error == "3 of 4 items failed: out of memory (2); bad plan (1)"
+    ok = _job(store, 1)
+    assert store.get_job(ok).failures == [] and store.get_job(ok).error is None
+
+
 def test_leases_follow_models_and_fifo(store):
     a = _job(store, 2, model="digits")
     b = _job(store, 2, model="other")

@@ -68,6 +68,29 @@ def test_tenant_limits_priority_and_queue(svc):
         assert admin.post("/v1/jobs", json={"labels": [1], "priority": 100}).status_code == 202
 
 
+def test_one_tenant_cannot_fill_the_queue_for_the_others(digits_model, tmp_path):
+    """max_queued_items 10 with a reserve of 3: a tenant stops at 7 (the admin, unbounded per tenant, too);
+    the last 3 places take tenants holding at most 3 items."""
+    cfg = service_config(tmp_path, digits_model, server={"api_keys": ["admin-key"]},
+                         limits={"max_queued_items": 10, "reserve_fraction": 0.3})
+    with Service(cfg, roles=("api",)) as service:
+        _, alice_key = create_key(service.store, "alice")
+        _, bob_key = create_key(service.store, "bob")
+        _, eve_key = create_key(service.store, "eve")
+        with _http(service, "admin-key") as admin, _http(service, alice_key) as alice, \
+                _http(service, bob_key) as bob, _http(service, eve_key) as eve:
+            held = 0
+            while (r := admin.post("/v1/jobs", json={"labels": [1]})).status_code == 202:
+                held += 1
+            assert held == 7 and r.status_code == 429 and r.headers["Retry-After"]
+            assert "last 3 places are kept for tenants holding at most 3" in r.json()["error"]["message"]
+            assert alice.post("/v1/jobs", json={"labels": [1, 2]}).status_code == 202  # 9 of 10
+            r = alice.post("/v1/jobs", json={"labels": [1, 2]})
+            assert r.status_code == 429 and "this job of 2 would pass that" in r.json()["error"]["message"]
+            assert bob.post("/v1/jobs", json={"labels": [3]}).status_code == 202  # the last place
+            assert eve.post("/v1/jobs", json={"labels": [4]}).status_code == 429  # a full queue is full
+
+
 def test_keys_are_stored_hashed_and_can_be_revoked(svc):
     key_id, key = create_key(svc.store, "dave", name="laptop")
     with svc.store.engine.connect() as conn:

@@ -3,6 +3,8 @@ wrong kind a 400 naming the field, nothing stored; prompts travel to the worker'
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -20,7 +22,7 @@ def api(digits_model, tmp_path_factory):
     models = tmp_path_factory.mktemp("models")
     text_model = make_tiny_pixart(models / "pixart-tiny")
     cfg = service_config(tmp_path_factory.mktemp("text-api"), digits_model,
-                         workers={"models": (digits_model, str(text_model), str(make_tiny_sd3(models / "sd3-tiny")),
+                         workers={"models": (digits_model, "digits-text", str(text_model), str(make_tiny_sd3(models / "sd3-tiny")),
                                              str(make_tiny_flux(models / "flux-tiny")),
                                              str(make_tiny_flux(models / "schnell-tiny", schnell=True)))})
     with Service(cfg, roles=("api",)) as svc:
@@ -53,7 +55,7 @@ def test_a_text_job_stores_its_prompts(api):
     ({"model": "digits", "prompts": ["seven"]}, "prompts", "class-conditional: send labels"),
     ({"model": "digits", "labels": [7], "negative_prompt": "blurry"}, "negative_prompt", "applies to text models"),
     ({"model": "pixart-tiny", "prompts": ["   "]}, "prompts.0", "non-empty"),
-    ({"model": "pixart-tiny", "prompts": ["x" * 2001]}, "prompts.0", "at most 2000"),
+    ({"model": "pixart-tiny", "prompts": ["x" * 32001]}, "prompts.0", "at most 32000"),
     ({"model": "digits", "labels": [1], "width": 32}, "width", "makes 8x8 images only"),
     ({"model": "digits", "labels": [1], "height": 16, "exact_size": True}, "height", "makes 8x8 images only"),
     ({"model": "pixart-tiny"}, None, "neither was given"),
@@ -121,9 +123,61 @@ def test_a_prompt_over_the_token_limit_is_cut_with_a_warning_in_the_job(api):
     r = http.post("/v1/jobs", json={"model": "pixart-tiny", "prompts": ["a dog", long]})
     assert r.status_code == 202, r.text
     (warning,) = r.json()["params"]["warnings"]
-    assert warning.startswith("prompts[1] has 31 tokens") and "reads the first 16" in warning
+    assert warning.startswith(f"prompts[1] {long[:57] + '...'!r} has 31 tokens") and "reads the first 16" in warning
     assert http.get(f"/v1/jobs/{r.json()['id']}").json()["params"]["warnings"] == [warning]  # stored with the job
     http.post(f"/v1/jobs/{r.json()['id']}/cancel")
+
+
+def test_digits_text_counts_tokens_before_its_tokenizer_truncates(api):
+    """digits-text's tokenizer.json truncates at 32 and pads to 32: counted as shipped, every prompt had 32."""
+    _, http = api
+    long = " ".join(["seven"] * 90)  # 90 words, 91 tokens with the end token
+    r = http.post("/v1/jobs", json={"model": "digits-text", "prompts": ["a seven", long]})
+    assert r.status_code == 202, r.text
+    (warning,) = r.json()["params"]["warnings"]
+    assert warning.startswith("prompts[1] 'seven seven") and "has 91 tokens" in warning, warning
+    huge = "seven " * 1666  # about 10,000 characters, through the OpenAI endpoint (no worker: it waits, then 504)
+    job = _openai_job(http, {"model": "digits-text", "prompt": huge})
+    (warning,) = job["params"]["warnings"]
+    assert warning.startswith("prompt 'seven seven") and "has 1667 tokens" in warning, warning
+
+
+def test_one_prompt_limit_for_jobs_and_the_images_endpoint_from_the_model_card(api):
+    _, http = api
+    card = http.get("/v1/models/digits-text").json()
+    limit = card["max_prompt_chars"]
+    assert limit == 32000
+    fits, over = "seven " * ((limit - 1) // 6), "x" * (limit + 1)
+    r = http.post("/v1/jobs", json={"model": "digits-text", "prompts": [fits]})
+    assert r.status_code == 202, r.text
+    http.delete(f"/v1/jobs/{r.json()['id']}")
+    assert _openai_job(http, {"model": "digits-text", "prompt": fits})["params"]["warnings"]
+    for path, body, param in (("/v1/jobs", {"model": "digits-text", "prompts": [over]}, "prompts.0"),
+                              ("/v1/images/generations", {"model": "digits-text", "prompt": over}, "prompt")):
+        err = http.post(path, json=body).json()["error"]
+        assert err["param"] == param and f"has {limit + 1} characters; at most {limit}" in err["message"], err
+
+
+def _openai_job(http, body: dict) -> dict:
+    """The job an images request made (this service has no worker): sent in a thread, found in the list."""
+    import threading
+
+    before = http.get("/v1/jobs").json()["total"]
+    def send() -> None:
+        try:
+            httpx.post(str(http.base_url.join("/v1/images/generations")), json=body, timeout=2)
+        except httpx.TimeoutException:  # it waits for a worker there is none of; its job is cancelled
+            pass
+
+    threading.Thread(target=send, daemon=True).start()
+    for _ in range(100):
+        page = http.get("/v1/jobs").json()
+        if page["total"] > before:
+            job = page["data"][0]
+            http.delete(f"/v1/jobs/{job['id']}")
+            return job
+        time.sleep(0.05)
+    raise AssertionError("the images request made no job")
 
 
 def test_mmdit_models_say_what_guidance_means_and_refuse_what_does_not_apply(api):

@@ -14,6 +14,7 @@ import io
 import os
 import shutil
 import struct
+import time
 import zipfile
 
 import httpx
@@ -304,4 +305,42 @@ def test_previews_show_in_the_grid_while_a_job_denoises(svc, browser):
                                     "i => i.complete && i.naturalWidth > 0).length") > 0, 60, "a preview in a cell")
     _find(browser, "#j-cancel").click()
     _wait(browser, lambda d: _text(d, "#j-state") == "cancelled", what="cancelled")
+    assert _js_errors(browser) == []
+
+
+def test_a_failed_jobs_reasons_are_visible_text_and_a_cancel_keeps_its_progress(keyed, browser):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    failed = httpx.post(f"{keyed.url}/v1/jobs", json={"labels": [1, 2, 3], "priority": 100}, headers=auth).json()["id"]
+    leases = sorted(keyed.store.lease("test-web", ["digits"], 3, 60.0), key=lambda ls: ls.index)
+    assert [(ls.job_id, ls.index) for ls in leases] == [(failed, i) for i in range(3)]
+    for lease, why in zip(leases, ["out of memory", "out of memory", "plan is degenerate"]):
+        assert keyed.store.fail_item(lease, why)
+    browser.get(f"{keyed.url}/")
+    browser.execute_script("sessionStorage.setItem('dit-serve.api-key', arguments[0])", KEY)
+    browser.get(f"{keyed.url}/#/jobs/{failed}")
+    _wait(browser, lambda d: _text(d, "#j-state") == "failed", what="failed")
+    _wait(browser, lambda d: _js(d, "return [...document.querySelectorAll('#j-failures li')].map(li => "
+                                    "li.textContent)") == ["2 items failed (first: #0): out of memory",
+                                                           "1 item failed (first: #2): plan is degenerate"],
+          what="the reasons")
+    # shown as text in each cell (seen on a phone too), not only as a tooltip
+    assert _js(browser, "return [...document.querySelectorAll('#grid .cell .why')].map(w => "
+                        "w.offsetParent !== null && w.textContent)") == ["out of memory", "out of memory",
+                                                                         "plan is degenerate"]
+    assert _js(browser, "return document.querySelector('#j-download').disabled")  # no images to download
+
+    running = httpx.post(f"{keyed.url}/v1/jobs", json={"labels": [4], "steps": 100, "priority": 100},
+                         headers=auth).json()["id"]
+    (lease,) = keyed.store.lease("test-web", ["digits"], 1, 60.0)
+    assert lease.job_id == running
+    lease.step = 40
+    assert keyed.store.heartbeat([lease], 60.0) == []
+    browser.get(f"{keyed.url}/#/jobs/{running}")
+    _wait(browser, lambda d: _text(d, "#j-state") == "running"
+          and _js(d, "return document.querySelector('#j-progress').value") == 0.4, what="40 of 100 steps")
+    _find(browser, "#j-cancel").click()
+    _wait(browser, lambda d: _text(d, "#j-state") == "cancelled", what="cancelled")
+    time.sleep(0.5)  # the end event's and the last read's renders
+    assert _js(browser, "return [document.querySelector('#j-progress').value, "
+                        "document.querySelector('#grid .cell progress').value]") == [0.4, 0.4]
     assert _js_errors(browser) == []

@@ -13,7 +13,8 @@ from dit_serve.schemas import ErrorResponse
 DESCRIPTIONS = {400: "Bad request: the message names the field", 401: "Missing or invalid API key",
                 403: "Not allowed for this tenant", 404: "No such job, image or model (or another tenant's)",
                 405: "Method not allowed (see the Allow header)", 408: "The request body did not arrive in time",
-                409: "Conflict", 413: "Request body too large",
+                409: "Conflict (an image not made yet: the message says its state)",
+                410: "Gone: the item failed (the message says why) or was cancelled", 413: "Request body too large",
                 415: "The body is not sent as JSON (Content-Type: application/json)", 429: "Too many queued items: retry after Retry-After "
                 "seconds", 500: "Internal error, or the generation failed", 503: "Not ready",
                 504: "The generation did not finish in time"}

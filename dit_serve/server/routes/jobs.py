@@ -136,7 +136,7 @@ def retry_job(store: StoreDep, who: Caller, job_id: str = JobId) -> Job:
 
 
 @router.get("/jobs/{job_id}/images/{index}", response_class=FileResponse,
-            responses={200: {"content": {"image/png": {}}}, **errors(404, 409)})
+            responses={200: {"content": {"image/png": {}}}, **errors(404, 409, 410)})
 def get_image(store: StoreDep, who: Caller, job_id: str = JobId, index: int = Path(ge=0, le=MAX_ITEMS)):
     path = store.image_path(job_id, index, tenant=who.scope)
     if path is None:
@@ -144,10 +144,22 @@ def get_image(store: StoreDep, who: Caller, job_id: str = JobId, index: int = Pa
         if not 0 <= index < job.num_items:
             raise RequestError(f"job {job_id} has {job.num_items} images (0..{job.num_items - 1}), "
                                f"not {index}", "index", status=404)
-        state = job.items[index].state
-        raise RequestError(f"image {index} of job {job_id} is not ready (item state: {state})", "index",
-                           status=409)
+        raise _no_image(job, index)
     return FileResponse(path, media_type="image/png")
+
+
+def _no_image(job: Job, index: int) -> RequestError:
+    """Why item ``index`` has no image: 409 while it may still come (queued, running); 410 once it cannot
+    without a retry (failed: with its reason) or at all (cancelled)."""
+    item = job.items[index]
+    where = f"image {index} of job {job.id}"
+    if item.state == "failed":
+        return RequestError(f"{where} failed: {clip(item.error or 'no reason recorded', 600)} (POST "
+                            f"/v1/jobs/{job.id}/retry queues the job's failed items again)", "index", status=410)
+    if item.state == "cancelled":
+        return RequestError(f"{where} was cancelled before it was made", "index", status=410)
+    return RequestError(f"{where} is not ready yet ({item.state}, step {item.step} of {item.total_steps})", "index",
+                        status=409)
 
 
 @router.get("/jobs/{job_id}/items/{index}/preview", response_class=Response,

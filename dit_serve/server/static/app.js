@@ -256,7 +256,8 @@ function jobView(jobId) {
         el("div", { className: "frame" }, el("img", { alt: `${itemText(item)}, seed ${item.seed}` })),
         el("div", { className: "cap" }, el("span", { className: "what", textContent: itemText(item) }),
            el("span", { className: "state" })),
-        el("progress", { max: 1, value: 0 }));
+        el("progress", { max: 1, value: 0 }),
+        el("p", { className: "why error", hidden: true }));
       cell.dataset.index = item.index;
       cells[item.index] = cell;
       seen.observe(cell);
@@ -268,14 +269,19 @@ function jobView(jobId) {
     }
   }
 
+  // step and total are known from a read of the job; an item event has neither: the bar stays where it was
+  // (a cancelled item keeps the progress it made)
   function setItem(index, state, url = null, error = null, step = null, total = null) {
     const cell = cells[index];
     if (!cell) return;
     setState(cell.querySelector(".state"), state);
     cell.dataset.state = state;
     const bar = cell.querySelector("progress");
-    bar.value = state === "done" ? 1 : total ? step / total : 0;
-    cell.title = error ?? "";
+    if (state === "done") bar.value = 1;
+    else if (total) bar.value = step / total;
+    const why = state === "failed" ? error ?? "failed" : "";
+    cell.querySelector(".why").textContent = why; // visible text: a tooltip is not seen on a phone
+    cell.querySelector(".why").hidden = !why;
     if (state === "done" && url && !cell.url) { cell.url = url; wantImage(cell); }
   }
 
@@ -287,7 +293,10 @@ function jobView(jobId) {
     const size = p && p.width ? ` · ${p.width}×${p.height}` : "";
     const how = p ? ` · ${p.sampler}, ${p.steps} steps, guidance ${p.guidance}${size}` : "";
     $("j-summary").textContent = `${j.model} · ${images(j.num_items)}${how} · ${counts}`;
+    $("j-failures").replaceChildren(...(j.failures ?? []).map((f) => el("li", {},
+      `${f.items} item${f.items === 1 ? "" : "s"} failed (first: #${f.first}): `, el("span", { textContent: f.error }))));
     $("j-cancel").disabled = !isActive(j);
+    $("j-download").disabled = !j.counts.done; // nothing to download yet (or ever, for a failed job)
   }
 
   function render(full) {

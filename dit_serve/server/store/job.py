@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from sqlalchemy import bindparam, func, select, text, update
 from sqlalchemy.exc import IntegrityError
 
-from dit_serve.schemas import TERMINAL_STATES, ItemStatus, Job, JobParams, WebhookStatus
+from dit_serve.schemas import TERMINAL_STATES, Failure, ItemStatus, Job, JobParams, WebhookStatus, failure_summary
 from dit_serve.server.store.base import NO_LEASE, StoreBase
 from dit_serve.server.store.tables import DEFAULT_TENANT, items, jobs
 
@@ -48,10 +48,12 @@ class JobsMixin(StoreBase):
     def submit(self, model: str, params: JobParams, labels: list[int], seeds: list[int],
                idempotency_key: str | None = None, priority: int = 0, webhook_url: str | None = None, *,
                tenant: str = DEFAULT_TENANT, max_active: int | None = None,
-               tenant_max_active: int | None = None, prompts: list[str] | None = None, view: bool = False) -> tuple:
+               tenant_max_active: int | None = None, prompts: list[str] | None = None, view: bool = False,
+               reserve: int = 0) -> tuple:
         """``create_job`` that also says whether the job is new (False: an earlier submission's) and
         belongs to ``tenant`` (Idempotency-Keys are per tenant). ``QueueFull``, and nothing stored, when
-        the queued and running items would exceed ``max_active`` (all tenants) or ``tenant_max_active``.
+        the queued and running items would exceed ``max_active`` (all tenants) or ``tenant_max_active``,
+        or would pass ``max_active - reserve`` while the tenant then holds more than ``reserve`` items.
         With ``view``, a third element: the new job as ``get_job`` would read it right after (None for an
         earlier submission's), made from what was written rather than read back."""
         stored = params.model_dump_json()
@@ -77,7 +79,7 @@ class JobsMixin(StoreBase):
             with self._tx() as conn:  # the key's lookup inside the writing transaction: one transaction, not two
                 if idempotency_key is not None and (found := self._by_key(tenant, idempotency_key, digest, conn)):
                     return earlier(found)
-                self._check_room(conn, len(labels), tenant, max_active, tenant_max_active)
+                self._check_room(conn, len(labels), tenant, max_active, tenant_max_active, reserve)
                 conn.execute(_INSERT_JOB, job_row)
                 conn.execute(_INSERT_ITEMS, item_rows)
         except IntegrityError:  # the same key committed by a concurrent submission: that one stands
@@ -91,13 +93,19 @@ class JobsMixin(StoreBase):
         rows = [SimpleNamespace(**_ITEM_DEFAULTS, **r) for r in item_rows]  # read as result rows are
         return job_id, True, _job(SimpleNamespace(**job_row), _stats_of_rows(rows), rows)
 
-    def _check_room(self, conn, n: int, tenant: str, max_active: int | None, tenant_max_active: int | None) -> None:
+    def _check_room(self, conn, n: int, tenant: str, max_active: int | None, tenant_max_active: int | None,
+                    reserve: int = 0) -> None:
         """Raise ``QueueFull`` if ``n`` more items would pass a bound; inside the submitting transaction
-        (PostgreSQL: serialised by a lock, so concurrent submissions cannot pass it together)."""
+        (PostgreSQL: serialised by a lock, so concurrent submissions cannot pass it together).
+
+        The last ``reserve`` places of ``max_active`` take only jobs whose tenant then holds at most
+        ``reserve`` items: a tenant holding more stops at ``max_active - reserve``, so while the queue is
+        as full as one tenant (or several large ones) can make it, a small tenant's job still fits."""
         if max_active is None and tenant_max_active is None:
             return
         if conn.dialect.name == "postgresql":
             conn.execute(text("SELECT pg_advisory_xact_lock(7346120985)"))
+        held = {}
         for bound, query, whose in ((max_active, _ACTIVE_ALL, "the service"),
                                     (tenant_max_active, _ACTIVE_OF_TENANT, "your tenant")):
             if bound is None:
@@ -105,10 +113,18 @@ class JobsMixin(StoreBase):
             if n > bound:
                 raise QueueFull(f"the job has {n} items but {whose} may hold at most {bound} queued or running "
                                 "items: split it into smaller jobs", never=True)
-            held = conn.execute(query, {"tenant": tenant}).scalar_one()
-            if held + n > bound:
-                raise QueueFull(f"{whose} has {held} items queued or running and may hold at most {bound}; "
+            held[whose] = conn.execute(query, {"tenant": tenant}).scalar_one()
+            if held[whose] + n > bound:
+                raise QueueFull(f"{whose} has {held[whose]} items queued or running and may hold at most {bound}; "
                                 f"this job of {n} would pass that: retry later")
+        if max_active is None or not reserve or held["the service"] + n <= max_active - reserve:
+            return
+        mine = held.get("your tenant")
+        mine = conn.execute(_ACTIVE_OF_TENANT, {"tenant": tenant}).scalar_one() if mine is None else mine
+        if mine + n > reserve:
+            raise QueueFull(f"the service's queue holds {held['the service']} of {max_active} items; its last "
+                            f"{reserve} places are kept for tenants holding at most {reserve}, and this job of {n} "
+                            f"would make yours hold {mine + n}: retry later")
 
     def _by_key(self, tenant: str, key: str, digest: str, conn=None) -> str | None:
         if conn is None:
@@ -133,10 +149,12 @@ class JobsMixin(StoreBase):
             if with_items:  # one read of the items gives both (one snapshot: counts and items agree)
                 rows = conn.execute(_ITEMS_OF, {"id": job_id}).all()
                 stats = _stats_of_rows(rows)
+                failures = _failures_of_rows(rows)
             else:
                 rows = None
                 stats = _stats_by_job(conn.execute(_STATS_OF, {"id": job_id}).all()).get(job_id, _no_stats())
-        job = _job(row, stats, rows)
+                failures = _failures(conn, [job_id], stats).get(job_id, [])
+        job = _job(row, stats, rows, failures)
         if job.error is not None and job.state != "failed":  # unreadable: it fails alone, once
             self.quarantine(job_id, job.error)
             return self.get_job(job_id, with_items, tenant, items_up_to)
@@ -149,7 +167,8 @@ class JobsMixin(StoreBase):
             rows = conn.execute(select(jobs).where(*_of(tenant)).order_by(jobs.c.created_at.desc(), jobs.c.id)
                                 .limit(limit).offset(offset)).all()
             stats = _item_stats(conn, [r.id for r in rows])
-        out = [_job(r, stats.get(r.id, {}), None) for r in rows]
+            failures = _failures(conn, [r.id for r in rows if stats.get(r.id, {}).get("counts", {}).get("failed")])
+        out = [_job(r, stats.get(r.id, {}), None, failures.get(r.id, [])) for r in rows]
         for job in out:
             if job.error is not None and job.state != "failed":
                 self.quarantine(job.id, job.error)
@@ -258,6 +277,8 @@ _ACTIVE_OF_JOB = select(func.count()).select_from(items).where(_ACTIVE, items.c.
 _ENDED_OF = (select(items.c.idx, items.c.state, items.c.error, items.c.finished_at)
              .where(items.c.job_id == bindparam("id"), items.c.state.in_(TERMINAL_STATES))
              .order_by(items.c.finished_at, items.c.idx))
+_FAILURES = (select(items.c.job_id, items.c.error, func.count(), func.min(items.c.idx))
+             .where(items.c.state == "failed").group_by(items.c.job_id, items.c.error))
 _ENDED_SINCE = _ENDED_OF.where(items.c.finished_at >= bindparam("since"))
 # what a new item row holds besides what ``submit`` writes (its columns' defaults), for the job it returns
 _ITEM_DEFAULTS = dict(requeues=0, crashes=0, error=None, finished_at=None)
@@ -291,16 +312,45 @@ def _stats_of_rows(rows) -> dict:
     return s
 
 
+def _failures(conn, job_ids: list[str], stats: dict | None = None) -> dict[str, list[Failure]]:
+    """Per job: its failed items' distinct reasons (read only for jobs with failed items: ``stats``, when
+    given, are the one job's counts, so a job without failures costs no query)."""
+    if not job_ids or (stats is not None and not stats["counts"].get("failed")):
+        return {}
+    rows = conn.execute(_FAILURES.where(items.c.job_id.in_(job_ids))).all()
+    out: dict[str, dict] = {}
+    for job_id, error, n, first in rows:
+        out.setdefault(job_id, {})[error] = (n, first)
+    return {job_id: _ranked(reasons) for job_id, reasons in out.items()}
+
+
+def _failures_of_rows(rows) -> list[Failure]:
+    """``_failures`` of one job, from its item rows already read."""
+    reasons: dict = {}
+    for r in rows:
+        if r.state == "failed":
+            n, first = reasons.get(r.error, (0, r.idx))
+            reasons[r.error] = (n + 1, min(first, r.idx))
+    return _ranked(reasons)
+
+
+def _ranked(reasons: dict) -> list[Failure]:
+    """{error: (count, first index)} as Failures, the most common first (then the earliest)."""
+    ranked = sorted(reasons.items(), key=lambda kv: (-kv[1][0], kv[1][1]))
+    return [Failure(error=error or "no reason recorded", items=n, first=first) for error, (n, first) in ranked]
+
+
 def _no_stats() -> dict:
     return {"counts": {}, "steps_done": 0, "steps_total": 0, "finished_at": None}
 
 
 def _count(s: dict, state: str, n: int, steps, total, finished: float | None) -> None:
     """Add ``n`` items in ``state`` (their summed steps and total steps, their last finish) to ``s``:
-    steps done count running and done items, steps total all but cancelled ones."""
+    steps done count running, done and cancelled items (a cancel keeps the progress made), steps
+    total every item."""
     s["counts"][state] = s["counts"].get(state, 0) + n
-    s["steps_done"] += int(steps or 0) if state in ("running", "done") else 0
-    s["steps_total"] += int(total or 0) if state != "cancelled" else 0
+    s["steps_done"] += int(steps or 0) if state in ("running", "done", "cancelled") else 0
+    s["steps_total"] += int(total or 0)
     if finished is not None:
         s["finished_at"] = max(finished, s["finished_at"] or 0.0)
 
@@ -320,9 +370,10 @@ def job_state(cancelled: bool, counts: dict[str, int]) -> str:
     return "failed"
 
 
-def _job(row, stats: dict, item_rows) -> Job:
+def _job(row, stats: dict, item_rows, failures: list[Failure] = ()) -> Job:
     """A job from its rows. A row that cannot be parsed gives a job with ``error`` set and no params
-    (the caller fails it alone), never an exception that would break a listing."""
+    (the caller fails it alone), never an exception that would break a listing. A failed job's ``error``
+    sums up its ``failures``."""
     counts = stats.get("counts", {})
     state = job_state(row.cancelled, counts)
     params, error = None, None
@@ -330,9 +381,12 @@ def _job(row, stats: dict, item_rows) -> Job:
         params = JobParams.model_validate_json(row.params)
     except ValueError as e:
         error = f"the stored job cannot be read: {str(e)[:300]}"
+    if error is None and state == "failed" and failures:
+        error = failure_summary(list(failures), counts.get("failed", 0), row.num_items)
     webhook = None if row.webhook_url is None else WebhookStatus(
         url=row.webhook_url, state=row.webhook_state, attempts=row.webhook_attempts, error=row.webhook_error)
-    return Job(id=row.id, state=state, model=row.model, params=params, error=error, tenant=row.tenant,
+    return Job(id=row.id, state=state, model=row.model, params=params, error=error, failures=list(failures),
+               tenant=row.tenant,
                priority=row.priority, webhook=webhook, created_at=row.created_at, num_items=row.num_items, counts=counts,
                finished_at=stats.get("finished_at") if state in TERMINAL_STATES else None,
                steps_done=stats.get("steps_done", 0), steps_total=stats.get("steps_total", 0),
