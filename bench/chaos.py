@@ -469,7 +469,6 @@ def reference_images(model: str, items: list[tuple[int, int]], params: dict, max
     from workers.engine import Engine
     from workers.request.spec import ItemSpec
     from workers.loading import load_model
-    from workers.request.spec import ItemSpec
 
     cuda = torch.cuda.is_available()
     loaded = load_model(model, device="cuda" if cuda else "cpu", dtype=worker_dtype(model, cuda))

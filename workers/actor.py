@@ -114,7 +114,6 @@ class Worker:
         import torch
 
         from workers.loading import run_dtype
-        from workers.request.cards import read_card
 
         return run_dtype(card, self.device) if name == "auto" else getattr(torch, name)
 

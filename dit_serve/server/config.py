@@ -38,7 +38,6 @@ Components receive their own section (``StoreConfig``, ``WorkerConfig``...), nev
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 

@@ -115,10 +115,7 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     from workers.engine import Engine
     from workers.request.spec import ItemSpec
     from workers.request.cards import DEFAULT_MODEL, CardError, read_card
-    from workers.engine import Engine, auto_backend
     from workers.loading import load_model, run_dtype
-    from workers.request.cards import DEFAULT_MODEL, CardError, read_card
-    from workers.request.spec import ItemSpec
 
     check_args(a)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device

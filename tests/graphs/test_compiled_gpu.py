@@ -16,7 +16,6 @@ from workers.config import WorkerConfig
 from workers.speed import SpeedConfig
 from graphs import GraphRunner, TensorSpec, eager_on_graph
 from graphs.compiled import CompiledStep, opaque_break
-from workers.speed import SpeedConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

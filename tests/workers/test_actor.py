@@ -14,7 +14,6 @@ from PIL import Image
 from workers.actor import Worker
 from workers.config import WorkerConfig
 from workers.request.spec import ItemSpec
-from workers.actor import Worker, WorkerSpec
 
 DIGITS_DIR = Path(__file__).resolve().parents[2] / "workers" / "models" / "digits"
 

@@ -25,7 +25,6 @@ from workers.families.sd3 import builtin as sd3_builtin
 from workers.families.sd3 import runtime as sd3
 from workers.families.sd3.builtin import build_sd35_medium, sd35_medium_on_meta
 from workers.loading import load_model
-from workers.request.cards import read_card
 from workers.request.spec import ItemSpec
 
 # widths as the real models' proportions (CLIP-L + bigG narrower than T5 = joint_attention_dim; SD3's

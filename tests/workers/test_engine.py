@@ -11,8 +11,6 @@ from workers.speed import SpeedConfig
 from workers.engine import Engine
 from workers.request.spec import ItemSpec
 from workers.loading import load_model
-from workers.request.spec import ItemSpec
-from workers.speed import SpeedConfig
 
 TOL = 1e-5
 

@@ -22,7 +22,6 @@ from workers.families import family_named
 from workers.families.flux.runtime import image_ids, pack, unpack
 from workers.loading import ModelError, load_model
 from workers.models.tiny_flux import IMAGE_SIZE, MAX_TOKENS, make_tiny_flux
-from workers.request.cards import CardError, read_card
 from workers.request.spec import ItemSpec
 
 EAGER = WorkerConfig(backend="eager", max_batch=4)

@@ -103,10 +103,9 @@ def test_dit_xl_captured_decode_makes_the_plain_decodes_images(dit_xl):
     each decode of one image takes."""
     import time
 
-    from workers.engine import Engine, _vae_pixels, decode
+    from workers.engine import Engine
     from workers.request.spec import ItemSpec
     from workers.decode import _vae_pixels, decode
-    from workers.engine import Engine
 
     specs = [ItemSpec(id=str(i), label=i, seed=i, sampler="ddim", steps=5, guidance=4.0) for i in range(3)]
     eng = Engine(dit_xl, WorkerConfig(backend="breakable", max_batch=4), speed=SpeedConfig(decode_graphs=True))

@@ -6,7 +6,6 @@ from workers.config import WorkerConfig
 from workers.models.digits import classify, load_split, oracle_accuracy, sample_digits
 from workers.engine import Engine
 from workers.loading import load_model
-from workers.models.digits import classify, load_split, oracle_accuracy, sample_digits
 
 # (sampler, steps): each sampler at a step count it is meant for (ddim 50 has its own 500-image test)
 SAMPLERS = [("ddpm", 100), ("ddim", 10), ("euler", 50), ("euler_a", 50), ("dpmpp_2m", 20)]

@@ -15,9 +15,7 @@ from workers.families import family_named
 from workers.engine import Engine
 from workers.loading import load_model
 from workers.models.tiny_pixart import MAX_TOKENS, make_tiny_pixart
-from workers.request.cards import read_card
 from workers.request.spec import ItemSpec
-from workers.speed import SpeedConfig
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,11 @@ import torch
 
 from workers.config import WorkerConfig
 from workers.request.cards import CardError, read_card
-from workers.engine import Engine, decode
-from workers.decode import decode
 from workers.engine import Engine
+from workers.decode import decode
 from workers.families.sd3 import aspect_sizes
 from workers.loading import ModelError, load_model
 from workers.models.tiny_sd3 import MAX_TOKENS, make_tiny_sd3
-from workers.request.cards import CardError, read_card
 from workers.request.spec import ItemSpec
 
 

@@ -14,13 +14,11 @@ import torch
 from workers.config import WorkerConfig
 from workers.request.cards import CardError, read_card
 from workers.families import family_named
-from workers.engine import Engine, resize_and_crop
-from workers.decode import resize_and_crop
 from workers.engine import Engine
+from workers.decode import resize_and_crop
 from workers.families.pixart.bins import pixart_bins
 from workers.loading import load_model
 from workers.models.tiny_pixart import MAX_TOKENS, make_tiny_pixart
-from workers.request.cards import CardError, read_card
 from workers.request.sizes import nearest_bin, parse_size
 from workers.request.spec import ItemSpec
 

@@ -22,7 +22,6 @@ from workers.families.base import DIT_SCHEDULER, Builtin, Family, ModelCard
 from workers.families.memory import weight_params
 from workers.loading import LoadedModel, load_model
 from workers.previews import IDENTITY
-from workers.request.cards import builtin_names, read_card
 from workers.request.spec import ItemSpec
 
 CLASSES, SIDE = 3, 4  # three classes of 1 x 4 x 4 pixel images

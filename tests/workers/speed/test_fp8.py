@@ -12,9 +12,7 @@ from workers.config import WorkerConfig
 from workers.speed.apply import to_precision
 from workers.loading import load_model
 from workers.speed import SpeedConfig
-from workers.loading import load_model
 from workers.speed import fp8
-from workers.speed.apply import to_precision
 from workers.speed.fp8 import Fp8Linear, linear_into, quantize_linears, quantize_rows
 
 
@@ -284,7 +282,6 @@ def text_oracle(device: str, backend: str, compile_mode: str = "off") -> dict[st
     from workers.engine import Engine
     from workers.loading import load_model
     from workers.models import train_digits_text as recipe
-    from workers.models.digits import oracle_accuracy
     from workers.request.spec import ItemSpec
 
     prompts, labels = recipe.oracle_prompts(20, held_out=False, seed=3)

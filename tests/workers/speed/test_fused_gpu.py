@@ -92,7 +92,6 @@ def test_digits_through_fused_graphs_pass_the_oracle():
     from workers.models.digits import oracle_accuracy, sample_digits
     from workers.engine import Engine
     from workers.loading import load_model
-    from workers.models.digits import oracle_accuracy, sample_digits
 
     model = load_model("digits", device="cuda", dtype=torch.float32)
     engine = Engine(model, WorkerConfig(backend="graphs", max_batch=64), speed=SpeedConfig(compile="inductor"))

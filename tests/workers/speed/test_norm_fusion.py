@@ -12,8 +12,7 @@ from workers.config import WorkerConfig
 from workers.speed.apply import to_precision
 from workers.speed import SpeedConfig
 from workers.kernels import norm as norm_kernel
-from workers.speed import SpeedConfig, fp8, norm_fusion
-from workers.speed.apply import to_precision
+from workers.speed import fp8, norm_fusion
 
 
 def _rows(b=3, t=5, k=48, seed=0):

@@ -6,8 +6,6 @@ from workers.config import WorkerConfig
 from workers.speed.apply import to_precision
 from workers.speed import SpeedConfig
 from workers.loading import load_model
-from workers.speed import SpeedConfig
-from workers.speed.apply import to_precision
 from workers.speed.patches import break_attention, restore_attention
 
 

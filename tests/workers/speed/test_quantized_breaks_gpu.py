@@ -12,7 +12,6 @@ from workers.config import WorkerConfig
 from workers.speed.apply import to_precision
 from workers.speed import SpeedConfig
 from workers.speed import fp8, patches, varlen
-from workers.speed.apply import to_precision
 
 pytestmark = pytest.mark.gpu
 
@@ -71,7 +70,6 @@ def test_engines_with_quantized_breaks_make_the_latents_they_made_without(tmp_pa
     from workers.loading import load_model
     from workers.models.tiny_pixart import make_tiny_pixart
     from workers.request.spec import ItemSpec
-    from workers.speed import norm_fusion
 
     folder = make_tiny_pixart(tmp_path / "p")
     specs = [ItemSpec(id=str(i), seed=i, sampler="dpmpp_2m", steps=4, guidance=1.0 + i, prompt=p)
