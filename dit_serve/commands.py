@@ -246,13 +246,14 @@ def submit(args) -> int:
                             priority=args.priority, webhook_url=args.webhook_url, width=args.width,
                             height=args.height, exact_size=args.exact_size or None,
                             preview_every=args.preview_every)
-        print(job.id, flush=True)
-        if args.wait or args.out:
-            try:
+        try:  # from the moment the job exists: an interrupt says how to stop it, however early it comes
+            print(job.id, flush=True)
+            if args.wait or args.out:
                 job = client.wait(job, progress=sys.stderr.isatty())
-            except KeyboardInterrupt:
-                raise CommandError(f"interrupted; job {job.id} keeps running on the service (stop it with: "
-                                   f"dit-serve cancel {job.id})", EXIT_INTERRUPTED) from None
+        except KeyboardInterrupt:
+            raise CommandError(f"interrupted; job {job.id} keeps running on the service (stop it with: "
+                               f"dit-serve cancel {job.id})", EXIT_INTERRUPTED) from None
+        if args.wait or args.out:
             print(_report(job), file=sys.stderr)
         if args.out:
             return _write(client, job, args.out, force=True)  # checked above, before the job existed
