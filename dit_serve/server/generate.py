@@ -51,8 +51,8 @@ class GenerateArgs:
 
 
 def check_args(a: GenerateArgs) -> None:
-    """Checks that need no model."""
-    from samplers import SAMPLERS
+    """Checks that need no model (nor torch: the samplers' rules are plain data)."""
+    from samplers.rules import RULES as SAMPLERS
 
     if not a.labels and not a.prompts:
         raise UsageError("nothing to draw: pass --labels (class models, e.g. --labels 0,1,2) or --prompt (text models)")
@@ -107,27 +107,33 @@ def write_outputs(out: Path, staging: Path, model_name: str, entries: list[dict]
 
 
 def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
-    """Validate, load the model, generate, write; returns the manifest path."""
+    """Validate, load the model, generate, write; returns the manifest path. The model's card and every
+    argument are checked before torch is imported: a directory that cannot be served is refused at once."""
+    from workers.request.cards import DEFAULT_MODEL, CardError, read_card
+
+    check_args(a)
+    try:
+        card = read_card(a.model or DEFAULT_MODEL)
+        text = _check_conditioning(card, a)
+        _check_sampling(card, a)
+        conds = [{"prompt": p, "negative_prompt": a.negative_prompt} for p in a.prompts for _ in range(a.num_per_prompt)] \
+            if text else [{"label": card.label_id(lb)} for lb in a.labels for _ in range(a.num_per_label)]
+        size = _size(card, a)
+    except (CardError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
     import torch
     from tqdm import tqdm
 
     from workers.config import WorkerConfig
     from workers.engine import Engine
-    from workers.request.spec import ItemSpec
-    from workers.request.cards import DEFAULT_MODEL, CardError, read_card
     from workers.loading import load_model, run_dtype
+    from workers.request.spec import ItemSpec
 
-    check_args(a)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     try:
-        card = read_card(a.model or DEFAULT_MODEL)
-        text = _check_conditioning(card, a)
-        _check_sampling(card, a)
         model = load_model(a.model or DEFAULT_MODEL, device=device, dtype=run_dtype(card, device),
                            precision=a.precision)
-        conds = [{"prompt": p, "negative_prompt": a.negative_prompt} for p in a.prompts for _ in range(a.num_per_prompt)] \
-            if text else [{"label": model.label_id(lb)} for lb in a.labels for _ in range(a.num_per_label)]
-        size = _size(card, a)
     except (CardError, ValueError) as e:
         raise UsageError(str(e)) from None
     sampler = a.sampler or model.defaults["sampler"]
