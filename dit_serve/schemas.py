@@ -144,7 +144,8 @@ class JobParams(_Response):
     output_height: int = 0
     preview_every: int = Field(0, description="a preview every N steps (0: none)")
     warnings: list[str] = Field(default_factory=list, description="what the service changed in the request, e.g. "
-                                                                   "prompts cut at the model's token limit")
+                                                                   "prompts cut at the model's token limit, and how "
+                                                                   "the model is served (its card's warnings)")
 
 
 class ItemStatus(_Response):
@@ -338,6 +339,9 @@ class ModelCard(_Response):
         "cfg", description="what a job's `guidance` means: cfg (classifier-free guidance against the negative "
                            "prompt or the null class), embedded (an input of a guidance-distilled network, e.g. "
                            "FLUX.1-dev: no negative prompt), none (ignored, e.g. FLUX.1-schnell)")
+    warnings: list[str] = Field(default_factory=list, description="how the model is served differently from its "
+                                                                   "reference, e.g. an image-editing model served "
+                                                                   "as text-to-image; each job repeats them")
 
 
 class ModelList(_Response):

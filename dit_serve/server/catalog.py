@@ -37,7 +37,7 @@ def model_entry(card: cards.ModelCard) -> ModelCard:
     return ModelCard(id=card.name, conditioning=card.conditioning, family=card.family, num_classes=card.num_classes,
                      max_tokens=card.max_tokens, image_size=card.image_size, guidance=card.guidance_mode,
                      sizes=[f"{w}x{h}" for w, h in card.made_sizes()], class_names=card.class_names(),
-                     defaults=card.defaults,
+                     defaults=card.defaults, warnings=list(card.warnings),
                      samplers=[n for n, rule in RULES.items() if card.prediction_type in rule.predictions])
 
 
@@ -135,8 +135,10 @@ class Catalog:
             meaning = "a network input (guidance-distilled)" if info.guidance_mode == "embedded" else "ignored"
             raise RequestError(f"model {info.name!r} has no classifier-free guidance (its guidance is {meaning}): "
                                "negative_prompt does not apply", "negative_prompt")
-        return JobParams(sampler=sampler, steps=steps, guidance=guidance, eta=eta, negative_prompt=negative_prompt,
-                         **(size or _size(info, None, None, False)))
+        params = JobParams(sampler=sampler, steps=steps, guidance=guidance, eta=eta, negative_prompt=negative_prompt,
+                           **(size or _size(info, None, None, False)))
+        params.warnings[:0] = info.warnings  # how the model is served comes first
+        return params
 
     def resolve_images(self, req: ImageGenerationRequest) -> NewJob:
         """An OpenAI images request as a job: the prompt names one class, ``n`` images of it."""

@@ -118,6 +118,25 @@ def test_the_real_models_cards(dev_dir, schnell_dir, tmp_path):
     assert d.size_for(1920, 1080) == (1360, 768)  # 16:9 snaps to its bin
 
 
+def test_kontext_is_served_as_text_to_image_and_says_so(dev_dir, tmp_path):
+    """FluxKontextPipeline has FLUX.1-dev's layout; served without its image input, the model's entry in
+    GET /v1/models and each job's warnings say that it is an edit model run as text-to-image."""
+    from dit_serve.schemas import JobRequest
+    from dit_serve.server.catalog import Catalog, model_entry
+    from dit_serve.server.config import LimitsConfig
+
+    kontext = _layout_copy(dev_dir, tmp_path / "kontext")
+    index = json.loads((kontext / "model_index.json").read_text())
+    (kontext / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxKontextPipeline"}))
+    card = read_card(kontext)
+    (warning,) = card.warnings
+    assert "FLUX.1 Kontext" in warning and "image-editing" in warning and "without its image input" in warning
+    assert model_entry(card).warnings == [warning]
+    job = Catalog([card], LimitsConfig()).resolve_job(JobRequest(prompts=["a cat"]))
+    assert job.params.warnings == [warning]
+    assert read_card(dev_dir).warnings == () and model_entry(read_card(dev_dir)).warnings == []
+
+
 @pytest.mark.parametrize("part", ["vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"])
 def test_a_missing_part_is_a_card_error_naming_it(dev_dir, tmp_path, part):
     with pytest.raises(CardError, match=f"without {part}/"):

@@ -107,6 +107,8 @@ class ModelCard:
                                      # prompt or null class) | "embedded" (a network input: FLUX.1-dev) |
                                      # "none" (ignored: FLUX.1-schnell)
     lowercase_prompts: bool = False  # the family lower-cases prompts before tokenising (PixArt's pipelines do)
+    warnings: tuple[str, ...] = ()   # what a user should know of how it is served (an edit model served as
+                                     # text-to-image): GET /v1/models shows them, each job repeats them
 
     @property
     def prediction_type(self) -> str:

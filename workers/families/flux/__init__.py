@@ -17,6 +17,10 @@ Schedule. FluxPipeline passes its own sigmas, np.linspace(1, 1/steps, steps), to
 schnell alike (then shifted by ``mu`` for dev's dynamic shifting, statically for schnell): the card's
 scheduler config says so with ``flow_grid: "flux"`` (a samplers.NoiseSchedule key, not a diffusers one).
 
+Kontext. FLUX.1 Kontext (``FluxKontextPipeline``, ``black-forest-labs/FLUX.1-Kontext-dev``) has FLUX.1-dev's
+layout and runs as text-to-image when given no image, as its pipeline does with ``image=None``; it is an
+image-editing model, and until requests carry an image its card says that it is served without one.
+
 Sizes. The latents are 16 x H/8 x W/8, packed 2x2 into (H/16)(W/16) tokens of 64, so each side is a
 multiple of 16 px. FLUX has no native size in its configs; 1024 is the real models' (``dit_serve.image_size``
 overrides). Each (width, height) size is one captured graph shape, so a card lists a few: the native
@@ -37,6 +41,8 @@ NATIVE_SIZE = 1024
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses more T5 tokens
 DEV = {"defaults": {"sampler": "flow_euler", "steps": 28, "guidance": 3.5}, "max_tokens": 512}
 SCHNELL = {"defaults": {"sampler": "flow_euler", "steps": 4, "guidance": 0.0}, "max_tokens": 256}
+# edit pipelines with FluxPipeline's layout, served as text-to-image (no image input yet): what they are
+EDIT_PIPELINES = {"FluxKontextPipeline": "FLUX.1 Kontext"}
 # part -> (the file that must be there, what it holds: the message's words)
 PARTS = {"vae": ("vae/config.json", "the VAE (AutoencoderKL)"),
          "text_encoder": ("text_encoder/config.json", "the CLIP text encoder (CLIPTextModel)"),
@@ -63,7 +69,7 @@ FLUX_VAE = PreviewMap(weight=((-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687
 
 class Flux(Family):
     name = "flux"
-    pipelines = ("FluxPipeline",)
+    pipelines = ("FluxPipeline", *EDIT_PIPELINES)
     transformers = ("FluxTransformer2DModel",)
     builtins = {"flux-dev-512": Builtin(512, DEV_PARAMS, DEV_ENCODER_PARAMS),
                 "flux-dev-1024": Builtin(1024, DEV_PARAMS, DEV_ENCODER_PARAMS)}
@@ -100,12 +106,15 @@ def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict
         raise CardError(f"{path}/model_index.json: dit_serve.max_sequence_length must be 1 to "
                         f"{MAX_SEQUENCE_LENGTH} (FluxPipeline's limit), got {max_tokens}")
     tokenizer_json = path / "tokenizer_2" / "tokenizer.json"
+    pipeline = index.get("_class_name", "")
+    warnings = (f"model {name!r} is {EDIT_PIPELINES[pipeline]} ({pipeline}), an image-editing model; it is served "
+                "as text-to-image, without its image input",) if pipeline in EDIT_PIPELINES else ()
     return ModelCard(
         name, "flux", "text", path=str(path), image_size=size, latent_channels=int(vae["latent_channels"]),
         latent_size=size // factor, dtype=extra.get("dtype", "bfloat16"), scheduler={**scheduler, "flow_grid": "flux"},
         defaults={**base["defaults"], **extra.get("defaults", {})}, max_tokens=max_tokens,
         sizes=tuple(listed_sizes(path, extra, multiple) or ratio_sizes(size, multiple)), size_multiple=multiple,
-        guidance_mode="embedded" if distilled else "none",
+        guidance_mode="embedded" if distilled else "none", warnings=warnings,
         tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() else "")
 
 
