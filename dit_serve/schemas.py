@@ -330,7 +330,13 @@ class ModelCard(_Response):
     max_prompt_chars: int = Field(MAX_PROMPT, description="the longest prompt a request may send, in characters "
                                                           "(/v1/jobs and /v1/images/generations alike)")
     image_size: int
-    sizes: list[str] = Field(default_factory=list, description="'WxH' sizes the model makes")
+    sizes: list[str] = Field(default_factory=list, description="'WxH' sizes the model lists (its native size "
+                                                               "first); other sizes snap to the nearest ratio")
+    size_multiple: int = Field(1, description="pixels per transformer patch")
+    size_range: list[int] = Field(default_factory=list, description="[min, max] px per side: the model also makes "
+                                                                    "any size whose sides are multiples of "
+                                                                    "size_multiple in this range, as asked; empty: "
+                                                                    "only `sizes`")
     class_names: list[str] = Field(default_factory=list, description="index i names class i; empty if unnamed")
     defaults: dict = Field(default_factory=dict)
     samplers: list[str] = Field(default_factory=list, description="the samplers a job may name for this model "

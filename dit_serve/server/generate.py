@@ -168,9 +168,11 @@ def _size(card, a: GenerateArgs) -> dict:
     for name, value in (("--width", a.width), ("--height", a.height)):
         if value is not None and not 8 <= value <= 4096:
             raise UsageError(f"{name} must be between 8 and 4096 pixels, got {value}")
-    w, h = card.size_for(a.width, a.height)
+    (w, h), note = card.resolve_size(a.width, a.height)
     asked = (a.width or card.image_size, a.height or card.image_size)
     out = asked if a.exact_size and asked != (w, h) else (0, 0)
+    if note:
+        log.warning("%s%s", note, f", then resized to {asked[0]}x{asked[1]}" if out != (0, 0) else "")
     return {"width": w, "height": h, "out_width": out[0], "out_height": out[1]}
 
 

@@ -68,6 +68,24 @@ def test_cards_list_sizes_and_snap(pixart_dir):
         digits.size_for(64, 64)
 
 
+def test_a_snapped_size_is_named_in_the_jobs_warnings(pixart_dir):
+    """PixArt snaps to its sizes as its pipelines do, and the job says so; a size it makes gets no warning."""
+    from dit_serve.schemas import JobRequest
+    from dit_serve.server.catalog import Catalog
+    from dit_serve.server.config import LimitsConfig
+
+    card = read_card(pixart_dir)
+    assert card.size_range == (0, 0) and (48, 16) not in card.made_sizes()  # only what it lists
+    catalog = Catalog([card], LimitsConfig())
+    params = catalog.resolve_job(JobRequest(prompts=["a cat"], width=300, height=150)).params
+    assert (params.width, params.height) == (32, 16)
+    assert params.warnings == [f"model {card.name!r} makes 32x16 for 300x150: its size of the nearest aspect ratio, "
+                               "as its reference pipeline snaps"]
+    exact = catalog.resolve_job(JobRequest(prompts=["a cat"], width=300, height=150, exact_size=True)).params
+    assert exact.warnings == [params.warnings[0] + ", then resized to 300x150"]
+    assert catalog.resolve_job(JobRequest(prompts=["a cat"], width=32, height=16)).params.warnings == []
+
+
 def test_a_size_that_is_not_a_patch_multiple_is_a_card_error(tmp_path):
     path = make_tiny_pixart(tmp_path / "bad")
     index = json.loads((path / "model_index.json").read_text())

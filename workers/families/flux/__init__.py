@@ -27,6 +27,10 @@ overrides). Each (width, height) size is one captured graph shape, so a card lis
 square and the common ratios 4:3, 3:2, 16:9 and 21:9 both ways, each at about the native pixel count
 (width = native * sqrt(ratio), height = native / sqrt(ratio), each rounded to the nearest multiple of 16:
 at 1024, 1184x880, 1248x832, 1360x768, 1568x672 and their transposes). ``dit_serve.sizes`` replaces them.
+Those are the sizes it lists; like FluxPipeline it makes any other multiple of 16 as asked (the engine
+captures a new size on first use), from 16 px to twice the native side per side (``size_range``: FluxPipeline
+sets no bound; FLUX.1 is trained up to about 2 MP), and rounds a side off the multiple down to one, as
+FluxPipeline does.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ class Flux(Family):
         return ModelCard(name, "flux", "text", builtin=name, image_size=size, latent_channels=16,
                          latent_size=size // 8, scheduler=dict(DEV_SCHEDULER), defaults=dict(DEV["defaults"]),
                          max_tokens=DEV["max_tokens"], sizes=tuple(ratio_sizes(size, 16)), size_multiple=16,
-                         guidance_mode="embedded")
+                         size_range=(16, 2 * size), rounds_down=True, guidance_mode="embedded")
 
 
 def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict) -> ModelCard:
@@ -114,6 +118,7 @@ def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict
         latent_size=size // factor, dtype=extra.get("dtype", "bfloat16"), scheduler={**scheduler, "flow_grid": "flux"},
         defaults={**base["defaults"], **extra.get("defaults", {})}, max_tokens=max_tokens,
         sizes=tuple(listed_sizes(path, extra, multiple) or ratio_sizes(size, multiple)), size_multiple=multiple,
+        size_range=(multiple, 2 * size), rounds_down=True,
         guidance_mode="embedded" if distilled else "none", warnings=warnings,
         tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() else "")
 
