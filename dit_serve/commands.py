@@ -200,6 +200,7 @@ def seed_of(args) -> int:
 
 
 def generate(args) -> int:
+    from dit_serve.schemas import Manifest
     from dit_serve.server.generate import GenerateArgs, run_generate
 
     a = GenerateArgs(model=args.model, labels=args.labels or (), num_per_label=args.num_per_label or 1,
@@ -209,6 +210,8 @@ def generate(args) -> int:
                      seed=seed_of(args), eta=args.eta or 0.0, out=args.out, device=args.device,
                      backend=args.backend, precision=args.precision)
     manifest = run_generate(a, progress=sys.stderr.isatty())
+    for warning in Manifest.model_validate_json(manifest.read_text()).params.warnings:
+        print(f"dit-serve: warning: {warning}", file=sys.stderr)
     print(f"wrote {manifest}")
     return 0
 

@@ -350,6 +350,38 @@ class ModelCard(_Response):
                                                                    "as text-to-image; each job repeats them")
 
 
+class ManifestImage(_Response):
+    file: str = Field(description="the PNG's name beside manifest.json")
+    index: int = Field(description="the item's place in its job")
+    label: int | None = Field(None, description="class models: the class")
+    prompt: str | None = Field(None, description="text models: the prompt")
+    seed: int
+    state: State = "done"
+    error: str | None = Field(None, description="a failed item's reason (the archive lists every item)")
+
+    @classmethod
+    def of(cls, file: str, item: ItemStatus) -> "ManifestImage":
+        """A job's item as a manifest lists it: a label for class models, a prompt for text models."""
+        return cls(file=file, index=item.index, label=item.label if item.prompt is None else None,
+                   prompt=item.prompt, seed=item.seed, state=item.state, error=item.error)
+
+
+class Manifest(_Response):
+    """manifest.json, one schema for every writer: `dit-serve generate`, `demo`, `submit --out`, `fetch` and a
+    job's archive (GET /v1/jobs/{id}/archive)."""
+
+    job: str | None = Field(description="the service's job id; null for `dit-serve generate` (no service)")
+    model: str
+    state: State
+    params: JobParams | None = Field(description="the job's settings and warnings; null for a stored job that "
+                                                 "cannot be read")
+    grid: str | None = Field(description="grid.png beside it; null in the archive (it holds no grid)")
+    images: list[ManifestImage]
+
+    def dumps(self) -> str:
+        return self.model_dump_json(indent=2) + "\n"
+
+
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]

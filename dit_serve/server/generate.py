@@ -18,7 +18,7 @@ from PIL import Image
 
 from dit_serve.errors import UsageError
 from dit_serve.outputs import grid, publish
-from dit_serve.schemas import MAX_PROMPT
+from dit_serve.schemas import MAX_PROMPT, JobParams, Manifest, ManifestImage
 
 if TYPE_CHECKING:  # numpy is the server extra's: grid and publish also serve the client's `fetch`
     import numpy as np
@@ -89,21 +89,19 @@ def _discard(staging: Path, out: Path, created: bool) -> None:
             pass
 
 
-def write_outputs(out: Path, staging: Path, model_name: str, entries: list[dict],
-                  images: list[np.ndarray], cols: int) -> Path:
-    """Write PNGs and the grid into staging, then publish them and the manifest into DIR."""
+def write_outputs(out: Path, staging: Path, manifest: Manifest, images: list[np.ndarray], cols: int) -> Path:
+    """Write the PNGs the manifest names and the grid into staging, then publish them and the manifest into DIR."""
     from workers.actor import PNG_COMPRESS_LEVEL
 
     try:
         pils = [Image.fromarray(img) for img in images]
-        for entry, img in zip(entries, pils):
-            img.save(staging / entry["file"], compress_level=PNG_COMPRESS_LEVEL)  # as a worker encodes them
+        for entry, img in zip(manifest.images, pils):
+            img.save(staging / entry.file, compress_level=PNG_COMPRESS_LEVEL)  # as a worker encodes them
         grid(pils, cols).save(staging / "grid.png")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    manifest = {"model": model_name, "grid": "grid.png", "images": entries}
-    return publish(staging, out, [e["file"] for e in entries] + ["grid.png"], manifest)
+    return publish(staging, out, [e.file for e in manifest.images] + ["grid.png"], manifest)
 
 
 def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
@@ -118,7 +116,7 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
         _check_sampling(card, a)
         conds = [{"prompt": p, "negative_prompt": a.negative_prompt} for p in a.prompts for _ in range(a.num_per_prompt)] \
             if text else [{"label": card.label_id(lb)} for lb in a.labels for _ in range(a.num_per_label)]
-        size = _size(card, a)
+        size, size_note = _size(card, a)
     except (CardError, ValueError) as e:
         raise UsageError(str(e)) from None
 
@@ -154,26 +152,29 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     except BaseException:
         _discard(staging, a.out, created)
         raise
-    entries = [{"file": f"{i:05d}.png" if text else f"{i:05d}_label{r.request.label}.png",
-                **({"prompt": r.request.prompt, "negative_prompt": a.negative_prompt} if text else
-                   {"label": r.request.label}),
-                "seed": r.request.seed, "sampler": sampler, "steps": steps, "guidance": guidance}
-               for i, r in enumerate(results)]
+    params = JobParams(sampler=sampler, steps=steps, guidance=guidance, eta=a.eta, negative_prompt=a.negative_prompt,
+                       width=size["width"], height=size["height"], output_width=size["out_width"],
+                       output_height=size["out_height"], warnings=[*card.warnings, *size_note])
+    images = [ManifestImage(file=f"{i:05d}.png" if text else f"{i:05d}_label{r.request.label}.png", index=i,
+                            label=None if text else r.request.label, prompt=r.request.prompt if text else None,
+                            seed=r.request.seed) for i, r in enumerate(results)]
+    manifest = Manifest(job=None, model=model.name, state="done", params=params, grid="grid.png", images=images)
     cols = a.num_per_prompt if text else a.num_per_label
-    return write_outputs(a.out, staging, model.name, entries, [r.image for r in results], cols)
+    return write_outputs(a.out, staging, manifest, [r.image for r in results], cols)
 
 
-def _size(card, a: GenerateArgs) -> dict:
-    """ItemSpec's size fields, resolved as the service resolves them (``ModelCard.size_for``)."""
+def _size(card, a: GenerateArgs) -> tuple[dict, list[str]]:
+    """ItemSpec's size fields, resolved as the service resolves them (``ModelCard.resolve_size``), and the
+    warning when the model makes another size than the one asked."""
     for name, value in (("--width", a.width), ("--height", a.height)):
         if value is not None and not 8 <= value <= 4096:
             raise UsageError(f"{name} must be between 8 and 4096 pixels, got {value}")
     (w, h), note = card.resolve_size(a.width, a.height)
     asked = (a.width or card.image_size, a.height or card.image_size)
     out = asked if a.exact_size and asked != (w, h) else (0, 0)
-    if note:
-        log.warning("%s%s", note, f", then resized to {asked[0]}x{asked[1]}" if out != (0, 0) else "")
-    return {"width": w, "height": h, "out_width": out[0], "out_height": out[1]}
+    if note and out != (0, 0):
+        note += f", then resized to {asked[0]}x{asked[1]}"
+    return {"width": w, "height": h, "out_width": out[0], "out_height": out[1]}, [note] if note else []
 
 
 def _check_sampling(card, a: GenerateArgs) -> None:

@@ -128,7 +128,7 @@ def test_archive_and_metrics(svc, client):
     with zipfile.ZipFile(path) as z:
         assert sorted(z.namelist()) == ["00000.png", "00001.png", "manifest.json"]
         manifest = json.loads(z.read("manifest.json"))
-    assert [e["label"] for e in manifest["images"]] == [0, 1] and manifest["job"]["state"] == "done"
+    assert [e["label"] for e in manifest["images"]] == [0, 1] and manifest["state"] == "done"
     text = httpx.get(f"{svc.url}/metrics").text
     for name in ("dit_serve_queue_depth", "dit_serve_items_per_second", "dit_serve_step_seconds_count",
                  "dit_serve_graph_replays", "dit_serve_graph_eager_fallbacks", "dit_serve_worker_busy_fraction"):

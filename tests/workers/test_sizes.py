@@ -143,7 +143,7 @@ def test_a_size_the_model_does_not_make_is_refused_at_admission(model):
     assert engine.num_active == 0
 
 
-def test_generate_makes_the_size_asked_from_the_command_line(pixart_dir, tmp_path):
+def test_generate_makes_the_size_asked_from_the_command_line(pixart_dir, tmp_path, capsys):
     from PIL import Image
 
     from dit_serve.cli import main
@@ -151,7 +151,11 @@ def test_generate_makes_the_size_asked_from_the_command_line(pixart_dir, tmp_pat
     out = tmp_path / "out"
     assert main(["generate", "--model", str(pixart_dir), "--prompt", "a red cat", "--steps", "2",
                  "--width", "40", "--height", "19", "--out", str(out)]) == 0
-    assert Image.open(out / "00000.png").size == (32, 16)  # the nearest size it makes
+    assert Image.open(out / "00000.png").size == (32, 16)  # the nearest size it makes, and it says so
+    snapped = f"model {pixart_dir.name!r} makes 32x16 for 40x19: its size of the nearest aspect ratio, as its " \
+              "reference pipeline snaps"
+    assert f"dit-serve: warning: {snapped}\n" in capsys.readouterr().err
+    assert json.loads((out / "manifest.json").read_text())["params"]["warnings"] == [snapped]
     assert main(["generate", "--model", str(pixart_dir), "--prompt", "a red cat", "--steps", "2",
                  "--width", "40", "--height", "19", "--exact-size", "--out", str(out)]) == 0
     assert Image.open(out / "00000.png").size == (40, 19)
