@@ -8,6 +8,7 @@ could not be reached or failed (5xx); 130 interrupted; 141 the reader of stdout 
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -73,9 +74,11 @@ def serve(args) -> int:
     A second signal skips the drain. With the API, uvicorn runs on this thread and handles the signals
     (``Service.serve_http``); a scheduler-only process waits for them here."""
     from dit_serve.server import heap
+    from dit_serve.server.access_log import LOGGER as ACCESS_LOGGER
     from dit_serve.server.service import Service
 
     heap.limit_arenas()  # before the service's threads exist (dit_serve.server.heap says why)
+    logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO)  # shown below the CLI's default warning level
     cfg = _config(args)
     roles = ("api", "scheduler") if args.role == "all" else (args.role,)
     if "api" in roles:
