@@ -8,6 +8,7 @@ could not be reached or failed (5xx); 130 interrupted; 141 the reader of stdout 
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -73,9 +74,11 @@ def serve(args) -> int:
     A second signal skips the drain. With the API, uvicorn runs on this thread and handles the signals
     (``Service.serve_http``); a scheduler-only process waits for them here."""
     from dit_serve.server import heap
+    from dit_serve.server.access_log import LOGGER as ACCESS_LOGGER
     from dit_serve.server.service import Service
 
     heap.limit_arenas()  # before the service's threads exist (dit_serve.server.heap says why)
+    logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO)  # shown below the CLI's default warning level
     cfg = _config(args)
     roles = ("api", "scheduler") if args.role == "all" else (args.role,)
     if "api" in roles:
@@ -200,6 +203,7 @@ def seed_of(args) -> int:
 
 
 def generate(args) -> int:
+    from dit_serve.schemas import Manifest
     from dit_serve.server.generate import GenerateArgs, run_generate
 
     a = GenerateArgs(model=args.model, labels=args.labels or (), num_per_label=args.num_per_label or 1,
@@ -209,6 +213,8 @@ def generate(args) -> int:
                      seed=seed_of(args), eta=args.eta or 0.0, out=args.out, device=args.device,
                      backend=args.backend, precision=args.precision)
     manifest = run_generate(a, progress=sys.stderr.isatty())
+    for warning in Manifest.model_validate_json(manifest.read_text()).params.warnings:
+        print(f"dit-serve: warning: {warning}", file=sys.stderr)
     print(f"wrote {manifest}")
     return 0
 

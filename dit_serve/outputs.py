@@ -19,7 +19,7 @@ from pathlib import Path
 from PIL import Image
 
 from dit_serve.client import Client
-from dit_serve.schemas import Job
+from dit_serve.schemas import Job, Manifest, ManifestImage
 
 
 def grid(images: list[Image.Image], cols: int, min_side: int = 64, gap: int = 4) -> Image.Image:
@@ -35,13 +35,13 @@ def grid(images: list[Image.Image], cols: int, min_side: int = 64, gap: int = 4)
     return canvas
 
 
-def publish(staging: Path, out: Path, files: list[str], manifest: dict) -> Path:
+def publish(staging: Path, out: Path, files: list[str], manifest: Manifest) -> Path:
     """Move staged files into DIR one by one, then write the manifest last (atomically), so DIR never
     holds a manifest that names missing files. Removes the staging folder in any case."""
     try:
         for name in files:
             os.replace(staging / name, out / name)
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (staging / "manifest.json").write_text(manifest.dumps())
         os.replace(staging / "manifest.json", out / "manifest.json")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -96,16 +96,15 @@ def write_job(client: Client, job: Job, out: Path, force: bool = False) -> Path:
             png = client.image_bytes(job, it.index)
             (staging / name).write_bytes(png)
             images.append(Image.open(io.BytesIO(png)))
-            entry = {"file": name, "index": it.index, "label": it.label, "seed": it.seed}
-            entries.append(entry if it.prompt is None else {**entry, "label": None, "prompt": it.prompt})
-        grid(images, grid_columns([e["prompt"] if "prompt" in e else e["label"] for e in entries])).save(
+            entries.append(ManifestImage.of(name, it))
+        grid(images, grid_columns([e.label if e.prompt is None else e.prompt for e in entries])).save(
             staging / "grid.png")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    manifest = {"job": job.id, "model": job.model, "state": job.state, **job.params.model_dump(),
-                "grid": "grid.png", "images": entries}
-    files = [e["file"] for e in entries] + ["grid.png"]
+    manifest = Manifest(job=job.id, model=job.model, state=job.state, params=job.params, grid="grid.png",
+                        images=entries)
+    files = [e.file for e in entries] + ["grid.png"]
     path = publish(staging, out, files, manifest)
     for name in stale - set(files):
         (out / name).unlink(missing_ok=True)

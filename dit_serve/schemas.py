@@ -144,7 +144,8 @@ class JobParams(_Response):
     output_height: int = 0
     preview_every: int = Field(0, description="a preview every N steps (0: none)")
     warnings: list[str] = Field(default_factory=list, description="what the service changed in the request, e.g. "
-                                                                   "prompts cut at the model's token limit")
+                                                                   "prompts cut at the model's token limit, and how "
+                                                                   "the model is served (its card's warnings)")
 
 
 class ItemStatus(_Response):
@@ -329,7 +330,13 @@ class ModelCard(_Response):
     max_prompt_chars: int = Field(MAX_PROMPT, description="the longest prompt a request may send, in characters "
                                                           "(/v1/jobs and /v1/images/generations alike)")
     image_size: int
-    sizes: list[str] = Field(default_factory=list, description="'WxH' sizes the model makes")
+    sizes: list[str] = Field(default_factory=list, description="'WxH' sizes the model lists (its native size "
+                                                               "first); other sizes snap to the nearest ratio")
+    size_multiple: int = Field(1, description="pixels per transformer patch")
+    size_range: list[int] = Field(default_factory=list, description="[min, max] px per side: the model also makes "
+                                                                    "any size whose sides are multiples of "
+                                                                    "size_multiple in this range, as asked; empty: "
+                                                                    "only `sizes`")
     class_names: list[str] = Field(default_factory=list, description="index i names class i; empty if unnamed")
     defaults: dict = Field(default_factory=dict)
     samplers: list[str] = Field(default_factory=list, description="the samplers a job may name for this model "
@@ -338,6 +345,41 @@ class ModelCard(_Response):
         "cfg", description="what a job's `guidance` means: cfg (classifier-free guidance against the negative "
                            "prompt or the null class), embedded (an input of a guidance-distilled network, e.g. "
                            "FLUX.1-dev: no negative prompt), none (ignored, e.g. FLUX.1-schnell)")
+    warnings: list[str] = Field(default_factory=list, description="how the model is served differently from its "
+                                                                   "reference, e.g. an image-editing model served "
+                                                                   "as text-to-image; each job repeats them")
+
+
+class ManifestImage(_Response):
+    file: str = Field(description="the PNG's name beside manifest.json")
+    index: int = Field(description="the item's place in its job")
+    label: int | None = Field(None, description="class models: the class")
+    prompt: str | None = Field(None, description="text models: the prompt")
+    seed: int
+    state: State = "done"
+    error: str | None = Field(None, description="a failed item's reason (the archive lists every item)")
+
+    @classmethod
+    def of(cls, file: str, item: ItemStatus) -> "ManifestImage":
+        """A job's item as a manifest lists it: a label for class models, a prompt for text models."""
+        return cls(file=file, index=item.index, label=item.label if item.prompt is None else None,
+                   prompt=item.prompt, seed=item.seed, state=item.state, error=item.error)
+
+
+class Manifest(_Response):
+    """manifest.json, one schema for every writer: `dit-serve generate`, `demo`, `submit --out`, `fetch` and a
+    job's archive (GET /v1/jobs/{id}/archive)."""
+
+    job: str | None = Field(description="the service's job id; null for `dit-serve generate` (no service)")
+    model: str
+    state: State
+    params: JobParams | None = Field(description="the job's settings and warnings; null for a stored job that "
+                                                 "cannot be read")
+    grid: str | None = Field(description="grid.png beside it; null in the archive (it holds no grid)")
+    images: list[ManifestImage]
+
+    def dumps(self) -> str:
+        return self.model_dump_json(indent=2) + "\n"
 
 
 class ModelList(_Response):

@@ -83,10 +83,26 @@ def load_text_encoder(cls, folder: Path, device, dtype):
         return _SHARED[key]
     # use_kernels=False: transformers 5 replaces layers with kernels fetched from a model hub unless told not to;
     # the engine chooses its own kernels, and nothing is fetched at run time.
-    encoder = cls.from_pretrained(str(folder), local_files_only=True, use_safetensors=True, dtype=dtype,
-                                  use_kernels=False)
+    with _no_progress_bar():
+        encoder = cls.from_pretrained(str(folder), local_files_only=True, use_safetensors=True, dtype=dtype,
+                                      use_kernels=False)
     _SHARED[key] = encoder = _frozen(encoder, dev, dtype)
     return encoder
+
+
+@contextlib.contextmanager
+def _no_progress_bar():
+    """transformers' "Loading weights" bar off while an encoder loads (the worker's log and `generate` report
+    loading themselves); its setting restored after."""
+    from transformers.utils import logging as transformers_logging
+
+    was = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            transformers_logging.enable_progress_bar()
 
 
 def place_encoder(encoder, device, dtype):

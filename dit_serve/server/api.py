@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from dit_serve import __version__
 from dit_serve.schemas import NOT_BLANK, clip, event_schema
 from dit_serve.server import web
+from dit_serve.server.access_log import AccessLogMiddleware
 from dit_serve.server.catalog import Catalog, RequestError
 from dit_serve.server.config import ServerConfig
 from dit_serve.server.events import StreamLimits, Streams
@@ -48,6 +49,8 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
                   docs_url=None if local_docs else "/docs", redoc_url=None if local_docs else "/redoc")
     _add_error_handlers(app)
     app.add_middleware(LimitsMiddleware, max_body_bytes=server.max_body_bytes, read_timeout_s=server.read_timeout_s)
+    if server.access_log:  # added last: outermost, it logs the status the client got
+        app.add_middleware(AccessLogMiddleware)
     state = app.state  # what the routes' dependencies read (dit_serve.server.routes.deps)
     state.store, state.catalog, state.server, state.metrics = store, catalog, server, metrics
     state.workers_ready = workers_ready

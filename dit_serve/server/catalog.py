@@ -36,8 +36,9 @@ def model_entry(card: cards.ModelCard) -> ModelCard:
     """A card as GET /v1/models shows it."""
     return ModelCard(id=card.name, conditioning=card.conditioning, family=card.family, num_classes=card.num_classes,
                      max_tokens=card.max_tokens, image_size=card.image_size, guidance=card.guidance_mode,
-                     sizes=[f"{w}x{h}" for w, h in card.made_sizes()], class_names=card.class_names(),
-                     defaults=card.defaults,
+                     sizes=[f"{w}x{h}" for w, h in card.made_sizes()], size_multiple=card.size_multiple,
+                     size_range=list(card.size_range) if card.size_range[1] else [], class_names=card.class_names(),
+                     defaults=card.defaults, warnings=list(card.warnings),
                      samplers=[n for n, rule in RULES.items() if card.prediction_type in rule.predictions])
 
 
@@ -135,8 +136,10 @@ class Catalog:
             meaning = "a network input (guidance-distilled)" if info.guidance_mode == "embedded" else "ignored"
             raise RequestError(f"model {info.name!r} has no classifier-free guidance (its guidance is {meaning}): "
                                "negative_prompt does not apply", "negative_prompt")
-        return JobParams(sampler=sampler, steps=steps, guidance=guidance, eta=eta, negative_prompt=negative_prompt,
-                         **(size or _size(info, None, None, False)))
+        params = JobParams(sampler=sampler, steps=steps, guidance=guidance, eta=eta, negative_prompt=negative_prompt,
+                           **(size or _size(info, None, None, False)))
+        params.warnings[:0] = info.warnings  # how the model is served comes first
+        return params
 
     def resolve_images(self, req: ImageGenerationRequest) -> NewJob:
         """An OpenAI images request as a job: the prompt names one class, ``n`` images of it."""
@@ -152,8 +155,11 @@ class Catalog:
         try:  # OpenAI's size is the image's size: snapped to a bin when needed, then resized to it
             size = _size(info, width, height, exact=True)
         except RequestError:  # its message speaks of width and height, which this endpoint does not have
+            lo, hi = info.size_range
+            free = f", or sides that are multiples of {info.size_multiple} px from {lo} to {hi}" if hi else ""
             raise RequestError(f"model {info.name!r} does not make {req.size} images; size must be one of "
-                               f"{', '.join(model_entry(info).sizes)}, or 'auto' (its own size)", "size") from None
+                               f"{', '.join(model_entry(info).sizes)}{free}, or 'auto' (its own size)",
+                               "size") from None
         params = self.params(info, None, req.steps, req.guidance, 0.0, size=size)
         seed = random_seed() if req.seed is None else req.seed
         seeds = [seed + i for i in range(req.n)]
@@ -201,14 +207,18 @@ def _truncation_warnings(info: cards.ModelCard, prompts: list[str], field: str =
 
 
 def _size(info: cards.ModelCard, width: int | None, height: int | None, exact: bool) -> dict:
-    """JobParams' size fields: what the model generates at, and the exact size to resize to (if any)."""
+    """JobParams' size fields: what the model generates at, the exact size to resize to (if any), and a
+    warning when it generates at another size than the one asked (as its reference pipeline would)."""
     try:
-        w, h = info.size_for(width, height)
+        (w, h), note = info.resolve_size(width, height)
     except ValueError as e:
         raise RequestError(str(e), "width" if width not in (None, info.image_size) else "height") from None
     asked = (width or info.image_size, height or info.image_size)
     out = asked if exact and asked != (w, h) else (0, 0)
-    return {"width": w, "height": h, "output_width": out[0], "output_height": out[1]}
+    if note and exact:
+        note += f", then resized to {asked[0]}x{asked[1]}"
+    return {"width": w, "height": h, "output_width": out[0], "output_height": out[1],
+            "warnings": [note] if note else []}
 
 
 def _label(info: cards.ModelCard, label: int | str) -> int:

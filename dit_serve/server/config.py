@@ -64,6 +64,8 @@ class ServerConfig(_Section):
     max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30, description="larger request bodies get a 413")
     read_timeout_s: float = Field(30.0, gt=0, le=3600, description="a request whose body has not arrived "
                                                                    "within this long gets a 408")
+    access_log: bool = Field(True, description="log each request (method, path, status, ms) at info level on "
+                                               "the logger dit_serve.access; `dit-serve serve` shows it")
     cancel_on_disconnect: bool = Field(True, description="the images endpoint cancels the job of a client "
                                                          "that hung up before it finished")
 

@@ -18,7 +18,7 @@ from PIL import Image
 
 from dit_serve.errors import UsageError
 from dit_serve.outputs import grid, publish
-from dit_serve.schemas import MAX_PROMPT
+from dit_serve.schemas import MAX_PROMPT, JobParams, Manifest, ManifestImage
 
 if TYPE_CHECKING:  # numpy is the server extra's: grid and publish also serve the client's `fetch`
     import numpy as np
@@ -51,8 +51,8 @@ class GenerateArgs:
 
 
 def check_args(a: GenerateArgs) -> None:
-    """Checks that need no model."""
-    from samplers import SAMPLERS
+    """Checks that need no model (nor torch: the samplers' rules are plain data)."""
+    from samplers.rules import RULES as SAMPLERS
 
     if not a.labels and not a.prompts:
         raise UsageError("nothing to draw: pass --labels (class models, e.g. --labels 0,1,2) or --prompt (text models)")
@@ -89,45 +89,49 @@ def _discard(staging: Path, out: Path, created: bool) -> None:
             pass
 
 
-def write_outputs(out: Path, staging: Path, model_name: str, entries: list[dict],
-                  images: list[np.ndarray], cols: int) -> Path:
-    """Write PNGs and the grid into staging, then publish them and the manifest into DIR."""
+def write_outputs(out: Path, staging: Path, manifest: Manifest, images: list[np.ndarray], cols: int) -> Path:
+    """Write the PNGs the manifest names and the grid into staging, then publish them and the manifest into DIR."""
     from workers.actor import PNG_COMPRESS_LEVEL
 
     try:
         pils = [Image.fromarray(img) for img in images]
-        for entry, img in zip(entries, pils):
-            img.save(staging / entry["file"], compress_level=PNG_COMPRESS_LEVEL)  # as a worker encodes them
+        for entry, img in zip(manifest.images, pils):
+            img.save(staging / entry.file, compress_level=PNG_COMPRESS_LEVEL)  # as a worker encodes them
         grid(pils, cols).save(staging / "grid.png")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    manifest = {"model": model_name, "grid": "grid.png", "images": entries}
-    return publish(staging, out, [e["file"] for e in entries] + ["grid.png"], manifest)
+    return publish(staging, out, [e.file for e in manifest.images] + ["grid.png"], manifest)
 
 
 def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
-    """Validate, load the model, generate, write; returns the manifest path."""
+    """Validate, load the model, generate, write; returns the manifest path. The model's card and every
+    argument are checked before torch is imported: a directory that cannot be served is refused at once."""
+    from workers.request.cards import DEFAULT_MODEL, CardError, read_card
+
+    check_args(a)
+    try:
+        card = read_card(a.model or DEFAULT_MODEL)
+        text = _check_conditioning(card, a)
+        _check_sampling(card, a)
+        conds = [{"prompt": p, "negative_prompt": a.negative_prompt} for p in a.prompts for _ in range(a.num_per_prompt)] \
+            if text else [{"label": card.label_id(lb)} for lb in a.labels for _ in range(a.num_per_label)]
+        size, size_note = _size(card, a)
+    except (CardError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
     import torch
     from tqdm import tqdm
 
     from workers.config import WorkerConfig
     from workers.engine import Engine
-    from workers.request.spec import ItemSpec
-    from workers.request.cards import DEFAULT_MODEL, CardError, read_card
     from workers.loading import load_model, run_dtype
+    from workers.request.spec import ItemSpec
 
-    check_args(a)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     try:
-        card = read_card(a.model or DEFAULT_MODEL)
-        text = _check_conditioning(card, a)
-        _check_sampling(card, a)
         model = load_model(a.model or DEFAULT_MODEL, device=device, dtype=run_dtype(card, device),
                            precision=a.precision)
-        conds = [{"prompt": p, "negative_prompt": a.negative_prompt} for p in a.prompts for _ in range(a.num_per_prompt)] \
-            if text else [{"label": model.label_id(lb)} for lb in a.labels for _ in range(a.num_per_label)]
-        size = _size(card, a)
     except (CardError, ValueError) as e:
         raise UsageError(str(e)) from None
     sampler = a.sampler or model.defaults["sampler"]
@@ -148,24 +152,29 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     except BaseException:
         _discard(staging, a.out, created)
         raise
-    entries = [{"file": f"{i:05d}.png" if text else f"{i:05d}_label{r.request.label}.png",
-                **({"prompt": r.request.prompt, "negative_prompt": a.negative_prompt} if text else
-                   {"label": r.request.label}),
-                "seed": r.request.seed, "sampler": sampler, "steps": steps, "guidance": guidance}
-               for i, r in enumerate(results)]
+    params = JobParams(sampler=sampler, steps=steps, guidance=guidance, eta=a.eta, negative_prompt=a.negative_prompt,
+                       width=size["width"], height=size["height"], output_width=size["out_width"],
+                       output_height=size["out_height"], warnings=[*card.warnings, *size_note])
+    images = [ManifestImage(file=f"{i:05d}.png" if text else f"{i:05d}_label{r.request.label}.png", index=i,
+                            label=None if text else r.request.label, prompt=r.request.prompt if text else None,
+                            seed=r.request.seed) for i, r in enumerate(results)]
+    manifest = Manifest(job=None, model=model.name, state="done", params=params, grid="grid.png", images=images)
     cols = a.num_per_prompt if text else a.num_per_label
-    return write_outputs(a.out, staging, model.name, entries, [r.image for r in results], cols)
+    return write_outputs(a.out, staging, manifest, [r.image for r in results], cols)
 
 
-def _size(card, a: GenerateArgs) -> dict:
-    """ItemSpec's size fields, resolved as the service resolves them (``ModelCard.size_for``)."""
+def _size(card, a: GenerateArgs) -> tuple[dict, list[str]]:
+    """ItemSpec's size fields, resolved as the service resolves them (``ModelCard.resolve_size``), and the
+    warning when the model makes another size than the one asked."""
     for name, value in (("--width", a.width), ("--height", a.height)):
         if value is not None and not 8 <= value <= 4096:
             raise UsageError(f"{name} must be between 8 and 4096 pixels, got {value}")
-    w, h = card.size_for(a.width, a.height)
+    (w, h), note = card.resolve_size(a.width, a.height)
     asked = (a.width or card.image_size, a.height or card.image_size)
     out = asked if a.exact_size and asked != (w, h) else (0, 0)
-    return {"width": w, "height": h, "out_width": out[0], "out_height": out[1]}
+    if note and out != (0, 0):
+        note += f", then resized to {asked[0]}x{asked[1]}"
+    return {"width": w, "height": h, "out_width": out[0], "out_height": out[1]}, [note] if note else []
 
 
 def _check_sampling(card, a: GenerateArgs) -> None:

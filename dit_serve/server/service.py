@@ -47,11 +47,29 @@ log = logging.getLogger(__name__)
 LOCAL_RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False, "enable_worker_prestart": False,
                            "max_direct_call_object_size": 1 << 20}
 
+# Ray (2.5x) turns token authentication on for each new local cluster and warns that it did, on every start,
+# unless RAY_AUTH_MODE is set; setting it after `import ray` leaves Ray's cached config behind (its processes
+# then refuse each other), so the notice is quieted instead, for the local start only: joining a cluster
+# still warns when that cluster runs without authentication.
+RAY_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+
 # The interpreter's thread switch interval in the service's processes (Python's default: 5 ms). The HTTP
 # server's thread, its request threads and the scheduler share one interpreter lock; with the default, a
 # thread woken on the critical path of an image (the scheduler at a submission or an answer) can wait up
 # to 5 ms behind a thread that keeps taking the lock back between short blocking calls.
 SWITCH_INTERVAL_S = 0.001
+
+
+@contextmanager
+def _quiet(logger_name: str):
+    """``logger_name``'s warnings off (errors still shown) for the block; its level restored after."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class ServiceError(RuntimeError):
@@ -196,8 +214,9 @@ class Service:
             if rc.address:
                 ray.init(address=rc.address, **kwargs)
             else:
-                ray.init(address="local", num_cpus=rc.num_cpus, _system_config=LOCAL_RAY_SYSTEM_CONFIG,
-                         **kwargs)  # never join a stray local cluster
+                with _quiet(RAY_TOKEN_LOGGER):
+                    ray.init(address="local", num_cpus=rc.num_cpus, _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+                             **kwargs)  # never join a stray local cluster
                 watch_local_ray(self.config.store.data_dir)  # nothing of our Ray may outlive this process
         except Exception as e:
             raise ServiceError(f"cannot start or join Ray{f' at {rc.address}' if rc.address else ''}: {e}") from None

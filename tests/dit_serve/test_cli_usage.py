@@ -324,3 +324,44 @@ def test_keys_list_never_creates_a_store_and_keys_say_which_store(tmp_path):
     header, row = listing.stdout.splitlines()
     assert header.split() == ["ID", "TENANT", "ROLE", "STATE", "CREATED", "LIMITS", "NAME"]
     assert row.split()[1:4] == ["alice", "user", "active"] and row.index("alice") == header.index("TENANT")
+
+
+def _keys(manifest: dict) -> tuple:
+    """A manifest's key set: its own, its params', its images'."""
+    return (sorted(manifest), sorted(manifest["params"]), sorted({k for e in manifest["images"] for k in e}))
+
+
+def test_generate_submit_out_fetch_and_the_archive_write_one_manifest_schema(service, api, tmp_path):
+    """Every writer writes dit_serve.schemas.Manifest's keys (the demo's: test_demo.py)."""
+    import io
+    import json
+    import zipfile
+
+    from dit_serve.schemas import JobParams, Manifest, ManifestImage
+
+    schema = (sorted(Manifest.model_fields), sorted(JobParams.model_fields), sorted(ManifestImage.model_fields))
+    url, http, env = api
+    proc = cli("generate", "--model", "digits", "--labels", "1", "--steps", "2", "--out", str(tmp_path / "gen"))
+    assert proc.returncode == 0, proc.stderr
+    generated = json.loads((tmp_path / "gen" / "manifest.json").read_text())
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    submit = subprocess.Popen([sys.executable, "-m", "dit_serve.cli", "submit", "--labels", "4", "--priority", "100",
+                               "--out", str(tmp_path / "sub")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=environ, cwd=ROOT)
+    try:
+        job = submit.stdout.readline().strip()
+        assert job, submit.stderr.read()
+        _play_worker(service.store, job, [None])
+        assert submit.wait(60) == 0, submit.stderr.read()
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+    submitted = json.loads((tmp_path / "sub" / "manifest.json").read_text())
+    proc = cli("fetch", job, "--out", str(tmp_path / "fetch"), env=env)
+    assert proc.returncode == 0, proc.stderr
+    fetched = json.loads((tmp_path / "fetch" / "manifest.json").read_text())
+    archived = json.loads(zipfile.ZipFile(io.BytesIO(http.get(f"/v1/jobs/{job}/archive").content)).read("manifest.json"))
+    for manifest in (generated, submitted, fetched, archived):
+        assert _keys(manifest) == schema, manifest
+    assert generated["job"] is None and submitted["job"] == fetched["job"] == archived["job"] == job
+    assert [(e["file"], e["label"], e["prompt"]) for e in fetched["images"]] == [("00000_label4.png", 4, None)]

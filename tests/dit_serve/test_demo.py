@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from dit_serve.schemas import JobParams, Manifest, ManifestImage
+
 from .conftest import oracle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,6 +27,9 @@ def test_demo(digits_model, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     entries = manifest["images"]
+    assert sorted(manifest) == sorted(Manifest.model_fields)  # the schema every writer writes (test_cli_usage.py)
+    assert sorted(manifest["params"]) == sorted(JobParams.model_fields)
+    assert {k for e in entries for k in e} == set(ManifestImage.model_fields)
     assert manifest["state"] == "done" and [e["label"] for e in entries] == [d for d in range(10) for _ in range(2)]
     images = [Image.open(out / e["file"]) for e in entries]
     assert oracle(images, [e["label"] for e in entries]) >= 0.8

@@ -25,8 +25,10 @@ def test_generate_writes_pngs_grid_and_manifest(tmp_path):
     assert manifest["model"] == "digits"
     assert [e["label"] for e in manifest["images"]] == [0, 0, 1, 1, 7, 7]
     assert [e["seed"] for e in manifest["images"]] == [5, 6, 7, 8, 9, 10]
+    params = manifest["params"]
+    assert (params["sampler"], params["steps"], params["guidance"], params["warnings"]) == ("ddim", 10, 1.5, [])
+    assert manifest["job"] is None and manifest["state"] == "done"
     for e in manifest["images"]:
-        assert (e["sampler"], e["steps"], e["guidance"]) == ("ddim", 10, 1.5)
         assert Image.open(out / e["file"]).size == (8, 8)
     grid = Image.open(out / "grid.png")
     assert grid.size[0] >= 2 * 64 and grid.size[1] >= 3 * 64  # upscaled for viewing

@@ -68,16 +68,22 @@ def _wait_for_worker(url: str, proc: subprocess.Popen, log: Path, timeout: float
     raise AssertionError(f"no worker ready: {log.read_text()[-3000:]}")
 
 
+def _without_ray_auth_mode() -> dict:
+    """The environment as a user's shell has it: Ray's auth mode unset (Ray then warns unless told)."""
+    return {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+
+
 def test_sigkill_of_serve_leaves_no_process_behind(digits_model, tmp_path):
     log = tmp_path / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "dit_serve.cli", "serve", "--port", "0",
                              "--data-dir", str(tmp_path / "data"), "--model", digits_model],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("wb"), text=True,
-                            start_new_session=True, env={**os.environ, "RAY_ADDRESS": "local"})
+                            start_new_session=True, env={**_without_ray_auth_mode(), "RAY_ADDRESS": "local"})
     # "local": a Ray of its own; without an address ray.init() joins the cluster another test may have started
     started = {}
     try:
         _wait_for_worker(serving_url(proc, log), proc, log)
+        assert "Token authentication" not in log.read_text()  # Ray's warning on every start, quieted
         started = _family(proc.pid)
         names = set(started.values())
         # the snapshot holds Ray's processes (an actor's title names the method it runs: ray::Worker.poll)

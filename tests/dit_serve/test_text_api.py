@@ -193,11 +193,15 @@ def test_mmdit_models_say_what_guidance_means_and_refuse_what_does_not_apply(api
         assert r.status_code == 400 and r.json()["error"]["param"] == "negative_prompt", r.text
         assert "no classifier-free guidance" in r.json()["error"]["message"]
     r = http.post("/v1/jobs", json={"model": "sd3-tiny", "prompts": ["A Cat"], "negative_prompt": "blurry",
-                                    "width": 4000, "height": 2000})
+                                    "width": 40, "height": 24})
     assert r.status_code == 202, r.text
     p = r.json()["params"]
     assert (p["sampler"], p["negative_prompt"]) == ("flow_euler", "blurry")
-    assert (p["width"], p["height"]) in [tuple(map(int, s.split("x"))) for s in models["sd3-tiny"]["sizes"]]
+    assert (p["width"], p["height"], p["warnings"]) == (40, 24, [])  # unlisted, made as asked (a multiple of 4)
+    assert models["sd3-tiny"]["size_range"] == [4, 64] and models["sd3-tiny"]["size_multiple"] == 4
+    big = http.post("/v1/jobs", json={"model": "sd3-tiny", "prompts": ["a cat"], "width": 4000, "height": 2000})
+    assert big.status_code == 400 and big.json()["error"]["param"] == "width"  # past its positional embedding
+    assert "multiples of 4 px from 4 to 64" in big.json()["error"]["message"]
     leases = [ls for ls in svc.store.lease("w", ["sd3-tiny"], 10, ttl=30) if ls.job_id == r.json()["id"]]
     assert leases[0].spec.prompt == "A Cat"  # SD3 reads the prompt as written (no lower-casing)
     svc.store.release(leases, "stop")

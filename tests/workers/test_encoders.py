@@ -49,3 +49,17 @@ def test_encoders_load_on_the_offload_device(dirs):
     assert next(model.text_encoder.parameters()).device.type == "meta"
     assert next(model.transformer.parameters()).device.type == "cpu"
     assert encoders.encoder_device("cpu") == "cpu"  # outside load_model: with the transformer
+
+
+def test_loading_an_encoder_draws_no_progress_bar_and_restores_the_setting(monkeypatch, capfd):
+    """`generate --model digits-text` once showed transformers' "Loading weights" bar."""
+    from transformers import T5EncoderModel
+    from transformers.utils import logging as transformers_logging
+
+    from workers.request.cards import MODELS_DIR
+
+    monkeypatch.setattr(encoders, "_SHARED", {})  # a real load, not the cached one
+    assert transformers_logging.is_progress_bar_enabled()
+    encoders.load_text_encoder(T5EncoderModel, MODELS_DIR / "digits-text" / "text_encoder", "cpu", torch.float32)
+    assert "Loading weights" not in capfd.readouterr().err
+    assert transformers_logging.is_progress_bar_enabled()

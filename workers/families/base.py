@@ -100,13 +100,21 @@ class ModelCard:
     scheduler: dict = field(default_factory=dict)  # scheduler_config.json (DiT's schedule when empty)
     defaults: dict = field(default_factory=lambda: dict(FALLBACK_DEFAULTS))
     max_tokens: int = 0              # text models: prompts are encoded to exactly this many tokens
-    sizes: tuple[tuple[int, int], ...] = ()  # (width, height) it makes; the native square when empty
+    sizes: tuple[tuple[int, int], ...] = ()  # (width, height) it lists (and snaps to, without size_range);
+                                             # the native square when empty
     size_multiple: int = 1           # pixels per transformer patch (VAE factor x patch size)
+    size_range: tuple[int, int] = (0, 0)  # (min, max) px per side of the sizes it also makes unlisted: every
+                                     # multiple of size_multiple in it, as the reference pipeline (FLUX.1, SD3);
+                                     # (0, 0): only ``sizes`` (PixArt's pipelines snap to their bins)
+    rounds_down: bool = False        # with size_range: a side off the multiple is rounded down to one, as
+                                     # FluxPipeline does; else refused, as StableDiffusion3Pipeline does
     tokenizer_file: str = ""         # text models: tokenizer.json, when the directory has one (token counts)
     guidance_mode: str = "cfg"       # what `guidance` means: "cfg" (classifier-free, against the negative
                                      # prompt or null class) | "embedded" (a network input: FLUX.1-dev) |
                                      # "none" (ignored: FLUX.1-schnell)
     lowercase_prompts: bool = False  # the family lower-cases prompts before tokenising (PixArt's pipelines do)
+    warnings: tuple[str, ...] = ()   # what a user should know of how it is served (an edit model served as
+                                     # text-to-image): GET /v1/models shows them, each job repeats them
 
     @property
     def prediction_type(self) -> str:
@@ -120,22 +128,45 @@ class ModelCard:
     def native_size(self) -> tuple[int, int]:
         return self.image_size, self.image_size
 
-    def made_sizes(self) -> list[tuple[int, int]]:
-        """The (width, height) sizes it generates at, the native size first."""
-        return [self.native_size, *(s for s in self.sizes if s != self.native_size)]
+    def made_sizes(self) -> "MadeSizes":
+        """The (width, height) sizes it lists, the native size first; ``in`` is true of the unlisted ones it
+        makes too (``size_range``), so ``size in card.made_sizes()`` is the one test of a size."""
+        return MadeSizes([self.native_size, *(s for s in self.sizes if s != self.native_size)], self)
+
+    def in_range(self, width: int, height: int) -> bool:
+        """Whether it makes width x height without listing it: sides multiples of its patch in ``size_range``."""
+        lo, hi = self.size_range
+        m = self.size_multiple
+        return bool(hi) and lo <= width <= hi and lo <= height <= hi and not width % m and not height % m
 
     def size_for(self, width: int | None, height: int | None) -> tuple[int, int]:
-        """The (width, height) it generates for a request: the native size when neither is given (a missing
-        one is the native side), the size itself when it makes it, else the aspect-ratio bin nearest the
-        asked ratio (models with bins, as the reference pipelines snap). ValueError when it has one size."""
+        """The (width, height) it generates for a request (``resolve_size``)."""
+        return self.resolve_size(width, height)[0]
+
+    def resolve_size(self, width: int | None, height: int | None) -> tuple[tuple[int, int], str]:
+        """The (width, height) it generates for a request, and a note when that is not the size asked. The
+        native size when neither is given (a missing one is the native side); the size itself when it makes
+        it; as the reference pipeline otherwise: a side off the patch multiple rounded down (FLUX.1), or the
+        aspect-ratio bin nearest the asked ratio (PixArt). ValueError when the reference would refuse it."""
         w, h = width or self.image_size, height or self.image_size
         sizes = self.made_sizes()
         if (w, h) in sizes:
-            return w, h
+            return (w, h), ""
+        lo, hi = self.size_range
+        if hi:
+            m = self.size_multiple
+            down = (w // m * m, h // m * m)
+            if self.rounds_down and self.in_range(*down):
+                return down, (f"{w}x{h} is not a multiple of {m} px per side: model {self.name!r} makes "
+                              f"{down[0]}x{down[1]} (rounded down, as its reference pipeline does)")
+            raise ValueError(f"model {self.name!r} makes sides that are multiples of {m} px from {lo} to {hi}; "
+                             f"{w}x{h} is not such a size")
         if len(sizes) == 1:
             raise ValueError(f"model {self.name!r} makes {self.image_size}x{self.image_size} images only; "
                              f"{w}x{h} is not one of its sizes (leave width and height out)")
-        return nearest_bin(w, h, sizes)
+        bw, bh = nearest_bin(w, h, sizes)
+        return (bw, bh), (f"model {self.name!r} makes {bw}x{bh} for {w}x{h}: its size of the nearest aspect "
+                          "ratio, as its reference pipeline snaps")
 
     def latent_shape(self, width: int, height: int) -> tuple[int, int, int]:
         """(C, H, W) of the latents for an image it makes at width x height."""
@@ -148,6 +179,20 @@ class ModelCard:
 
     def class_names(self) -> list[str]:
         return [self.id2label.get(i, "") for i in range(self.num_classes)] if self.id2label else []
+
+
+class MadeSizes(list):
+    """The sizes a card lists (a list: the native first), whose ``in`` also holds for the sizes it makes
+    unlisted (``ModelCard.in_range``): every caller that asks ``size in card.made_sizes()`` (the API, the
+    engine's admission and warm-up) accepts what the reference pipeline makes."""
+
+    def __init__(self, listed: list[tuple[int, int]], card: ModelCard):
+        super().__init__(listed)
+        self.card = card
+
+    def __contains__(self, size) -> bool:
+        return list.__contains__(self, size) or (isinstance(size, tuple) and len(size) == 2
+                                                 and self.card.in_range(*size))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workers.families import builtin_family, builtin_names as family_builtins, family_for
+from workers.families import FAMILIES, builtin_family, builtin_names as family_builtins, family_for
 from workers.families.base import CardError, ModelCard, read_json
 
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
@@ -52,8 +52,17 @@ def read_card(spec: str | Path) -> ModelCard:
     raise CardError(f"{path} holds neither model_index.json (a pipeline) nor config.json (a transformer)")
 
 
+def supported_pipelines() -> list[str]:
+    """The model_index.json ``_class_name``s the registered families read, in registry order."""
+    return [p for family in FAMILIES.values() for p in family.pipelines]
+
+
 def _pipeline_card(path: Path, name: str) -> ModelCard:
     index = read_json(path / "model_index.json")
+    pipeline = index.get("_class_name")
+    if pipeline and pipeline not in supported_pipelines():  # before the transformer: its message would mislead
+        raise CardError(f"{pipeline} is not supported; supported: {', '.join(supported_pipelines())} "
+                        f"({path}/model_index.json)")
     if not (path / "transformer" / "config.json").is_file():
         raise CardError(f"{path}/model_index.json has no transformer/config.json beside it")
     transformer = read_json(path / "transformer" / "config.json")

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 from sqlalchemy import bindparam, func, select, text, update
 from sqlalchemy.exc import IntegrityError
 
-from dit_serve.schemas import TERMINAL_STATES, Failure, ItemStatus, Job, JobParams, WebhookStatus, failure_summary
+from dit_serve.schemas import (TERMINAL_STATES, Failure, ItemStatus, Job, JobParams, Manifest, ManifestImage,
+                               WebhookStatus, failure_summary)
 from dit_serve.server.store.base import NO_LEASE, StoreBase
 from dit_serve.server.store.tables import DEFAULT_TENANT, items, jobs
 
@@ -399,7 +400,8 @@ def _job(row, stats: dict, item_rows, failures: list[Failure] = ()) -> Job:
 
 
 def dump_manifest(job: Job) -> str:
-    """The archive's manifest.json: the job and, per image, its file name, label and seed."""
-    images = [{"file": f"{it.index:05d}.png", "index": it.index, "label": it.label, "prompt": it.prompt,
-               "seed": it.seed, "state": it.state} for it in job.items or []]
-    return json.dumps({"job": job.model_dump(exclude={"items"}), "images": images}, indent=2) + "\n"
+    """The archive's manifest.json (``schemas.Manifest``, as every writer writes it): the job's settings and,
+    per item, its file name, label or prompt, seed and state (the PNGs are those of the done items)."""
+    images = [ManifestImage.of(f"{it.index:05d}.png", it) for it in job.items or []]
+    return Manifest(job=job.id, model=job.model, state=job.state, params=job.params, grid=None,
+                    images=images).dumps()

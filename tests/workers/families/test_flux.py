@@ -115,7 +115,31 @@ def test_the_real_models_cards(dev_dir, schnell_dir, tmp_path):
     assert (s.max_tokens, s.defaults) == (256, {"sampler": "flow_euler", "steps": 2, "guidance": 0.0})
     assert d.made_sizes()[:3] == [(1024, 1024), (1184, 880), (880, 1184)] and len(d.made_sizes()) == 9
     assert all(w % 16 == 0 and h % 16 == 0 and abs(w * h / 1024**2 - 1) < 0.05 for w, h in d.made_sizes())
-    assert d.size_for(1920, 1080) == (1360, 768)  # 16:9 snaps to its bin
+    # any multiple of 16 as asked, a side off it rounded down, as FluxPipeline does (up to twice the native side)
+    assert d.size_for(256, 256) == (256, 256) and d.resolve_size(1920, 1080) == (
+        (1920, 1072), "1920x1080 is not a multiple of 16 px per side: model 'dev' makes 1920x1072 (rounded down, "
+                      "as its reference pipeline does)")
+    with pytest.raises(ValueError, match="multiples of 16 px from 16 to 2048"):
+        d.size_for(4096, 1024)
+
+
+def test_kontext_is_served_as_text_to_image_and_says_so(dev_dir, tmp_path):
+    """FluxKontextPipeline has FLUX.1-dev's layout; served without its image input, the model's entry in
+    GET /v1/models and each job's warnings say that it is an edit model run as text-to-image."""
+    from dit_serve.schemas import JobRequest
+    from dit_serve.server.catalog import Catalog, model_entry
+    from dit_serve.server.config import LimitsConfig
+
+    kontext = _layout_copy(dev_dir, tmp_path / "kontext")
+    index = json.loads((kontext / "model_index.json").read_text())
+    (kontext / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxKontextPipeline"}))
+    card = read_card(kontext)
+    (warning,) = card.warnings
+    assert "FLUX.1 Kontext" in warning and "image-editing" in warning and "without its image input" in warning
+    assert model_entry(card).warnings == [warning]
+    job = Catalog([card], LimitsConfig()).resolve_job(JobRequest(prompts=["a cat"]))
+    assert job.params.warnings == [warning]
+    assert read_card(dev_dir).warnings == () and model_entry(read_card(dev_dir)).warnings == []
 
 
 @pytest.mark.parametrize("part", ["vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"])
@@ -213,6 +237,29 @@ def test_dev_at_a_non_square_size(dev):
     results = Engine(dev, EAGER).generate(specs)
     assert results[0].latents.shape == (16, 8, 12) and results[0].image.shape == (64, 96, 3)
     assert results[1].latents.shape == (16, 12, 8)
+    _assert_equal_to_pipeline(dev, specs, results)
+
+
+def test_an_unlisted_multiple_of_16_is_made_as_asked_and_equals_the_pipeline(dev):
+    """The tiny card lists 64x64, 96x64 and 64x96; FluxPipeline makes 32x32 and 128x48 as asked, and so does
+    the engine (each a new shape, captured on first use), where the card once snapped them to 64x64 and 96x64."""
+    from dit_serve.schemas import JobRequest
+    from dit_serve.server.catalog import Catalog
+    from dit_serve.server.config import LimitsConfig
+
+    catalog = Catalog([dev.card], LimitsConfig())
+    for (w, h), warnings in (((32, 32), []), ((128, 48), []), ((50, 40), [
+            "50x40 is not a multiple of 16 px per side: model 'flux-dev0' makes 48x32 (rounded down, as its "
+            "reference pipeline does)"])):
+        params = catalog.resolve_job(JobRequest(prompts=["a cat"], width=w, height=h)).params
+        assert (params.width, params.height, params.warnings) == (w // 16 * 16, h // 16 * 16, warnings)
+    with pytest.raises(Exception, match="multiples of 16 px from 16 to 128") as e:
+        catalog.resolve_job(JobRequest(prompts=["a cat"], width=144, height=64))
+    assert e.value.param == "width"
+    specs = [ItemSpec(id="s", seed=5, sampler="flow_euler", steps=3, guidance=3.5, prompt="a cat", width=32, height=32),
+             ItemSpec(id="w", seed=6, sampler="flow_euler", steps=3, guidance=3.5, prompt="a dog", width=128, height=48)]
+    results = Engine(dev, EAGER).generate(specs)
+    assert results[0].image.shape == (32, 32, 3) and results[1].image.shape == (48, 128, 3)
     _assert_equal_to_pipeline(dev, specs, results)
 
 

@@ -114,7 +114,11 @@ def test_a_full_size_card_lists_aspect_ratio_sizes_and_the_directorys_defaults(t
     assert card.defaults == {"sampler": "flow_euler", "steps": 40, "guidance": 4.5}
     assert card.made_sizes() == [(1024, 1024), (1152, 896), (896, 1152), (1280, 832), (832, 1280),
                                  (1344, 768), (768, 1344), (1536, 640), (640, 1536)]
-    assert card.size_for(1920, 1080) == (1344, 768) and card.latent_shape(1344, 768) == (16, 96, 168)
+    assert card.latent_shape(1344, 768) == (16, 96, 168)
+    # any multiple of 16 as asked, as StableDiffusion3Pipeline makes it; a side off the multiple refused, as it does
+    assert card.size_for(1920, 1088) == (1920, 1088) and card.size_for(256, 256) == (256, 256)
+    with pytest.raises(ValueError, match="multiples of 16 px from 16 to"):
+        card.size_for(1920, 1080)
     assert read_card(_medium_layout(tmp_path / "long", max_sequence_length=512)).max_tokens == 512
     assert aspect_sizes(16, 4)[0] == (16, 16) and all(w % 4 == 0 and h % 4 == 0 for w, h in aspect_sizes(16, 4))
 

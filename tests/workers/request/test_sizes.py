@@ -68,6 +68,24 @@ def test_cards_list_sizes_and_snap(pixart_dir):
         digits.size_for(64, 64)
 
 
+def test_a_snapped_size_is_named_in_the_jobs_warnings(pixart_dir):
+    """PixArt snaps to its sizes as its pipelines do, and the job says so; a size it makes gets no warning."""
+    from dit_serve.schemas import JobRequest
+    from dit_serve.server.catalog import Catalog
+    from dit_serve.server.config import LimitsConfig
+
+    card = read_card(pixart_dir)
+    assert card.size_range == (0, 0) and (48, 16) not in card.made_sizes()  # only what it lists
+    catalog = Catalog([card], LimitsConfig())
+    params = catalog.resolve_job(JobRequest(prompts=["a cat"], width=300, height=150)).params
+    assert (params.width, params.height) == (32, 16)
+    assert params.warnings == [f"model {card.name!r} makes 32x16 for 300x150: its size of the nearest aspect ratio, "
+                               "as its reference pipeline snaps"]
+    exact = catalog.resolve_job(JobRequest(prompts=["a cat"], width=300, height=150, exact_size=True)).params
+    assert exact.warnings == [params.warnings[0] + ", then resized to 300x150"]
+    assert catalog.resolve_job(JobRequest(prompts=["a cat"], width=32, height=16)).params.warnings == []
+
+
 def test_a_size_that_is_not_a_patch_multiple_is_a_card_error(tmp_path):
     path = make_tiny_pixart(tmp_path / "bad")
     index = json.loads((path / "model_index.json").read_text())
@@ -125,7 +143,7 @@ def test_a_size_the_model_does_not_make_is_refused_at_admission(model):
     assert engine.num_active == 0
 
 
-def test_generate_makes_the_size_asked_from_the_command_line(pixart_dir, tmp_path):
+def test_generate_makes_the_size_asked_from_the_command_line(pixart_dir, tmp_path, capsys):
     from PIL import Image
 
     from dit_serve.cli import main
@@ -133,7 +151,11 @@ def test_generate_makes_the_size_asked_from_the_command_line(pixart_dir, tmp_pat
     out = tmp_path / "out"
     assert main(["generate", "--model", str(pixart_dir), "--prompt", "a red cat", "--steps", "2",
                  "--width", "40", "--height", "19", "--out", str(out)]) == 0
-    assert Image.open(out / "00000.png").size == (32, 16)  # the nearest size it makes
+    assert Image.open(out / "00000.png").size == (32, 16)  # the nearest size it makes, and it says so
+    snapped = f"model {pixart_dir.name!r} makes 32x16 for 40x19: its size of the nearest aspect ratio, as its " \
+              "reference pipeline snaps"
+    assert f"dit-serve: warning: {snapped}\n" in capsys.readouterr().err
+    assert json.loads((out / "manifest.json").read_text())["params"]["warnings"] == [snapped]
     assert main(["generate", "--model", str(pixart_dir), "--prompt", "a red cat", "--steps", "2",
                  "--width", "40", "--height", "19", "--exact-size", "--out", str(out)]) == 0
     assert Image.open(out / "00000.png").size == (40, 19)

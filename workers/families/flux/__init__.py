@@ -17,12 +17,20 @@ Schedule. FluxPipeline passes its own sigmas, np.linspace(1, 1/steps, steps), to
 schnell alike (then shifted by ``mu`` for dev's dynamic shifting, statically for schnell): the card's
 scheduler config says so with ``flow_grid: "flux"`` (a samplers.NoiseSchedule key, not a diffusers one).
 
+Kontext. FLUX.1 Kontext (``FluxKontextPipeline``, ``black-forest-labs/FLUX.1-Kontext-dev``) has FLUX.1-dev's
+layout and runs as text-to-image when given no image, as its pipeline does with ``image=None``; it is an
+image-editing model, and until requests carry an image its card says that it is served without one.
+
 Sizes. The latents are 16 x H/8 x W/8, packed 2x2 into (H/16)(W/16) tokens of 64, so each side is a
 multiple of 16 px. FLUX has no native size in its configs; 1024 is the real models' (``dit_serve.image_size``
 overrides). Each (width, height) size is one captured graph shape, so a card lists a few: the native
 square and the common ratios 4:3, 3:2, 16:9 and 21:9 both ways, each at about the native pixel count
 (width = native * sqrt(ratio), height = native / sqrt(ratio), each rounded to the nearest multiple of 16:
 at 1024, 1184x880, 1248x832, 1360x768, 1568x672 and their transposes). ``dit_serve.sizes`` replaces them.
+Those are the sizes it lists; like FluxPipeline it makes any other multiple of 16 as asked (the engine
+captures a new size on first use), from 16 px to twice the native side per side (``size_range``: FluxPipeline
+sets no bound; FLUX.1 is trained up to about 2 MP), and rounds a side off the multiple down to one, as
+FluxPipeline does.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ NATIVE_SIZE = 1024
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses more T5 tokens
 DEV = {"defaults": {"sampler": "flow_euler", "steps": 28, "guidance": 3.5}, "max_tokens": 512}
 SCHNELL = {"defaults": {"sampler": "flow_euler", "steps": 4, "guidance": 0.0}, "max_tokens": 256}
+# edit pipelines with FluxPipeline's layout, served as text-to-image (no image input yet): what they are
+EDIT_PIPELINES = {"FluxKontextPipeline": "FLUX.1 Kontext"}
 # part -> (the file that must be there, what it holds: the message's words)
 PARTS = {"vae": ("vae/config.json", "the VAE (AutoencoderKL)"),
          "text_encoder": ("text_encoder/config.json", "the CLIP text encoder (CLIPTextModel)"),
@@ -63,7 +73,7 @@ FLUX_VAE = PreviewMap(weight=((-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687
 
 class Flux(Family):
     name = "flux"
-    pipelines = ("FluxPipeline",)
+    pipelines = ("FluxPipeline", *EDIT_PIPELINES)
     transformers = ("FluxTransformer2DModel",)
     builtins = {"flux-dev-512": Builtin(512, DEV_PARAMS, DEV_ENCODER_PARAMS),
                 "flux-dev-1024": Builtin(1024, DEV_PARAMS, DEV_ENCODER_PARAMS)}
@@ -82,7 +92,7 @@ class Flux(Family):
         return ModelCard(name, "flux", "text", builtin=name, image_size=size, latent_channels=16,
                          latent_size=size // 8, scheduler=dict(DEV_SCHEDULER), defaults=dict(DEV["defaults"]),
                          max_tokens=DEV["max_tokens"], sizes=tuple(ratio_sizes(size, 16)), size_multiple=16,
-                         guidance_mode="embedded")
+                         size_range=(16, 2 * size), rounds_down=True, guidance_mode="embedded")
 
 
 def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict) -> ModelCard:
@@ -100,12 +110,16 @@ def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict
         raise CardError(f"{path}/model_index.json: dit_serve.max_sequence_length must be 1 to "
                         f"{MAX_SEQUENCE_LENGTH} (FluxPipeline's limit), got {max_tokens}")
     tokenizer_json = path / "tokenizer_2" / "tokenizer.json"
+    pipeline = index.get("_class_name", "")
+    warnings = (f"model {name!r} is {EDIT_PIPELINES[pipeline]} ({pipeline}), an image-editing model; it is served "
+                "as text-to-image, without its image input",) if pipeline in EDIT_PIPELINES else ()
     return ModelCard(
         name, "flux", "text", path=str(path), image_size=size, latent_channels=int(vae["latent_channels"]),
         latent_size=size // factor, dtype=extra.get("dtype", "bfloat16"), scheduler={**scheduler, "flow_grid": "flux"},
         defaults={**base["defaults"], **extra.get("defaults", {})}, max_tokens=max_tokens,
         sizes=tuple(listed_sizes(path, extra, multiple) or ratio_sizes(size, multiple)), size_multiple=multiple,
-        guidance_mode="embedded" if distilled else "none",
+        size_range=(multiple, 2 * size), rounds_down=True,
+        guidance_mode="embedded" if distilled else "none", warnings=warnings,
         tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() else "")
 
 

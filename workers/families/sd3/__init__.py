@@ -14,7 +14,10 @@ Sizes. SD3 makes any multiple of the patch in pixels up to ``pos_embed_max_size`
 positional embedding is cropped about the centre). The card lists a directory's ``dit_serve.sizes`` when
 it has them, else ``aspect_sizes``: the native square and the landscape and portrait sizes of 4:3, 3:2,
 16:9 and 21:9 at the native pixel count, each side rounded to 64 px (at 1024: 1152x896, 1280x832,
-1344x768, 1536x640 and their transposes, the buckets SDXL and SD3 users know).
+1344x768, 1536x640 and their transposes, the buckets SDXL and SD3 users know). Those are the sizes it lists;
+like the reference it makes any other multiple of the patch as asked, up to the positional embedding's
+``pos_embed_max_size`` patches per side (twice the native side for a transformer without one), and refuses a
+side off the multiple, as StableDiffusion3Pipeline does (``size_range``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from workers.request.sizes import ratio_sizes
 
 CLIP_ARCH = "CLIPTextModelWithProjection"
 T5_ARCH = "T5EncoderModel"
+SD35_POS_EMBED_MAX = 384  # SD3.5 medium's pos_embed_max_size (patches per side)
 MAX_T5_TOKENS = 512  # the reference pipeline refuses a longer max_sequence_length
 
 DEFAULTS = {"sampler": "flow_euler", "steps": 28, "guidance": 7.0}  # StableDiffusion3Pipeline's
@@ -64,7 +68,8 @@ class SD3(Family):
         scheduler = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
         return ModelCard(name, "sd3", "text", builtin=name, image_size=size, latent_channels=16,
                          latent_size=size // 8, scheduler=scheduler, max_tokens=256,
-                         sizes=tuple(aspect_sizes(size, 16)), size_multiple=16, defaults={"sampler": "flow_euler", "steps": 40, "guidance": 4.5})
+                         sizes=tuple(aspect_sizes(size, 16)), size_multiple=16,
+                         size_range=(16, SD35_POS_EMBED_MAX * 16), defaults={"sampler": "flow_euler", "steps": 40, "guidance": 4.5})
 
 
 def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict) -> ModelCard:
@@ -77,8 +82,9 @@ def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict
     size, patch = int(transformer.get("sample_size", 128)), int(transformer.get("patch_size", 2))
     multiple = factor * patch
     sizes = listed_sizes(path, extra, multiple) or aspect_sizes(size * factor, multiple)
-    if transformer.get("pos_embed_max_size"):  # without it, the embedding is remade for any size
-        _check_sizes(path, sizes, int(transformer["pos_embed_max_size"]) * multiple)
+    largest = int(transformer.get("pos_embed_max_size") or 0) * multiple  # without it, remade for any size
+    if largest:
+        _check_sizes(path, sizes, largest)
     tokens = int(extra.get("max_sequence_length", 256))
     if not 1 <= tokens <= MAX_T5_TOKENS:
         raise CardError(f"{path}/model_index.json: dit_serve.max_sequence_length must be 1..{MAX_T5_TOKENS}, "
@@ -89,6 +95,7 @@ def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict
         latent_channels=int(transformer.get("in_channels", 16)), latent_size=size,
         dtype=extra.get("dtype", "bfloat16"), scheduler=scheduler, defaults={**DEFAULTS, **extra.get("defaults", {})},
         max_tokens=tokens, sizes=tuple(sizes), size_multiple=multiple,
+        size_range=(multiple, largest or 2 * size * factor),
         tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() and not no_t5 else "")
 
 
