@@ -271,7 +271,7 @@ class Engine:
         makes (start-up; a size first asked for later is captured when it first arrives)."""
         for m in self.models.values():
             for w, h in sizes:
-                if m.card is not None and (w, h) in m.card.made_sizes():
+                if m.card is not None and m.card.makes(w, h):
                     self._group(m, m.card.latent_shape(w, h))
         for group in self.groups.values():
             known = len(CHOOSER.choices)
@@ -458,7 +458,7 @@ class Engine:
             return self._keys[name, tuple(model.latent_shape)]
         card = model.card
         size = (req.width or card.image_size, req.height or card.image_size)
-        if size not in card.made_sizes():
+        if not card.makes(*size):
             raise ValueError(f"model {name!r} does not make {size[0]}x{size[1]} images "
                              f"(sizes: {', '.join(f'{w}x{h}' for w, h in card.made_sizes())})")
         return self._group(model, card.latent_shape(*size))

@@ -128,10 +128,14 @@ class ModelCard:
     def native_size(self) -> tuple[int, int]:
         return self.image_size, self.image_size
 
-    def made_sizes(self) -> "MadeSizes":
-        """The (width, height) sizes it lists, the native size first; ``in`` is true of the unlisted ones it
-        makes too (``size_range``), so ``size in card.made_sizes()`` is the one test of a size."""
-        return MadeSizes([self.native_size, *(s for s in self.sizes if s != self.native_size)], self)
+    def made_sizes(self) -> list[tuple[int, int]]:
+        """The (width, height) sizes it lists, the native size first (``makes`` also takes unlisted ones)."""
+        return [self.native_size, *(s for s in self.sizes if s != self.native_size)]
+
+    def makes(self, width: int, height: int) -> bool:
+        """Whether it generates width x height as it is: a size it lists, or one inside ``size_range``. The one
+        test of a size (the API, the engine's admission and warm-up)."""
+        return (width, height) in self.made_sizes() or self.in_range(width, height)
 
     def in_range(self, width: int, height: int) -> bool:
         """Whether it makes width x height without listing it: sides multiples of its patch in ``size_range``."""
@@ -150,7 +154,7 @@ class ModelCard:
         aspect-ratio bin nearest the asked ratio (PixArt). ValueError when the reference would refuse it."""
         w, h = width or self.image_size, height or self.image_size
         sizes = self.made_sizes()
-        if (w, h) in sizes:
+        if self.makes(w, h):
             return (w, h), ""
         lo, hi = self.size_range
         if hi:
@@ -179,20 +183,6 @@ class ModelCard:
 
     def class_names(self) -> list[str]:
         return [self.id2label.get(i, "") for i in range(self.num_classes)] if self.id2label else []
-
-
-class MadeSizes(list):
-    """The sizes a card lists (a list: the native first), whose ``in`` also holds for the sizes it makes
-    unlisted (``ModelCard.in_range``): every caller that asks ``size in card.made_sizes()`` (the API, the
-    engine's admission and warm-up) accepts what the reference pipeline makes."""
-
-    def __init__(self, listed: list[tuple[int, int]], card: ModelCard):
-        super().__init__(listed)
-        self.card = card
-
-    def __contains__(self, size) -> bool:
-        return list.__contains__(self, size) or (isinstance(size, tuple) and len(size) == 2
-                                                 and self.card.in_range(*size))
 
 
 @dataclass(frozen=True)
