@@ -238,7 +238,7 @@ def run_preset(name: str, args, models: dict, result: dict, reference: dict) -> 
     with torch.no_grad():
         for n in args.images:
             inp = step_inputs(engine, model, n)
-            x = measure(lambda: runner.run(**inp), block, n, args)["x_next"]
+            x = measure(lambda r=runner, i=inp: r.run(**i), block, n, args)["x_next"]
             if name == "default":
                 reference[n] = x.float().clone()
             compare(block, n, x, reference)

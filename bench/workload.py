@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass

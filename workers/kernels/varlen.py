@@ -87,7 +87,7 @@ def kernel_name(device: torch.device | str, dtype: torch.dtype, head_dim: int) -
         return "flash varlen (seqused_k; no host read)"
     why = "" if device.type != "cuda" else (
         "; this torch's flash attention takes no seqused_k" if not _flash_takes_seqused() else
-        f"; flash needs fp16/bf16, a head dim that is a multiple of 8 up to 256, sm80+")
+        "; flash needs fp16/bf16, a head dim that is a multiple of 8 up to 256, sm80+")
     return f"SDPA per key length (one host read per layer{why})"
 
 

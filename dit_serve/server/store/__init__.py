@@ -29,7 +29,7 @@ The schema and its migrations are ``store.tables``; ``store.changes`` wakes wait
 
 from __future__ import annotations
 
-from dit_serve.server.store.base import StoreBase, StoreError, _driver_url
+from dit_serve.server.store.base import StoreBase, StoreError, _driver_url  # noqa: F401 (tests read it here)
 from dit_serve.server.store.changes import CHANNEL, Changes
 from dit_serve.server.store.job import IdempotencyConflict, JobsMixin, QueueFull, dump_manifest, job_state
 from dit_serve.server.store.leases import Lease, LeasesMixin, lease_shape, requeue_backoff
