@@ -69,6 +69,9 @@ class Worker:
         cuda = torch.cuda.is_available()
         self.device = ("cuda" if cuda else "cpu") if config.device == "auto" else config.device
         cards = [read_card(m) for m in config.models]
+        for card in cards:  # what an operator should know of how a model is served (an edit model as text-to-image)
+            for warning in card.warnings:
+                log.warning("%s: %s", card.name, warning)
         dtypes = [self._dtype(config.dtype, card) for card in cards]
         if self.device.startswith("cuda"):  # several models per worker only if their weights fit
             check_fits(list(config.models), [str(d).removeprefix("torch.") for d in dtypes],
