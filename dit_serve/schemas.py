@@ -325,6 +325,8 @@ class ModelCard(_Response):
     owned_by: str = "dit-serve"
     conditioning: Literal["class", "text"] = Field("class", description="labels or prompts")
     family: str = "dit"
+    speed: Literal["default", "fast", "fastest"] = Field("default", description="how fast the workers run it "
+                                                         "([workers] speed / model_speed)")
     num_classes: int = 0
     max_tokens: int = Field(0, description="text models: prompts are truncated to this many tokens")
     max_prompt_chars: int = Field(MAX_PROMPT, description="the longest prompt a request may send, in characters "

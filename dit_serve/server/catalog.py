@@ -32,9 +32,10 @@ class RequestError(ValueError):
         self.message, self.param, self.status, self.retry_after = message, param, status, retry_after
 
 
-def model_entry(card: cards.ModelCard) -> ModelCard:
-    """A card as GET /v1/models shows it."""
-    return ModelCard(id=card.name, conditioning=card.conditioning, family=card.family, num_classes=card.num_classes,
+def model_entry(card: cards.ModelCard, speed: str = "default") -> ModelCard:
+    """A card as GET /v1/models shows it, with the speed the workers run it at."""
+    return ModelCard(id=card.name, conditioning=card.conditioning, family=card.family, speed=speed,
+                     num_classes=card.num_classes,
                      max_tokens=card.max_tokens, image_size=card.image_size, guidance=card.guidance_mode,
                      sizes=[f"{w}x{h}" for w, h in card.made_sizes()], size_multiple=card.size_multiple,
                      size_range=list(card.size_range) if card.size_range[1] else [], class_names=card.class_names(),
@@ -70,14 +71,21 @@ class NewJob:
 class Catalog:
     """The served models' cards by name, and the limits."""
 
-    def __init__(self, models: list[cards.ModelCard], limits: LimitsConfig):
+    def __init__(self, models: list[cards.ModelCard], limits: LimitsConfig, speeds: dict[str, str] | None = None):
         self.models = {m.name: m for m in models}
         self.limits = limits
+        self.speeds = speeds or {}  # model name -> the speed the workers run it at
 
     @classmethod
-    def of(cls, specs: list[str], limits: LimitsConfig) -> "Catalog":
-        """The catalog of the configured models (names or directories); ValueError if one cannot be served."""
-        return cls([cards.read_card(s) for s in specs], limits)
+    def of(cls, specs: list[str], limits: LimitsConfig, speeds: list[str] | None = None) -> "Catalog":
+        """The catalog of the configured models (names or directories; ``speeds`` in their order); ValueError
+        if one cannot be served."""
+        models = [cards.read_card(s) for s in specs]
+        return cls(models, limits, {m.name: sp for m, sp in zip(models, speeds or [])})
+
+    def entry(self, name: str) -> ModelCard:
+        """A served model as GET /v1/models shows it."""
+        return model_entry(self.models[name], self.speeds.get(name, "default"))
 
     def model(self, name: str | None) -> cards.ModelCard:
         if name is None:

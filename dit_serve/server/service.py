@@ -79,7 +79,8 @@ class ServiceError(RuntimeError):
 def build_catalog(config: Config) -> Catalog:
     """The configured models' cards; each model's default sampler settings are checked now."""
     try:
-        catalog = Catalog.of(list(config.workers.models), config.limits)
+        catalog = Catalog.of(list(config.workers.models), config.limits,
+                             [config.workers.speed_of(m) for m in config.workers.models])
         for info in catalog.models.values():
             catalog.params(info, None, None, None, 0.0)
     except (ValueError, KeyError) as e:

@@ -85,3 +85,14 @@ def test_precision_and_speeds_are_per_served_model_and_a_name_not_served_is_refu
         Config().with_overrides(workers={"model_speed": {"digits": "fused"}})
     with pytest.raises(ConfigError, match="workers.precision.digits: Input should be 'bf16', 'fp8' or 'fp8\\+attention'"):
         Config().with_overrides(workers={"precision": {"digits": "fp4"}})
+
+
+def test_the_models_list_shows_each_models_speed():
+    """GET /v1/models says the speed the workers run each model at ([workers] speed, model_speed over it)."""
+    from dit_serve.server.config import Config
+    from dit_serve.server.service import build_catalog
+
+    config = Config().with_overrides(workers={"models": ("digits", "digits-text"), "speed": "fast",
+                                              "model_speed": {"digits-text": "default"}})
+    catalog = build_catalog(config)
+    assert [catalog.entry(n).speed for n in catalog.models] == ["fast", "default"]

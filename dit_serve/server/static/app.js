@@ -422,7 +422,8 @@ async function start() {
   $("job-form").onsubmit = submitJob;
   const list = await api("/v1/models");
   for (const m of list.data) models.set(m.id, m);
-  $("f-model").replaceChildren(...list.data.map((m) => el("option", { value: m.id, textContent: m.id })));
+  $("f-model").replaceChildren(...list.data.map((m) =>
+    el("option", { value: m.id, textContent: m.speed && m.speed !== "default" ? `${m.id} (${m.speed})` : m.id })));
   applyModel();
   window.addEventListener("hashchange", route);
   route();
