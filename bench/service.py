@@ -165,7 +165,7 @@ def step_ms(engine, s: dict, batch: int, preview_every: int, poll_s: float | Non
     as the worker's next poll would (``final`` "all": every one of them, as this harness did before: the
     host runs several steps ahead of the GPU, so that was several PNGs per item in the timed run that no
     worker makes). ``poll_s`` None: no poller (the previews taken are dropped); ``encode`` False: the poller
-    takes them and encodes nothing (bench/preview_cost.py compares these)."""
+    takes them and encodes nothing (bench/preview_cost.py (in git history) compares these)."""
     import threading
 
     from workers.actor import _png

@@ -32,7 +32,7 @@ Contract
   and its output keeps its owner until the next segment's last read. Memory that a later segment or
   capture reuses is therefore only written after the break has read it. This is the reasoning
   PyTorch's own CUDA-graph trees rely on for their non-owning outputs. On an H200 (DiT-XL/2 256,
-  ``bench/step_kernels.py``) aliased breaks step 128 rows in 62.8 ms with a 0.68 GB pool, as fast as
+  ``bench/step.py``) aliased breaks step 128 rows in 62.8 ms with a 0.68 GB pool, as fast as
   whole-step graphs.
 * When compilation happens: on the first call (the runner's warm-up runs every bucket eagerly before
   capturing it, largest first, so the compile sees the largest batch and every later bucket reuses

@@ -99,7 +99,7 @@ def decode_runner(model: LoadedModel, shape: tuple[int, int, int], pool=None, st
     compile for every batch), as the model's step is (on an H200, PixArt-Σ's 512 px decode took 7.2 ms
     as a compiled graph against 20.6 as a plain one), with the VAE's weights in channels-last on CUDA (the
     compiled graph's convolutions then run cuDNN's NHWC kernels: PixArt-Σ 512's decode at the 4-image bucket
-    5.34 ms an image against 8.44; cuDNN's autotuning adds nothing to either, ``bench/decode_layouts.py``)."""
+    5.34 ms an image against 8.44; cuDNN's autotuning adds nothing to either, ``bench/decode_layouts.py`` (in git history))."""
     c, h, w = shape
     if compiled and model.device.type == "cuda":  # NHWC weights: cuDNN's NHWC convolutions (see the docstring)
         model.vae.to(memory_format=torch.channels_last)

@@ -123,7 +123,7 @@ def use_cache_dir(path: str | os.PathLike) -> bool:
 FA4_TILES = {"fa4": {}, "fa4/128x128": {"tile_mn": (128, 128), "mma_pv_is_rs": True, "intra_wg_overlap": True},
              "fa4/192x128": {"tile_mn": (192, 128), "mma_pv_is_rs": False, "intra_wg_overlap": True}}
 # Shorter sequences are left to PyTorch's kernels: on an H200 FlashAttention-4 lost at DiT-XL/2's 256 tokens
-# (bench/row_kernels.py: 261 against 149 us at 128 rows), and measuring it there would only add its compile
+# (bench/kernel_times.py: 261 against 149 us at 128 rows), and measuring it there would only add its compile
 # to every worker's start.
 FA4_MIN_TOKENS = 1024
 

@@ -20,7 +20,7 @@ v and the probabilities in float8 e4m3 and every accumulation in float32:
 
 Heads whose size is not a multiple of 16 (DiT's and PixArt's 72) are padded with zero columns to the next one
 (80): zeros change neither q k^T nor, in v, the real columns of the output; the softmax scale stays
-1/sqrt(72). The kernel itself is measured against the bf16 kernels by ``bench/fp8_sdpa.py``.
+1/sqrt(72). The kernel itself is measured against the bf16 kernels by ``bench/kernel_times.py``.
 
 Off CUDA, ``attention_codes`` runs the same arithmetic as PyTorch operations (``reference_codes``: float32,
 the unnormalised probabilities rounded to their codes, the row sums from the float32 ones): the CPU tests'
@@ -160,7 +160,7 @@ def _build(q, k, v, o, softmax_scale: float) -> _Plan:
 
 def operation_graph(q, k, v, o, softmax_scale: float) -> tuple[object, tuple]:
     """The frontend's graph of the attention for these layouts, built up to its plans (``_build`` asks for
-    heuristics mode A's; ``bench/fp8_sdpa_plans.py`` for every mode's), and its tensors as ``_Plan`` keeps them."""
+    heuristics mode A's; ``bench/fp8_sdpa_plans.py`` (in git history) for every mode's), and its tensors as ``_Plan`` keeps them."""
     cudnn = _frontend()
     e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
     graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=fp32, compute_data_type=fp32,

@@ -6,7 +6,7 @@ An FP8 linear fed by a block's norm quantizes the norm's output rows before its 
 the add, the norm, the modulation and the quantization into one kernel (``workers.speed.fp8.quantize_rows``'s ``fuse``), but
 it reduces a row wider than 1024 values in a loop and reads it from memory once per reduction (the mean and
 variance, then the largest magnitude, then the codes): in PixArt-Σ 512's compiled FP8 step at 32 images
-those kernels took 27.8 of 146 ms (``docs/benchmarks/profile_pixart-sigma-512_fp8_32.md``), about three
+those kernels took 27.8 of 146 ms (``docs/benchmarks/profile_pixart-sigma-512_fp8_32.md`` (in git history)), about three
 times what their reads and writes cost at the H200's memory bandwidth.
 
 This kernel holds a row in registers (PixArt's 1152 values in 2048 lanes, one warp, as the row
@@ -148,7 +148,7 @@ def warps_for(rows: int, block: int) -> int:
     """Warps a row's program gets: one per 2048 lanes (64 values a thread, the row quantization's
     measured plan) while the rows alone fill the GPU; for fewer rows, more warps a row (down to 8 values a
     thread, up to 16 warps), so that about THREADS_WANTED threads run. On an H200 one warp a row ran
-    65536 rows of 1152 at 3 TB/s (``docs/benchmarks/norm_quant_kernel.md``); the split for fewer rows (a
+    65536 rows of 1152 at 3 TB/s (``docs/benchmarks/norm_quant_kernel.md`` (in git history)); the split for fewer rows (a
     1024 px image's 8192) is a choice its graph-replay timing has yet to confirm."""
     base = base_warps(block)
     wanted = _next_pow2(-(-THREADS_WANTED // (32 * max(rows, 1))))

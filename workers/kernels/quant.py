@@ -6,7 +6,7 @@ FP8 linears quantize their input rows at run time (``workers.speed.fp8.quantize_
 magnitude, then the row scaled and cast. Written in PyTorch that is a reduction and then a pass that
 reads the row again; Inductor fuses it into one reduction kernel that still reads each row twice and, on
 an H200, ran far below memory bandwidth: at DiT-XL/2 256 px with 128 rows its GELU+quantize kernel took
-18.3 of a 62 ms step (``docs/benchmarks/profile_dit-xl-2-256.md``), where the bf16 GELU alone took 5.7.
+18.3 of a 62 ms step (``docs/benchmarks/profile_dit-xl-2-256.md`` (in git history)), where the bf16 GELU alone took 5.7.
 The least it can cost is one read of the bf16 rows and one write of the FP8 ones.
 
 This kernel loads a row once into registers (a row of the widest model here, FLUX's 15360 features, is
@@ -106,7 +106,7 @@ def split_plan(k: int, fast: bool = True) -> Plan:
     return Plan("split", parts[0], 1, _warps(sum(parts), 64), parts, fast)
 
 
-# K -> the plan measured fastest for the rows of that width the families run (bench/row_kernels.py on an
+# K -> the plan measured fastest for the rows of that width the families run (bench/kernel_times.py on an
 # H200, docs/benchmarks/row_kernels.md); "fast" matters only where the GELU is folded in (4608, 6144, 12288)
 PLANS: dict[int, Plan] = {
     1152: Plan("whole", 2048, 1, 1),                         # DiT-XL/2, PixArt: hidden

@@ -9,7 +9,7 @@ block), concatenated text first, rotated by the rotary embedding, times their fi
 the scale of its largest magnitude, which no kernel knows before it has read all of v. Inductor makes one
 reduction kernel of the norm, rotation and codes that also takes v's largest magnitude, and more kernels for
 v's codes and the text/image concatenation: on an H200, FLUX.1-dev 1024's FP8 step spent 7.4 ms in them
-(``docs/benchmarks/profile_flux-dev-1024_fp8codes.md``) where their reads and writes cost about 2.5; these two take 3.8
+(``docs/benchmarks/profile_flux-dev-1024_fp8codes.md`` (in git history)) where their reads and writes cost about 2.5; these two take 3.8
 (``profile_flux-dev-1024_fp8rope.md``).
 
 Here:
@@ -26,7 +26,7 @@ Here:
   layout in the model's dtype and v copied beside them, one kernel (no codes, so no largest magnitude to wait
   for); what FLUX.1's routed processor hands its bf16 attention kernel, by ``BF16_PLAN`` (one head of 16
   tokens a program: 53.4 us a double block against Inductor's 168.9 on an H200,
-  ``docs/benchmarks/rope_qkv_bf16.md``; FLUX.1-dev 1024's bf16 step 124.36 ms against 128.49).
+  ``docs/benchmarks/rope_qkv_bf16.md`` (in git history); FLUX.1-dev 1024's bf16 step 124.36 ms against 128.49).
 
 Arithmetic: float32 throughout, rounded once to e4m3 (diffusers' eager path rounds to bf16 after the norm
 and after the rotation first); v's codes are what ``fp8_attention.quantize`` writes. ``joint_codes`` is a

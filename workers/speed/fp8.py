@@ -27,13 +27,13 @@ How
   ``fused_input``) quantizes through the PyTorch operations instead, so Inductor makes one kernel of the
   norm and the quantization: the norm's bf16 rows are never written and read back. On an H200 that took
   the norm-then-quantize of PixArt-Σ 512's 65536 rows of 1152 from 364 to 256 us, FLUX.1's 4608 rows of
-  3072 from 178 to 81 (``bench/norm_quant.py``, ``docs/benchmarks/norm_quant.md``). Inputs made elsewhere
+  3072 from 178 to 81 (``bench/norm_quant.py`` (in git history), ``docs/benchmarks/norm_quant.md`` (in git history)). Inputs made elsewhere
   (an attention break's output, a product's, the prompt's states) keep the Triton kernel: Inductor's
   quantization alone is about three times slower than it.
 * FLUX.1's single blocks run ``proj_out(cat([attention, gelu(proj_mlp(x))]))``: their GELU moves into
   ``proj_out``'s quantization too, which reads the attention and the MLP's product from where they are
   (``quantize_pair``; ``workers.families.flux.fast.fold_single_block_gelus``): the activation and the concatenation are never written
-  (on an H200, FLUX.1-dev 1024's FP8 step 2.2-3.9 ms faster, ``docs/benchmarks/kernels_flux1024_fp8_pair.md``).
+  (on an H200, FLUX.1-dev 1024's FP8 step 2.2-3.9 ms faster, ``docs/benchmarks/kernels_flux1024_fp8_pair.md`` (in git history)).
 * PixArt's, DiT's and FLUX.1's blocks go one step further (``workers.speed.norm_fusion``): each norm, its modulation and the next
   linear's quantization are one kernel of our own (``workers.kernels.norm``), and the projections take its
   codes (``linear_into(..., quantized=...)``, ``Fp8Linear.mm_rows``).
@@ -170,7 +170,7 @@ class Fp8Linear(nn.Module):
         # default promotes the partial sums to float32 every few k-blocks; ``use_fast_accum`` skips that promotion
         # (faster, less exact; torchao's inference default). Measured on an H200 it takes PixArt-Σ 512's 32-image
         # step's products from 66.9 to 56.9 ms and FLUX.1-dev 1024's step from 100.1 to 94.5 ms, and it moves the four
-        # families' final images by at most 0.11 dB of PSNR against bf16 (docs/benchmarks/fp8_quality_fastaccum.md).
+        # families' final images by at most 0.11 dB of PSNR against bf16 (docs/benchmarks/fp8_quality_fastaccum.md (in git history)).
         bias = self._bias(dtype)
         fused = bias if dtype != torch.float32 else None
         if out is None or torch.compiler.is_compiling():

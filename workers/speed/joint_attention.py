@@ -7,7 +7,7 @@ diffusers' processors (``JointAttnProcessor2_0`` for SD3/SD3.5, ``FluxAttnProces
 PyTorch's attention with its fixed kernel rule. The processors here are copies of theirs (diffusers 0.42)
 that differ in that one call, which goes to ``attention_inline``: the kernel the chooser measured fastest
 for the shape on this GPU (FlashAttention-4 among them where installed: 20% faster than cuDNN at SD3.5's
-heads of 64, 7-9% at FLUX.1's 128 on an H200, ``docs/benchmarks/row_kernels_fa4.md``), written into a
+heads of 64, 7-9% at FLUX.1's 128 on an H200, ``docs/benchmarks/row_kernels_fa4.md`` (in git history)), written into a
 (B, T, heads, d) buffer that the output projection reads as it is.
 
 Not an eager break: q, k and v are made fresh in every layer (rotary embedding, the text and image tokens

@@ -4,7 +4,7 @@ runs in compiled graphs from one compile and makes what the bf16 attention makes
 
 Tolerances: e4m3 keeps 3 mantissa bits, so each code is off by up to 2^-4 of its value (about 2-3% rms);
 the attention's output through codes of q, k, v, the probabilities and itself is about 6% rms off float32
-math (bench/fp8_sdpa.py measured 5.8-6.1% at every shape on an H200). The kernel and the reference start from the
+math (bench/kernel_times.py measured 5.8-6.1% at every shape on an H200). The kernel and the reference start from the
 same codes but do not round the same partial sums: asserted within 5% rms of each other, and each within 8%
 of float32 math.
 """

@@ -5,7 +5,7 @@ the graph backends.
 A copy of diffusers' ``FluxAttnProcessor`` (0.42) that differs in the attention call: bf16 by the kernel the
 chooser measured for the shape (``attention_inline``), q, k and v normed and rotated into the joint layout
 by one kernel (``workers.kernels.rope.joint_qkv``: 53.4 us a double block against Inductor's 168.9 on an
-H200, ``docs/benchmarks/rope_qkv_bf16.md``); FP8 (``fp8`` set: precision "fp8+attention") by cuDNN's FP8
+H200, ``docs/benchmarks/rope_qkv_bf16.md`` (in git history)); FP8 (``fp8`` set: precision "fp8+attention") by cuDNN's FP8
 kernel, q, k and v made into codes straight from the projections (``workers.kernels.rope.joint_codes``), and
 its FP8 output handed to FP8 output projections as it is (``project_codes``; the single blocks' output
 quantization reads it beside the MLP, ``attention_codes``): turning it into bf16 and quantizing it again

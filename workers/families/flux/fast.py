@@ -8,7 +8,7 @@ still makes one graph per kind):
 * FP8 single blocks (``fold_single_block_gelus``): with FP8 ``proj_mlp`` and ``proj_out``, the MLP's GELU
   moves into ``proj_out``'s input quantization, which reads the attention and the MLP's product from where
   they are (``workers.speed.fp8.quantize_pair``): the activation and the concatenation are never written (on
-  an H200, FLUX.1-dev 1024's FP8 step 2.2-3.9 ms faster, ``docs/benchmarks/kernels_flux1024_fp8_pair.md``).
+  an H200, FLUX.1-dev 1024's FP8 step 2.2-3.9 ms faster, ``docs/benchmarks/kernels_flux1024_fp8_pair.md`` (in git history)).
 * bf16 single blocks (``fuse_gelu_epilogues``): the MLP's GELU in its product's epilogue and ``proj_out``
   split over the concatenation's two parts (``workers.speed.epilogues``).
 * FP8 blocks with fused norms (``fuse_block_norms``), as ``workers.speed.norm_fusion`` does PixArt's and
