@@ -50,6 +50,9 @@ SWITCH_INTERVAL_S = 0.001
 PNG_COMPRESS_LEVEL = 1
 
 
+# a precision the speed picked, where the GPU lacks it (bf16 runs everywhere)
+FALLBACK = {"fp8+attention": "fp8", "fp8": "bf16"}
+
 log = logging.getLogger(__name__)
 
 
@@ -126,17 +129,13 @@ class Worker:
         config names is refused by ``load_model``)."""
         from workers.speed.apply import unsupported_reason
 
-        speed = config.speed_for(model, family)
-        wanted, own = config.precision_for(model, family)
-        if not wanted:
-            return replace(speed, precision="bf16")
-        for precision in ("fp8+attention", "fp8", "bf16")[("fp8+attention", "fp8", "bf16").index(wanted):]:
-            why = unsupported_reason(precision, self.device)
-            if own or why is None:
-                break
-            log.warning("%s: %s is not available on %s (%s); running %s", model, precision, self.device, why,
-                        "fp8" if precision == "fp8+attention" else "bf16")
-        return replace(speed, precision=precision)
+        precision, own = config.precision_for(model, family)
+        precision = precision or "bf16"
+        while not own and (why := unsupported_reason(precision, self.device)) is not None:
+            fallback = FALLBACK[precision]
+            log.warning("%s: %s is not available on %s (%s); running %s", model, precision, self.device, why, fallback)
+            precision = fallback
+        return replace(config.speed_for(model, family), precision=precision)
 
     # -- the actor's methods (called by the scheduler) ---------------------------------------------
     def info(self) -> dict:

@@ -271,3 +271,21 @@ def test_previews_are_encoded_by_the_poll_that_takes_them_never_by_the_step_loop
         assert not loop_names, "the step loop encoded a PNG"
     finally:
         w.stop()
+
+
+def test_the_fastest_speed_falls_back_where_the_device_lacks_fp8_attention_and_a_named_precision_does_not(caplog):
+    """``fastest`` picks FP8 attention for FLUX.1; on a CPU (no FP8 attention) the worker runs FP8 linears and
+    says so. A precision the config names is kept as asked (``load_model`` refuses it where it cannot run)."""
+    from types import SimpleNamespace
+
+    from workers.families import family_named
+
+    flux, cpu = family_named("flux"), SimpleNamespace(device="cpu")
+    with caplog.at_level("WARNING", logger="workers.actor"):
+        speed = Worker._speed(cpu, WorkerConfig(speed="fastest"), "flux-dev-1024", flux)
+    assert speed.precision == "fp8" and speed.compile == "inductor"
+    assert "fp8+attention is not available on cpu" in caplog.text and "running fp8" in caplog.text
+    named = Worker._speed(cpu, WorkerConfig(speed="fastest", precision={"flux-dev-1024": "fp8+attention"}),
+                          "flux-dev-1024", flux)
+    assert named.precision == "fp8+attention"
+    assert Worker._speed(cpu, WorkerConfig(), "flux-dev-1024", flux).precision == "bf16"

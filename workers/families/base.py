@@ -154,7 +154,7 @@ class ModelCard:
         aspect-ratio bin nearest the asked ratio (PixArt). ValueError when the reference would refuse it."""
         w, h = width or self.image_size, height or self.image_size
         sizes = self.made_sizes()
-        if self.makes(w, h):
+        if (w, h) in sizes or self.in_range(w, h):  # as ``makes``, on the list made once here
             return (w, h), ""
         lo, hi = self.size_range
         if hi:
