@@ -166,7 +166,7 @@ class Catalog:
             lo, hi = info.size_range
             free = f", or sides that are multiples of {info.size_multiple} px from {lo} to {hi}" if hi else ""
             raise RequestError(f"model {info.name!r} does not make {req.size} images; size must be one of "
-                               f"{', '.join(model_entry(info).sizes)}{free}, or 'auto' (its own size)",
+                               f"{', '.join(f'{w}x{h}' for w, h in info.made_sizes())}{free}, or 'auto' (its own size)",
                                "size") from None
         params = self.params(info, None, req.steps, req.guidance, 0.0, size=size)
         seed = random_seed() if req.seed is None else req.seed
