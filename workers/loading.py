@@ -10,6 +10,7 @@ The directory layouts each family accepts are in its folder (``workers.families.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from samplers import NoiseSchedule
-from workers.encoders import encoders_on
+from workers.encoders import encoders_on, load_text_encoder
 from workers.families import family_named
 from workers.families.base import DIT_SCHEDULER, FALLBACK_DEFAULTS, CardError, ModelCard, read_json
 from workers.request.cards import read_card
@@ -212,3 +213,48 @@ def read_config(path: Path) -> dict:
         return read_json(path)
     except CardError as e:
         raise ModelError(str(e)) from None
+
+
+def weight_files(path: Path, stem: str) -> list[Path]:
+    """The safetensors files of a component: the shards its ``<stem>.safetensors.index.json`` names (each
+    must be there), else ``<stem>.safetensors``. ModelError for pickles only, a missing shard, or none."""
+    index = path / f"{stem}.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise ModelError(f"{index} is not a safetensors index (a weight_map of tensor -> shard): {e}") from None
+        absent = [s for s in shards if not (path / s).is_file()]
+        if absent:
+            raise ModelError(f"{path} lacks shards its index names: {', '.join(absent)}")
+        return [path / s for s in shards]
+    if (path / f"{stem}.safetensors").is_file():
+        return [path / f"{stem}.safetensors"]
+    refuse_without_safetensors(path, f"{stem}.safetensors (or shards with {stem}.safetensors.index.json)")
+    raise ModelError(f"{path} has no {stem}.safetensors (nor shards with {stem}.safetensors.index.json)")
+
+
+def load_sharded(cls, path: Path, device, dtype, stem: str = "diffusion_pytorch_model") -> torch.nn.Module:
+    """``cls`` (a diffusers model) from a component folder of sharded or single safetensors (``weight_files``):
+    built on the meta device and given the checkpoint's tensors (``assign``), so a large model is neither
+    randomly initialised nor held twice on the host. ModelError when the weights do not match its config."""
+    from safetensors.torch import load_file
+
+    files = weight_files(path, stem)
+    with torch.device("meta"):
+        model = instantiate(cls, read_config(path / "config.json"))
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f), device=str(torch.device(device))))
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ModelError(f"weights in {path} do not match its config.json: {len(missing)} missing "
+                         f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})")
+    return cast(model, device, dtype)
+
+
+def load_checked_encoder(cls, path: Path, device, dtype) -> torch.nn.Module:
+    """A transformers text encoder ``cls`` from ``path`` (``workers.encoders.load_text_encoder``: local files,
+    shared for identical weights), after our own checks of its files: pickles refused, every shard there."""
+    weight_files(path, "model")
+    return load_text_encoder(cls, path, device, dtype)

@@ -27,7 +27,6 @@ Graph safety: the position ids (image grid and text zeros) are device tensors ma
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import torch
@@ -38,8 +37,7 @@ from workers.speed import modulation
 from workers.encoders import load_text_encoder, place_encoder
 from workers.families.flux import Flux, builtin, fast  # fast: its routed attention registers on import
 from workers.families.textcache import encodings
-from workers.loading import (ModelError, assemble, cast, instantiate, load_vae, read_config,
-                             refuse_without_safetensors)
+from workers.loading import assemble, load_checked_encoder, load_sharded, load_vae
 from workers.speed.modulation import give as give_modulation
 
 CACHE_SIZE = 4096
@@ -242,43 +240,10 @@ def _load_builtin(card, device, dtype, **overrides):
 
 
 def _load_transformer(path: Path, device, dtype) -> torch.nn.Module:
-    """Built on the meta device and given the checkpoint's tensors (``assign``): FLUX.1's 12B parameters
-    are neither randomly initialised nor held twice on the host."""
     from diffusers import FluxTransformer2DModel
-    from safetensors.torch import load_file
 
-    files = weight_files(path, "diffusion_pytorch_model")
-    with torch.device("meta"):
-        model = instantiate(FluxTransformer2DModel, read_config(path / "config.json"))
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f), device=str(torch.device(device))))
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if missing or unexpected:
-        raise ModelError(f"weights in {path} do not match its config.json: {len(missing)} missing "
-                         f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})")
-    return cast(model, device, dtype)
+    return load_sharded(FluxTransformer2DModel, path, device, dtype)
 
 
 def _load_encoder(cls, path: Path, device, dtype) -> torch.nn.Module:
-    weight_files(path, "model")  # our refusal of pickles and of a missing shard, with their messages
-    return load_text_encoder(cls, path, device, dtype)  # shared when the weights are identical
-
-
-def weight_files(path: Path, stem: str) -> list[Path]:
-    """The safetensors files of a component: the shards its ``<stem>.safetensors.index.json`` names (each
-    must be there), else ``<stem>.safetensors``. ModelError for pickles only, a missing shard, or none."""
-    index = path / f"{stem}.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise ModelError(f"{index} is not a safetensors index (a weight_map of tensor -> shard): {e}") from None
-        absent = [s for s in shards if not (path / s).is_file()]
-        if absent:
-            raise ModelError(f"{path} lacks shards its index names: {', '.join(absent)}")
-        return [path / s for s in shards]
-    if (path / f"{stem}.safetensors").is_file():
-        return [path / f"{stem}.safetensors"]
-    refuse_without_safetensors(path, f"{stem}.safetensors (or shards with {stem}.safetensors.index.json)")
-    raise ModelError(f"{path} has no {stem}.safetensors (nor shards with {stem}.safetensors.index.json)")
+    return load_checked_encoder(cls, path, device, dtype)
