@@ -34,7 +34,7 @@ import torch
 from graphs import TensorSpec
 from samplers import model_input, sampler_step
 from workers.speed import modulation
-from workers.encoders import load_text_encoder, place_encoder
+from workers.encoders import place_encoder
 from workers.families.flux import Flux, builtin, fast  # fast: its routed attention registers on import
 from workers.families.textcache import encodings
 from workers.loading import assemble, load_checked_encoder, load_sharded, load_vae
