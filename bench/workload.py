@@ -103,40 +103,19 @@ def item(model, rid: str, seed: int, cond: int, size=(0, 0), steps: int | None =
 
 # -- diffusers' pipelines ----------------------------------------------------------------------------
 def pipeline(model):
-    """The family's diffusers pipeline over the loaded model's modules, with the card's scheduler."""
-    import diffusers as d
+    """The family's diffusers pipeline over the loaded model's modules, with the card's scheduler
+    (``Family.reference_pipeline``)."""
+    from workers.families import family_of
 
-    family, config = model.card.family, dict(model.card.scheduler or {})
-    if family == "dit":
-        sched = d.DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear", clip_sample=False)
-        pipe = d.DiTPipeline(transformer=model.transformer, vae=model.vae, scheduler=sched)
-    elif family == "pixart":
-        pipe = d.PixArtSigmaPipeline(tokenizer=model.tokenizer, text_encoder=model.text_encoder, vae=model.vae,
-                                     transformer=model.transformer,
-                                     scheduler=d.DPMSolverMultistepScheduler.from_config(config))
-    else:
-        sched = d.FlowMatchEulerDiscreteScheduler.from_config({k: v for k, v in config.items() if k != "flow_grid"})
-        text = dict(text_encoder=model.text_encoder, tokenizer=model.tokenizer, text_encoder_2=model.text_encoder_2,
-                    tokenizer_2=model.tokenizer_2, transformer=model.transformer, vae=model.vae, scheduler=sched)
-        pipe = d.StableDiffusion3Pipeline(**text, text_encoder_3=model.text_encoder_3, tokenizer_3=model.tokenizer_3) \
-            if family == "sd3" else d.FluxPipeline(**text)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return family_of(model).reference_pipeline(model)
 
 
 def call_pipeline(pipe, model, specs: list) -> np.ndarray:
-    """One pipeline call making ``specs`` (one model, one size), pixels out as numpy."""
-    s, family = specs[0], model.card.family
-    common = dict(num_inference_steps=s.steps, guidance_scale=s.guidance, output_type="np",
-                  generator=torch.Generator().manual_seed(s.seed))
-    if family == "dit":
-        return pipe(class_labels=[x.label for x in specs], **common).images
-    w, h = (s.width, s.height) if s.width else model.card.native_size
-    extra = {"negative_prompt": ""} if model.card.guidance_mode == "cfg" else {}
-    if family == "pixart":
-        extra.update(clean_caption=False, use_resolution_binning=False)
-    return pipe([x.prompt for x in specs], height=h, width=w, max_sequence_length=model.card.max_tokens,
-                **extra, **common).images
+    """One pipeline call making ``specs`` (one model, one size), pixels out as numpy (``Family.reference_call``)."""
+    from workers.families import family_of
+
+    return pipe(**family_of(model).reference_call(model, specs), output_type="np",
+                generator=torch.Generator().manual_seed(specs[0].seed)).images
 
 
 # -- systems -----------------------------------------------------------------------------------------

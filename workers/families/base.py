@@ -41,6 +41,11 @@ Hooks, all called with the loaded model (``workers.loading.LoadedModel``) as the
     table_inputs(model, inputs)                  the tables' inputs of a step's rows (benchmarks)
     set_cross_attention(model, mode) (no-op)     the engine's cross_attention setting (PixArt)
     attention_kernel(model) (None)               the attention kernel its steps run, for the engine's report
+    reference_pipeline(model) (none)            the family's diffusers pipeline over the loaded model's modules
+                                                 and its card's scheduler: the baseline benchmarks compare with
+    reference_call(model, specs) ({})            the keyword arguments of that pipeline's call making ``specs``
+                                                 (one size, one sampler setting): prompts or labels, size, steps,
+                                                 guidance, as the card's defaults mean them
     speed_rewrites(model, stage, config, graphs) (nothing; 0)
                                                  the family's own fast paths (FLUX.1's blocks), made by the
                                                  speed layer's ``apply`` at each of ``SPEED_STAGES`` in its
@@ -266,6 +271,15 @@ class Family:
 
     def attention_kernel(self, model) -> str | None:
         return None
+
+    def reference_pipeline(self, model):
+        """The family's diffusers pipeline over ``model``'s modules, with its card's scheduler (benchmarks)."""
+        raise NotImplementedError(f"family {self.name!r} names no diffusers pipeline")
+
+    def reference_call(self, model, specs) -> dict:
+        """The keyword arguments of ``reference_pipeline``'s call that makes ``specs`` (one size, one sampler
+        setting; the caller adds output_type and a generator)."""
+        raise NotImplementedError(f"family {self.name!r} names no diffusers pipeline")
 
     def speed_rewrites(self, model, stage: str, config, graphs: bool) -> int:
         """The family's own rewrites of ``model`` at ``stage`` (one of ``SPEED_STAGES``) of the speed layer's

@@ -21,6 +21,19 @@ SD_VAE_FT_EMA = dict(
 
 
 class DiTRuntime(DiT):
+    def reference_pipeline(self, model):
+        """DiTPipeline over the model's modules, DDIM on DiT's schedule (the card's sampler)."""
+        import diffusers as d
+
+        sched = d.DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear", clip_sample=False)
+        pipe = d.DiTPipeline(transformer=model.transformer, vae=model.vae, scheduler=sched)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def reference_call(self, model, specs) -> dict:
+        s = specs[0]
+        return dict(class_labels=[x.label for x in specs], num_inference_steps=s.steps, guidance_scale=s.guidance)
+
     def load(self, card, device, dtype) -> LoadedModel:
         """A pipeline directory (transformer/, an optional vae/), a bare transformer directory, or DiT-XL/2
         with random weights (a built-in card)."""

@@ -154,6 +154,25 @@ class FluxRuntime(Flux):
 
         return step
 
+    def reference_pipeline(self, model):
+        """FluxPipeline over the model's modules, flow Euler of its card's scheduler config (the pipeline sets
+        its own sigma grid)."""
+        import diffusers as d
+
+        config = {k: v for k, v in model.card.scheduler.items() if k != "flow_grid"}
+        pipe = d.FluxPipeline(text_encoder=model.text_encoder, tokenizer=model.tokenizer,
+                              text_encoder_2=model.text_encoder_2, tokenizer_2=model.tokenizer_2,
+                              transformer=model.transformer, vae=model.vae,
+                              scheduler=d.FlowMatchEulerDiscreteScheduler.from_config(config))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def reference_call(self, model, specs) -> dict:
+        s = specs[0]
+        w, h = (s.width, s.height) if s.width else model.card.native_size
+        return dict(prompt=[x.prompt for x in specs], height=h, width=w, num_inference_steps=s.steps,
+                    guidance_scale=s.guidance, max_sequence_length=model.card.max_tokens)
+
     def load(self, card, device, dtype):
         """The transformer and VAE (safetensors, sharded or not), both text encoders (transformers, local
         files only, safetensors only) and both tokenizers, from ``card.path``. The second encoder and

@@ -29,6 +29,23 @@ CACHE_SIZE = 4096
 
 
 class PixArtRuntime(PixArt):
+    def reference_pipeline(self, model):
+        """PixArtSigmaPipeline over the model's modules, DPM-Solver++ of its card's scheduler config."""
+        import diffusers as d
+
+        pipe = d.PixArtSigmaPipeline(tokenizer=model.tokenizer, text_encoder=model.text_encoder, vae=model.vae,
+                                     transformer=model.transformer,
+                                     scheduler=d.DPMSolverMultistepScheduler.from_config(dict(model.card.scheduler)))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def reference_call(self, model, specs) -> dict:
+        s = specs[0]
+        w, h = (s.width, s.height) if s.width else model.card.native_size
+        return dict(prompt=[x.prompt for x in specs], negative_prompt="", height=h, width=w,
+                    num_inference_steps=s.steps, guidance_scale=s.guidance, clean_caption=False,
+                    use_resolution_binning=False, max_sequence_length=model.card.max_tokens)
+
     def load(self, card, device, dtype) -> LoadedModel:
         """A pipeline directory (``_load_pixart``; its vae/ loaded first, when it has one), or PixArt-Σ with
         random weights (a built-in card)."""

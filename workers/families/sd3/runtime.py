@@ -84,6 +84,26 @@ def _check_widths(model, path: Path) -> None:
 
 # -- the family interface -----------------------------------------------------------------------------
 class SD3Runtime(SD3):
+    def reference_pipeline(self, model):
+        """StableDiffusion3Pipeline over the model's modules, flow Euler of its card's scheduler config."""
+        import diffusers as d
+
+        config = {k: v for k, v in model.card.scheduler.items() if k != "flow_grid"}
+        pipe = d.StableDiffusion3Pipeline(
+            text_encoder=model.text_encoder, tokenizer=model.tokenizer, text_encoder_2=model.text_encoder_2,
+            tokenizer_2=model.tokenizer_2, text_encoder_3=model.text_encoder_3, tokenizer_3=model.tokenizer_3,
+            transformer=model.transformer, vae=model.vae,
+            scheduler=d.FlowMatchEulerDiscreteScheduler.from_config(config))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def reference_call(self, model, specs) -> dict:
+        s = specs[0]
+        w, h = (s.width, s.height) if s.width else model.card.native_size
+        return dict(prompt=[x.prompt for x in specs], negative_prompt="", height=h, width=w,
+                    num_inference_steps=s.steps, guidance_scale=s.guidance,
+                    max_sequence_length=model.card.max_tokens)
+
     def load(self, card, device, dtype):
         """The transformer and VAE (safetensors, sharded or not), both CLIPs and T5 (transformers, local files,
         safetensors only) and their tokenizers. Beyond LoadedModel's ``text_encoder`` / ``tokenizer`` (CLIP-L),
