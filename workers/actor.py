@@ -80,20 +80,29 @@ class Worker:
             check_fits(list(config.models), [str(d).removeprefix("torch.") for d in dtypes],
                        torch.cuda.mem_get_info(torch.device(self.device))[0], self.device,
                        encoders_here=config.text_encoder_device in ("", self.device))
-        speed, models = {}, []  # speed by the loaded model's name (a directory's is its folder's)
-        for m, card, d in zip(config.models, cards, dtypes):
-            own = self._speed(config, m, family_named(card.family))
-            models.append(load_model(m, device=self.device, dtype=d, encoder_device=config.text_encoder_device or None,
-                                     precision=own.precision))
-            to_precision(models[-1], models[-1].precision)  # FP8 now: its bf16 weights go before the next loads
-            speed[models[-1].name] = own
+        speeds = [self._speed(config, m, family_named(card.family)) for m, card in zip(config.models, cards)]
+
+        def load(spec, dtype, own):
+            model = load_model(spec, device=self.device, dtype=dtype,
+                               encoder_device=config.text_encoder_device or None, precision=own.precision)
+            to_precision(model, model.precision)  # FP8 now: its bf16 weights go before the next loads
+            return model, own
+
+        jobs = list(zip(config.models, dtypes, speeds))
+        first, own = load(*jobs[0])
         self.backend = auto_backend(self.device) if config.backend == "auto" else config.backend
         self.config = config
-        self.engine = Engine(models, config, speed=speed)
+        self._sizes = [parse_size(s) for s in config.warm_sizes]
+        self.engine = Engine([first], config, speed={first.name: own})
         t0 = time.perf_counter()
-        self.engine.warmup(sizes=[parse_size(s) for s in config.warm_sizes])
-        log.info("worker ready: %s on %s (%s), warm-up %.1f s", ", ".join(self.engine.models), self.device,
-                 self.backend, time.perf_counter() - t0)
+        self.engine.warmup(sizes=self._sizes)
+        log.info("worker ready: %s on %s (%s), warm-up %.1f s%s", first.name, self.device, self.backend,
+                 time.perf_counter() - t0, f"; loading {len(jobs) - 1} more model(s) while it serves"
+                 if len(jobs) > 1 else "")
+        self._specs = {first.name: config.models[0]}  # loaded model name -> its entry in config.models
+        self._ready = [first.name]  # the models it serves now (the engine's, as the step loop added them)
+        self._loading = [spec for spec, _, _ in jobs[1:]]  # what it has yet to serve
+        self._load_failed = ""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._news = threading.Condition(self._lock)  # notified when an item ends: wakes a long poll
@@ -105,6 +114,7 @@ class Worker:
         self._timings: dict[str, tuple[float, float, float]] = {}  # finished item -> (received, admitted, PNG
         # ready), not polled yet
         self._failed: list[tuple[str, str]] = []
+        self._ready_told = 1  # how many ready models the last poll reported
         self._crashed: list[tuple[str, str]] = []
         self._step_seconds: list[float] = []
         self._busy_s, self._since = 0.0, time.perf_counter()
@@ -114,6 +124,26 @@ class Worker:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
+        if jobs[1:]:  # the first model serves while the others load, one after another
+            self._loader = threading.Thread(target=self._load_rest, args=(load, jobs[1:]), name="load", daemon=True)
+            self._loader.start()
+
+    def _load_rest(self, load, jobs) -> None:
+        """The loader thread: each model after the first, loaded here and handed to the step loop, which adds
+        it to the engine and warms it between steps. A model that fails to load is reported by the next poll
+        (``load_failed``): the scheduler then drops the worker as one that failed to start."""
+        for spec, dtype, own in jobs:
+            if self._stop.is_set():
+                return
+            try:
+                model, own = load(spec, dtype, own)
+            except Exception as e:
+                log.exception("loading %s failed", spec)
+                with self._lock:
+                    self._load_failed = f"loading model {spec} failed: {type(e).__name__}: {str(e)[:500]}"
+                    self._news.notify_all()
+                return
+            self._inbox.put(("model", (spec, model, own)))
 
     def _dtype(self, name: str, card):
         """``auto``: the model card's dtype on CUDA, float32 on a CPU."""
@@ -142,15 +172,32 @@ class Worker:
         """Returns once the worker is ready (Ray runs methods after ``__init__``)."""
         from workers.kernels.attention import CHOOSER
 
-        return {"models": sorted(self.engine.models), "device": self.device, "backend": self.backend,
-                "backends": {name: self.engine.backend_for(m) for name, m in self.engine.models.items()},
-                "attention": dict(self.engine.attention),
+        with self._lock:  # the step loop adds models: a copy of what it serves now
+            ready, loading = list(self._ready), list(self._loading)
+            models = {name: self.engine.models[name] for name in ready}
+            speeds = {name: self.engine.speed[name] for name in ready}
+            specs = dict(self._specs)
+        return {"models": sorted(ready), "loading": loading, "device": self.device, "backend": self.backend,
+                "backends": {name: self.engine.backend_for(m) for name, m in models.items()},
+                "attention": {k: v for k, v in self.engine.attention.items() if k in models},
                 "attention_kernels": CHOOSER.summary(),  # measured at warm-up: once, not in every poll's stats
-                "precision": {name: m.precision for name, m in self.engine.models.items()},
-                "speed": {m.name: self.engine.config.speed_of(spec) for spec, m in zip(self.config.models,
-                                                                                        self.engine.models.values())},
-                "compiled": {name: speed.compile != "off" for name, speed in self.engine.speed.items()},
-                "decode_graphs": {name: speed.decode_graphs for name, speed in self.engine.speed.items()}}
+                "precision": {name: m.precision for name, m in models.items()},
+                "speed": {name: self.config.speed_of(specs[name]) for name in ready},
+                "compiled": {name: speed.compile != "off" for name, speed in speeds.items()},
+                "decode_graphs": {name: speed.decode_graphs for name, speed in speeds.items()}}
+
+    def wait_models(self, timeout: float = 600.0) -> list[str]:
+        """Block until every model of the config is served (tools and tests; the scheduler reads ``poll``);
+        RuntimeError when one failed to load, TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._loading and not self._load_failed:
+                if (left := deadline - time.monotonic()) <= 0:
+                    raise TimeoutError(f"still loading {', '.join(self._loading)} after {timeout:.0f} s")
+                self._news.wait(left)
+            if self._load_failed:
+                raise RuntimeError(self._load_failed)
+            return sorted(self._ready)
 
     def submit(self, items: list[ItemSpec]) -> list[bool]:
         now = time.time()
@@ -169,12 +216,15 @@ class Worker:
         calls it in the actor's ``poll`` concurrency group, so a waiting poll never holds up ``submit`` and
         ``cancel`` (which keep their order in the default group)."""
         with self._lock:
-            if wait_s > 0 and not (self._finished or self._failed or self._crashed or self._stop.is_set()):
+            if wait_s > 0 and not (self._finished or self._failed or self._crashed or self._stop.is_set()
+                                   or self._load_failed or len(self._ready) != self._ready_told):
                 self._news.wait(wait_s)
             now = time.perf_counter()
             previews = self._previews
+            self._ready_told = len(self._ready)
             report = {"progress": dict(self._progress), "finished": self._finished, "failed": self._failed,
-                      "timings": self._timings,
+                      "timings": self._timings, "models": sorted(self._ready), "loading": list(self._loading),
+                      **({"load_failed": self._load_failed} if self._load_failed else {}),
                       "crashed": self._crashed, "step_seconds": self._step_seconds, "busy_s": self._busy_s,
                       "window_s": now - self._since, "stats": self.engine.stats(), "answered": time.time()}
             self._finished, self._failed, self._crashed, self._step_seconds = [], [], [], []
@@ -210,6 +260,10 @@ class Worker:
             kind, payload = msg
             if kind == "add":
                 adds.append(payload)
+            elif kind == "model":
+                self._add(adds)
+                adds = []
+                self._serve(*payload)
             else:
                 self._add(adds)
                 adds = []
@@ -219,6 +273,24 @@ class Worker:
             except queue.Empty:
                 msg = None
         self._add(adds)
+
+    def _serve(self, spec: str, model, own) -> None:
+        """The step loop: a model the loader thread made, added to the engine and warmed, then served."""
+        t0 = time.perf_counter()
+        try:
+            self.engine.add_model(model, own, sizes=self._sizes)
+        except Exception as e:
+            log.exception("adding %s failed", spec)
+            with self._lock:
+                self._load_failed = f"warming model {spec} failed: {type(e).__name__}: {str(e)[:500]}"
+                self._news.notify_all()
+            return
+        log.info("%s ready too, warm-up %.1f s", model.name, time.perf_counter() - t0)
+        with self._lock:
+            self._specs[model.name] = spec
+            self._ready.append(model.name)
+            self._loading.remove(spec)
+            self._news.notify_all()
 
     def _cancel(self, item_id: str) -> None:
         self.engine.cancel(item_id)

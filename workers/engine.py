@@ -174,8 +174,8 @@ class Engine:
                  speed: SpeedConfig | Mapping[str, SpeedConfig] | None = None):
         models = [models] if isinstance(models, LoadedModel) else list(models)
         self.config = config
-        self.models = {m.name: m for m in models}
-        self.speed = {m.name: _speed_of(m, config, speed) for m in models}
+        self.models: dict[str, LoadedModel] = {}
+        self.speed: dict[str, SpeedConfig] = {}
         self.groups: dict[GraphKey, _Group] = {}
         self._keys: dict[tuple[str, tuple[int, int, int]], GraphKey] = {}
         self._pools: dict[torch.device, tuple] = {}  # one graph pool and stream per device, for every shape
@@ -185,18 +185,39 @@ class Engine:
         for m in models:  # encoder graphs an earlier engine made are not this one's
             m.text_graphs = None
         for m in models:
-            family, graphs = family_of(m), self.backend_for(m) != "eager"
-            applied = apply_speed(m, family, self.speed[m.name], graphs=graphs)
-            if applied.attention is not None:
-                self.attention[m.name] = applied.attention
-                log.info("%s: %s", m.name, applied.attention)
-            self._group(m, tuple(m.latent_shape))
-            if graphs and family.encoder_graphs:
-                self._graph_encoder(m)
+            self._add_model(m, _speed_of(m, config, speed))
         self.real_rows = 0    # sample-steps served
         self.padded_rows = 0  # bucket rows replayed without a sample in them (padding waste)
         self.previews_made = 0
         self._previews: list[_PendingPreviews] = []
+
+    def add_model(self, model: LoadedModel, speed: SpeedConfig | None = None,
+                  sizes: Iterable[tuple[int, int]] = ()) -> None:
+        """Serve ``model`` from now on, beside the engine's others (a worker's later models, loaded while its
+        first one serves): through the speed layer (``speed``, else its speed in the config), its native
+        shape's group and those of ``sizes`` it makes, warmed now when the engine is warm already. Call it
+        where steps run (the engine's one thread)."""
+        if model.name in self.models:
+            raise ValueError(f"the engine serves a model named {model.name!r} already")
+        model.text_graphs = None
+        self._add_model(model, speed or _speed_of(model, self.config, None))
+        if self._warm:
+            self._warm_models([model], sizes)
+
+    def _add_model(self, m: LoadedModel, speed: SpeedConfig) -> None:
+        self.models[m.name], self.speed[m.name] = m, speed
+        family, graphs = family_of(m), self.backend_for(m) != "eager"
+        applied = apply_speed(m, family, speed, graphs=graphs)
+        if applied.attention is not None:
+            self.attention[m.name] = applied.attention
+            log.info("%s: %s", m.name, applied.attention)
+        warm, self._warm = self._warm, False  # its native group is warmed by add_model, with its sizes
+        try:
+            self._group(m, tuple(m.latent_shape))
+        finally:
+            self._warm = warm
+        if graphs and family.encoder_graphs:
+            self._graph_encoder(m)
 
     def backend_for(self, model: LoadedModel) -> str:
         """The graph backend of ``model``'s groups (``backend_for``)."""
@@ -269,11 +290,20 @@ class Engine:
     def warmup(self, sizes: Iterable[tuple[int, int]] = ()) -> None:
         """Capture every bucket of every group, and of each model's groups at ``sizes`` (width, height) it
         makes (start-up; a size first asked for later is captured when it first arrives)."""
-        for m in self.models.values():
-            for w, h in sizes:
-                if m.card is not None and m.card.makes(w, h):
-                    self._group(m, m.card.latent_shape(w, h))
-        for group in self.groups.values():
+        self._warm_models(list(self.models.values()), sizes)
+        self._warm = True
+
+    def _warm_models(self, models: list[LoadedModel], sizes: Iterable[tuple[int, int]]) -> None:
+        warm, self._warm = self._warm, False  # the groups of ``sizes`` are made here, then warmed below
+        try:
+            for m in models:
+                for w, h in sizes:
+                    if m.card is not None and m.card.makes(w, h):
+                        self._group(m, m.card.latent_shape(w, h))
+        finally:
+            self._warm = warm
+        names = {m.name for m in models}
+        for group in [g for g in self.groups.values() if g.model.name in names]:
             known = len(CHOOSER.choices)
             if not group.runner.warmed:
                 group.runner.warmup(example=self.warmup_example(group.model, group.shape))
@@ -281,10 +311,9 @@ class Engine:
                 group.decoder.warmup()
             for line in CHOOSER.summary()[known:]:  # the attention shapes this group's warm-up measured
                 log.info("%s at %s: attention %s", group.model.name, "x".join(map(str, group.shape)), line)
-        for m in self.models.values():
+        for m in models:
             if m.text_graphs is not None:  # the shortest padded length, which most prompts use
                 m.text_graphs.runner(padded_length(1, m.text_graphs.limit))
-        self._warm = True
 
     def warmup_example(self, model: LoadedModel, shape: tuple[int, int, int]) -> dict[str, torch.Tensor] | None:
         """One row of the step's inputs as a request makes them (``WARMUP_PROMPT`` or class 0, the model's

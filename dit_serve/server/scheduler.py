@@ -249,7 +249,8 @@ class Scheduler:
         if starting:
             w.ready_ref, w.models, self._fill_now = None, list(value["models"]), True
             self._backoff.pop(w.key, None)
-            log.info("%s ready: %s on %s (%s)", w.name, ", ".join(w.models), value["device"], value["backend"])
+            log.info("%s ready: %s on %s (%s)%s", w.name, ", ".join(w.models), value["device"], value["backend"],
+                     f"; loading {', '.join(value['loading'])}" if value.get("loading") else "")
             for model, kernel in value.get("attention", {}).items():
                 log.info("%s: %s runs %s", w.name, model, kernel)
             for model, p in [(m, p) for m, p in value.get("precision", {}).items() if p != "bf16"]:
@@ -264,6 +265,10 @@ class Scheduler:
         self._apply_report(w, value)
 
     def _apply_report(self, w: _Worker, report: dict) -> None:
+        if models := report.get("models"):  # a worker serves its first model while it loads the others
+            if models != w.models:
+                w.models, self._fill_now = list(models), True
+                log.info("%s serves %s now", w.name, ", ".join(w.models))
         for key, (done, _total) in report["progress"].items():
             if key in w.leases:
                 w.leases[key].step = done
@@ -294,6 +299,8 @@ class Scheduler:
             if lease is not None:
                 self._requeue([lease], "crash", error)
         self.metrics.worker_report(w.name, report)
+        if failed := report.get("load_failed"):  # as a worker that failed to start: dropped, restarted later
+            self._drop(w, f"failed to start: {failed}", "crash", failed_start=True)
 
     def _requeue(self, leases: list[Lease], kind: str, error: str) -> None:
         if not leases:

@@ -112,3 +112,40 @@ def test_a_fill_holds_a_new_size_back_until_a_quarter_of_the_room_is_free_and_as
     w.leases.pop(next(iter(w.leases)))  # one finished: the room is 2
     sched._fill(w, expect=True)
     assert [spec.width for spec in sent[-1]] == [48, 48]
+
+
+def test_a_worker_gets_a_models_items_once_it_reports_serving_it_and_one_that_failed_to_load_is_dropped(tmp_path,
+                                                                                                     monkeypatch):
+    """A worker serves its first model while it loads the others: its polls say which it serves (``models``),
+    and the scheduler leases it only those; a later model that failed to load (``load_failed``) drops it as a
+    worker that failed to start (its items back to the queue, restarted after a back-off)."""
+    from types import SimpleNamespace
+
+    from dit_serve.schemas import JobParams
+    from dit_serve.server import scheduler as sched_mod
+    from dit_serve.server.config import SchedulerConfig
+    from dit_serve.server.scheduler import Scheduler, _Worker
+    from dit_serve.server.store import Store
+
+    monkeypatch.setattr(sched_mod, "ray", SimpleNamespace(kill=lambda *a, **k: None), raising=False)
+    import ray
+
+    monkeypatch.setattr(ray, "kill", lambda *a, **k: None)
+    store = Store(f"sqlite:///{tmp_path}/s.db", tmp_path)
+    params = JobParams(sampler="ddim", steps=5, guidance=1.0)
+    store.submit("digits-text", params, [1], [0])
+    store.submit("digits", params, [1], [0])
+    sent: list[list] = []
+    sched = Scheduler(store, WorkerConfig(max_batch=4, max_inflight=4), SchedulerConfig(), 30.0)
+    w = _Worker("w", None, SimpleNamespace(submit=SimpleNamespace(remote=sent.append)), None, models=["digits"])
+    sched.workers["w"] = w
+    sched._fill(w, expect=True)
+    assert [s.model for s in sent[-1]] == ["digits"]
+    report = {"progress": {}, "finished": [], "failed": [], "models": ["digits", "digits-text"], "loading": []}
+    sched._apply_report(w, report)
+    assert w.models == ["digits", "digits-text"] and sched._fill_now
+    sched._fill(w, expect=True)
+    assert [s.model for s in sent[-1]] == ["digits-text"]
+    sched._apply_report(w, {**report, "load_failed": "loading model x failed: OSError: gone"})
+    assert "w" not in sched.workers and sched._backoff["w"][0] == 1
+    assert len(store.lease("other", ["digits", "digits-text"], 4, ttl=30)) == 2  # both items back in the queue

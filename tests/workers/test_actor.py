@@ -178,6 +178,7 @@ def test_a_model_listed_in_fp8_runs_its_block_linears_in_fp8_and_says_so():
     w = Worker(WorkerConfig(models=("digits", "digits-text"), max_batch=4, torch_threads=1,
                             precision={"digits-text": "fp8"}))
     try:
+        assert w.wait_models() == ["digits", "digits-text"]
         assert w.info()["precision"] == {"digits": "bf16", "digits-text": "fp8"}
         assert w.info()["compiled"] == {"digits": False, "digits-text": False}
         linears = {name: [isinstance(m, Fp8Linear) for m in model.transformer.modules()]
@@ -289,3 +290,67 @@ def test_the_fastest_speed_falls_back_where_the_device_lacks_fp8_attention_and_a
                           "flux-dev-1024", flux)
     assert named.precision == "fp8+attention"
     assert Worker._speed(cpu, WorkerConfig(), "flux-dev-1024", flux).precision == "bf16"
+
+
+def _slow_second_load(monkeypatch, fail: bool = False):
+    """``load_model`` made to wait on an event (or fail) for ``digits-text``: the worker's later model."""
+    import threading
+
+    import workers.loading as loading
+
+    real, gate = loading.load_model, threading.Event()
+
+    def load(spec, **kw):
+        if spec == "digits-text":
+            gate.wait(30)
+            if fail:
+                raise RuntimeError("its weights are unreadable")
+        return real(spec, **kw)
+
+    monkeypatch.setattr(loading, "load_model", load)
+    return gate
+
+
+def test_a_worker_serves_its_first_model_while_the_second_loads(monkeypatch):
+    """A worker listing two models is ready once the first is loaded and warm: it serves that one's items while
+    the second loads (a worker killed mid-job is back after one model's load), then reports and serves both."""
+    gate = _slow_second_load(monkeypatch)
+    w = Worker(WorkerConfig(models=("digits", "digits-text"), max_batch=4, torch_threads=1))
+    try:
+        info = w.info()
+        assert (info["models"], info["loading"]) == (["digits"], ["digits-text"])
+        assert w.submit([_item(0, steps=4)]) == [True]
+        finished, failed, reports = _drain(w, {"job/0"})
+        assert failed == {} and "job/0" in finished
+        assert all(r["models"] == ["digits"] and r["loading"] == ["digits-text"] for r in reports)
+        gate.set()  # the second model's load ends: a long poll answers when it is served
+        deadline = time.monotonic() + 60
+        while (report := w.poll(wait_s=1.0))["models"] != ["digits", "digits-text"]:
+            assert time.monotonic() < deadline, "the second model was never served"
+        assert report["loading"] == [] and "load_failed" not in report
+        assert w.info()["speed"] == {"digits": "default", "digits-text": "default"}
+        text = ItemSpec(id="job/t", model="digits-text", prompt="a seven", seed=1, sampler="ddim", steps=4,
+                        guidance=2.0)
+        w.submit([text, _item(1, steps=4)])
+        finished, failed, _ = _drain(w, {"job/t", "job/1"})
+        assert failed == {} and {"job/t", "job/1"} <= finished.keys()
+    finally:
+        gate.set()
+        w.stop()
+
+
+def test_a_later_model_that_fails_to_load_is_reported_by_the_next_poll(monkeypatch):
+    gate = _slow_second_load(monkeypatch, fail=True)
+    w = Worker(WorkerConfig(models=("digits", "digits-text"), max_batch=4, torch_threads=1))
+    try:
+        gate.set()
+        deadline = time.monotonic() + 30
+        while "load_failed" not in (report := w.poll(wait_s=1.0)):
+            assert time.monotonic() < deadline
+        with pytest.raises(RuntimeError, match="loading model digits-text failed"):
+            w.wait_models(timeout=1)
+        assert report["load_failed"] == ("loading model digits-text failed: RuntimeError: its weights are "
+                                         "unreadable")
+        assert report["models"] == ["digits"]
+    finally:
+        w.stop()
