@@ -367,3 +367,27 @@ def test_a_shrunk_builtin_loads_and_generates(tiny):
     (out,) = Engine(model, EAGER).generate([ItemSpec(id="a", seed=0, sampler="flow_euler", steps=2, guidance=2.0,
                                                      prompt="a red cat")])
     assert out.image.shape == (64, 64, 3) and out.latents.isfinite().all()
+
+
+@pytest.mark.slow
+def test_the_step_compiles_whole_and_equals_eager(tiny):
+    """The step traces into one graph (no breaks: the rotary tables' complex products included) and Inductor's
+    code computes what eager does."""
+    from samplers import gather_rows, make_plan
+    from workers.engine import step_specs
+
+    family, shape = family_named("zimage"), (16, 8, 12)
+    specs = [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=8, guidance=(0.0, 3.0)[i % 2], prompt=p)
+             for i, p in enumerate(["a red cat", LONG, "", "a dog"])]
+    enc = family.encode(tiny, specs)
+    t, coeffs = gather_rows([make_plan("flow_euler", 8, tiny.schedule)] * 4, [2] * 4)
+    x = torch.randn(4, *shape, generator=torch.Generator().manual_seed(0))
+    live = dict(x=x, t=t, coeffs=coeffs, guidance=torch.tensor([s.guidance for s in specs]), hist=torch.zeros_like(x),
+                noise=torch.zeros_like(x), **{k: torch.stack([c[k] for c in enc]) for k in enc[0]})
+    assert set(live) == set(step_specs(tiny, shape)[0])
+    step = family.make_step(tiny, shape)
+    with torch.no_grad():
+        want = step(**live)
+        got = torch.compile(step, fullgraph=True)(**live)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5)
