@@ -7,7 +7,7 @@ chat template (one user turn, ``add_generation_prompt=True``, ``enable_thinking=
 truncated to ``max_tokens``, encoded with the attention mask, and ``hidden_states[-2]`` kept for the real
 tokens only. The pipeline hands the transformer that list of variable-length tensors; a request here carries
 its real tokens first, then zeros to ``max_tokens`` (``prompt_embeds``), and a mask of the real ones
-(``prompt_mask``), so every shape is fixed. The pipeline pads every prompt to 512 tokens for the encoder;
+(``prompt_mask``), so every shape is fixed. The pipeline pads every prompt to ``max_tokens`` for the encoder;
 Qwen3 is causal, so tokens after a real one change nothing of it, and the encoder runs over the batch's
 longest prompt (rounded up to a multiple of 64) instead, where the tokenizer pads on the right (Qwen's
 does; one that pads on the left is run at the full length, as the pipeline runs it). The negative prompt
