@@ -198,6 +198,7 @@ def test_a_left_padding_tokenizer_is_run_at_the_full_length(tiny, monkeypatch):
     embeds, mask = encode_prompts(tiny, ["a red cat", "The big blue house"])
     ref = _pipeline(tiny)._encode_prompt(["a red cat", "The big blue house"], device="cpu",
                                          max_sequence_length=MAX_TOKENS)
+    assert mask.sum(-1).tolist() == [len(r) for r in ref]  # the real tokens moved first
     for e, r in zip(embeds, ref):
         torch.testing.assert_close(e[:len(r)], r, rtol=0, atol=1e-5)
 

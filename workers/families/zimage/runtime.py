@@ -160,7 +160,7 @@ class Layout:
     slot_index: torch.Tensor      # (slots,) int64
 
     @staticmethod
-    def make(transformer, h: int, w: int, slots: int) -> "Layout":
+    def make(transformer, h: int, w: int, slots: int) -> Layout:
         """The tables of the module's ``rope_embedder`` for positions as ``patchify_and_embed`` gives them."""
         if slots % CAPTION_MULTIPLE:
             raise ValueError(f"caption slots must be a multiple of {CAPTION_MULTIPLE}, got {slots}")
