@@ -124,7 +124,7 @@ def assemble(card: ModelCard, transformer, vae) -> LoadedModel:
         name=card.name, transformer=transformer, vae=vae,
         schedule=NoiseSchedule.from_config(card.scheduler or DIT_SCHEDULER),
         num_classes=card.num_classes, latent_shape=(c, size, size), image_size=card.image_size,
-        learned_sigma=transformer.config.out_channels == 2 * c,
+        learned_sigma=getattr(transformer.config, "out_channels", c) == 2 * c,  # none named (Z-Image): out = in
         vae_scale=float(getattr(vae.config, "scaling_factor", 0.18215)) if vae is not None else 1.0,
         vae_shift=float(getattr(vae.config, "shift_factor", None) or 0.0) if vae is not None else 0.0,
         id2label=card.id2label, defaults=card.defaults, card=card)

@@ -16,6 +16,7 @@ from workers.families.dit import DiT
 from workers.families.flux import Flux
 from workers.families.pixart import PixArt
 from workers.families.sd3 import SD3
+from workers.families.zimage import ZImage
 from workers.previews import PreviewMap
 
 FAMILIES: dict[str, Family] = {}
@@ -33,6 +34,7 @@ register(DiT())
 register(PixArt())
 register(SD3())
 register(Flux())
+register(ZImage())
 
 
 def family_named(name: str) -> Family:
