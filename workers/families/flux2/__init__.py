@@ -44,6 +44,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes, read_json
+from workers.previews import PreviewMap
 from workers.request.sizes import ratio_sizes
 
 NATIVE_SIZE = 1024
@@ -78,6 +79,23 @@ KLEIN_PARAMS, KLEIN_ENCODER_PARAMS = 3_875_544_576 + 84_046_115, 4_022_468_096
 # FLUX.2-dev: transformer 32.2B + VAE; Mistral-Small-3.2-24B (language model, Pixtral vision tower, projector)
 DEV_PARAMS, DEV_ENCODER_PARAMS = 32_223_281_152 + 84_046_115, 24_011_361_280
 
+# ComfyUI latent_formats.Flux2: RGB of the 32 VAE channels of the normalised latents seen unpatchified
+# (latent_rgb_factors_reshape); here each of a cell's 4 sub-pixels' rows at a quarter, so the map of a 128-channel
+# cell is the mean of its 2x2 pixels' (previews are area-averaged anyway: workers.previews.to_rgb)
+FLUX2_RGB = ((0.0058, 0.0113, 0.0073), (0.0495, 0.0443, 0.0836), (-0.0099, 0.0096, 0.0644), (0.2144, 0.3009, 0.3652),
+             (0.0166, -0.0039, -0.0054), (0.0157, 0.0103, -0.0160), (-0.0398, 0.0902, -0.0235),
+             (-0.0052, 0.0095, 0.0109), (-0.3527, -0.2712, -0.1666), (-0.0301, -0.0356, -0.0180),
+             (-0.0107, 0.0078, 0.0013), (0.0746, 0.0090, -0.0941), (0.0156, 0.0169, 0.0070),
+             (-0.0034, -0.0040, -0.0114), (0.0032, 0.0181, 0.0080), (-0.0939, -0.0008, 0.0186),
+             (0.0018, 0.0043, 0.0104), (0.0284, 0.0056, -0.0127), (-0.0024, -0.0022, -0.0030),
+             (0.1207, -0.0026, 0.0065), (0.0128, 0.0101, 0.0142), (0.0137, -0.0072, -0.0007),
+             (0.0095, 0.0092, -0.0059), (0.0000, -0.0077, -0.0049), (-0.0465, -0.0204, -0.0312),
+             (0.0095, 0.0012, -0.0066), (0.0290, -0.0034, 0.0025), (0.0220, 0.0169, -0.0048),
+             (-0.0332, -0.0457, -0.0468), (-0.0085, 0.0389, 0.0609), (-0.0076, 0.0003, -0.0043),
+             (-0.0111, -0.0460, -0.0614))
+FLUX2_VAE = PreviewMap(weight=tuple(tuple(v / 4 for v in row) for row in FLUX2_RGB for _ in range(4)),
+                       bias=(-0.0329, -0.0718, -0.0851))
+
 
 class Flux2(Family):
     name = "flux2"
@@ -85,6 +103,7 @@ class Flux2(Family):
     transformers = ("Flux2Transformer2DModel",)
     builtins = {"flux2-klein-1024": Builtin(1024, KLEIN_PARAMS, KLEIN_ENCODER_PARAMS),
                 "flux2-dev-1024": Builtin(1024, DEV_PARAMS, DEV_ENCODER_PARAMS)}
+    previews = {128: FLUX2_VAE}
     runtime = "workers.families.flux2.runtime:Flux2Runtime"
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
