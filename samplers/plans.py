@@ -12,8 +12,8 @@ target is diffusers' scheduler of the same name, quirks included (each docstring
 """
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

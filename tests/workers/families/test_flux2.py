@@ -22,7 +22,7 @@ import torch
 from workers.config import WorkerConfig
 from workers.engine import Engine
 from workers.families import family_named
-from workers.families.flux2 import DEV, DEV_ENCODER_PARAMS, DEV_PARAMS, KLEIN, KLEIN_ENCODER_PARAMS, KLEIN_PARAMS
+from workers.families.flux2 import DEV_ENCODER_PARAMS, DEV_PARAMS, KLEIN, KLEIN_ENCODER_PARAMS, KLEIN_PARAMS
 from workers.families.flux2.runtime import (empirical_mu, image_ids, pack, patchify, prompt_embeds, prompt_ids,
                                             text_ids, unpack, unpatchify)
 from workers.loading import ModelError, load_model
@@ -191,7 +191,8 @@ def test_the_klein_directory_is_one_diffusers_loads_itself(klein_dir, klein):
     assert pipe.tokenizer.apply_chat_template(chat, add_generation_prompt=True, enable_thinking=False) == \
         klein.tokenizer.apply_chat_template(chat, add_generation_prompt=True, enable_thinking=False)
     config = json.loads((klein_dir / "tokenizer" / "tokenizer_config.json").read_text())
-    assert "enable_thinking" in config["chat_template"] and not (klein_dir / "tokenizer" / "chat_template.jinja").exists()
+    assert "enable_thinking" in config["chat_template"]
+    assert not (klein_dir / "tokenizer" / "chat_template.jinja").exists()
 
 
 def test_the_dev_directory_is_one_diffusers_loads_itself(dev_dir, dev):
@@ -326,7 +327,8 @@ def test_klein_base_cfg_per_row_with_negative_prompts_equals_the_pipeline(base):
              ItemSpec(id="b", seed=2, sampler="flow_euler", steps=3, guidance=2.5, prompt="the big blue house",
                       negative_prompt="a small dog"),
              ItemSpec(id="c", seed=1, sampler="flow_euler", steps=4, guidance=1.0, prompt="a red cat"),
-             ItemSpec(id="w", seed=3, sampler="flow_euler", steps=3, guidance=5.0, prompt="a tree", width=96, height=64)]
+             ItemSpec(id="w", seed=3, sampler="flow_euler", steps=3, guidance=5.0, prompt="a tree", width=96,
+                      height=64)]
     results = Engine(base, EAGER).generate(specs)
     assert (results[0].latents - results[2].latents).abs().max() > 1e-3  # the scale guides
     _assert_equal_to_pipeline(base, specs, results)
@@ -383,7 +385,8 @@ def test_previews_map_the_normalised_latents_as_comfyui_does(klein):
     pmap = preview_map_of(klein.card)
     assert len(pmap.weight) == 128 and pmap.bias == (-0.0329, -0.0718, -0.0851)
     z = torch.randn(1, 128, 4, 4, generator=torch.Generator().manual_seed(0))
-    comfy = torch.einsum("bchw,cr->brhw", unpatchify(z), torch.tensor(FLUX2_RGB)) + torch.tensor(pmap.bias).view(3, 1, 1)
+    comfy = torch.einsum("bchw,cr->brhw", unpatchify(z), torch.tensor(FLUX2_RGB))
+    comfy = comfy + torch.tensor(pmap.bias).view(3, 1, 1)
     want = ((torch.nn.functional.avg_pool2d(comfy, 2).clamp(-1, 1) + 1) * 127.5).round()      # (1, 3, 4, 4)
     got = to_rgb(z, pmap).permute(0, 3, 1, 2).float()
     assert (got - want).abs().max() <= 1

@@ -1,7 +1,7 @@
-"""FLUX.2, torch-free: the model card of a pipeline directory, FLUX.2 [klein] (``black-forest-labs/FLUX.2-klein-4B``,
-``-9B``, their ``-base-`` variants; diffusers' ``Flux2KleinPipeline``) or FLUX.2 [dev] (``black-forest-labs/FLUX.2-dev``;
-``Flux2Pipeline``), read from its JSON files, and the built-in architectures (``flux2-klein-1024``,
-``flux2-dev-1024``: random weights, ``builtin``). The model runs in ``runtime``.
+"""FLUX.2, torch-free: the model card of a pipeline directory, FLUX.2 [klein]
+(``black-forest-labs/FLUX.2-klein-4B``, ``-9B``, their ``-base-`` variants; diffusers' ``Flux2KleinPipeline``) or
+FLUX.2 [dev] (``black-forest-labs/FLUX.2-dev``; ``Flux2Pipeline``), read from its JSON files, and the built-in
+architectures (``flux2-klein-1024``, ``flux2-dev-1024``: random weights, ``builtin``). The model runs in ``runtime``.
 
 The layout, both: ``transformer/`` (Flux2Transformer2DModel, sharded safetensors), ``vae/`` (AutoencoderKLFlux2:
 32 latent channels at /8, and the batch-norm statistics of its 2x2-patchified latents), ``text_encoder/`` with

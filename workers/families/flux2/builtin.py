@@ -95,7 +95,8 @@ def qwen_tokenizer():
 def mistral_tokenizer():
     """tiny_flux2's Tekken-like tokenizer (Mistral's control tokens) over letter pairs as well, with Mistral Small 3's
     chat template (what [dev]'s encode reads of its PixtralProcessor)."""
-    from workers.models.tiny_flux2 import MISTRAL_CHAT_TEMPLATE, mistral_tokenizer as make
+    from workers.models.tiny_flux2 import MISTRAL_CHAT_TEMPLATE
+    from workers.models.tiny_flux2 import mistral_tokenizer as make
 
     tok = make(pairs=True)
     tok.chat_template = MISTRAL_CHAT_TEMPLATE

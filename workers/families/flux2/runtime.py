@@ -229,11 +229,11 @@ def check_widths(model, path) -> None:
     layers' width, and the encoder has those layers."""
     layers = ENCODER_LAYERS[model.pipeline]
     cfg = text_model(model.text_encoder).config
-    if max(layers) > cfg.num_hidden_layers or len(layers) * cfg.hidden_size != model.transformer.config.joint_attention_dim:
+    width = model.transformer.config.joint_attention_dim
+    if max(layers) > cfg.num_hidden_layers or len(layers) * cfg.hidden_size != width:
         raise ModelError(f"{path}: the text encoder ({cfg.num_hidden_layers} layers of {cfg.hidden_size}) does not fit "
                          f"the transformer: {model.pipeline} stacks its hidden states {layers} into "
-                         f"{len(layers)} x {cfg.hidden_size}, the transformer's joint_attention_dim is "
-                         f"{model.transformer.config.joint_attention_dim}")
+                         f"{len(layers)} x {cfg.hidden_size}, the transformer's joint_attention_dim is {width}")
 
 
 # -- the schedule ---------------------------------------------------------------------------------------
@@ -331,8 +331,9 @@ class Flux2VAE(torch.nn.Module):
     def __init__(self, vae) -> None:
         super().__init__()
         self.vae = vae
-        self.config = SimpleNamespace(out_channels=vae.config.out_channels, latent_channels=4 * vae.config.latent_channels,
-                                      scaling_factor=1.0, shift_factor=0.0)
+        self.config = SimpleNamespace(out_channels=vae.config.out_channels,
+                                      latent_channels=4 * vae.config.latent_channels, scaling_factor=1.0,
+                                      shift_factor=0.0)
 
     @property
     def dtype(self) -> torch.dtype:
