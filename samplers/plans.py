@@ -12,6 +12,7 @@ target is diffusers' scheduler of the same name, quirks included (each docstring
 """
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -244,14 +245,18 @@ SAMPLERS = {
 assert set(SAMPLERS) == set(RULES), "every sampler has its rule (samplers/rules.py)"
 
 
-def make_plan(name: str, num_steps: int, schedule: NoiseSchedule, eta: float = 0.0, *, mu: float | None = None) -> Plan:
+def make_plan(name: str, num_steps: int, schedule: NoiseSchedule, eta: float = 0.0, *,
+              mu: float | Callable[[int], float] | None = None) -> Plan:
     """Check a request's sampler settings and build its plan. Raises ValueError with a message to act on.
 
     mu: the resolution-dependent shift of a flow schedule with use_dynamic_shifting, required there
     (samplers.rules.flow_mu gives it for an image size); ignored by other samplers and schedules, as
-    diffusers' FlowMatchEulerDiscreteScheduler ignores it without dynamic shifting.
+    diffusers' FlowMatchEulerDiscreteScheduler ignores it without dynamic shifting. Where the pipeline's mu
+    depends on the step count too (FLUX.2's compute_empirical_mu), a function of it: called with num_steps.
     """
     check_plan(name, num_steps, eta, Grid.of(dataclasses.asdict(schedule)))
+    if callable(mu):
+        mu = mu(num_steps)
     takes_mu = RULES[name].takes_mu
     if takes_mu and schedule.use_dynamic_shifting:
         check_mu(mu, schedule.time_shift_type)

@@ -306,3 +306,22 @@ def test_sd3_pipeline_end_to_end():
 
     got = sample(model, x, make_plan("flow_euler", steps, NoiseSchedule.from_config(SD35)))
     assert ((got - want).abs().max() / want.abs().max()).item() <= TOL
+
+
+@pytest.mark.parametrize("tokens", [16, 1024, 4096, 4800])  # 4800: past compute_empirical_mu's 4300-token break
+@pytest.mark.parametrize("steps", [1, 4, 28, 50])
+def test_a_mu_of_the_step_count(tokens, steps):
+    """FLUX.2's pipelines: FluxPipeline's sigma grid, shifted by compute_empirical_mu(image_seq_len, num_steps),
+    which depends on the step count too: make_plan takes mu as a function of it and calls it with num_steps."""
+    from diffusers.pipelines.flux2 import pipeline_flux2 as flux2
+
+    x = torch.randn(1, tokens, 8, generator=torch.Generator().manual_seed(0))
+    sched = FlowMatchEulerDiscreteScheduler.from_config(FLUX_DEV)
+    flux2.retrieve_timesteps(sched, steps, "cpu", sigmas=np.linspace(1.0, 1 / steps, steps),
+                             mu=flux2.compute_empirical_mu(tokens, steps))
+    want = x
+    for t in sched.timesteps:
+        want = sched.step(velocity(want, t.expand(len(want))), t, want).prev_sample
+    got = ours(NoiseSchedule.from_config({**FLUX_DEV, "flow_grid": "flux"}), steps, x,
+               lambda n: flux2.compute_empirical_mu(tokens, n))
+    assert_same(got, (want, sched.timesteps))

@@ -14,6 +14,7 @@ from __future__ import annotations
 from workers.families.base import Family, ModelCard, runtime_of
 from workers.families.dit import DiT
 from workers.families.flux import Flux
+from workers.families.flux2 import Flux2
 from workers.families.pixart import PixArt
 from workers.families.sd3 import SD3
 from workers.families.zimage import ZImage
@@ -34,6 +35,7 @@ register(DiT())
 register(PixArt())
 register(SD3())
 register(Flux())
+register(Flux2())
 register(ZImage())
 
 
