@@ -45,7 +45,6 @@ from typing import NamedTuple
 import torch
 
 REPORTS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
-FAMILIES = ("dit", "pixart", "sd3", "flux")
 
 # -- systems -----------------------------------------------------------------------------------------
 BASELINES = ("diffusers", "torch.compile")
@@ -98,7 +97,9 @@ def unavailable(precision: str, device: str) -> str | None:
 
 
 # -- models ------------------------------------------------------------------------------------------
-SMOKE_MODELS = {"dit": "tiny_dit", "pixart": "tiny_pixart", "sd3": "tiny_sd3", "flux": "tiny_flux"}
+SMOKE_MODELS = {"dit": "tiny_dit", "pixart": "tiny_pixart", "sd3": "tiny_sd3", "flux": "tiny_flux",
+                "flux2": "tiny_flux2", "zimage": "tiny_zimage"}
+FAMILIES = tuple(SMOKE_MODELS)  # every family, by its tiny model (a test holds them equal to the registry)
 
 
 def device_and_dtype(smoke: bool) -> tuple[str, torch.dtype]:
@@ -108,13 +109,14 @@ def device_and_dtype(smoke: bool) -> tuple[str, torch.dtype]:
 
 def tiny_model(family: str, root: Path | None = None) -> Path:
     """A tiny random model directory of ``family`` (made offline, seconds on a CPU): what ``--smoke`` runs."""
-    from workers.models import tiny_flux, tiny_pixart, tiny_sd3
+    from workers.models import tiny_flux, tiny_flux2, tiny_pixart, tiny_sd3, tiny_zimage
     from workers.models.tiny_dit import write_tiny_dit
 
     path = Path(root or tempfile.mkdtemp(prefix="bench-")) / f"tiny-{family}"
     if not path.exists():
         make = {"dit": write_tiny_dit, "pixart": tiny_pixart.make_tiny_pixart, "sd3": tiny_sd3.make_tiny_sd3,
-                "flux": tiny_flux.make_tiny_flux}[family]
+                "flux": tiny_flux.make_tiny_flux, "flux2": tiny_flux2.make_tiny_flux2,
+                "zimage": tiny_zimage.make_tiny_zimage}[family]
         make(path)
     return path
 

@@ -106,6 +106,25 @@ class Flux2Runtime(Flux2):
 
         return step
 
+    def reference_pipeline(self, model):
+        """Flux2KleinPipeline or Flux2Pipeline (the directory's) over the model's modules (the VAE itself, not
+        its adapter), flow Euler of its card's scheduler config (the pipeline sets its own sigma grid)."""
+        import diffusers as d
+
+        config = {k: v for k, v in model.card.scheduler.items() if k != "flow_grid"}
+        parts = dict(scheduler=d.FlowMatchEulerDiscreteScheduler.from_config(config), vae=model.vae.vae,
+                     text_encoder=model.text_encoder, tokenizer=model.tokenizer, transformer=model.transformer)
+        pipe = (d.Flux2KleinPipeline(**parts, is_distilled=model.card.guidance_mode == "none")
+                if model.pipeline == KLEIN else d.Flux2Pipeline(**parts))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def reference_call(self, model, specs) -> dict:
+        s = specs[0]
+        w, h = (s.width, s.height) if s.width else model.card.native_size
+        return dict(prompt=[x.prompt for x in specs], height=h, width=w, num_inference_steps=s.steps,
+                    guidance_scale=s.guidance, max_sequence_length=model.card.max_tokens)
+
     def load(self, card, device, dtype):
         """The transformer (sharded safetensors), the VAE (wrapped: ``Flux2VAE``), the text encoder (transformers,
         local files only, safetensors only) and its tokenizer (for [dev], the tokenizer of its PixtralProcessor with

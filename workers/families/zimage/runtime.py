@@ -54,6 +54,25 @@ PATCH = "2-1"      # the transformer's patch size 2, frames 1: ZImagePipeline's 
 
 
 class ZImageRuntime(ZImage):
+    def reference_pipeline(self, model):
+        """ZImagePipeline over the model's modules, flow Euler of its card's scheduler config (the pipeline
+        sets its own sigma grid)."""
+        import diffusers as d
+
+        config = {k: v for k, v in model.card.scheduler.items() if k != "flow_grid"}
+        pipe = d.ZImagePipeline(scheduler=d.FlowMatchEulerDiscreteScheduler.from_config(config), vae=model.vae,
+                                text_encoder=model.text_encoder, tokenizer=model.tokenizer,
+                                transformer=model.transformer)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def reference_call(self, model, specs) -> dict:
+        s = specs[0]
+        w, h = (s.width, s.height) if s.width else model.card.native_size
+        return dict(prompt=[x.prompt for x in specs], negative_prompt=[x.negative_prompt for x in specs],
+                    height=h, width=w, num_inference_steps=s.steps, guidance_scale=s.guidance,
+                    max_sequence_length=model.card.max_tokens)
+
     def load(self, card, device, dtype):
         """The transformer and VAE (safetensors, sharded or not), the Qwen3 text encoder (transformers, local
         files only, safetensors only) and its tokenizer, from ``card.path``; the directory's guidance options
