@@ -38,9 +38,9 @@ def tokenizer_files(path: Path) -> Path:
     pipeline's chat template and WORDS, with Qwen2's special tokens last (<|endoftext|> pads)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     from workers.families.qwenimage.runtime import PROMPT_TEMPLATE
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),

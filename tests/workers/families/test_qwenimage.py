@@ -21,9 +21,10 @@ import torch
 from workers.config import WorkerConfig
 from workers.engine import Engine
 from workers.families import family_named
-from workers.families.qwenimage import MODEL_CARD_SIZES, PARAMS, ENCODER_PARAMS, WAN21_VAE
+from workers.families.qwenimage import ENCODER_PARAMS, MODEL_CARD_SIZES, PARAMS, WAN21_VAE
 from workers.families.qwenimage import runtime as qwen
-from workers.families.qwenimage.runtime import encode_prompts, pack, true_cfg, unpack
+from workers.families.qwenimage.runtime import (encode_prompts, pack, rotary_tables, transformer_forward, true_cfg,
+                                                unpack)
 from workers.loading import ModelError, load_model
 from workers.models.tiny_qwenimage import IMAGE_SIZE, MAX_TOKENS, make_tiny_qwenimage
 from workers.request.cards import CardError, read_card
@@ -230,6 +231,22 @@ def test_packing_is_the_pipelines():
     assert torch.equal(unpack(pack(x), 8, 12), QwenImagePipeline._unpack_latents(pack(x), 64, 96, 8)[:, :, 0])
 
 
+def test_the_steps_forward_is_the_transformers(model):
+    """transformer_forward (the forward without its host-to-device copy, with the tables made once) gives what
+    QwenImageTransformer2DModel.forward gives, text masks and padding included."""
+    g = torch.Generator().manual_seed(0)
+    tokens, text = torch.randn(2, 24, 64, generator=g), torch.randn(2, MAX_TOKENS, 32, generator=g)
+    mask = torch.ones(2, MAX_TOKENS)
+    mask[1, 5:] = 0
+    t = torch.tensor([0.9, 0.3])
+    ours = transformer_forward(model.transformer, tokens, text, mask, t, rotary_tables(model.transformer, 4, 6,
+                                                                                        MAX_TOKENS, "cpu"))
+    with torch.no_grad():
+        ref = model.transformer(hidden_states=tokens, encoder_hidden_states=text, encoder_hidden_states_mask=mask,
+                                timestep=t, img_shapes=[[(1, 4, 6)]] * 2, return_dict=False)[0]
+    assert torch.equal(ours, ref)
+
+
 def test_true_cfg_is_the_pipelines_per_row():
     """Rows above 1: the pipeline's combination rescaled to the conditional norm over the 64 packed channels;
     rows at or below 1: the conditional prediction itself (the pipeline without CFG), in one batch."""
@@ -304,6 +321,26 @@ def test_images_decode_as_the_pipeline_decodes(model, pipe):
     assert model.vae.to(memory_format=torch.channels_last) is model.vae and weight.is_contiguous()
 
 
+def test_the_graph_engine_with_captured_decodes_equals_the_pipeline(qwen_dir, pipe):
+    """Under the graph backend (on a CPU its runners run the step eagerly, after the speed layer's rewrites)
+    and with the VAE decode in a runner of its own, the latents are still the pipeline's and the images the
+    plain engine's."""
+    import numpy as np
+
+    from workers.speed import SpeedConfig
+
+    model = load_model(qwen_dir)  # its own: the graph engine rewrites the transformer it serves
+    specs = [ItemSpec(id="a", seed=1, sampler="flow_euler", steps=2, guidance=4.0, prompt="a red cat"),
+             ItemSpec(id="b", seed=2, sampler="flow_euler", steps=2, guidance=1.0, prompt="a dog")]
+    engine = Engine(model, WorkerConfig(backend="graphs", max_batch=4), speed=SpeedConfig(decode_graphs=True))
+    (group,) = engine.groups.values()
+    assert group.decoder is not None
+    got = engine.generate(specs)
+    _assert_equal_to_pipeline(model, pipe, specs, got)
+    plain = Engine(model, EAGER).generate(specs)
+    assert all(np.array_equal(a.image, b.image) for a, b in zip(got, plain))
+
+
 # -- the built-in --------------------------------------------------------------------------------------------
 def test_the_builtin_card_and_its_published_size():
     card = read_card("qwen-image-1024")
@@ -314,3 +351,52 @@ def test_the_builtin_card_and_its_published_size():
     assert card.scheduler["max_image_seq_len"] == 8192 and card.scheduler["flow_grid"] == "flux"
     # Qwen-Image: a 20.4B transformer and a 0.13B VAE; Qwen2.5-VL-7B-Instruct, 8.3B
     assert 20.4e9 < PARAMS - 126_892_531 < 20.5e9 and 8.2e9 < ENCODER_PARAMS < 8.3e9
+
+
+# shrunk configs of the built-in: the text width is the transformer's joint_attention_dim, as in the real one
+SMALL = dict(transformer=dict(num_layers=1, num_attention_heads=2, attention_head_dim=16, joint_attention_dim=32,
+                              axes_dims_rope=(4, 6, 6)),
+             vae=dict(base_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1),
+             text_encoder=dict(text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2,
+                                                rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+                               vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                                  out_hidden_size=32, fullatt_block_indexes=[0])))
+
+
+def test_the_builtins_full_size_parameters_counted_on_meta():
+    from workers.families.qwenimage.builtin import qwen_image_on_meta
+
+    parts = qwen_image_on_meta(1024)
+    count = {k: sum(p.numel() for p in m.parameters()) for k, m in parts.items()}
+    assert count["transformer"] + count["vae"] == PARAMS and count["text_encoder"] == ENCODER_PARAMS
+    t, te = parts["transformer"].config, parts["text_encoder"].config
+    assert (t.num_layers, t.num_attention_heads, t.attention_head_dim, t.joint_attention_dim) == (60, 24, 128, 3584)
+    assert (te.text_config.hidden_size, te.text_config.num_hidden_layers, te.vision_config.depth) == (3584, 28, 32)
+
+
+def test_a_shrunk_builtin_is_whole_and_generates_finite_images():
+    import dataclasses
+
+    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
+
+    card = dataclasses.replace(read_card("qwen-image-1024"), image_size=64, latent_size=8, max_tokens=8,
+                               sizes=((64, 64), (96, 64)))
+    model = qwen._load_builtin(card, "cpu", torch.float32, **SMALL)
+    for m in (model.transformer, model.vae, model.text_encoder):
+        assert not any(t.is_meta or not t.isfinite().all() for t in [*m.parameters(), *m.buffers()])
+        assert not m.training and not any(p.requires_grad for p in m.parameters())
+    plain = QwenEmbedRope(theta=10000, axes_dim=[4, 6, 6], scale_rope=True)
+    assert torch.equal(model.transformer.pos_embed.pos_freqs, plain.pos_freqs)  # remade, not left empty
+    rotary = model.text_encoder.model.language_model.rotary_emb
+    assert rotary.inv_freq.dtype == torch.float32 and rotary.inv_freq.abs().max() == 1.0
+    assert all(m.gamma.eq(1).all() for m in model.vae.modules() if type(m).__name__ == "QwenImageRMS_norm")
+    tok = model.tokenizer
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [36786, 36787, 36788]
+    assert tok.pad_token == "<|endoftext|>" and len(tok("a photo of a red cat on a table").input_ids) <= 16
+    specs = [ItemSpec(id="a", seed=0, sampler="flow_euler", steps=2, guidance=4.0, prompt="a cat"),
+             ItemSpec(id="b", seed=1, sampler="flow_euler", steps=2, guidance=1.0, prompt="a red cat", width=96,
+                      height=64)]
+    results = Engine(model, WorkerConfig(backend="eager", max_batch=2)).generate(specs)
+    assert [r.image.shape for r in results] == [(64, 64, 3), (64, 96, 3)]
+    assert all(r.latents.isfinite().all() and r.latents.abs().max() > 0 for r in results)

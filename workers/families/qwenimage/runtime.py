@@ -30,14 +30,14 @@ which ``__init__`` computes, are made again on the host (``builtin.rebuild_table
 encoder's rotary frequencies, in float32: casting the encoder to bfloat16 would round them (transformers
 makes them in float32, and the pipeline's encoder keeps them so).
 
-Graph safety: the rotary tables (complex, text positions after the image's) depend on the shape and the
-token limit only: made once per shape in ``make_step`` and handed to the transformer's ``pos_embed`` by the
-step (``rotary_tables``), as FLUX.1's.
+Graph safety: the step runs the transformer's modules through ``transformer_forward``: its forward without
+the host-to-device copy it makes at every call (not allowed while a CUDA graph captures). The rotary tables
+(complex, the text's positions after the image's) depend on the shape and the token limit only: made once
+per shape in ``make_step`` (``rotary_tables``).
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -105,31 +105,47 @@ class QwenImageRuntime(QwenImage):
 
     def make_step(self, model, shape=None):
         """One whole denoising step for latents of ``shape`` (16, h, w; the native one by default): pack, both
-        CFG halves through the transformer in one forward at timestep t / 1000 (the pipeline divides by 1000;
-        the model multiplies back) with the text masks, the true-CFG rescale (``true_cfg``), unpack, sampler
-        update. The rotary tables depend on the shape only: made here, outside capture (``rotary_tables``)."""
+        CFG halves through the transformer in one forward (``transformer_forward``) at timestep t / 1000 (the
+        pipeline divides by 1000; the model multiplies back) with the text masks, the true-CFG rescale
+        (``true_cfg``), unpack, sampler update. The rotary tables depend on the shape and the token limit only:
+        made here, outside capture."""
         transformer, dtype, device = model.transformer, model.dtype, model.device
         _, h, w = shape or model.latent_shape
-        img_shapes = [[(1, h // 2, w // 2)]]  # the pipeline's per image; its rotary tables read the first
-        rotary = rotary_tables(transformer, img_shapes, model.card.max_tokens, device)
-        pos = transformer.pos_embed
+        rotary = rotary_tables(transformer, h // 2, w // 2, model.card.max_tokens, device)
 
         def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, prompt_mask, neg_embeds, neg_mask):
             tokens = pack(model_input(x, coeffs).to(dtype))                                 # (B, N, 64)
             timestep = t.to(dtype) / 1000
-            if rotary is not None:  # taken by this forward's one call of pos_embed
-                object.__setattr__(pos, "_given_rotary", rotary)
-            out = transformer(hidden_states=torch.cat([tokens, tokens]),                     # (2B, N, 64)
-                              encoder_hidden_states=torch.cat([prompt_embeds, neg_embeds]),  # (2B, L, 3584)
-                              encoder_hidden_states_mask=torch.cat([prompt_mask, neg_mask]),  # (2B, L)
-                              timestep=torch.cat([timestep, timestep]), img_shapes=img_shapes,
-                              return_dict=False)[0]                                          # (2B, N, 64)
+            out = transformer_forward(transformer, torch.cat([tokens, tokens]),             # (2B, N, 64)
+                                      torch.cat([prompt_embeds, neg_embeds]),               # (2B, L, 3584)
+                                      torch.cat([prompt_mask, neg_mask]),                   # (2B, L)
+                                      torch.cat([timestep, timestep]), rotary)              # (2B, N, 64)
             cond, uncond = out.float().chunk(2)
             v = unpack(true_cfg(cond, uncond, guidance), h, w)                              # (B, 16, h, w)
             x_next, denoised = sampler_step(x, v, hist, noise, coeffs)
             return {"x_next": x_next, "hist_next": denoised}
 
         return step
+
+
+def transformer_forward(transformer, tokens: torch.Tensor, text: torch.Tensor, text_mask: torch.Tensor,
+                        timestep: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """QwenImageTransformer2DModel.forward as QwenImagePipeline calls it (no zero_cond_t, guidance embedding,
+    additional t condition or controlnet: the card refuses transformers with them), through the same modules,
+    with ``rotary`` (``rotary_tables``) given. Not its own forward: that makes a device tensor from a host
+    integer at every call (``compute_text_seq_len_from_mask``'s ``torch.as_tensor``, for a length it does not
+    use: a synchronous host-to-device copy, which a stream may not make while a CUDA graph captures it) and
+    looks its rotary tables up again. (B, N, 64) tokens, (B, L, D)
+    text, (B, L) mask (nonzero: a token), (B,) timesteps in [0, 1] -> (B, N, 64)."""
+    hidden = transformer.img_in(tokens)
+    timestep = timestep.to(hidden.dtype)
+    text = transformer.txt_in(transformer.txt_norm(text))
+    mask = text_mask.to(torch.bool)
+    temb = transformer.time_text_embed(timestep, hidden)
+    for block in transformer.transformer_blocks:
+        text, hidden = block(hidden_states=hidden, encoder_hidden_states=text, encoder_hidden_states_mask=mask,
+                             temb=temb, image_rotary_emb=rotary)
+    return transformer.proj_out(transformer.norm_out(hidden, temb))
 
 
 def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, guidance: torch.Tensor) -> torch.Tensor:
@@ -155,10 +171,10 @@ class LatentDecoder(torch.nn.Module):
         # scaling 1, no shift: ``assemble`` reads these, and the engine's decode passes the latents as they are
         self.config = SimpleNamespace(out_channels=cfg.input_channels, z_dim=cfg.z_dim, scaling_factor=1.0,
                                       shift_factor=0.0)
-        stats = lambda values: torch.tensor(values).view(1, cfg.z_dim, 1, 1, 1)  # noqa: E731 (float32, as the pipeline's)
+        stats = lambda values: torch.tensor(values).view(1, cfg.z_dim, 1, 1, 1)
         self.register_buffer("mean", stats(cfg.latents_mean).to(self.dtype), persistent=False)
         self.register_buffer("std", stats(cfg.latents_std).to(self.dtype), persistent=False)
-        self.to(next(autoencoder.parameters()).device)
+        self.to(next(autoencoder.parameters()).device).eval()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -222,34 +238,12 @@ def unpack(z: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return z.reshape(b, d // 4, h, w)
 
 
-@functools.cache
-def _given_rotary_class(base: type) -> type:
-    """``base`` (the transformer's ``pos_embed`` class) returning, once, the tables ``make_step`` made for its
-    shape, handed over by its step just before it calls the transformer."""
-
-    def forward(self, *args, **kwargs):
-        given = self._given_rotary
-        if given is None:
-            return base.forward(self, *args, **kwargs)
-        object.__setattr__(self, "_given_rotary", None)  # one call's: a later call computes its own
-        return given
-
-    return type(f"Given{base.__name__}", (base,), {"forward": forward, "_given_rotary": None,
-                                                    "__module__": __name__})
-
-
-def rotary_tables(transformer, img_shapes: list, text_tokens: int, device):
-    """The transformer's (image, text) rotary tables for one image of ``img_shapes`` and ``text_tokens`` text
-    tokens, computed now, and its ``pos_embed`` made to return them while a step hands them over; None where its
-    ``pos_embed`` is not diffusers' QwenEmbedRope."""
-    pos = transformer.pos_embed
-    base = type(pos).__mro__[1] if type(pos).__module__ == __name__ else type(pos)
-    if base.__name__ != "QwenEmbedRope":
-        return None
+def rotary_tables(transformer, h: int, w: int, text_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transformer's (image, text) rotary tables for an h x w token grid and ``text_tokens`` text tokens
+    (complex; the text's positions follow the image's largest), as its forward makes them from the pipeline's
+    ``img_shapes``."""
     with torch.no_grad():
-        tables = base.forward(pos, img_shapes, device=torch.device(device), max_txt_seq_len=text_tokens)
-    pos.__class__ = _given_rotary_class(base)
-    return tables
+        return transformer.pos_embed([[(1, h, w)]], device=torch.device(device), max_txt_seq_len=text_tokens)
 
 
 # -- loading -----------------------------------------------------------------------------------------------
