@@ -16,6 +16,7 @@ from workers.families.dit import DiT
 from workers.families.flux import Flux
 from workers.families.flux2 import Flux2
 from workers.families.pixart import PixArt
+from workers.families.qwenimage import QwenImage
 from workers.families.sd3 import SD3
 from workers.families.zimage import ZImage
 from workers.previews import PreviewMap
@@ -36,6 +37,7 @@ register(PixArt())
 register(SD3())
 register(Flux())
 register(Flux2())
+register(QwenImage())
 register(ZImage())
 
 

@@ -1,0 +1,147 @@
+"""Qwen-Image, torch-free: the model card of a pipeline directory (``Qwen/Qwen-Image``; diffusers'
+``QwenImagePipeline``), read from its JSON files, and the built-in architecture (``qwen-image-1024``: random
+weights, ``builtin``). The model runs in ``runtime``.
+
+The layout: ``transformer/`` (QwenImageTransformer2DModel, sharded safetensors), ``vae/``
+(AutoencoderKLQwenImage: a 16-channel video VAE with per-channel ``latents_mean`` / ``latents_std``),
+``text_encoder/`` (Qwen2_5_VLForConditionalGeneration, sharded: its last hidden state) with ``tokenizer/``
+(Qwen2Tokenizer: vocab.json + merges.txt), and ``scheduler/`` (FlowMatchEulerDiscreteScheduler). A missing
+part is a CardError naming it, and so is a text encoder of another type.
+
+Guidance. Qwen-Image is not guidance-distilled: ``guidance`` is QwenImagePipeline's ``true_cfg_scale``,
+classifier-free guidance against the negative prompt with the pipeline's norm rescale (``guidance_mode``
+"cfg"; default 4.0, the pipeline's). The pipeline guides only when the scale is above 1 and a negative
+prompt is given; a request always has one here: its ``negative_prompt``, and where that is empty " ", what
+the published model card passes ("using an empty string if you do not have specific concept to remove").
+A scale of 1 or below is the pipeline without guidance: the prompt's prediction alone.
+
+Schedule. QwenImagePipeline passes its own sigmas, np.linspace(1, 1/steps, steps), shifted by ``mu`` from
+the packed sequence length (the scheduler's exponential dynamic shift, then its ``shift_terminal``, 0.02 in
+the published config): ``flow_grid: "flux"`` in the card's scheduler config, as FLUX.1's.
+
+Sizes. The latents are 16 x H/8 x W/8, packed 2x2 into (H/16)(W/16) tokens of 64, so each side is a
+multiple of 16 px; a side off it is rounded down, as the pipeline does (it warns and makes
+2 * (side // 16) latent rows). The native size is the pipeline's default, 1024 x 1024
+(``default_sample_size`` 128 times the VAE's 8; ``dit_serve.image_size`` overrides). The sizes it lists
+are the ones the published model card recommends, 1:1, 16:9, 9:16, 4:3, 3:4, 3:2 and 2:3 at about 1.7
+MP (its 1472 x 1140 and 1140 x 1472 as the pipeline makes them: 1472 x 1136 and 1136 x 1472); each size is
+one captured graph shape, so the card lists these few (``dit_serve.sizes`` replaces them). Like the
+pipeline it makes any other multiple of 16 as asked, from 16 px to twice the native side.
+
+Text. Prompts are read as given, in the pipeline's chat template, up to ``max_tokens`` (512, the
+pipeline's ``max_sequence_length``; ``dit_serve.max_sequence_length`` sets 1 to 1024, the pipeline's
+limit) after the template's first 34 tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes, read_json
+from workers.previews import PreviewMap
+
+NATIVE_SIZE = 1024  # QwenImagePipeline: default_sample_size 128 x vae_scale_factor 8
+MAX_TOKENS = 512  # QwenImagePipeline.__call__'s max_sequence_length
+MAX_SEQUENCE_LENGTH = 1024  # QwenImagePipeline.check_inputs refuses more
+DEFAULTS = {"sampler": "flow_euler", "steps": 50, "guidance": 4.0}  # QwenImagePipeline.__call__'s
+# the published model card's aspect ratios (width, height), rounded down to multiples of 16 as the pipeline makes them
+MODEL_CARD_SIZES = ((1328, 1328), (1664, 928), (928, 1664), (1472, 1136), (1136, 1472), (1584, 1056), (1056, 1584))
+# part -> (the file that must be there, what it holds: the message's words)
+PARTS = {"vae": ("vae/config.json", "the VAE (AutoencoderKLQwenImage)"),
+         "text_encoder": ("text_encoder/config.json",
+                          "the Qwen2.5-VL text encoder (Qwen2_5_VLForConditionalGeneration)"),
+         "tokenizer": ("tokenizer", "the Qwen2 tokenizer"),
+         "scheduler": ("scheduler/scheduler_config.json", "the scheduler's config")}
+ENCODER_TYPE = "qwen2_5_vl"  # text_encoder/config.json's model_type
+VAE_CLASS = "AutoencoderKLQwenImage"
+# transformer flags of other Qwen-Image pipelines (edit, layered), which QwenImagePipeline does not run
+OTHER_VARIANTS = ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope", "guidance_embeds")
+# Qwen/Qwen-Image: transformer + VAE; Qwen2.5-VL-7B-Instruct, vision tower and LM head included (counted on
+# the meta device: workers.families.qwenimage.builtin)
+PARAMS, ENCODER_PARAMS = 20_430_401_088 + 126_892_531, 8_292_166_656
+# Qwen/Qwen-Image's scheduler_config.json, on the pipeline's sigma grid: the built-in's
+SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,
+             "invert_sigmas": False, "max_image_seq_len": 8192, "max_shift": 0.9, "num_train_timesteps": 1000,
+             "shift": 1.0, "shift_terminal": 0.02, "stochastic_sampling": False, "time_shift_type": "exponential",
+             "use_beta_sigmas": False, "use_dynamic_shifting": True, "use_exponential_sigmas": False,
+             "use_karras_sigmas": False, "flow_grid": "flux"}
+
+# ComfyUI latent_formats.Wan21 (QwenImage's latent format is Wan 2.1's): the 16-channel VAE (workers.previews)
+WAN21_VAE = PreviewMap(weight=((-0.1299, -0.1692, 0.2932), (0.0671, 0.0406, 0.0442), (0.3568, 0.2548, 0.1747),
+                               (0.0372, 0.2344, 0.1420), (0.0313, 0.0189, -0.0328), (0.0296, -0.0956, -0.0665),
+                               (-0.3477, -0.4059, -0.2925), (0.0166, 0.1902, 0.1975), (-0.0412, 0.0267, -0.1364),
+                               (-0.1293, 0.0740, 0.1636), (0.0680, 0.3019, 0.1128), (0.0032, 0.0581, 0.0639),
+                               (-0.1251, 0.0927, 0.1699), (0.0060, -0.0633, 0.0005), (0.3477, 0.2275, 0.2950),
+                               (0.1984, 0.0913, 0.1861)),
+                       bias=(-0.1835, -0.0868, -0.3360))
+
+
+class QwenImage(Family):
+    name = "qwenimage"
+    pipelines = ("QwenImagePipeline",)
+    transformers = ("QwenImageTransformer2DModel",)
+    builtins = {"qwen-image-1024": Builtin(1024, PARAMS, ENCODER_PARAMS)}
+    previews = {16: WAN21_VAE}
+    runtime = "workers.families.qwenimage.runtime:QwenImageRuntime"
+
+    def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
+                  scheduler: dict) -> ModelCard:
+        return card(name, path, transformer, vae, index, scheduler)
+
+    def builtin_card(self, name: str) -> ModelCard:
+        size = self.builtins[name].image_size
+        return ModelCard(name, "qwenimage", "text", builtin=name, image_size=size, latent_channels=16,
+                         latent_size=size // 8, scheduler=dict(SCHEDULER), defaults=dict(DEFAULTS),
+                         max_tokens=MAX_TOKENS, sizes=MODEL_CARD_SIZES, size_multiple=16, size_range=(16, 2 * size),
+                         rounds_down=True, guidance_mode="cfg")
+
+
+def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict) -> ModelCard:
+    _check_layout(path, transformer, vae)
+    extra = index.get("dit_serve", {})
+    factor = 2 ** len(vae.get("temperal_downsample", [False, True, True]))  # the pipeline's vae_scale_factor
+    multiple = factor * 2  # the pipeline packs 2x2 latent cells into one token
+    size = int(extra.get("image_size", NATIVE_SIZE))
+    if size % multiple:
+        raise CardError(f"{path}/model_index.json: dit_serve.image_size {size} is not a multiple of {multiple} pixels")
+    max_tokens = int(extra.get("max_sequence_length", MAX_TOKENS))
+    if not 0 < max_tokens <= MAX_SEQUENCE_LENGTH:
+        raise CardError(f"{path}/model_index.json: dit_serve.max_sequence_length must be 1 to "
+                        f"{MAX_SEQUENCE_LENGTH} (QwenImagePipeline's limit), got {max_tokens}")
+    tokenizer_json = path / "tokenizer" / "tokenizer.json"
+    return ModelCard(
+        name, "qwenimage", "text", path=str(path), image_size=size, latent_channels=int(vae.get("z_dim", 16)),
+        latent_size=size // factor, dtype=extra.get("dtype", "bfloat16"), scheduler={**scheduler, "flow_grid": "flux"},
+        defaults={**DEFAULTS, **extra.get("defaults", {})}, max_tokens=max_tokens,
+        sizes=tuple(listed_sizes(path, extra, multiple) or MODEL_CARD_SIZES), size_multiple=multiple,
+        size_range=(multiple, 2 * size), rounds_down=True, guidance_mode="cfg",
+        tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() else "")
+
+
+def _check_layout(path: Path, transformer: dict, vae: dict | None) -> None:
+    for part, (file, what) in PARTS.items():
+        if not (path / file).exists():
+            raise CardError(f"{path} is a Qwen-Image pipeline without {part}/ ({what}): expected {path / file}")
+    encoder = read_json(path / "text_encoder" / "config.json")
+    if encoder.get("model_type") != ENCODER_TYPE:
+        raise CardError(f"{path}/text_encoder/config.json has model_type {encoder.get('model_type')!r}; a Qwen-Image "
+                        f"pipeline's text_encoder is {PARTS['text_encoder'][1]} ({ENCODER_TYPE!r})")
+    if vae.get("_class_name") != VAE_CLASS:
+        raise CardError(f"{path}/vae/config.json has _class_name {vae.get('_class_name')!r}; a Qwen-Image pipeline's "
+                        f"vae is {VAE_CLASS}")
+    z = int(vae.get("z_dim", 16))
+    if any(len(vae.get(k, [0] * z)) != z for k in ("latents_mean", "latents_std")):
+        raise CardError(f"{path}/vae/config.json: latents_mean and latents_std need one value per latent channel ({z})")
+    if transformer.get("patch_size", 2) != 2 or transformer.get("in_channels", 64) != 4 * z or \
+            transformer.get("out_channels", 16) != z:
+        raise CardError(f"{path}/transformer/config.json: expected patch_size 2, in_channels {4 * z} and out_channels "
+                        f"{z} (the VAE's {z} channels packed 2x2), got {transformer.get('patch_size')}, "
+                        f"{transformer.get('in_channels')} and {transformer.get('out_channels')}")
+    variants = [k for k in OTHER_VARIANTS if transformer.get(k)]
+    if variants:
+        raise CardError(f"{path}/transformer/config.json sets {', '.join(variants)}: a transformer of another "
+                        "Qwen-Image pipeline (edit, layered), which QwenImagePipeline does not run")
+    width = encoder.get("text_config", {}).get("hidden_size", encoder.get("hidden_size"))
+    if width is not None and transformer.get("joint_attention_dim", 3584) != width:
+        raise CardError(f"{path}: the text encoder's hidden size {width} is not the transformer's joint_attention_dim "
+                        f"{transformer.get('joint_attention_dim', 3584)}")
