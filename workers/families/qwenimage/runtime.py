@@ -61,6 +61,27 @@ EMPTY_NEGATIVE = " "  # the published model card's negative prompt when there is
 
 
 class QwenImageRuntime(QwenImage):
+    def reference_pipeline(self, model):
+        """QwenImagePipeline over the model's modules (the VAE itself, not its adapter), flow Euler of its card's
+        scheduler config (the pipeline sets its own sigma grid and mu)."""
+        import diffusers as d
+
+        config = {k: v for k, v in model.card.scheduler.items() if k != "flow_grid"}
+        pipe = d.QwenImagePipeline(scheduler=d.FlowMatchEulerDiscreteScheduler.from_config(config),
+                                   vae=model.vae.autoencoder, text_encoder=model.text_encoder,
+                                   tokenizer=model.tokenizer, transformer=model.transformer)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def reference_call(self, model, specs) -> dict:
+        """True CFG at the request's guidance against its negative prompt (" " for an empty one, as the model
+        card passes)."""
+        s = specs[0]
+        w, h = (s.width, s.height) if s.width else model.card.native_size
+        return dict(prompt=[x.prompt for x in specs], negative_prompt=[x.negative_prompt or " " for x in specs],
+                    true_cfg_scale=s.guidance, height=h, width=w, num_inference_steps=s.steps,
+                    max_sequence_length=model.card.max_tokens)
+
     def load(self, card, device, dtype):
         """The transformer and VAE (safetensors, sharded or not), the Qwen2.5-VL text encoder (transformers,
         local files, safetensors only) and the Qwen2 tokenizer, from ``card.path``; the VAE behind
