@@ -15,6 +15,7 @@ from workers.families.base import Family, ModelCard, runtime_of
 from workers.families.dit import DiT
 from workers.families.flux import Flux
 from workers.families.pixart import PixArt
+from workers.families.sana import Sana
 from workers.families.sd3 import SD3
 from workers.previews import PreviewMap
 
@@ -33,6 +34,7 @@ register(DiT())
 register(PixArt())
 register(SD3())
 register(Flux())
+register(Sana())
 
 
 def family_named(name: str) -> Family:
