@@ -138,6 +138,28 @@ def test_the_bins_are_the_pipelines():
         assert SANA_BINS[sample_size] == {float(r): (int(h), int(w)) for r, (h, w) in table.items()}, sample_size
 
 
+def test_the_api_offers_both_flow_samplers_and_bounds_the_steps(sana_dir):
+    """GET /v1/models lists flow_euler and flow_dpmpp_2m; a job takes the card's defaults; past 500 steps (flow_shift
+    3) flow_dpmpp_2m's first two timesteps coincide, which diffusers cannot run: refused at the API, naming steps."""
+    from dit_serve.schemas import JobRequest
+    from dit_serve.server.catalog import Catalog, model_entry
+    from dit_serve.server.config import LimitsConfig
+
+    card = read_card(sana_dir)
+    assert model_entry(card).samplers == ["flow_euler", "flow_dpmpp_2m"]
+    catalog = Catalog([card], LimitsConfig(max_steps=10_000))
+    params = catalog.resolve_job(JobRequest(prompts=["a cat"])).params
+    assert (params.sampler, params.steps, params.guidance, params.negative_prompt) == ("flow_dpmpp_2m", 20, 4.5, "")
+    assert catalog.resolve_job(JobRequest(prompts=["a cat"], steps=500)).params.steps == 500
+    with pytest.raises(Exception, match="use at most 500 steps") as e:
+        catalog.resolve_job(JobRequest(prompts=["a cat"], steps=501))
+    assert e.value.param == "steps"
+    assert catalog.resolve_job(JobRequest(prompts=["a cat"], sampler="flow_euler", steps=1000)).params.steps == 1000
+    with pytest.raises(Exception, match="supports prediction_type") as e:
+        catalog.resolve_job(JobRequest(prompts=["a cat"], sampler="dpmpp_2m"))
+    assert e.value.param == "sampler"
+
+
 @pytest.mark.parametrize("part", ["vae", "text_encoder", "tokenizer", "scheduler"])
 def test_a_missing_part_is_a_card_error_naming_it(sana_dir, tmp_path, part):
     with pytest.raises(CardError, match=f"Sana pipeline without {part}/"):

@@ -42,20 +42,20 @@ EULER_DEFAULTS = {**DEFAULTS, "sampler": "flow_euler"}  # a directory saved with
 MAX_SEQUENCE_LENGTH = 300  # SanaPipeline's max_sequence_length
 # SanaPipeline.__call__'s default complex_human_instruction (joined with "\n", then the prompt appended)
 COMPLEX_HUMAN_INSTRUCTION = (
-    "Given a user prompt, generate an 'Enhanced prompt' that provides detailed visual descriptions suitable for "
-    "image generation. Evaluate the level of detail in the user prompt:",
-    "- If the prompt is simple, focus on adding specifics about colors, shapes, sizes, textures, and spatial "
-    "relationships to create vivid and concrete scenes.",
-    "- If the prompt is already detailed, refine and enhance the existing details slightly without "
-    "overcomplicating.",
+    ("Given a user prompt, generate an 'Enhanced prompt' that provides detailed visual descriptions suitable for "
+     "image generation. Evaluate the level of detail in the user prompt:"),
+    ("- If the prompt is simple, focus on adding specifics about colors, shapes, sizes, textures, and spatial "
+     "relationships to create vivid and concrete scenes."),
+    ("- If the prompt is already detailed, refine and enhance the existing details slightly without "
+     "overcomplicating."),
     "Here are examples of how to transform or refine prompts:",
-    "- User Prompt: A cat sleeping -> Enhanced: A small, fluffy white cat curled up in a round shape, sleeping "
-    "peacefully on a warm sunny windowsill, surrounded by pots of blooming red flowers.",
-    "- User Prompt: A busy city street -> Enhanced: A bustling city street scene at dusk, featuring glowing street "
-    "lamps, a diverse crowd of people in colorful clothing, and a double-decker bus passing by towering glass "
-    "skyscrapers.",
-    "Please generate only the enhanced description for the prompt below and avoid including any additional "
-    "commentary or evaluations:",
+    ("- User Prompt: A cat sleeping -> Enhanced: A small, fluffy white cat curled up in a round shape, sleeping "
+     "peacefully on a warm sunny windowsill, surrounded by pots of blooming red flowers."),
+    ("- User Prompt: A busy city street -> Enhanced: A bustling city street scene at dusk, featuring glowing street "
+     "lamps, a diverse crowd of people in colorful clothing, and a double-decker bus passing by towering glass "
+     "skyscrapers."),
+    ("Please generate only the enhanced description for the prompt below and avoid including any additional "
+     "commentary or evaluations:"),
     "User Prompt: ",
 )
 # part -> (the file that must be there, what it holds: the message's words)
