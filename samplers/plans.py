@@ -22,6 +22,7 @@ from samplers.schedules import (
     NoiseSchedule,
     alphas_cumprod,
     dpm_timesteps,
+    flow_dpm_sigmas,
     flow_sigmas,
     interp,
     sigmas,
@@ -223,13 +224,39 @@ def flow_euler(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0, *, mu:
     as FlowMatchEulerDiscreteScheduler: x_next = x + (sigma_next - sigma) v, model timestep sigma N.
 
     The sigmas are samplers.schedules.flow_sigmas (grid, static or dynamic shift by mu, shift_terminal), then 0.
-    Quirk kept: the "scheduler" grid runs linearly from 1 to the *shifted* last training sigma, and is
-    shifted again.
+    On a DPMSolverMultistepScheduler flow config (use_flow_sigmas: Sana) it is FlowMatchEulerDiscreteScheduler
+    with shift = flow_shift, the scheduler such a pipeline is given to sample with Euler. Quirk kept: the
+    "scheduler" grid runs linearly from 1 to the *shifted* last training sigma, and is shifted again.
     """
     sigma = flow_sigmas(schedule, num_steps, mu)
     s = torch.cat([sigma, torch.zeros(1, dtype=torch.float64)])
     n = schedule.num_train_timesteps
     return _plan("flow_euler", sigma * n, 1.0, c_skip=1.0, c_out=-sigma, c_x=1.0, c_e=s[1:] - s[:-1])
+
+
+def flow_dpmpp_2m(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
+    """DPM-Solver++(2M) on the rectified-flow path (Lu et al. 2022, Algorithm 2, midpoint form; Sana's "Flow-DPM-
+    Solver", Xie et al. 2024), as DPMSolverMultistepScheduler with use_flow_sigmas, prediction_type
+    "flow_prediction", solver_order 2, final_sigmas_type "zero": SanaPipeline's default scheduler.
+
+    x = (1 - sigma) x0 + sigma eps, so alpha_t = 1 - sigma, s_t = sigma and lambda = log((1 - sigma) / sigma); the
+    model predicts v = eps - x0, so D = x - sigma v. With h = lambda_next - lambda and r = h_prev / h:
+    x_next = (sigma_next / sigma) x + alpha_next (1 - e^-h) ((1 + 1 / 2r) D - 1 / 2r D_prev), D_prev = hist.
+    The grid is samplers.schedules.flow_dpm_sigmas: model timesteps are sigma N truncated to integers, while
+    the update uses the float32 sigmas. Quirks kept: the first and the last step are first order (the last always
+    is with final sigma 0, lower_order_final or not); timestep_spacing plays no part.
+    """
+    t, s = flow_dpm_sigmas(schedule, num_steps)
+    alpha = 1 - s
+    lam = alpha.log() - s.log()  # +inf at the final sigma 0
+    h = lam[1:] - lam[:-1]
+    a = alpha[1:] * -torch.expm1(-h)
+    half_inv_r = torch.zeros_like(h)  # 1 / 2r on second-order steps, 0 on first-order ones
+    half_inv_r[1:-1] = 0.5 * h[1:-1] / h[:-2]
+    return _plan(
+        "flow_dpmpp_2m", t, 1.0, c_skip=1.0, c_out=-s[:-1],
+        c_x=s[1:] / s[:-1], c_d=a * (1 + half_inv_r), c_h=-a * half_inv_r,
+    )  # fmt: skip
 
 
 # name -> builder(num_steps, schedule, eta) -> Plan, plus mu= where the rule says takes_mu; builders trust
@@ -241,6 +268,7 @@ SAMPLERS = {
     "euler_a": euler_a,
     "dpmpp_2m": dpmpp_2m,
     "flow_euler": flow_euler,
+    "flow_dpmpp_2m": flow_dpmpp_2m,
 }
 assert set(SAMPLERS) == set(RULES), "every sampler has its rule (samplers/rules.py)"
 

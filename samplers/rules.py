@@ -31,6 +31,8 @@ class SamplerRule:
     distinct: bool = False  # two equal timesteps (also two clamped to N - 1) are a step of h = 0 in log-SNR,
     # which it divides by
     min_steps_shift_terminal: int = 1  # shift_terminal stretches by 1 / (1 - sigma_last): 0 at one step
+    flow_sigmas: bool = False  # DPMSolverMultistepScheduler's flow grid (samplers.schedules.flow_dpm_sigmas): its
+    # first two model timesteps must differ (diffusers starts at the second of two equal ones and runs off its end)
 
 
 RULES: dict[str, SamplerRule] = {
@@ -39,7 +41,8 @@ RULES: dict[str, SamplerRule] = {
     "euler": SamplerRule(),
     "euler_a": SamplerRule(),
     "dpmpp_2m": SamplerRule(extra_points=1, distinct=True),
-    "flow_euler": SamplerRule(predictions=("flow",), takes_mu=True, min_steps_shift_terminal=2),
+    "flow_euler": SamplerRule(predictions=("flow", "flow_prediction"), takes_mu=True, min_steps_shift_terminal=2),
+    "flow_dpmpp_2m": SamplerRule(predictions=("flow_prediction",), flow_sigmas=True),
 }
 
 
@@ -72,6 +75,7 @@ class Grid:
     timestep_spacing: str = "leading"
     steps_offset: int = 0
     shift_terminal: float | None = None
+    flow_shift: float = 1.0
 
     @classmethod
     def of(cls, scheduler_config: dict) -> "Grid":
@@ -90,14 +94,15 @@ def check_plan(name: str, num_steps, eta, grid: Grid) -> None:
                            f"least {low} steps", "steps")
     if (why := _grid_problem(RULES[name], num_steps, grid)) is not None:
         offset = f", steps_offset {grid.steps_offset}" if grid.steps_offset else ""
-        raise SettingError(f"{name} with {num_steps} steps on this model's {grid.timestep_spacing} grid{offset} is "
+        where = "flow sigma" if RULES[name].flow_sigmas else grid.timestep_spacing
+        raise SettingError(f"{name} with {num_steps} steps on this model's {where} grid{offset} is "
                            f"degenerate: it {why}; use at most {max_steps(name, grid)} steps", "steps")
 
 
 def max_steps(name: str, grid: Grid) -> int:
     """The most steps ``name`` takes on ``grid`` (a leading grid with steps_offset may refuse a few below it)."""
     rule, n = RULES[name], grid.num_train_timesteps
-    if not (rule.indexes_table or rule.distinct):
+    if not (rule.indexes_table or rule.distinct or rule.flow_sigmas):
         return n
     return next((s for s in range(n, 0, -1) if _grid_problem(rule, s, grid) is None), 0)
 
@@ -106,6 +111,8 @@ def _grid_problem(rule: SamplerRule, steps: int, grid: Grid) -> str | None:
     """What breaks the rule on the grid of ``steps`` steps, or None: samplers.schedules.spaced_timesteps
     and dpm_timesteps, as arithmetic on the first timestep and the stride."""
     n, spacing = grid.num_train_timesteps, grid.timestep_spacing
+    if rule.flow_sigmas:
+        return _flow_sigmas_problem(steps, grid)
     if spacing == "trailing":  # round(N - i N / steps) - 1: distinct, the first N - 1, for steps <= N
         return None
     points = steps + rule.extra_points
@@ -119,6 +126,21 @@ def _grid_problem(rule: SamplerRule, steps: int, grid: Grid) -> str | None:
         return f"reaches timestep {first}, past the last training one ({n - 1})"
     if rule.distinct and steps > 1 and first - stride >= n - 1:
         return f"puts its first two timesteps past the last training one ({n - 1}), so they coincide"
+    return None
+
+
+def _flow_sigmas_problem(steps: int, grid: Grid) -> str | None:
+    """DPMSolverMultistepScheduler's flow grid (samplers.schedules.flow_dpm_sigmas, the same float64 arithmetic on
+    its first two points): its first two timesteps, truncated to integers, must differ. Where they coincide,
+    diffusers' step begins its count at the second of them (index_for_timestep) and fails at the last step."""
+    n, s = grid.num_train_timesteps, grid.flow_shift
+    if steps < 2:
+        return None
+    step = (1 / n - 1.0) / steps  # np.linspace(1, 1/n, steps + 1): i * step + 1, the last point exactly 1/n
+    first, second = 1.0 - 1 / n, 1.0 - ((steps - 1) * step + 1.0)
+    t0, t1 = (int(s * x / (1 + (s - 1) * x) * n) for x in (first, second))
+    if t0 == t1:
+        return f"puts its first two timesteps at the same integer ({t0})"
     return None
 
 

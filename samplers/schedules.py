@@ -13,7 +13,7 @@ import torch
 from samplers.rules import SCHEDULER_CLASS_DEFAULTS
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
-PREDICTION_TYPES = ("epsilon", "v_prediction", "flow")
+PREDICTION_TYPES = ("epsilon", "v_prediction", "flow", "flow_prediction")
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 TIME_SHIFT_TYPES = ("exponential", "linear")
 FLOW_GRIDS = ("scheduler", "flux")
@@ -28,7 +28,6 @@ _ONLY_DEFAULT = {
     "use_exponential_sigmas": False,
     "use_beta_sigmas": False,
     "use_lu_lambdas": False,
-    "use_flow_sigmas": False,
     "invert_sigmas": False,
     "stochastic_sampling": False,
     "interpolation_type": "linear",
@@ -45,7 +44,8 @@ class NoiseSchedule:
     beta_start: float = 0.0001
     beta_end: float = 0.02
     beta_schedule: str = "linear"  # linear | scaled_linear | squaredcos_cap_v2
-    prediction_type: str = "epsilon"  # epsilon | v_prediction | flow (rectified-flow velocity)
+    prediction_type: str = "epsilon"  # epsilon | v_prediction | flow (rectified-flow velocity) | flow_prediction
+    # (the same velocity, named as DPMSolverMultistepScheduler names it: on its flow sigmas, use_flow_sigmas)
     timestep_spacing: str = "leading"  # leading | trailing | linspace
     steps_offset: int = 0
     clip_sample: bool = False
@@ -63,6 +63,10 @@ class NoiseSchedule:
     # not a diffusers key: the sigma grid the model's pipeline asks for (flow_sigmas), "scheduler" (SD3) or "flux"
     # (FluxPipeline). None: "flux" with dynamic shifting, else "scheduler"; FLUX.1-schnell needs "flux" set.
     flow_grid: str | None = None
+    # DPMSolverMultistepScheduler on flow sigmas (Sana): its grid, shifted by flow_shift (flow_dpm_sigmas); with it,
+    # flow_euler is FlowMatchEulerDiscreteScheduler(shift=flow_shift), the scheduler such pipelines swap in
+    use_flow_sigmas: bool = False
+    flow_shift: float = 1.0
 
     def __post_init__(self):
         _check_choice("beta_schedule", self.beta_schedule, BETA_SCHEDULES)
@@ -75,6 +79,12 @@ class NoiseSchedule:
             raise ValueError(f"num_train_timesteps must be at least 2, got {self.num_train_timesteps}")
         if not self.shift > 0:
             raise ValueError(f"shift must be positive, got {self.shift}")
+        if not self.flow_shift > 0:
+            raise ValueError(f"flow_shift must be positive, got {self.flow_shift}")
+        if (self.prediction_type == "flow_prediction") != self.use_flow_sigmas:
+            raise ValueError("prediction_type 'flow_prediction' goes with use_flow_sigmas (DPMSolverMultistepScheduler "
+                             f"on flow sigmas); got prediction_type {self.prediction_type!r} and use_flow_sigmas "
+                             f"{self.use_flow_sigmas}")
         if self.shift_terminal and not 0 < self.shift_terminal < 1:  # 0 and None are off, as in diffusers
             raise ValueError(f"shift_terminal must be between 0 and 1 (or null), got {self.shift_terminal}")
 
@@ -216,5 +226,22 @@ def flow_sigmas(schedule: NoiseSchedule, n: int, mu: float | None = None) -> tor
 
 
 def flow_shift(schedule: NoiseSchedule, sigma: torch.Tensor) -> torch.Tensor:
-    """Timestep shift of flow matching, sigma -> s sigma / (1 + (s - 1) sigma) (Esser et al. 2024, eq. 23)."""
-    return schedule.shift * sigma / (1 + (schedule.shift - 1) * sigma)
+    """Timestep shift of flow matching, sigma -> s sigma / (1 + (s - 1) sigma) (Esser et al. 2024, eq. 23), s the
+    schedule's ``shift`` (its ``flow_shift`` on a DPMSolverMultistepScheduler flow config, use_flow_sigmas)."""
+    s = schedule.flow_shift if schedule.use_flow_sigmas else schedule.shift
+    return s * sigma / (1 + (s - 1) * sigma)
+
+
+def flow_dpm_sigmas(schedule: NoiseSchedule, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPMSolverMultistepScheduler.set_timesteps(n) with use_flow_sigmas: the model timesteps (n,) and the sigmas
+    (n + 1,) with the final 0 (final_sigmas_type "zero"), descending, float64.
+
+    As diffusers builds them in numpy: 1 - np.linspace(1, 1/N, n + 1), shifted by flow_shift (s sigma / (1 +
+    (s - 1) sigma)), flipped, the last (0) dropped; timesteps sigma N cast to int64 (truncated), sigmas cast to
+    float32 (the solver's). timestep_spacing plays no part. Two neighbouring timesteps can coincide on a fine
+    grid (the sigmas do not)."""
+    big_n = schedule.num_train_timesteps
+    raw = 1.0 - np_linspace(1.0, 1 / big_n, n + 1)
+    s = schedule.flow_shift
+    sigma = (s * raw / (1 + (s - 1) * raw)).flip(0)[:-1]
+    return (sigma * big_n).trunc(), torch.cat([sigma.float().double(), sigma.new_zeros(1)])

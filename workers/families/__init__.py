@@ -17,6 +17,7 @@ from workers.families.flux import Flux
 from workers.families.flux2 import Flux2
 from workers.families.pixart import PixArt
 from workers.families.qwenimage import QwenImage
+from workers.families.sana import Sana
 from workers.families.sd3 import SD3
 from workers.families.zimage import ZImage
 from workers.previews import PreviewMap
@@ -39,6 +40,7 @@ register(Flux())
 register(Flux2())
 register(QwenImage())
 register(ZImage())
+register(Sana())
 
 
 def family_named(name: str) -> Family:

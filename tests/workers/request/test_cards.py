@@ -25,7 +25,8 @@ def _sdxl_dir(tmp_path):
 def test_the_supported_pipelines_are_the_families_own():
     assert supported_pipelines() == ["DiTPipeline", "PixArtSigmaPipeline", "PixArtAlphaPipeline",
                                      "StableDiffusion3Pipeline", "FluxPipeline", "FluxKontextPipeline",
-                                     "Flux2KleinPipeline", "Flux2Pipeline", "QwenImagePipeline", "ZImagePipeline"]
+                                     "Flux2KleinPipeline", "Flux2Pipeline", "QwenImagePipeline", "ZImagePipeline",
+                                     "SanaPipeline"]
 
 
 def test_a_pipeline_no_family_reads_is_named_with_the_supported_ones(tmp_path):

@@ -1,0 +1,152 @@
+"""Sana (Xie et al. 2024, "SANA: Efficient High-Resolution Image Synthesis with Linear Diffusion Transformers";
+diffusers' ``SanaPipeline``), torch-free: the model card of a pipeline directory, read from its JSON files, and
+the built-in architecture (``sana-1600m-1024``: random weights, ``builtin``). The model runs in ``runtime``.
+
+The layout is ``Efficient-Large-Model/Sana_1600M_1024px_diffusers``'s (and the 512 px, 2K and 4K ones'):
+``transformer/`` (SanaTransformer2DModel, sharded safetensors), ``vae/`` (AutoencoderDC: the deep-compression
+autoencoder, 32x, 32 channels), ``text_encoder/`` (Gemma2Model: Gemma-2-2B's decoder, sharded) with
+``tokenizer/`` (GemmaTokenizer), ``scheduler/`` (DPMSolverMultistepScheduler on flow sigmas: use_flow_sigmas,
+flow_shift, prediction_type "flow_prediction"; or FlowMatchEulerDiscreteScheduler, which diffusers' conversion
+script writes for ``--scheduler_type flow-euler``). A missing part is a CardError naming it, and so is a text
+encoder that is not Gemma-2. The 2K and 4K directories differ only in their configs: the transformer's
+``sample_size`` (64, 128) and ``interpolation_scale`` (1.0, 2.0: a sin-cos positional embedding; the 512 and
+1024 px models have none) and the 4K scheduler's ``flow_shift`` (6.0; 3.0 elsewhere), all read from the files.
+
+Sampling. SanaPipeline's defaults: 20 steps of its scheduler at guidance 4.5 with the negative prompt "". On a
+DPMSolverMultistepScheduler flow config the default sampler is ``flow_dpmpp_2m`` (DPM-Solver++(2M) on the flow
+sigmas, ``samplers.plans``); ``flow_euler`` is also offered, as FlowMatchEulerDiscreteScheduler(shift=flow_shift)
+swapped in. Guidance is classifier-free against the negative prompt; at a scale of 1 or less the pipeline runs
+without it (the prompt's prediction alone), and so does each such row of a batch.
+
+Sizes. The latents are 32 x H/32 x W/32 (patch size 1). The native size is the transformer's ``sample_size``
+times 32 (1024 for Sana_1600M_1024px; ``dit_serve.image_size`` in model_index.json overrides). SanaPipeline
+snaps every request to its aspect-ratio bins (``bins``: PixArt's 512, 1024 and 2048 tables, its own 4096 one,
+by ``sample_size``), so the card lists the bins and makes only those, as PixArt's; ``dit_serve.sizes`` replaces
+them (tiny models, whose sample size has no bins).
+
+Text. Prompts are lower-cased and stripped (the pipeline's ``_text_preprocessing`` without ``clean_caption``),
+prefixed with the pipeline's complex human instruction (``COMPLEX_HUMAN_INSTRUCTION``; ``dit_serve.
+complex_human_instruction`` replaces it, [] turns it off) and encoded by Gemma-2 to ``max_tokens`` (300)
+embeddings with their mask; the runtime's docstring has the recipe.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes, read_json
+from workers.families.sana.bins import sana_bins
+
+DEFAULTS = {"sampler": "flow_dpmpp_2m", "steps": 20, "guidance": 4.5}  # SanaPipeline.__call__'s, its scheduler's
+EULER_DEFAULTS = {**DEFAULTS, "sampler": "flow_euler"}  # a directory saved with FlowMatchEulerDiscreteScheduler
+MAX_SEQUENCE_LENGTH = 300  # SanaPipeline's max_sequence_length
+# SanaPipeline.__call__'s default complex_human_instruction (joined with "\n", then the prompt appended)
+COMPLEX_HUMAN_INSTRUCTION = (
+    ("Given a user prompt, generate an 'Enhanced prompt' that provides detailed visual descriptions suitable for "
+     "image generation. Evaluate the level of detail in the user prompt:"),
+    ("- If the prompt is simple, focus on adding specifics about colors, shapes, sizes, textures, and spatial "
+     "relationships to create vivid and concrete scenes."),
+    ("- If the prompt is already detailed, refine and enhance the existing details slightly without "
+     "overcomplicating."),
+    "Here are examples of how to transform or refine prompts:",
+    ("- User Prompt: A cat sleeping -> Enhanced: A small, fluffy white cat curled up in a round shape, sleeping "
+     "peacefully on a warm sunny windowsill, surrounded by pots of blooming red flowers."),
+    ("- User Prompt: A busy city street -> Enhanced: A bustling city street scene at dusk, featuring glowing street "
+     "lamps, a diverse crowd of people in colorful clothing, and a double-decker bus passing by towering glass "
+     "skyscrapers."),
+    ("Please generate only the enhanced description for the prompt below and avoid including any additional "
+     "commentary or evaluations:"),
+    "User Prompt: ",
+)
+# part -> (the file that must be there, what it holds: the message's words)
+PARTS = {"vae": ("vae/config.json", "the DC-AE autoencoder (AutoencoderDC)"),
+         "text_encoder": ("text_encoder/config.json", "the Gemma-2 text encoder (Gemma2Model)"),
+         "tokenizer": ("tokenizer", "the Gemma tokenizer"),
+         "scheduler": ("scheduler/scheduler_config.json", "the scheduler's config")}
+GEMMA2 = "gemma2"  # text_encoder/config.json's model_type
+# scheduler/scheduler_config.json of Sana_1600M_1024px_diffusers (diffusers' conversion script: flow_shift 3.0,
+# 6.0 at 4K); the built-in's
+SANA_SCHEDULER = {"_class_name": "DPMSolverMultistepScheduler", "algorithm_type": "dpmsolver++", "beta_end": 0.02,
+                  "beta_schedule": "linear", "beta_start": 0.0001, "euler_at_final": False, "final_sigmas_type": "zero",
+                  "flow_shift": 3.0, "lower_order_final": True, "num_train_timesteps": 1000,
+                  "prediction_type": "flow_prediction", "solver_order": 2, "solver_type": "midpoint",
+                  "steps_offset": 0, "timestep_spacing": "linspace", "use_flow_sigmas": True}
+# Sana_1600M_1024px: transformer + DC-AE f32c32 (encoder and decoder, as the loader loads it); Gemma-2-2B's
+# decoder (Gemma2Model), counted on the meta device
+SANA_1600M_PARAMS, GEMMA2_2B_PARAMS = 1_604_462_752 + 312_250_275, 2_614_341_888
+
+
+class Sana(Family):
+    name = "sana"
+    pipelines = ("SanaPipeline",)
+    transformers = ("SanaTransformer2DModel",)
+    builtins = {"sana-1600m-1024": Builtin(1024, SANA_1600M_PARAMS, GEMMA2_2B_PARAMS)}
+    runtime = "workers.families.sana.runtime:SanaRuntime"
+
+    def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
+                  scheduler: dict) -> ModelCard:
+        return card(name, path, transformer, vae, index, scheduler)
+
+    def builtin_card(self, name: str) -> ModelCard:
+        size = self.builtins[name].image_size
+        return ModelCard(name, "sana", "text", builtin=name, image_size=size, latent_channels=32,
+                         latent_size=size // 32, scheduler=dict(SANA_SCHEDULER), defaults=dict(DEFAULTS),
+                         max_tokens=MAX_SEQUENCE_LENGTH, sizes=tuple(sana_bins(size // 32)), size_multiple=32,
+                         lowercase_prompts=True)
+
+
+def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict) -> ModelCard:
+    _check_layout(path, transformer, vae, index, scheduler)
+    extra = index.get("dit_serve", {})
+    factor = 2 ** (len(vae["encoder_block_out_channels"]) - 1)  # SanaPipeline's vae_scale_factor: 32
+    multiple = factor * int(transformer.get("patch_size", 1))
+    sample_size = int(transformer.get("sample_size", 32))
+    size = int(extra.get("image_size", sample_size * factor))
+    if size % multiple:
+        raise CardError(f"{path}/model_index.json: dit_serve.image_size {size} is not a multiple of {multiple} pixels")
+    tokens = int(extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH))
+    if tokens < 1:
+        raise CardError(f"{path}/model_index.json: dit_serve.max_sequence_length must be at least 1, got {tokens}")
+    euler = scheduler.get("_class_name") == "FlowMatchEulerDiscreteScheduler"
+    tokenizer_json = path / "tokenizer" / "tokenizer.json"
+    return ModelCard(
+        name, "sana", "text", path=str(path), image_size=size, latent_channels=int(transformer.get("in_channels", 32)),
+        latent_size=size // factor, dtype=extra.get("dtype", "bfloat16"), scheduler=scheduler,
+        defaults={**(EULER_DEFAULTS if euler else DEFAULTS), **extra.get("defaults", {})}, max_tokens=tokens,
+        sizes=tuple(listed_sizes(path, extra, multiple) or sana_bins(sample_size)), size_multiple=multiple,
+        lowercase_prompts=True, tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() else "")
+
+
+def _check_layout(path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict) -> None:
+    """CardError for what SanaPipeline's layout lacks or holds in another kind."""
+    if not index:
+        raise CardError(f"{path} is a bare SanaTransformer2DModel: Sana runs from its whole pipeline directory "
+                        "(Efficient-Large-Model/Sana_1600M_1024px_diffusers's layout, with model_index.json)")
+    for part, (file, what) in PARTS.items():
+        if not (path / file).exists():
+            raise CardError(f"{path} is a Sana pipeline without {part}/ ({what}): expected {path / file}")
+    if vae.get("_class_name", "AutoencoderDC") != "AutoencoderDC":
+        raise CardError(f"{path}/vae/config.json is a {vae.get('_class_name')}; a Sana pipeline's vae is "
+                        f"{PARTS['vae'][1]}")
+    text_encoder = read_json(path / "text_encoder" / "config.json")
+    found = text_encoder.get("model_type")
+    if found != GEMMA2:
+        raise CardError(f"{path}/text_encoder/config.json has model_type {found!r}; a Sana pipeline's text_encoder is "
+                        f"{PARTS['text_encoder'][1]} ({GEMMA2!r})")
+    if transformer.get("guidance_embeds"):
+        raise CardError(f"{path}/transformer/config.json embeds the guidance scale (guidance_embeds: Sana-Sprint's "
+                        "transformer); SanaPipeline's has no guidance input")
+    width, caption = text_encoder.get("hidden_size"), transformer.get("caption_channels", 2304)
+    if width != caption:
+        raise CardError(f"{path}: the text encoder's hidden_size {width} is not the transformer's caption_channels "
+                        f"{caption}")
+    if transformer.get("in_channels", 32) != vae.get("latent_channels", 32):
+        raise CardError(f"{path}: the transformer's in_channels {transformer.get('in_channels')} are not the VAE's "
+                        f"latent_channels {vae.get('latent_channels')}")
+    kind = scheduler.get("_class_name")
+    flow_dpm = kind == "DPMSolverMultistepScheduler" and scheduler.get("use_flow_sigmas") and \
+        scheduler.get("prediction_type") == "flow_prediction"
+    if not (flow_dpm or kind == "FlowMatchEulerDiscreteScheduler"):
+        raise CardError(f"{path}/scheduler/scheduler_config.json is a {kind} ({scheduler.get('prediction_type')!r}); "
+                        "a Sana pipeline samples with DPMSolverMultistepScheduler on flow sigmas (use_flow_sigmas, "
+                        "prediction_type 'flow_prediction') or FlowMatchEulerDiscreteScheduler")
