@@ -98,7 +98,8 @@ def unavailable(precision: str, device: str) -> str | None:
 
 # -- models ------------------------------------------------------------------------------------------
 SMOKE_MODELS = {"dit": "tiny_dit", "pixart": "tiny_pixart", "sd3": "tiny_sd3", "flux": "tiny_flux",
-                "flux2": "tiny_flux2", "qwenimage": "tiny_qwenimage", "zimage": "tiny_zimage"}
+                "flux2": "tiny_flux2", "qwenimage": "tiny_qwenimage", "zimage": "tiny_zimage",
+                "sana": "tiny_sana"}
 FAMILIES = tuple(SMOKE_MODELS)  # every family, by its tiny model (a test holds them equal to the registry)
 
 
@@ -109,14 +110,16 @@ def device_and_dtype(smoke: bool) -> tuple[str, torch.dtype]:
 
 def tiny_model(family: str, root: Path | None = None) -> Path:
     """A tiny random model directory of ``family`` (made offline, seconds on a CPU): what ``--smoke`` runs."""
-    from workers.models import tiny_flux, tiny_flux2, tiny_pixart, tiny_qwenimage, tiny_sd3, tiny_zimage
+    from workers.models import (tiny_flux, tiny_flux2, tiny_pixart, tiny_qwenimage, tiny_sana, tiny_sd3,
+                                tiny_zimage)
     from workers.models.tiny_dit import write_tiny_dit
 
     path = Path(root or tempfile.mkdtemp(prefix="bench-")) / f"tiny-{family}"
     if not path.exists():
         make = {"dit": write_tiny_dit, "pixart": tiny_pixart.make_tiny_pixart, "sd3": tiny_sd3.make_tiny_sd3,
                 "flux": tiny_flux.make_tiny_flux, "flux2": tiny_flux2.make_tiny_flux2,
-                "qwenimage": tiny_qwenimage.make_tiny_qwenimage, "zimage": tiny_zimage.make_tiny_zimage}[family]
+                "qwenimage": tiny_qwenimage.make_tiny_qwenimage, "zimage": tiny_zimage.make_tiny_zimage,
+                "sana": tiny_sana.make_tiny_sana}[family]
         make(path)
     return path
 

@@ -73,6 +73,28 @@ class DCAE(torch.nn.Module):
 
 
 class SanaRuntime(Sana):
+    def reference_pipeline(self, model):
+        """SanaPipeline over the model's modules (the DC-AE itself, not its adapter) with its card's scheduler:
+        DPM-Solver++ on flow sigmas, or flow Euler for a directory saved with one."""
+        import diffusers as d
+
+        cfg = model.card.scheduler
+        scheduler = (d.FlowMatchEulerDiscreteScheduler(shift=cfg["flow_shift"])
+                     if model.card.defaults["sampler"] == "flow_euler"
+                     else d.DPMSolverMultistepScheduler.from_config(cfg))
+        pipe = d.SanaPipeline(tokenizer=model.tokenizer, text_encoder=model.text_encoder, vae=model.vae.vae,
+                              transformer=model.transformer, scheduler=scheduler)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def reference_call(self, model, specs) -> dict:
+        s = specs[0]
+        w, h = (s.width, s.height) if s.width else model.card.native_size
+        return dict(prompt=[x.prompt for x in specs], negative_prompt=[x.negative_prompt for x in specs],
+                    height=h, width=w, num_inference_steps=s.steps, guidance_scale=s.guidance,
+                    max_sequence_length=model.card.max_tokens, use_resolution_binning=False,
+                    clean_caption=False)
+
     def load(self, card, device, dtype) -> LoadedModel:
         """The transformer and the DC-AE (safetensors, sharded or not), Gemma-2 (transformers, local files,
         safetensors only) and its tokenizer, from ``card.path``; the complex human instruction is the pipeline's
