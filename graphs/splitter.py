@@ -136,6 +136,7 @@ class GraphKey:
     latent_shape: tuple[int, ...]
     dtype: str
     backend: str
+    variant: str = ""  # which of the family's steps (workers.families.base.Family.step_variants)
 
     def __post_init__(self) -> None:
         # A list would make the key unhashable; normalise once here rather than at every lookup.

@@ -117,6 +117,7 @@ class _Group:
     last_used: int = 0           # the engine's step count when it last ran or admitted
     compiled: CompiledStep | None = None  # the runner's step, when the model's speed compiles it
     decoder: GraphRunner | None = None    # the VAE decode at this shape, when the model's speed captures it
+    variant: str = ""                     # the family's step it runs (Family.step_variants)
 
 
 BASE_INPUTS = ("x", "t", "guidance", "coeffs", "hist", "noise")
@@ -211,9 +212,10 @@ class Engine:
         if applied.attention is not None:
             self.attention[m.name] = applied.attention
             log.info("%s: %s", m.name, applied.attention)
-        warm, self._warm = self._warm, False  # its native group is warmed by add_model, with its sizes
+        warm, self._warm = self._warm, False  # its native groups are warmed by add_model, with its sizes
         try:
-            self._group(m, tuple(m.latent_shape))
+            for variant in family.step_variants(m):
+                self._group(m, tuple(m.latent_shape), variant)
         finally:
             self._warm = warm
         if graphs and family.encoder_graphs:
@@ -223,35 +225,39 @@ class Engine:
         """The graph backend of ``model``'s groups (``backend_for``)."""
         return backend_for(self.config.backend, model)
 
-    def _group(self, model: LoadedModel, shape: tuple[int, int, int]) -> GraphKey:
-        """The group of ``model`` at latent ``shape``, made on first use. Groups of every shape capture into
-        their device's one graph pool: their replays never overlap (one engine thread), so the pool holds
-        the largest shape's working memory once, not one copy per shape."""
-        if (model.name, shape) in self._keys:
-            key = self._keys[model.name, shape]
+    def _group(self, model: LoadedModel, shape: tuple[int, int, int], variant: str = "") -> GraphKey:
+        """The group of ``model`` at latent ``shape`` running its step ``variant`` (``Family.step_variants``),
+        made on first use. Groups of every shape capture into their device's one graph pool: their replays
+        never overlap (one engine thread), so the pool holds the largest shape's working memory once, not one
+        copy per shape."""
+        if (model.name, shape, variant) in self._keys:
+            key = self._keys[model.name, shape, variant]
             self.groups[key].last_used = self.steps_run
             return key
-        self._evict(model)
+        self._evict(model, variant)
         device = model.device
         if device.type == "cuda" and device not in self._pools:
             self._pools[device] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
         pool, stream = self._pools.get(device, (None, None))
         inputs, outputs = step_specs(model, shape)
-        step = family_of(model).make_step(model, shape)
+        step = family_of(model).make_step(model, shape, **({"variant": variant} if variant else {}))
         speed, compiled = self.speed[model.name], None
         if speed.compile != "off":
             regions = compile_regions(model) if speed.compile_scope == "blocks" else []
-            compiled = CompiledStep(step, f"{model.name} at {'x'.join(map(str, shape))}", regions=regions)
+            compiled = CompiledStep(step, f"{model.name} at {'x'.join(map(str, shape))}{' ' + variant if variant else ''}",
+                                    regions=regions)
         runner = GraphRunner(compiled or step, inputs, outputs,
                              max_batch=self.config.max_batch, backend=self.backend_for(model), device=device,
                              pool=pool, stream=stream)
-        key = GraphKey(model.name, shape, str(model.dtype).removeprefix("torch."), runner.backend)
+        key = GraphKey(model.name, shape, str(model.dtype).removeprefix("torch."), runner.backend, variant)
         decoder = decode_runner(model, shape, pool, stream, compiled=speed.compile != "off") \
             if speed.decode_graphs and model.vae is not None else None
-        self.groups[key] = _Group(model, runner, shape, last_used=self.steps_run, compiled=compiled, decoder=decoder)
-        self._keys[model.name, shape] = key
+        self.groups[key] = _Group(model, runner, shape, last_used=self.steps_run, compiled=compiled, decoder=decoder,
+                                  variant=variant)
+        self._keys[model.name, shape, variant] = key
         if self._warm:  # a size first asked for while serving: captured now, once (logged)
-            log.info("capturing %s at latent shape %s on first use", model.name, "x".join(map(str, shape)))
+            log.info("capturing %s at latent shape %s%s on first use", model.name, "x".join(map(str, shape)),
+                     f" ({variant})" if variant else "")
             runner.warmup(example=self.warmup_example(model, shape))
             if decoder is not None:
                 decoder.warmup()
@@ -272,18 +278,18 @@ class Engine:
         pool, stream = self._pools.get(device, (None, None))
         model.text_graphs = EncoderGraphs(encoder, model.card.max_tokens, pool=pool, stream=stream)
 
-    def _evict(self, model: LoadedModel) -> None:
+    def _evict(self, model: LoadedModel, variant: str = "") -> None:
         """Before a new shape of ``model``: at ``max_shapes`` of them, drop the least recently used idle one
         (never the native shape). Its arena (the static inputs, e.g. 315 MB for PixArt-Σ at 64 rows) and its
         graphs go; the pool keeps its blocks for the next capture. Every bin a user may ask for (33 for
         PixArt) would otherwise stay captured for good."""
-        mine = [(k, g) for k, g in self.groups.items() if k.model == model.name]
+        mine = [(k, g) for k, g in self.groups.items() if k.model == model.name and k.variant == variant]
         if len(mine) < self.config.max_shapes:
             return
         idle = [(g.last_used, k) for k, g in mine if not g.active and g.shape != tuple(model.latent_shape)]
         if idle:
             _, key = min(idle)
-            del self.groups[key], self._keys[model.name, key.latent_shape]
+            del self.groups[key], self._keys[model.name, key.latent_shape, variant]
             log.info("dropped %s at latent shape %s (least recently used of %d shapes)", model.name,
                      "x".join(map(str, key.latent_shape)), len(mine))
 
@@ -299,7 +305,8 @@ class Engine:
             for m in models:
                 for w, h in sizes:
                     if m.card is not None and m.card.makes(w, h):
-                        self._group(m, m.card.latent_shape(w, h))
+                        for variant in family_of(m).step_variants(m):
+                            self._group(m, m.card.latent_shape(w, h), variant)
         finally:
             self._warm = warm
         names = {m.name for m in models}
@@ -483,14 +490,15 @@ class Engine:
         if name not in self.models:
             raise KeyError(f"model {name!r} is not loaded here (loaded: {', '.join(self.models)})")
         model = self.models[name]
+        variant = family_of(model).variant_of(model, req)
         if not (req.width or req.height):
-            return self._keys[name, tuple(model.latent_shape)]
+            return self._group(model, tuple(model.latent_shape), variant)
         card = model.card
         size = (req.width or card.image_size, req.height or card.image_size)
         if not card.makes(*size):
             raise ValueError(f"model {name!r} does not make {size[0]}x{size[1]} images "
                              f"(sizes: {', '.join(f'{w}x{h}' for w, h in card.made_sizes())})")
-        return self._group(model, card.latent_shape(*size))
+        return self._group(model, card.latent_shape(*size), variant)
 
     # -- convenience -----------------------------------------------------------------------------
     def generate(self, requests: list[ItemSpec], on_progress: ProgressFn | None = None,
@@ -509,7 +517,8 @@ class Engine:
     def stats(self) -> dict:
         return {"steps": self.steps_run, "real_rows": self.real_rows, "padded_rows": self.padded_rows,
                 "previews": self.previews_made, "attention": self.attention,
-                "groups": {f"{k.model}:{'x'.join(map(str, k.latent_shape))}:{k.dtype}:{k.backend}":
+                "groups": {f"{k.model}:{'x'.join(map(str, k.latent_shape))}:{k.dtype}:{k.backend}"
+                           f"{':' + k.variant if k.variant else ''}":
                            _group_stats(g) for k, g in self.groups.items()}}
 
 

@@ -20,8 +20,9 @@ Hooks, all called with the loaded model (``workers.loading.LoadedModel``) as the
     cond_specs(model) -> {name: TensorSpec}      the per-sample conditioning inputs of the captured step
     encode(model, specs) -> [{name: Tensor}]     each request's conditioning, on the host, outside capture
                                                  (class labels -> ids; prompts -> text encoder, batched)
-    make_step(model, shape) -> step(x, t, guidance, coeffs, hist, noise, **cond) -> {"x_next", "hist_next"}
-                                                 one whole denoising step: CFG, transformer, sampler update
+    make_step(model, shape, variant="") -> step(x, t, guidance, coeffs, hist, noise, **cond) -> {"x_next",
+                                                 "hist_next"}: one whole denoising step: CFG, transformer,
+                                                 sampler update (``variant``: one of ``step_variants``)
 
     optional (default)
     break_attention (False)                      the graph backends patch its self-attention (an eager
@@ -32,6 +33,10 @@ Hooks, all called with the loaded model (``workers.loading.LoadedModel``) as the
                                                  (``model.text_graphs``, which its encode uses)
     needs_breaks(model) (False)                  the step has eager breaks: backend "graphs" captures it
                                                  breakable, else whole (full)
+    step_variants(model) (("",))                 the steps it captures per shape: "" (the step), and e.g.
+                                                 NO_CFG, the step of the rows whose guidance means no classifier-
+                                                 free guidance (one forward per image instead of two)
+    variant_of(model, spec) ("")                 the variant a request's rows run (its guidance decides)
     plan_kwargs(model, shape) ({})               extra arguments of make_plan for latents of this shape
                                                  (FLUX.1-dev's resolution-dependent shift ``mu``)
     compile_regions(model) (repeated blocks)     what a blocks-scope compile compiles; None: the whole step
@@ -79,6 +84,8 @@ from workers.request.sizes import nearest_bin, parse_size
 DIT_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 0.02,
                  "beta_schedule": "linear", "prediction_type": "epsilon", "clip_sample": False}
 FALLBACK_DEFAULTS = {"guidance": 4.0, "sampler": "ddim", "steps": 50}
+NO_CFG = "no-cfg"  # a step variant: the rows whose guidance turns classifier-free guidance off, as the reference
+                  # pipeline skips the unconditional forward for them (Family.step_variants)
 SPEED_STAGES = ("precision", "epilogues", "norms")  # where workers.speed.apply calls speed_rewrites, in order
 
 
@@ -244,12 +251,18 @@ class Family:
     def encode(self, model, specs) -> list[dict]:
         raise NotImplementedError
 
-    def make_step(self, model, shape=None):
+    def make_step(self, model, shape=None, variant: str = ""):
         raise NotImplementedError
 
     # -- the torch part: optional ----------------------------------------------------------------------
     def needs_breaks(self, model) -> bool:
         return False
+
+    def step_variants(self, model) -> tuple[str, ...]:
+        return ("",)
+
+    def variant_of(self, model, spec) -> str:
+        return ""
 
     def plan_kwargs(self, model, shape: tuple[int, int, int]) -> dict:
         return {}

@@ -392,3 +392,21 @@ def test_the_step_compiles_whole_and_equals_eager(tiny):
         got = torch.compile(step, fullgraph=True)(**live)
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5)
+
+
+def test_rows_at_guidance_0_run_one_forward_each_as_the_pipeline_and_guided_rows_two(tiny, monkeypatch):
+    """Z-Image-Turbo's default (guidance 0) is the pipeline's step without CFG: the engine runs those rows in its
+    no-CFG step (``NO_CFG``: one transformer forward per image), guided rows in the CFG step (two), both in one
+    engine, each equal to the pipeline."""
+    from workers.families.base import NO_CFG
+    from workers.families.zimage import runtime
+
+    rows, real = [], runtime.forward
+    monkeypatch.setattr(runtime, "forward", lambda tr, layout, x, *a: rows.append(len(x)) or real(tr, layout, x, *a))
+    engine = Engine(tiny, EAGER)
+    assert {g.variant for g in engine.groups.values()} == {"", NO_CFG}
+    specs = [ItemSpec(id=f"r{i}", seed=i, sampler="flow_euler", steps=2, guidance=g, prompt="a red cat")
+             for i, g in enumerate((0.0, 0.0, 5.0))]
+    results = engine.generate(specs)
+    assert sorted(rows) == [2, 2, 2, 2]  # per step: the two unguided rows (one forward each), the guided one (two)
+    _assert_equal_to_pipeline(tiny, specs, results)

@@ -43,6 +43,7 @@ import torch
 from graphs import TensorSpec
 from samplers import cfg_combine, model_input, sampler_step
 from workers.encoders import place_encoder
+from workers.families.base import NO_CFG
 from workers.families.flux2 import DEV, ENCODER_LAYERS, KLEIN, Flux2
 from workers.families.textcache import encodings
 from workers.loading import ModelError, assemble, cast, load_checked_encoder, load_component, load_sharded, read_config
@@ -72,7 +73,15 @@ class Flux2Runtime(Flux2):
         _, h, w = shape
         return {"mu": functools.partial(empirical_mu, h * w)}
 
-    def make_step(self, model, shape=None):
+    def step_variants(self, model) -> tuple[str, ...]:
+        """Its step, and ``NO_CFG``: the step of rows whose scale is at most 1 ([klein] base), which the pipeline runs
+        without the negative forward (one forward per image instead of two)."""
+        return ("", NO_CFG) if model.card.guidance_mode == "cfg" else ("",)
+
+    def variant_of(self, model, spec) -> str:
+        return NO_CFG if model.card.guidance_mode == "cfg" and spec.guidance <= 1 else ""
+
+    def make_step(self, model, shape=None, variant: str = ""):
         """One whole denoising step for latents of ``shape`` (128, h, w; the native one by default): pack, the
         transformer at timestep t / 1000 (the pipelines divide by 1000; the model multiplies back), CFG or the
         embedded scale as the card says, unpack, sampler update. Position ids and their rotary tables depend on
@@ -82,7 +91,7 @@ class Flux2Runtime(Flux2):
         img_ids, txt_ids = image_ids(h, w, device), text_ids(model.card.max_tokens, device)
         rotary = rotary_tables(transformer, img_ids, txt_ids)
         pos = transformer.pos_embed
-        cfg = model.card.guidance_mode == "cfg"
+        cfg = model.card.guidance_mode == "cfg" and variant != NO_CFG  # NO_CFG: the prompt's rows alone
         embedded = model.card.guidance_mode == "embedded"
 
         def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, neg_embeds=None):

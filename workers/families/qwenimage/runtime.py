@@ -46,6 +46,7 @@ import torch
 from graphs import TensorSpec
 from samplers import model_input, sampler_step
 from workers.encoders import place_encoder
+from workers.families.base import NO_CFG
 from workers.families.qwenimage import QwenImage, builtin
 from workers.families.textcache import encodings
 from workers.loading import assemble, cast, load_checked_encoder, load_component, load_sharded
@@ -124,7 +125,15 @@ class QwenImageRuntime(QwenImage):
         _, h, w = shape
         return {"mu": flow_mu((h // 2) * (w // 2), model.card.scheduler)}
 
-    def make_step(self, model, shape=None):
+    def step_variants(self, model) -> tuple[str, ...]:
+        """Its step, and ``NO_CFG``: the step of rows whose scale is at most 1, which the pipeline runs
+        without the negative forward (one forward per image instead of two)."""
+        return ("", NO_CFG)
+
+    def variant_of(self, model, spec) -> str:
+        return NO_CFG if spec.guidance <= 1 else ""
+
+    def make_step(self, model, shape=None, variant: str = ""):
         """One whole denoising step for latents of ``shape`` (16, h, w; the native one by default): pack, both
         CFG halves through the transformer in one forward (``transformer_forward``) at timestep t / 1000 (the
         pipeline divides by 1000; the model multiplies back) with the text masks, the true-CFG rescale
@@ -137,6 +146,10 @@ class QwenImageRuntime(QwenImage):
         def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, prompt_mask, neg_embeds, neg_mask):
             tokens = pack(model_input(x, coeffs).to(dtype))                                 # (B, N, 64)
             timestep = t.to(dtype) / 1000
+            if variant == NO_CFG:  # rows at a scale of at most 1: the prompt's forward alone, as the pipeline
+                v = transformer_forward(transformer, tokens, prompt_embeds, prompt_mask, timestep, rotary)
+                x_next, denoised = sampler_step(x, unpack(v.float(), h, w), hist, noise, coeffs)
+                return {"x_next": x_next, "hist_next": denoised}
             out = transformer_forward(transformer, torch.cat([tokens, tokens]),             # (2B, N, 64)
                                       torch.cat([prompt_embeds, neg_embeds]),               # (2B, L, 3584)
                                       torch.cat([prompt_mask, neg_mask]),                   # (2B, L)

@@ -41,6 +41,7 @@ import torch
 from graphs import TensorSpec
 from samplers import cfg_combine, model_input, sampler_step
 from workers.encoders import place_encoder
+from workers.families.base import NO_CFG
 from workers.families.sana import COMPLEX_HUMAN_INSTRUCTION, Sana, builtin
 from workers.families.textcache import encodings
 from workers.loading import (LoadedModel, ModelError, assemble, cast, instantiate, load_checked_encoder, load_sharded,
@@ -131,7 +132,15 @@ class SanaRuntime(Sana):
                  "neg_embeds": negatives["negative", n][0], "neg_mask": negatives["negative", n][1]}
                 for p, n in texts]
 
-    def make_step(self, model, shape=None):
+    def step_variants(self, model) -> tuple[str, ...]:
+        """Its step, and ``NO_CFG``: the step of rows whose scale is at most 1, which the pipeline runs
+        without the negative forward (one forward per image instead of two)."""
+        return ("", NO_CFG)
+
+    def variant_of(self, model, spec) -> str:
+        return NO_CFG if spec.guidance <= 1 else ""
+
+    def make_step(self, model, shape=None, variant: str = ""):
         """One whole denoising step for latents of ``shape`` (32, h, w; nothing in it depends on the shape: the
         transformer embeds any grid, the 2K and 4K ones' sin-cos table made for it): both CFG halves in one
         forward (prompt rows, then negative rows) with the text masks as the per-head bias diffusers makes of
@@ -143,6 +152,12 @@ class SanaRuntime(Sana):
 
         def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, prompt_mask, neg_embeds, neg_mask):
             xin = model_input(x, coeffs).to(dtype)                                          # (B, 32, h, w)
+            if variant == NO_CFG:  # rows at a scale of at most 1: the prompt's forward alone, as the pipeline
+                out = transformer(xin, encoder_hidden_states=prompt_embeds,
+                                  encoder_attention_mask=head_bias(prompt_mask, heads, dtype), timestep=t * scale,
+                                  return_dict=False)[0]
+                x_next, denoised = sampler_step(x, out[:, :c].float(), hist, noise, coeffs)
+                return {"x_next": x_next, "hist_next": denoised}
             bias = head_bias(torch.cat([prompt_mask, neg_mask]), heads, dtype)             # (2B heads, 1, L)
             out = transformer(torch.cat([xin, xin]), encoder_hidden_states=torch.cat([prompt_embeds, neg_embeds]),
                               encoder_attention_mask=bias, timestep=torch.cat([t, t]) * scale,

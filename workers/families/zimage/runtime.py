@@ -45,6 +45,7 @@ import torch
 from graphs import TensorSpec
 from samplers import model_input, sampler_step
 from workers.encoders import padded_length, place_encoder
+from workers.families.base import NO_CFG
 from workers.families.textcache import encodings
 from workers.families.zimage import CAPTION_MULTIPLE, GUIDANCE_OPTIONS, ZImage, builtin, guidance_options
 from workers.loading import ModelError, assemble, load_checked_encoder, load_sharded, load_vae, read_config
@@ -116,7 +117,15 @@ class ZImageRuntime(ZImage):
         _, h, w = shape
         return {"mu": flow_mu((h // 2) * (w // 2), model.card.scheduler)}
 
-    def make_step(self, model, shape=None):
+    def step_variants(self, model) -> tuple[str, ...]:
+        """Its step, and ``NO_CFG``: the step of rows whose scale is at most 0 (Z-Image-Turbo's default), which the pipeline runs
+        without the negative forward (one forward per image instead of two)."""
+        return ("", NO_CFG)
+
+    def variant_of(self, model, spec) -> str:
+        return NO_CFG if spec.guidance <= 0 else ""
+
+    def make_step(self, model, shape=None, variant: str = ""):
         """One whole denoising step for latents of ``shape`` (16, h, w; the native one by default): both CFG
         halves in one fixed-shape forward (prompt rows, then negative rows; ``forward``), the pipeline's
         guidance per row, sampler update. The rotary tables and the sequence layout depend on the shape only:
@@ -130,6 +139,10 @@ class ZImageRuntime(ZImage):
         def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, prompt_mask, neg_embeds, neg_mask):
             xin = model_input(x, coeffs).to(dtype)                                    # (B, 16, h, w)
             time = (1000 - t) / 1000                                                  # (B,) as the pipeline's
+            if variant == NO_CFG:  # rows at scale 0: the prompt's forward alone, as the pipeline
+                pos = forward(transformer, layout, xin, time, prompt_embeds, prompt_mask).float()
+                x_next, denoised = sampler_step(x, -pos, hist, noise, coeffs)
+                return {"x_next": x_next, "hist_next": denoised}
             out = forward(transformer, layout, torch.cat([xin, xin]), torch.cat([time, time]),
                           torch.cat([prompt_embeds, neg_embeds]), torch.cat([prompt_mask, neg_mask]))
             pos, neg = out.float().chunk(2)                                           # (B, 16, h, w) each
