@@ -29,6 +29,8 @@ from itertools import product
 import torch
 from torch import nn
 
+from workers.encoders import encoder_device
+
 # google/t5-v1_1-xxl (gated-gelu implies is_gated_act and dense_act_fn "gelu_new"); only its encoder is built
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
               feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128,
@@ -65,8 +67,23 @@ def check_overrides(overrides: dict, names: tuple[str, ...]) -> dict[str, dict]:
 
 
 def materialise_all(modules: dict[str, nn.Module], device, dtype: torch.dtype, seed: int) -> dict[str, nn.Module]:
-    gen = torch.Generator(device).manual_seed(seed)
-    return {name: materialise(m, device, dtype, gen) for name, m in modules.items()}
+    """Each of a built-in's modules made on ``device``, its text encoders (``text_encoder*``) on the offload device
+    when one is set (``[workers] text_encoder_device``): made there, never on the GPU first, so a model whose
+    encoder and transformer together exceed the GPU (FLUX.2-dev: 48 + 64 GB) still loads. One seeded generator
+    per device, drawn in the modules' order."""
+    gens: dict[str, torch.Generator] = {}
+    out = {}
+    for name, m in modules.items():
+        where = encoder_device(device) if name.startswith("text_encoder") else device
+        key = str(torch.device(where))
+        if key not in gens:
+            gens[key] = _generator(where, seed)
+        out[name] = materialise(m, where, dtype, gens[key])
+    return out
+
+
+def _generator(device, seed: int) -> torch.Generator:
+    return torch.Generator(device).manual_seed(seed)
 
 
 @torch.no_grad()

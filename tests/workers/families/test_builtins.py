@@ -106,3 +106,23 @@ def test_full_size_parameter_counts_on_meta():
     assert count == [610_856_096, 4_762_310_656, 83_653_863]
     assert transformer.pos_embed.pos_embed.shape == (1, 64 * 64, 1152) and transformer.config.interpolation_scale == 2
     assert text_encoder.config.is_gated_act and text_encoder.config.dense_act_fn == "gelu_new"
+
+
+def test_a_builtins_text_encoders_are_made_on_the_offload_device_never_on_the_gpu_first(monkeypatch):
+    """With ``[workers] text_encoder_device`` set, a built-in's encoders are materialised there directly (FLUX.2-dev's
+    48 GB encoder beside its 64 GB transformer would not fit one 80 GB GPU even for a moment), the rest on the
+    model's device, each device with its own seeded generator."""
+    import workers.families.builtins as b
+    from workers.encoders import encoders_on
+
+    made = []
+    monkeypatch.setattr(b, "_generator", lambda device, seed: ("gen", str(device), seed))
+    monkeypatch.setattr(b, "materialise", lambda m, where, dtype, gen: made.append((m, str(where), gen)) or m)
+    modules = {"transformer": "T", "vae": "V", "text_encoder": "E", "text_encoder_2": "E2"}
+    with encoders_on("cpu"):
+        b.materialise_all(modules, "cuda:0", torch.bfloat16, 7)
+    assert made == [("T", "cuda:0", ("gen", "cuda:0", 7)), ("V", "cuda:0", ("gen", "cuda:0", 7)),
+                    ("E", "cpu", ("gen", "cpu", 7)), ("E2", "cpu", ("gen", "cpu", 7))]
+    made.clear()
+    b.materialise_all(modules, "cuda:0", torch.bfloat16, 7)
+    assert {where for _, where, _ in made} == {"cuda:0"}

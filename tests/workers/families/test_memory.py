@@ -37,3 +37,18 @@ def test_every_builtin_has_a_size():
 
     for name in builtin_names():
         assert weight_params(read_card(name)) > 0
+
+
+def test_flux2_dev_fits_one_80_gb_gpu_with_its_encoder_elsewhere_and_not_with_it():
+    """FLUX.2-dev's 32B transformer (60 GiB in bf16) fits an 80 GB H100 (79.1 GiB free) when its 24B Mistral
+    encoder runs elsewhere (``[workers] text_encoder_device = "cpu"``); with the encoder on the GPU too, the worker
+    refuses to start and says what each part needs."""
+    from workers.families.memory import check_fits, weight_bytes
+    from workers.request.cards import read_card
+
+    free = int(79.1 * 2**30)
+    card = read_card("flux2-dev-1024")
+    assert 59 * 2**30 < weight_bytes(card, "bfloat16", encoders=False) < 61 * 2**30
+    check_fits(["flux2-dev-1024"], ["bfloat16"], free, "cuda:0", encoders_here=False)
+    with pytest.raises(MemoryError, match="text_encoder_device"):
+        check_fits(["flux2-dev-1024"], ["bfloat16"], free, "cuda:0")
