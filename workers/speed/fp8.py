@@ -2,8 +2,8 @@
 
 What changes
 ------------
-Each ``nn.Linear`` inside the transformer's blocks (``transformer_blocks``, and FLUX's
-``single_transformer_blocks``): the attention projections and the feed-forward layers. Not the adaLN
+Each ``nn.Linear`` inside the transformer's blocks (``block_lists``: ``transformer_blocks``, FLUX's
+``single_transformer_blocks``, Z-Image's refiners and ``layers``): the attention projections and the feed-forward layers. Not the adaLN
 modulation linears (``norm`` in their name), the embedders, the time and caption projections or the final
 projection: they are small, and the image is most sensitive to them. Nor a linear with a dimension
 that is not a multiple of 16 (the FP8 GEMM's constraint): it keeps the model's dtype.
@@ -56,7 +56,11 @@ from workers.kernels import quant
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _ALIGN = 16  # the FP8 GEMM needs both dimensions of the weight to be multiples of this
-BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks")
+def block_lists(transformer: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """The transformer's stacks of blocks: each ``ModuleList`` attribute whose modules are all of one class
+    (``transformer_blocks``; FLUX's ``single_transformer_blocks``; Z-Image's refiners and ``layers``), in order."""
+    return [(name, child) for name, child in transformer.named_children()
+            if isinstance(child, nn.ModuleList) and len(child) and len({type(m) for m in child}) == 1]
 
 
 def unsupported_reason(device: str | torch.device) -> str | None:
@@ -191,9 +195,13 @@ class Fp8Linear(nn.Module):
         return self.bias.to(dtype)
 
 
+MODULATION = ("norm", "adaln", "img_mod", "txt_mod", "modulation")  # in a linear's name: it makes a block's
+# adaLN modulation (DiT's, PixArt's, SD3's, FLUX's norm*.linear; Z-Image's adaLN_modulation; Qwen-Image's img_mod)
+
+
 def quantizable(name: str, module: nn.Module) -> bool:
     """A linear of a block that FP8 takes: not a modulation linear, both dimensions multiples of 16."""
-    return (isinstance(module, nn.Linear) and "norm" not in name
+    return (isinstance(module, nn.Linear) and not any(m in name.lower() for m in MODULATION)
             and module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0)
 
 
@@ -201,10 +209,7 @@ def quantize_linears(transformer: nn.Module) -> list[str]:
     """Replace the block linears of ``transformer`` (see the module docstring) by ``Fp8Linear``, in place;
     returns their names. The original weights are released."""
     done = []
-    for list_name in BLOCK_LISTS:
-        blocks = getattr(transformer, list_name, None)
-        if blocks is None:
-            continue
+    for list_name, blocks in block_lists(transformer):
         for name, module in list(blocks.named_modules()):
             if not quantizable(name, module):
                 continue
@@ -227,10 +232,7 @@ def mark_fused_inputs(transformer: nn.Module) -> int:
     except a cross-attention's keys and values (their input is the prompt's states, the step's input).
     Returns how many were marked."""
     marked = 0
-    for list_name in BLOCK_LISTS:
-        blocks = getattr(transformer, list_name, None)
-        if blocks is None:
-            continue
+    for _, blocks in block_lists(transformer):
         for name, module in blocks.named_modules():
             if not isinstance(module, Fp8Linear):
                 continue

@@ -41,3 +41,24 @@ def test_the_reference_pipeline_makes_the_engines_image(family, tmp_path):
 
 def test_every_registered_family_has_a_smoke_model():
     assert set(FAMILIES) == set(harness.SMOKE_MODELS)
+
+
+@pytest.mark.parametrize("family", ["flux2", "qwenimage", "zimage", "sana"])
+def test_the_new_families_run_fp8_linears_through_the_speed_layer(family, tmp_path):
+    """``fastest``'s precision on the families added with LLM encoders: their blocks' linears become FP8 products
+    (not the modulation linears), on a CPU too, and the image stays near the float32 one (FP8's rounding on random
+    weights: within 10% of the latents' norm)."""
+    from workers.speed.apply import to_precision
+    from workers.speed.fp8 import Fp8Linear
+
+    path = harness.tiny_model(family, tmp_path)
+    plain, fp8 = load_model(path), to_precision(load_model(path, precision="fp8"))
+    names = [n for n, m in fp8.transformer.named_modules() if isinstance(m, Fp8Linear)]
+    assert len(names) == fp8.fp8_linears > 0
+    assert not any(k in n.lower() for n in names for k in ("adaln", "img_mod", "txt_mod", "norm"))
+    d = plain.card.defaults
+    spec = ItemSpec(id="q", model=plain.name, seed=1, sampler=d["sampler"], steps=3, guidance=float(d["guidance"]),
+                    prompt="a red cat")
+    a = Engine(plain, WorkerConfig(backend="eager")).generate([spec])[0].latents
+    b = Engine(fp8, WorkerConfig(backend="eager")).generate([spec])[0].latents
+    assert torch.isfinite(b).all() and (a - b).norm() / a.norm() < 0.1
