@@ -5,7 +5,9 @@ counts, each system (bench/harness.py's ``SYSTEMS``) runs one step of B images a
 
   diffusers      the loop body of the family's diffusers pipeline, as diffusers writes it (DiTPipeline,
                  PixArtSigmaPipeline, StableDiffusion3Pipeline, FluxPipeline): the transformer (CFG rows
-                 doubled where the family doubles them), guidance, the scheduler's step
+                 doubled where the family doubles them), guidance, the scheduler's step; for the other
+                 families (FLUX.2, Qwen-Image, Z-Image, Sana) the pipeline itself (``Family.reference_pipeline``)
+                 at the card's defaults, each step timed between its step-end callbacks (``pipeline_step_ms``)
   torch.compile  the same loop body with the transformer wrapped in ``torch.compile``
   default, fast, fastest   our engine's runner, built and warmed as a worker builds it from the preset
                  (``harness.engine_config``), replaying its captured step
@@ -30,7 +32,9 @@ import copy
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -89,6 +93,9 @@ def _scheduler(model, steps: int):
     else:
         sched.set_timesteps(steps, device=model.device, **extra)
     return sched
+
+
+LOOP_BODIES = ("dit", "pixart", "sd3", "flux")  # families whose diffusers loop body is written out below
 
 
 def loop_body(model, inp: dict):
@@ -155,6 +162,35 @@ def loop_body(model, inp: dict):
         return sched.step(model_out(), t, latents, return_dict=False)[0]
 
     return step
+
+
+def pipeline_step_ms(model, images: int, reps: int = 2) -> list[float]:
+    """Each denoising step's wall time (ms) inside the family's diffusers pipeline (``Family.reference_pipeline``)
+    making ``images`` images of one prompt at the card's defaults: the pipeline's own loop body, timed between its
+    ``callback_on_step_end`` calls (the device synchronised at each), its first two steps of every call left out.
+    The baseline of a family without a loop body written here."""
+    from workers.families import family_of
+    from workers.request.spec import ItemSpec
+
+    family, d = family_of(model), model.card.defaults
+    specs = [ItemSpec(id=str(i), seed=i, sampler=d["sampler"], steps=int(d["steps"]), guidance=float(d["guidance"]),
+                      prompt="a photograph of a red fox in fresh snow") for i in range(images)]
+    pipe = family.reference_pipeline(model)
+    out: list[float] = []
+    for rep in range(reps):
+        marks: list[float] = []
+
+        def mark(pipeline, i, t, kwargs):
+            harness.sync()
+            marks.append(time.perf_counter())
+            return kwargs
+
+        harness.sync()
+        marks.append(time.perf_counter())
+        pipe(**family.reference_call(model, specs), output_type="latent", callback_on_step_end=mark,
+             generator=torch.Generator().manual_seed(rep))
+        out += [1000 * (b - a) for a, b in zip(marks[2:], marks[3:])] or [1000 * (marks[-1] - marks[0])]
+    return out
 
 
 def compiled(model):
@@ -230,8 +266,12 @@ def run_preset(name: str, args, models: dict, result: dict, reference: dict) -> 
     if precision not in models:  # the same seeded weights, loaded again with the precision's linears
         models[precision] = harness.load(args.model, precision, args.smoke)
     model = models[precision]
+    from workers.families import family_of
+
     engine, warm_s = harness.build_engine(model, config)
-    runner = next(iter(engine.groups.values())).runner
+    probe = SimpleNamespace(guidance=float(model.card.defaults["guidance"]))  # the card's default request's step
+    variant = family_of(model).variant_of(model, probe)
+    runner = next(g.runner for k, g in engine.groups.items() if k.variant == variant)
     block = result["systems"][name] = {"config": harness.describe(config), "precision": precision, "warmup_s": round(warm_s, 2),
                                        "pool_mib": round(runner.stats()["pool_reserved_bytes"] / 2**20, 1),
                                        "backend": runner.backend}
@@ -258,6 +298,9 @@ def run_baseline(name: str, args, models: dict, result: dict) -> None:
     block = result["systems"][name] = {}
     with torch.no_grad():
         for n in args.images:
+            if model.card.family not in LOOP_BODIES:  # the pipeline's own loop, timed step by step
+                block.setdefault("ms", {})[n] = harness.stats(pipeline_step_ms(ref, n, reps=1 if args.smoke else 2))
+                continue
             body = loop_body(ref, step_inputs(example, model, n))
             measure(body, block, n, args)
     del example
