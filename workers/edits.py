@@ -4,7 +4,7 @@ every step, inside the captured step. The reference is diffusers' img2img and in
 (``StableDiffusion3Img2ImgPipeline`` / ``InpaintPipeline``, ``FluxImg2ImgPipeline`` / ``FluxInpaintPipeline``,
 ``QwenImage*``, ``ZImage*``); families without one follow the same rule (``docs/design.md``, "Edits").
 
-At admission (``starts``, once per admission batch and group):
+At admission (``starts``, once per admission batch, model and latent shape, whatever the rows' step variants):
 
 1. The image (``workers.request.images``: decoded, upright, RGB) is resized to the generation size as the
    pipelines' image processor does (Lanczos, stretched) and scaled to [-1, 1] (``pixels_of``); a mask

@@ -385,20 +385,31 @@ class Engine:
         by_group: dict[GraphKey, list[ItemSpec]] = {}
         for req in reqs:
             by_group.setdefault(self._key(req), []).append(req)
+        plans: dict[GraphKey, list[Plan]] = {}
+        same_shape: dict[tuple[str, tuple[int, int, int]], list[tuple[GraphKey, int]]] = {}
+        for key, group_reqs in by_group.items():
+            group = self.groups[key]
+            extra = family_of(group.model).plan_kwargs(group.model, group.shape)
+            plans[key] = [make_plan(r.sampler, r.steps, group.model.schedule, eta=r.eta, **extra) for r in group_reqs]
+            same_shape.setdefault((group.model.name, group.shape), []).extend((key, i) for i in range(len(group_reqs)))
+        # each request's starting latents and generator: an edit's image encoded (one batch per model and shape,
+        # whatever the rows' step variants) and its plan cut where its strength starts it (workers.edits)
+        begun: dict[GraphKey, list[Start]] = {key: [None] * len(reqs) for key, reqs in by_group.items()}
+        for members in same_shape.values():
+            group = self.groups[members[0][0]]
+            made = starts(group.model, family_of(group.model), group.shape, [by_group[k][i] for k, i in members],
+                          [plans[k][i] for k, i in members], upload=_upload)
+            for (k, i), start in zip(members, made):
+                begun[k][i] = start
         admitted = []
         for key, group_reqs in by_group.items():
             group = self.groups[key]
             family = family_of(group.model)
-            extra = family.plan_kwargs(group.model, group.shape)
-            plans = [make_plan(r.sampler, r.steps, group.model.schedule, eta=r.eta, **extra) for r in group_reqs]
-            # each request's starting latents and generator; an edit's image encoded and its plan cut here
-            begun = starts(group.model, family, group.shape, group_reqs, plans, upload=_upload)
-            plans = [b.plan for b in begun]
             conds = family.encode(group.model, group_reqs)
-            tables = step_tables(group.model, plans, group_reqs, conds)
-            admitted += [(group, r, b, c, tb) for r, b, c, tb in zip(group_reqs, begun, conds, tables)]
-        for group, req, begun, cond, tables in admitted:
-            group.active.append(self._admit(group, req, begun, cond, tables))
+            tables = step_tables(group.model, [b.plan for b in begun[key]], group_reqs, conds)
+            admitted += [(group, r, b, c, tb) for r, b, c, tb in zip(group_reqs, begun[key], conds, tables)]
+        for group, req, start, cond, tables in admitted:
+            group.active.append(self._admit(group, req, start, cond, tables))
 
     @staticmethod
     def _admit(group: _Group, req: ItemSpec, begun: Start, cond: dict[str, torch.Tensor],
