@@ -124,8 +124,10 @@ def posterior(dist, generators: list[torch.Generator] | None) -> torch.Tensor:
         return dist.mode()
     mean = dist.mean
     eps = torch.cat([torch.randn((1, *mean.shape[1:]), generator=g, device="cpu", dtype=mean.dtype)
-                     for g in generators]).to(mean.device)
-    return mean + dist.std * eps
+                     for g in generators])
+    if mean.is_cuda:  # pinned and asynchronous: a pageable copy would wait for the GPU
+        eps = eps.pin_memory()
+    return mean + dist.std * eps.to(mean.device, non_blocking=True)
 
 
 def vae_encode(model, pixels: torch.Tensor, generators: list[torch.Generator] | None = None) -> torch.Tensor:
@@ -139,8 +141,8 @@ def vae_encode(model, pixels: torch.Tensor, generators: list[torch.Generator] | 
         if c == 3:
             return pixels.float()
         if c == 1:
-            weights = torch.tensor([0.299, 0.587, 0.114], device=pixels.device).view(1, 3, 1, 1)
-            return (pixels.float() * weights).sum(dim=1, keepdim=True)
+            rgb = pixels.float()
+            return rgb[:, 0:1] * 0.299 + rgb[:, 1:2] * 0.587 + rgb[:, 2:3] * 0.114
         raise ValueError(f"model {model.name!r} works on {c} pixel channels: no image maps to them")
     z = posterior(vae.encode(pixels.to(model.device, vae.dtype)).latent_dist, generators)
     return ((z - model.vae_shift) * model.vae_scale).float()
