@@ -27,8 +27,8 @@ Determinism: the starting noise of a request comes from ``torch.Generator("cpu")
 noise from the same generator, so an image does not depend on its batch or bucket.
 
 Edits (``workers.edits``; ``ItemSpec.image``, ``mask``, ``strength``): an image-to-image request is admitted with
-its image encoded (one VAE batch per admission and group) and noised to the step its strength selects, and joins
-its group at that step with a cut plan: the same graphs as text-to-image. An inpainting request's rows run the
+its image encoded (one VAE batch per admission, model and latent shape) and noised to the step its strength
+selects, and joins its group at that step with a cut plan: the same graphs as text-to-image. An inpainting request's rows run the
 engine's ``INPAINT`` variant of the family's step (its own groups and graphs), which blends the image back outside
 the mask after every step, inside the captured step.
 """
@@ -238,9 +238,9 @@ class Engine:
 
     def _group(self, model: LoadedModel, shape: tuple[int, int, int], variant: str = "") -> GraphKey:
         """The group of ``model`` at latent ``shape`` running its step ``variant`` (``Family.step_variants``, or the
-        engine's inpainting variant of one, ``workers.edits.inpaint_variant``), made on first use. Groups of every shape capture into their device's one graph pool: their replays
-        never overlap (one engine thread), so the pool holds the largest shape's working memory once, not one
-        copy per shape."""
+        engine's inpainting variant of one, ``workers.edits.inpaint_variant``), made on first use. Groups of every
+        shape capture into their device's one graph pool: their replays never overlap (one engine thread), so the
+        pool holds the largest shape's working memory once, not one copy per shape."""
         if (model.name, shape, variant) in self._keys:
             key = self._keys[model.name, shape, variant]
             self.groups[key].last_used = self.steps_run
