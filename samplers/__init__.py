@@ -10,7 +10,8 @@ without torch, for the API process.
 import importlib
 
 _WHERE = {
-    "COEFFS": "plans", "SAMPLERS": "plans", "Plan": "plans", "make_plan": "plans",
+    "COEFFS": "plans", "SAMPLERS": "plans", "Plan": "plans", "make_plan": "plans", "edit_start": "plans",
+    "start_at": "plans",
     "NoiseSchedule": "schedules", "flow_mu": "rules",
     "cfg_combine": "update", "gather_rows": "update", "hold_row": "update", "model_input": "update",
     "sample": "update", "sampler_step": "update",

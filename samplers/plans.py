@@ -9,6 +9,11 @@ every sampler shares (samplers.update.sampler_step) applies to a sample:
 where out is the (guided) network output at input c_in * x, hist the previous step's denoised and noise a
 fresh N(0, 1) draw. Each builder below is "the rows that make this update equal my scheduler's step". The
 target is diffusers' scheduler of the same name, quirks included (each docstring lists the quirks).
+
+Edits (image-to-image, inpainting) read two more things of a plan. ``levels`` (S + 1, 2): where the sampler's x
+stands at the start of each step (and after the last) as ``a x0 + b eps``, the (a, b) the scheduler's own
+``add_noise`` / ``scale_noise`` noise a clean sample to that step with, in its float32 arithmetic (row S: (1, 0)).
+``start_at`` cuts a plan where strength starts it (``edit_start``: the pipelines' ``get_timesteps``).
 """
 import dataclasses
 import math
@@ -43,21 +48,50 @@ class Plan:
     coeffs: torch.Tensor  # (S, 9) float32: the row of step i, columns in COEFFS order
     init_sigma: float  # x_T = init_sigma * randn
     stochastic: bool  # some step has c_z != 0: it needs fresh noise per step
+    levels: torch.Tensor | None = None  # (S + 1, 2) float32: x at the start of step i is levels[i, 0] x0 +
+    # levels[i, 1] eps, as the scheduler's add_noise / scale_noise makes it; row S (the end) is (1, 0)
 
     @property
     def num_steps(self) -> int:
         return len(self.timesteps)
 
 
-def _plan(sampler: str, timesteps: torch.Tensor, init_sigma: float, **columns) -> Plan:
-    """Stack (S,) float64 columns (or scalars) in COEFFS order; a column left out is 0 (c_in 1, clip inf)."""
+def _plan(sampler: str, timesteps: torch.Tensor, init_sigma: float, levels: tuple, **columns) -> Plan:
+    """Stack (S,) float64 columns (or scalars) in COEFFS order; a column left out is 0 (c_in 1, clip inf).
+    ``levels``: the (a, b) columns of each step's noise level (S,), float32 as the scheduler computes them; the
+    end's (1, 0) is added here."""
     defaults = {"c_in": 1.0, "clip": math.inf}
     steps = len(timesteps)
     cols = [torch.as_tensor(columns.pop(k, defaults.get(k, 0.0)), dtype=torch.float64).expand(steps) for k in COEFFS]
     if columns:
         raise TypeError(f"unknown coefficient columns: {sorted(columns)}")
     coeffs = torch.stack(cols, dim=1)
-    return Plan(sampler, timesteps.float(), coeffs.float(), float(init_sigma), bool((coeffs[:, C_Z] != 0).any()))
+    a, b = (torch.as_tensor(c, dtype=torch.float32).expand(steps) for c in levels)
+    table = torch.cat([torch.stack([a, b], dim=1), torch.tensor([[1.0, 0.0]])])
+    return Plan(sampler, timesteps.float(), coeffs.float(), float(init_sigma), bool((coeffs[:, C_Z] != 0).any()),
+                table)
+
+
+def _vp_levels(schedule: NoiseSchedule, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DDPMScheduler's and DDIMScheduler's add_noise at timesteps t: sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, from
+    the float32 table in float32."""
+    abar = alphas_cumprod(schedule).float()[t.long()]
+    return abar**0.5, (1 - abar) ** 0.5
+
+
+def _dpm_levels(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPMSolverMultistepScheduler's add_noise at VP sigmas (its float32 table): alpha_t x0 + sigma_t eps with
+    alpha_t = 1 / sqrt(sigma^2 + 1), sigma_t = sigma alpha_t (_sigma_to_alpha_sigma_t), in float32."""
+    s = sigma.float()
+    alpha = 1 / ((s**2 + 1) ** 0.5)
+    return alpha, s * alpha
+
+
+def _flow_levels(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlowMatchEulerDiscreteScheduler's scale_noise (and DPMSolverMultistepScheduler's add_noise on flow sigmas):
+    sigma eps + (1 - sigma) x0, in float32."""
+    s = sigma.float()
+    return 1.0 - s, s
 
 
 def _vp_denoiser(schedule: NoiseSchedule, abar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +153,7 @@ def ddpm(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
     c_skip, c_out = _vp_denoiser(schedule, a_t)
     std = ((1 - a_prev) / (1 - a_t) * beta).clamp(min=1e-20).sqrt()
     return _plan(
-        "ddpm", t, 1.0, c_skip=c_skip, c_out=c_out, clip=_clip(schedule),
+        "ddpm", t, 1.0, _vp_levels(schedule, t), c_skip=c_skip, c_out=c_out, clip=_clip(schedule),
         c_x=(1 - beta).sqrt() * (1 - a_prev) / (1 - a_t),
         c_d=a_prev.sqrt() * beta / (1 - a_t),
         c_z=torch.where(t > 0, std, 0.0),
@@ -144,7 +178,7 @@ def ddim(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
     c_skip, c_out = _vp_denoiser(schedule, a_t)
     eps_x, eps_out = _vp_eps(schedule, a_t)
     return _plan(
-        "ddim", t, 1.0, c_skip=c_skip, c_out=c_out, clip=_clip(schedule),
+        "ddim", t, 1.0, _vp_levels(schedule, t), c_skip=c_skip, c_out=c_out, clip=_clip(schedule),
         c_x=direction * eps_x, c_e=direction * eps_out, c_d=a_prev.sqrt(), c_z=std,
     )  # fmt: skip
 
@@ -173,8 +207,9 @@ def euler(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
     sigma, ratio = s[:-1], s[1:] / s[:-1]
     c_skip, c_out = _ve_denoiser(schedule, sigma)
     return _plan(
-        "euler", t, init, c_in=(sigma**2 + 1).rsqrt(), c_skip=c_skip, c_out=c_out, c_x=ratio, c_d=1 - ratio
-    )
+        "euler", t, init, (1.0, sigma.float()), c_in=(sigma**2 + 1).rsqrt(), c_skip=c_skip, c_out=c_out, c_x=ratio,
+        c_d=1 - ratio,
+    )  # fmt: skip
 
 
 def euler_a(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
@@ -189,7 +224,7 @@ def euler_a(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
     ratio = (sigma_next**2 - sigma_up**2).clamp(min=0).sqrt() / sigma  # sigma_down / sigma
     c_skip, c_out = _ve_denoiser(schedule, sigma)
     return _plan(
-        "euler_a", t, init, c_in=(sigma**2 + 1).rsqrt(), c_skip=c_skip, c_out=c_out,
+        "euler_a", t, init, (1.0, sigma.float()), c_in=(sigma**2 + 1).rsqrt(), c_skip=c_skip, c_out=c_out,
         c_x=ratio, c_d=1 - ratio, c_z=sigma_up,
     )  # fmt: skip
 
@@ -214,7 +249,7 @@ def dpmpp_2m(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
     half_inv_r[1:-1] = 0.5 * h[1:-1] / h[:-2]
     c_skip, c_out = _vp_denoiser(schedule, alpha[:-1] ** 2)
     return _plan(
-        "dpmpp_2m", t, 1.0, c_skip=c_skip, c_out=c_out,
+        "dpmpp_2m", t, 1.0, _dpm_levels(s[:-1]), c_skip=c_skip, c_out=c_out,
         c_x=s[1:] * alpha[1:] / (s[:-1] * alpha[:-1]), c_d=a * (1 + half_inv_r), c_h=-a * half_inv_r,
     )  # fmt: skip
 
@@ -231,7 +266,8 @@ def flow_euler(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0, *, mu:
     sigma = flow_sigmas(schedule, num_steps, mu)
     s = torch.cat([sigma, torch.zeros(1, dtype=torch.float64)])
     n = schedule.num_train_timesteps
-    return _plan("flow_euler", sigma * n, 1.0, c_skip=1.0, c_out=-sigma, c_x=1.0, c_e=s[1:] - s[:-1])
+    return _plan("flow_euler", sigma * n, 1.0, _flow_levels(sigma), c_skip=1.0, c_out=-sigma, c_x=1.0,
+                 c_e=s[1:] - s[:-1])
 
 
 def flow_dpmpp_2m(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
@@ -254,7 +290,7 @@ def flow_dpmpp_2m(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> 
     half_inv_r = torch.zeros_like(h)  # 1 / 2r on second-order steps, 0 on first-order ones
     half_inv_r[1:-1] = 0.5 * h[1:-1] / h[:-2]
     return _plan(
-        "flow_dpmpp_2m", t, 1.0, c_skip=1.0, c_out=-s[:-1],
+        "flow_dpmpp_2m", t, 1.0, _flow_levels(s[:-1]), c_skip=1.0, c_out=-s[:-1],
         c_x=s[1:] / s[:-1], c_d=a * (1 + half_inv_r), c_h=-a * half_inv_r,
     )  # fmt: skip
 
@@ -294,3 +330,35 @@ def make_plan(name: str, num_steps: int, schedule: NoiseSchedule, eta: float = 0
         raise RuntimeError(f"{name} with {num_steps} steps passed samplers.rules.check_plan but its plan is not "
                            "finite: a grid rule is missing there")
     return plan
+
+
+def edit_start(num_steps: int, strength: float) -> int:
+    """The first step an edit of ``strength`` runs of a ``num_steps`` plan, as the img2img and inpaint pipelines'
+    ``get_timesteps``: init = min(num_steps * strength, num_steps), start = int(max(num_steps - init, 0)) (every
+    scheduler here has order 1: no ``* order``). ValueError when that leaves no step, as the pipelines refuse it."""
+    if not 0 < strength <= 1:
+        raise ValueError(f"strength must be in (0, 1], got {strength!r}")
+    init = min(num_steps * strength, num_steps)
+    start = int(max(num_steps - init, 0))
+    if start >= num_steps:
+        raise ValueError(f"strength {strength} of {num_steps} steps leaves no step to run "
+                         f"(int({num_steps} - {num_steps} x {strength}) = {start}): raise the strength or the steps")
+    return start
+
+
+def start_at(plan: Plan, start: int) -> Plan:
+    """The steps of ``plan`` from ``start`` on: an edit's plan, as a pipeline runs its scheduler from
+    ``set_begin_index(start)`` over ``timesteps[start:]`` (rows, timesteps and levels kept). The first kept step is
+    made first order, as the multistep schedulers restart their count of lower-order steps there (DPM-Solver++'s
+    first step of any run is first order): its history term is folded into the current estimate (c_d += c_h,
+    c_h = 0; the same as reading hist = denoised). The other samplers have c_h = 0 and are only cut."""
+    if not 0 <= start < plan.num_steps:
+        raise ValueError(f"start {start} is outside the plan's {plan.num_steps} steps")
+    if start == 0:
+        return plan
+    coeffs = plan.coeffs[start:].clone()
+    coeffs[0, C_D] += coeffs[0, C_H]
+    coeffs[0, C_H] = 0.0
+    return dataclasses.replace(plan, timesteps=plan.timesteps[start:], coeffs=coeffs,
+                               levels=None if plan.levels is None else plan.levels[start:],
+                               stochastic=bool((coeffs[:, C_Z] != 0).any()))

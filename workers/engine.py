@@ -25,6 +25,12 @@ with and without them.
 Determinism: the starting noise of a request comes from ``torch.Generator("cpu").manual_seed(seed)``
 (CPU noise, so a seed means the same image on any device), and an ancestral sampler's per-step
 noise from the same generator, so an image does not depend on its batch or bucket.
+
+Edits (``workers.edits``; ``ItemSpec.image``, ``mask``, ``strength``): an image-to-image request is admitted with
+its image encoded (one VAE batch per admission, model and latent shape) and noised to the step its strength
+selects, and joins its group at that step with a cut plan: the same graphs as text-to-image. An inpainting request's rows run the
+engine's ``INPAINT`` variant of the family's step (its own groups and graphs), which blends the image back outside
+the mask after every step, inside the captured step.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from samplers import Plan, make_plan
 from workers.config import WorkerConfig
 from workers.decode import (Preview, _PendingPreviews, _upload, decode, decode_runner, previews_on_host,
                             previews_to_host)
+from workers.edits import EDIT_INPUTS, Start, check_edit, edit_specs, family_variant, inpaint_variant, inpainting, starts
 from workers.encoders import EncoderGraphs, padded_length
 from workers.families import compile_regions, family_of, preview_map_of
 from workers.kernels.attention import CHOOSER
@@ -106,6 +113,8 @@ class _Active:
     cond: dict[str, torch.Tensor]  # the family's conditioning (labels; prompt encodings), on the device
     tables: dict[str, torch.Tensor] = field(default_factory=dict)  # the family's per-step inputs, (S, ...) each
     step: int = 0
+    edit: dict[str, torch.Tensor] = field(default_factory=dict)  # an inpainting row's (workers.edits.EDIT_INPUTS):
+    # mask, image_latents, image_noise on the device, and blend (S, 2), a row per step
 
 
 @dataclass
@@ -129,14 +138,16 @@ BASE_INPUTS = ("x", "t", "guidance", "coeffs", "hist", "noise")
 WARMUP_PROMPT = "a photograph of a red fox standing in fresh snow at the edge of a pine forest, morning light"
 
 
-def step_specs(model: LoadedModel, shape: tuple[int, int, int] | None = None
+def step_specs(model: LoadedModel, shape: tuple[int, int, int] | None = None, variant: str = ""
                ) -> tuple[dict[str, TensorSpec], dict[str, TensorSpec]]:
-    """The step's static inputs (the sampler's, then the family's conditioning) and outputs, per sample,
-    for latents of ``shape`` (C, H, W; the model's native shape by default)."""
+    """The step's static inputs (the sampler's, then the family's conditioning, then an inpainting variant's,
+    ``workers.edits.edit_specs``) and outputs, per sample, for latents of ``shape`` (C, H, W; the model's native
+    shape by default) in the engine's step ``variant``."""
     lat, f32 = tuple(shape or model.latent_shape), torch.float32
     inputs = {"x": TensorSpec(lat, f32), "t": TensorSpec((), f32), "guidance": TensorSpec((), f32),
               "coeffs": TensorSpec((9,), f32), "hist": TensorSpec(lat, f32), "noise": TensorSpec(lat, f32),
-              **family_of(model).cond_specs(model), **table_specs(model)}
+              **family_of(model).cond_specs(model), **table_specs(model),
+              **(edit_specs(lat) if family_variant(variant)[1] else {})}
     return inputs, {"x_next": TensorSpec(lat, f32), "hist_next": TensorSpec(lat, f32)}
 
 
@@ -226,10 +237,10 @@ class Engine:
         return backend_for(self.config.backend, model)
 
     def _group(self, model: LoadedModel, shape: tuple[int, int, int], variant: str = "") -> GraphKey:
-        """The group of ``model`` at latent ``shape`` running its step ``variant`` (``Family.step_variants``),
-        made on first use. Groups of every shape capture into their device's one graph pool: their replays
-        never overlap (one engine thread), so the pool holds the largest shape's working memory once, not one
-        copy per shape."""
+        """The group of ``model`` at latent ``shape`` running its step ``variant`` (``Family.step_variants``, or the
+        engine's inpainting variant of one, ``workers.edits.inpaint_variant``), made on first use. Groups of every
+        shape capture into their device's one graph pool: their replays never overlap (one engine thread), so the
+        pool holds the largest shape's working memory once, not one copy per shape."""
         if (model.name, shape, variant) in self._keys:
             key = self._keys[model.name, shape, variant]
             self.groups[key].last_used = self.steps_run
@@ -239,8 +250,11 @@ class Engine:
         if device.type == "cuda" and device not in self._pools:
             self._pools[device] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
         pool, stream = self._pools.get(device, (None, None))
-        inputs, outputs = step_specs(model, shape)
-        step = family_of(model).make_step(model, shape, **({"variant": variant} if variant else {}))
+        inputs, outputs = step_specs(model, shape, variant)
+        base, inpaints = family_variant(variant)
+        step = family_of(model).make_step(model, shape, **({"variant": base} if base else {}))
+        if inpaints:  # the family's step, then the blend (workers.edits.inpainting)
+            step = inpainting(step)
         speed, compiled = self.speed[model.name], None
         if speed.compile != "off":
             regions = compile_regions(model) if speed.compile_scope == "blocks" else []
@@ -258,7 +272,7 @@ class Engine:
         if self._warm:  # a size first asked for while serving: captured now, once (logged)
             log.info("capturing %s at latent shape %s%s on first use", model.name, "x".join(map(str, shape)),
                      f" ({variant})" if variant else "")
-            runner.warmup(example=self.warmup_example(model, shape))
+            runner.warmup(example=self.warmup_example(model, shape, variant))
             if decoder is not None:
                 decoder.warmup()
         return key
@@ -313,7 +327,7 @@ class Engine:
         for group in [g for g in self.groups.values() if g.model.name in names]:
             known = len(CHOOSER.choices)
             if not group.runner.warmed:
-                group.runner.warmup(example=self.warmup_example(group.model, group.shape))
+                group.runner.warmup(example=self.warmup_example(group.model, group.shape, group.variant))
             if group.decoder is not None and not group.decoder.warmed:
                 group.decoder.warmup()
             for line in CHOOSER.summary()[known:]:  # the attention shapes this group's warm-up measured
@@ -322,21 +336,23 @@ class Engine:
             if m.text_graphs is not None:  # the shortest padded length, which most prompts use
                 m.text_graphs.runner(padded_length(1, m.text_graphs.limit))
 
-    def warmup_example(self, model: LoadedModel, shape: tuple[int, int, int]) -> dict[str, torch.Tensor] | None:
+    def warmup_example(self, model: LoadedModel, shape: tuple[int, int, int], variant: str = ""
+                       ) -> dict[str, torch.Tensor] | None:
         """One row of the step's inputs as a request makes them (``WARMUP_PROMPT`` or class 0, the model's
-        default sampler at its middle step, seeded noise), on the model's device; None for a model without a
-        card, or where making it failed (logged): warm-up then runs on zeros, which only its timings mind.
-        Warm-up tiles it over every bucket's rows."""
+        default sampler at its middle step, seeded noise; an inpainting variant's: the left half masked, seeded
+        image latents), on the model's device; None for a model without a card, or where making it failed
+        (logged): warm-up then runs on zeros, which only its timings mind. Warm-up tiles it over every bucket's
+        rows."""
         if model.card is None:
             return None
         try:
-            return self._example(model, shape)
+            return self._example(model, shape, variant)
         except Exception as e:  # the timings lose realism; serving must not fail on it
             log.warning("%s: warm-up runs on zeros (its example failed: %s: %s)", model.name, type(e).__name__, e)
             return None
 
     @staticmethod
-    def _example(model: LoadedModel, shape: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    def _example(model: LoadedModel, shape: tuple[int, int, int], variant: str = "") -> dict[str, torch.Tensor]:
         card = model.card
         family = family_of(model)
         probe = ItemSpec(id="warmup", model=model.name, seed=0, prompt=WARMUP_PROMPT if card.conditioning == "text"
@@ -351,6 +367,11 @@ class Engine:
         row = {"x": torch.randn(shape, generator=gen), "t": plan.timesteps[i], "coeffs": plan.coeffs[i],
                "guidance": torch.tensor(probe.guidance), "hist": torch.randn(shape, generator=gen),
                "noise": torch.randn(shape, generator=gen), **cond, **{k: v[i] for k, v in tables.items()}}
+        if family_variant(variant)[1]:
+            mask = torch.zeros((1, *shape[1:]))
+            mask[..., : shape[2] // 2] = 1.0
+            row.update(mask=mask, image_latents=torch.randn(shape, generator=gen),
+                       image_noise=torch.randn(shape, generator=gen), blend=plan.levels[i + 1])
         return {k: v.to(model.device)[None] for k, v in row.items()}
 
     # -- admission and cancellation -------------------------------------------------------------
@@ -364,32 +385,45 @@ class Engine:
         by_group: dict[GraphKey, list[ItemSpec]] = {}
         for req in reqs:
             by_group.setdefault(self._key(req), []).append(req)
+        plans: dict[GraphKey, list[Plan]] = {}
+        same_shape: dict[tuple[str, tuple[int, int, int]], list[tuple[GraphKey, int]]] = {}
+        for key, group_reqs in by_group.items():
+            group = self.groups[key]
+            extra = family_of(group.model).plan_kwargs(group.model, group.shape)
+            plans[key] = [make_plan(r.sampler, r.steps, group.model.schedule, eta=r.eta, **extra) for r in group_reqs]
+            same_shape.setdefault((group.model.name, group.shape), []).extend((key, i) for i in range(len(group_reqs)))
+        # each request's starting latents and generator: an edit's image encoded (one batch per model and shape,
+        # whatever the rows' step variants) and its plan cut where its strength starts it (workers.edits)
+        begun: dict[GraphKey, list[Start]] = {key: [None] * len(reqs) for key, reqs in by_group.items()}
+        for members in same_shape.values():
+            group = self.groups[members[0][0]]
+            made = starts(group.model, family_of(group.model), group.shape, [by_group[k][i] for k, i in members],
+                          [plans[k][i] for k, i in members], upload=_upload)
+            for (k, i), start in zip(members, made):
+                begun[k][i] = start
         admitted = []
         for key, group_reqs in by_group.items():
             group = self.groups[key]
             family = family_of(group.model)
-            extra = family.plan_kwargs(group.model, group.shape)
-            plans = [make_plan(r.sampler, r.steps, group.model.schedule, eta=r.eta, **extra) for r in group_reqs]
             conds = family.encode(group.model, group_reqs)
-            tables = step_tables(group.model, plans, group_reqs, conds)
-            admitted += [(group, r, p, c, tb) for r, p, c, tb in zip(group_reqs, plans, conds, tables)]
-        for group, req, plan, cond, tables in admitted:
-            group.active.append(self._admit(group, req, plan, cond, tables))
+            tables = step_tables(group.model, [b.plan for b in begun[key]], group_reqs, conds)
+            admitted += [(group, r, b, c, tb) for r, b, c, tb in zip(group_reqs, begun[key], conds, tables)]
+        for group, req, start, cond, tables in admitted:
+            group.active.append(self._admit(group, req, start, cond, tables))
 
     @staticmethod
-    def _admit(group: _Group, req: ItemSpec, plan: Plan, cond: dict[str, torch.Tensor],
+    def _admit(group: _Group, req: ItemSpec, begun: Start, cond: dict[str, torch.Tensor],
                tables: dict[str, torch.Tensor]) -> _Active:
-        model = group.model
-        gen = torch.Generator("cpu").manual_seed(req.seed)
-        x = torch.randn(group.shape, generator=gen) * plan.init_sigma  # (C, H, W)
+        model, plan = group.model, begun.plan
         device = model.device
         # everything a step needs from this request goes to the device once, here, without waiting for
         # the GPU: the step loop then makes no host-to-device copy at all
         rows = torch.cat([plan.timesteps[:, None], plan.coeffs], dim=1)  # (S, 10)
         guidance = torch.tensor(req.guidance, dtype=torch.float32)
-        return _Active(req, plan, _upload(x, device), torch.zeros(x.shape, device=device), gen,
+        return _Active(req, plan, _upload(begun.x, device), torch.zeros(begun.x.shape, device=device), begun.gen,
                        _upload(rows, device), _upload(guidance, device),
-                       {k: _upload(v, device) for k, v in cond.items()}, tables)
+                       {k: _upload(v, device) for k, v in cond.items()}, tables,
+                       edit={k: _upload(v, device) for k, v in begun.edit.items()})
 
     def cancel(self, request_id: str) -> bool:
         """Drop a request at this step boundary; True if it was active (or finished and not yet handed out)."""
@@ -430,6 +464,9 @@ class Engine:
         rows = torch.stack([a.rows[a.step] for a in active])  # (B, 10): timestep, then the 9 coefficients
         cond = {k: torch.stack([a.cond[k] for a in active]) for k in active[0].cond}
         cond.update({k: torch.stack([a.tables[k][a.step] for a in active]) for k in active[0].tables})
+        if family_variant(group.variant)[1]:  # inpainting rows: their mask, image, noise and this step's blend
+            cond.update({k: torch.stack([a.edit[k] for a in active]) for k in EDIT_INPUTS if k != "blend"})
+            cond["blend"] = torch.stack([a.edit["blend"][a.step] for a in active])
         out = group.runner.run(
             x=torch.stack([a.x for a in active]), t=rows[:, 0], coeffs=rows[:, 1:],
             guidance=torch.stack([a.guidance for a in active]), hist=torch.stack([a.hist for a in active]),
@@ -490,7 +527,11 @@ class Engine:
         if name not in self.models:
             raise KeyError(f"model {name!r} is not loaded here (loaded: {', '.join(self.models)})")
         model = self.models[name]
-        variant = family_of(model).variant_of(model, req)
+        family = family_of(model)
+        check_edit(family, model, req)
+        variant = family.variant_of(model, req)
+        if req.mask:  # inpainting rows run the engine's variant of the family's step, in groups of their own
+            variant = inpaint_variant(variant)
         if not (req.width or req.height):
             return self._group(model, tuple(model.latent_shape), variant)
         card = model.card

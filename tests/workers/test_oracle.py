@@ -101,3 +101,120 @@ def test_digits_text_through_our_engine_draws_the_asked_digit(held_out, target):
     images = np.stack([r.latents[0].numpy() for r in results])  # pixel space: (8, 8) in [-1, 1]
     acc = oracle_accuracy(images, labels)
     assert acc >= target, f"oracle accuracy {acc:.3f} ({'held-out' if held_out else 'training-style'} prompts)"
+
+
+# -- edits: image-to-image and inpainting on digits-text (workers.edits) ------------------------------------
+# Sources are the classifier's held-out digits (the test split), as 8x8 grayscale PNGs; prompts are training-style
+# and ask for another digit than the source's. Figures measured on a CPU (the model's defaults: dpmpp_2m, 20 steps,
+# guidance 3), 360 sources / 111 inpaintings, source digit read | asked digit read:
+#   strength 0.05: 97% | 1%    0.1: 84% | 8%    0.15: 44% | 41%    0.2: 14% | 76%    0.3: 1% | 97%    1.0: 0% | 99.7%
+#   (at 0.3 with an empty prompt instead: 63% source; ddim and 50 steps alike: 1-20% source)
+#   inpainting a 3 with "an eight": its left half repainted 99.1% read 8; its right half 12.6% (83.8% stay a 3).
+# The model's schedule is DDPM's linear betas on 8x8 pixels: strength 0.3 starts at t = 300, x = 0.63 x0 + 0.78 eps,
+# which leaves a digit's identity to the prompt (latent models on scaled-linear betas keep far more there). And a
+# 3's right half already is an 8's: repainting it leaves the 3's open left side, which the prompt cannot close.
+# The issue's two figures that do not hold are kept as strict xfails with these numbers, beside the ones that do.
+def _png(x) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.round((np.clip(x, -1, 1) + 1) * 127.5).astype(np.uint8), "L").save(out, "PNG")
+    return out.getvalue()
+
+
+def _half_mask(left: bool) -> bytes:
+    import numpy as np
+
+    m = np.full((8, 8), -1.0)  # black: kept
+    m[:, slice(0, 4) if left else slice(4, 8)] = 1.0  # white: repainted
+    return _png(m)
+
+
+@pytest.fixture(scope="module")
+def digits_text():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: a second thread mostly waits (test_digits_text.py says why)
+    model = load_model("digits-text")
+    try:
+        yield model, Engine(model, WorkerConfig(backend="eager", max_batch=64))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _image_to_image(digits_text, strength: float, count: int = 100):
+    """(digits read, source digits, asked digits) for ``count`` held-out sources with prompts asking another digit."""
+    import random
+
+    import numpy as np
+
+    from workers.models.train_digits_text import training_prompts
+    from workers.request.spec import ItemSpec
+
+    model, engine = digits_text
+    _, _, x_test, y_test = load_split()
+    rng = random.Random(0)
+    source = y_test[:count]
+    asked = np.array([(int(d) + rng.randint(1, 9)) % 10 for d in source])
+    d = model.defaults
+    specs = [ItemSpec(id=str(i), seed=1000 + i, sampler=d["sampler"], steps=d["steps"], guidance=d["guidance"],
+                      prompt=rng.choice(training_prompts(int(a))), image=_png(x_test[i]), strength=strength)
+             for i, a in enumerate(asked)]
+    results = engine.generate(specs, max_active=64)
+    return classify(np.stack([r.latents[0].numpy() for r in results])), source, asked
+
+
+def test_image_to_image_at_strength_1_draws_the_prompts_digit(digits_text):
+    read, source, asked = _image_to_image(digits_text, 1.0, count=60)
+    assert (read == asked).mean() >= 0.90, f"asked digit read on {(read == asked).mean():.3f}"
+
+
+def test_image_to_image_at_a_low_strength_keeps_the_source_digit(digits_text):
+    read, source, asked = _image_to_image(digits_text, 0.05)  # one step, from t = 50
+    assert (read == source).mean() >= 0.90, f"source digit read on {(read == source).mean():.3f}"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 47's figure does not hold for digits-text: at strength 0.3 (t = 300 "
+                   "of its linear-beta schedule) 1% keep the source digit and 97% draw the prompt's (see above)")
+def test_image_to_image_at_strength_0_3_keeps_the_source_digit(digits_text):
+    read, source, asked = _image_to_image(digits_text, 0.3, count=50)
+    assert (read == source).mean() >= 0.90, f"source digit read on {(read == source).mean():.3f}"
+
+
+def _inpaint_threes(digits_text, left: bool, seeds: int):
+    """Each held-out 3 (37) with one half repainted from "an eight", ``seeds`` seeds each: (digits read, the sources,
+    the final pixels)."""
+    import numpy as np
+
+    from workers.request.spec import ItemSpec
+
+    model, engine = digits_text
+    _, _, x_test, y_test = load_split()
+    threes = x_test[y_test == 3]
+    d = model.defaults
+    specs = [ItemSpec(id=str(i), seed=2000 + i, sampler=d["sampler"], steps=d["steps"], guidance=d["guidance"],
+                      prompt="an eight", image=_png(threes[i % len(threes)]), mask=_half_mask(left))
+             for i in range(seeds * len(threes))]
+    pixels = np.stack([r.latents[0].numpy() for r in engine.generate(specs, max_active=64)])
+    sources = np.stack([threes[i % len(threes)] for i in range(len(specs))])
+    return classify(pixels), sources, pixels
+
+
+def test_inpainting_the_left_half_of_a_3_with_an_eight_draws_an_8(digits_text):
+    import numpy as np
+
+    read, sources, pixels = _inpaint_threes(digits_text, left=True, seeds=2)
+    assert (read == 8).mean() >= 0.90, f"8 read on {(read == 8).mean():.3f}"
+    kept = np.round((np.clip(sources, -1, 1) + 1) * 127.5) / 127.5 - 1  # the PNG's pixels
+    assert np.abs(pixels[:, :, 4:] - kept[:, :, 4:]).max() < 1e-5  # the kept half is the source's, exactly
+
+
+@pytest.mark.xfail(strict=True, reason="issue 47's figure does not hold: repainting the right half of a 3 from "
+                   "\"an eight\" gives an 8 on 12.6% (83.8% stay a 3: a 3's right half is an 8's; see above)")
+def test_inpainting_the_right_half_of_a_3_with_an_eight_draws_an_8(digits_text):
+    read, _, _ = _inpaint_threes(digits_text, left=False, seeds=1)
+    assert (read == 8).mean() >= 0.70, f"8 read on {(read == 8).mean():.3f}"

@@ -46,6 +46,14 @@ Hooks, all called with the loaded model (``workers.loading.LoadedModel``) as the
     table_inputs(model, inputs)                  the tables' inputs of a step's rows (benchmarks)
     set_cross_attention(model, mode) (no-op)     the engine's cross_attention setting (PixArt)
     attention_kernel(model) (None)               the attention kernel its steps run, for the engine's report
+    takes_image, takes_mask (False)             it runs image-to-image / inpainting requests (``workers.edits``);
+                                                 the cards say so (``ModelCard.takes_image``, ``takes_mask``)
+    encode_image(model, pixels, generators)      (B, 3, H, W) in [-1, 1] -> (B, C, h, w) latents in the engine's
+        (the VAE's posterior, then              layout, the inverse of its decode; the posterior sampled with each
+        (z - shift) * scale; pixel models:      row's generator as its pipelines sample it, or its mode where they
+        the pixels)                             take the mode (``generators`` None)
+    mask_latents(model, mask, shape) (nearest)   a binary mask (B, 1, H, W) on the latent grid (B, 1, h, w), as the
+                                                 family's inpaint pipeline downsamples it
     reference_pipeline(model) (none)            the family's diffusers pipeline over the loaded model's modules
                                                  and its card's scheduler: the baseline benchmarks compare with
     reference_call(model, specs) ({})            the keyword arguments of that pipeline's call making ``specs``
@@ -127,6 +135,8 @@ class ModelCard:
     lowercase_prompts: bool = False  # the family lower-cases prompts before tokenising (PixArt's pipelines do)
     warnings: tuple[str, ...] = ()   # what a user should know of how it is served (an edit model served as
                                      # text-to-image): GET /v1/models shows them, each job repeats them
+    takes_image: bool = False        # it runs image-to-image (an input image and a strength): its family's
+    takes_mask: bool = False         # and inpainting (an image and a mask); set by read_card from the family
 
     @property
     def prediction_type(self) -> str:
@@ -223,6 +233,8 @@ class Family:
     compile_scope: ClassVar[str] = "step"         # what the `fast` speed compiles: the scope measured best for
                                                   # the family ("step": the whole step; "blocks": its blocks)
     fp8_attention: ClassVar[bool] = False         # `fastest` runs its attention in FP8 too (cuDNN, Hopper)
+    takes_image: ClassVar[bool] = False           # image-to-image: requests with an input image (workers.edits)
+    takes_mask: ClassVar[bool] = False            # inpainting: requests with an image and a mask
 
     # -- the torch-free part: cards, built-ins, previews -----------------------------------------------
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
@@ -284,6 +296,24 @@ class Family:
 
     def attention_kernel(self, model) -> str | None:
         return None
+
+    def encode_image(self, model, pixels, generators=None):
+        """Pixels (B, 3, H, W) in [-1, 1] on the model's device -> latents (B, C, h, w), float32, in the engine's
+        layout (what its decode takes back to pixels). ``generators``: one CPU generator per row, to draw the VAE
+        posterior's sample from, as the family's pipelines do (``retrieve_latents`` with a generator); a family
+        whose pipelines take the mode ignores them. Default: an AutoencoderKL's sample, ``(z - shift) * scale``
+        (``workers.edits.vae_encode``; a pixel-space model's pixels)."""
+        from workers.edits import vae_encode  # torch: the worker's
+
+        return vae_encode(model, pixels, generators)
+
+    def mask_latents(self, model, mask, shape):
+        """A binary mask (B, 1, H, W) at the generation size -> (B, 1, h, w) on the latent grid of ``shape``, as the
+        family's inpaint pipeline makes it (default: nearest, ``interpolate``'s default, as the pipelines'
+        ``prepare_mask_latents``)."""
+        from workers.edits import nearest_mask
+
+        return nearest_mask(mask, shape)
 
     def reference_pipeline(self, model):
         """The family's diffusers pipeline over ``model``'s modules, with its card's scheduler (benchmarks)."""

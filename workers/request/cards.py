@@ -14,6 +14,7 @@ and transformer classes it reads, and its built-in architectures); this module f
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from workers.families import FAMILIES, builtin_family, builtin_names as family_builtins, family_for
@@ -33,7 +34,14 @@ def builtin_names() -> list[str]:
 def read_card(spec: str | Path) -> ModelCard:
     """The card of a shipped model (``digits``), a built-in architecture (``dit-xl-2-256``) or a local
     diffusers-format directory (a pipeline with model_index.json, or a bare transformer)."""
-    spec = str(spec)
+    card = _read_card(str(spec))
+    family = FAMILIES.get(card.family)  # what edits it runs is its family's (workers.edits)
+    if family is None:
+        return card
+    return replace(card, takes_image=family.takes_image, takes_mask=family.takes_mask and family.takes_image)
+
+
+def _read_card(spec: str) -> ModelCard:
     family = builtin_family(spec)
     if family is not None:
         return family.builtin_card(spec)

@@ -7,7 +7,7 @@ engine. Plain data, no torch: the API and the store import it; the engine turns 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,14 @@ class ItemSpec:
     is the unconditional prompt, as in the reference pipelines). ``width`` x ``height`` is the size the
     model generates at (0: its native size); ``out_width`` x ``out_height``, when set, the size the image
     is resized (and centre-cropped) to afterwards. ``preview_every`` N > 0: a preview of the denoised
-    estimate after every N-th step (not the last; ``workers.previews``); 0: none."""
+    estimate after every N-th step (not the last; ``workers.previews``); 0: none.
+
+    Edits. ``image``: an encoded image file as uploaded (PNG, JPEG or WebP bytes; ``workers.request.images``
+    checks and decodes it); empty: text-to-image. With an image the request is image-to-image: the image,
+    resized to the generation size, is encoded by the model's VAE and noised to the step ``strength`` in (0, 1]
+    selects (1: the whole schedule, from pure noise; 0.3: its last 30%). ``mask``: an encoded image of the image's
+    size, white = repaint, black = keep (diffusers' ``mask_image``): inpainting. ``strength`` without an image
+    means nothing. The bytes stay out of the repr (logs)."""
 
     id: str
     seed: int
@@ -34,3 +41,6 @@ class ItemSpec:
     out_width: int = 0
     out_height: int = 0
     preview_every: int = 0
+    image: bytes = field(default=b"", repr=False)
+    mask: bytes = field(default=b"", repr=False)
+    strength: float = 1.0

@@ -24,6 +24,8 @@ from workers.loading import ModelError, load_model
 from workers.models.tiny_flux import IMAGE_SIZE, MAX_TOKENS, make_tiny_flux
 from workers.request.spec import ItemSpec
 
+from . import edit_cases
+
 EAGER = WorkerConfig(backend="eager", max_batch=4)
 
 
@@ -330,3 +332,67 @@ def test_the_rotary_tables_are_made_once_per_shape_and_a_plain_call_makes_its_ow
     assert type(tr.pos_embed).__name__ == "GivenFluxPosEmbed" and tr.pos_embed._given_rotary is None
     ids = torch.zeros(5, 3)
     torch.testing.assert_close(tr.pos_embed(ids), real(tr.pos_embed, ids))  # nothing handed over: its own
+
+
+# -- image-to-image and inpainting (workers.edits) ----------------------------------------------------------
+def _edit_reference(model, spec: ItemSpec) -> torch.Tensor:
+    """FluxImg2ImgPipeline, or FluxInpaintPipeline for a spec with a mask, on the decoded image (and mask), with a
+    generator seeded as the request's; the final latents unpacked to (16, h, w)."""
+    from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
+
+    cls = FluxInpaintPipeline if spec.mask else FluxImg2ImgPipeline
+    pipe = cls(scheduler=_scheduler(model), vae=model.vae, text_encoder=model.text_encoder, tokenizer=model.tokenizer,
+               text_encoder_2=model.text_encoder_2, tokenizer_2=model.tokenizer_2, transformer=model.transformer)
+    width, height = spec.width or IMAGE_SIZE, spec.height or IMAGE_SIZE
+    out = pipe(spec.prompt, strength=spec.strength, height=height, width=width, num_inference_steps=spec.steps,
+               guidance_scale=spec.guidance, max_sequence_length=model.card.max_tokens, output_type="latent",
+               generator=edit_cases.generator(spec), **edit_cases.decoded(spec)).images
+    return cls._unpack_latents(out, height, width, pipe.vae_scale_factor)[0]
+
+
+@pytest.mark.parametrize("strength", edit_cases.STRENGTHS)
+def test_image_to_image_equals_the_img2img_pipeline(dev, strength):
+    spec = ItemSpec(id="i", seed=21, sampler="flow_euler", steps=6, guidance=3.5, prompt="a red cat",
+                    image=edit_cases.image_bytes(), strength=strength)
+    edit_cases.assert_close(Engine(dev, EAGER).generate([spec])[0].latents, _edit_reference(dev, spec))
+
+
+@pytest.mark.parametrize("strength", edit_cases.STRENGTHS)
+def test_inpainting_equals_the_inpaint_pipeline(dev, strength):
+    spec = ItemSpec(id="m", seed=22, sampler="flow_euler", steps=6, guidance=3.5, prompt="a green tree",
+                    image=edit_cases.image_bytes(seed=1), mask=edit_cases.mask_bytes(), strength=strength)
+    edit_cases.assert_close(Engine(dev, EAGER).generate([spec])[0].latents, _edit_reference(dev, spec))
+
+
+def test_schnell_edits_equal_the_pipelines(schnell):
+    image = edit_cases.image_bytes(seed=3)
+    specs = [ItemSpec(id="i", seed=5, sampler="flow_euler", steps=4, guidance=0.0, prompt="a cat", image=image,
+                      strength=0.5),
+             ItemSpec(id="m", seed=6, sampler="flow_euler", steps=4, guidance=0.0, prompt="a cat", image=image,
+                      mask=edit_cases.mask_bytes(box=(0, 0, 0.5, 1)), strength=0.75)]
+    for spec, r in zip(specs, Engine(schnell, EAGER).generate(specs)):
+        edit_cases.assert_close(r.latents, _edit_reference(schnell, spec), spec.id)
+
+
+def test_edits_and_text_rows_on_the_graph_engine_each_equal_their_pipeline(dev_dir):
+    """Text-to-image, image-to-image and inpainting rows of one model in one engine under the graph backend (the
+    modulation tables of cut plans, the inpainting variant's own group), joining at different steps, two sizes:
+    each equals its own reference pipeline run alone."""
+    model = load_model(dev_dir)  # its own: the graph engine patches the transformer it serves
+    image, mask = edit_cases.image_bytes(seed=4), edit_cases.mask_bytes(box=(0.25, 0.25, 0.75, 0.75))
+    specs = [ItemSpec(id="t", seed=1, sampler="flow_euler", steps=5, guidance=3.5, prompt="a red cat"),
+             ItemSpec(id="i", seed=2, sampler="flow_euler", steps=6, guidance=4.0, prompt="a dog", image=image,
+                      strength=0.6),
+             ItemSpec(id="m", seed=3, sampler="flow_euler", steps=5, guidance=2.0, prompt="a house", image=image,
+                      mask=mask, strength=0.7),
+             ItemSpec(id="w", seed=4, sampler="flow_euler", steps=4, guidance=3.0, prompt="a tree", image=image,
+                      mask=mask, strength=1.0, width=96, height=64),
+             ItemSpec(id="v", seed=5, sampler="flow_euler", steps=4, guidance=3.0, prompt="a boat", image=image,
+                      strength=0.3, width=96, height=64)]
+    engine = Engine(model, WorkerConfig(backend="graphs", max_batch=4))
+    results = engine.generate(specs, max_active=3)
+    for spec, r in zip(specs, results):
+        edit_cases.assert_close(r.latents, _edit_reference(model, spec) if spec.image else _reference(model, spec),
+                                spec.id)
+    groups = engine.stats()["groups"]  # inpainting rows ran in groups of their own, one per size
+    assert sum(k.endswith(":inpaint") for k in groups) == 2 and sum(not k.endswith(":inpaint") for k in groups) == 2

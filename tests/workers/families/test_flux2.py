@@ -30,6 +30,8 @@ from workers.models.tiny_flux2 import DEV_MAX_TOKENS, IMAGE_SIZE, MAX_TOKENS, ma
 from workers.request.cards import CardError, read_card
 from workers.request.spec import ItemSpec
 
+from . import edit_cases
+
 EAGER = WorkerConfig(backend="eager", max_batch=4)
 
 
@@ -456,3 +458,82 @@ def test_a_shrunk_builtin_is_whole_and_generates(name):
     spec = ItemSpec(id="a", seed=0, sampler="flow_euler", steps=2, guidance=4.0, prompt="a cat")
     (r,) = Engine(model, EAGER).generate([spec])
     assert r.image.shape == (64, 64, 3) and r.latents.isfinite().all() and r.latents.abs().max() > 0
+
+
+# -- image-to-image and inpainting (workers.edits) ----------------------------------------------------------
+# diffusers has no FLUX.2 img2img pipeline, and Flux2KleinInpaintPipeline also feeds the image as reference tokens
+# (another model input). The rule: FluxImg2ImgPipeline's and FluxInpaintPipeline's, with FLUX.2's encoding (the
+# VAE's mode, patchified and batch-norm normalised, as Flux2KleinInpaintPipeline's _encode_vae_image) and its mask
+# (bilinear onto the packed grid, as its prepare_mask_latents). The reference: the family's pipeline given the cut
+# sigmas (the same values as the full grid's tail: the shift is per sigma, mu from the full step count), latents
+# noised by its scheduler's scale_noise, and the inpainting blend in its step-end callback.
+def _edit_reference(model, spec: ItemSpec) -> torch.Tensor:
+    from diffusers import Flux2KleinInpaintPipeline
+
+    pipe = _pipeline(model)
+    width, height = spec.width or IMAGE_SIZE, spec.height or IMAGE_SIZE
+    n, (_, h, w) = spec.steps, model.card.latent_shape(width, height)
+    sigmas = np.linspace(1.0, 1 / n, n)[edit_cases.start_of(n, spec.strength):]
+    mu = empirical_mu(h * w, n)
+    encoder = Flux2KleinInpaintPipeline(scheduler=pipe.scheduler, vae=model.vae.vae, text_encoder=model.text_encoder,
+                                        tokenizer=model.tokenizer, transformer=model.transformer)
+    gen = edit_cases.generator(spec)
+    x0 = encoder._encode_vae_image(edit_cases.pipeline_image(spec, width, height), gen)   # (1, 128, h, w), no draw
+    noise = torch.randn(x0.shape, generator=gen)
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(sigmas=sigmas, mu=mu)
+    x = noise if spec.mask and spec.strength == 1 else edit_cases.noised(scheduler, x0, noise, scheduler.timesteps[0])
+    kw = {}
+    if spec.mask:
+        mask = torch.nn.functional.interpolate(edit_cases.pipeline_mask(spec, width, height), size=(h, w),
+                                               mode="bilinear")
+        kw["callback_on_step_end"] = edit_cases.blend_callback(pack(x0), pack(noise), pack(mask))
+    if model.card.guidance_mode == "cfg" and spec.negative_prompt:
+        kw["negative_prompt_embeds"] = pipe.encode_prompt(spec.negative_prompt,
+                                                          max_sequence_length=model.card.max_tokens)[0]
+    return pipe(prompt=spec.prompt, height=height, width=width, num_inference_steps=n, sigmas=sigmas,
+                guidance_scale=spec.guidance, latents=x, max_sequence_length=model.card.max_tokens,
+                output_type="latent", **kw).images[0]
+
+
+def _assert_edit_equal(model, spec, result):
+    ref = _edit_reference(model, spec)
+    ours = model.vae.latents(result.latents[None])[0] if model.pipeline == KLEIN else pack(result.latents[None])[0]
+    edit_cases.assert_close(ours, ref, spec.id)
+
+
+@pytest.mark.parametrize("strength", edit_cases.STRENGTHS)
+def test_image_to_image_follows_the_flux_img2img_rule(klein, strength):
+    spec = ItemSpec(id="i", seed=51, sampler="flow_euler", steps=6, guidance=1.0, prompt="a red cat",
+                    image=edit_cases.image_bytes(), strength=strength)
+    _assert_edit_equal(klein, spec, Engine(klein, EAGER).generate([spec])[0])
+
+
+@pytest.mark.parametrize("strength", edit_cases.STRENGTHS)
+def test_inpainting_follows_the_flux_inpaint_rule(klein, strength):
+    spec = ItemSpec(id="m", seed=52, sampler="flow_euler", steps=6, guidance=1.0, prompt="a green tree",
+                    image=edit_cases.image_bytes(seed=1), mask=edit_cases.mask_bytes(box=(0.3, 0.2, 1, 0.7)),
+                    strength=strength)
+    _assert_edit_equal(klein, spec, Engine(klein, EAGER).generate([spec])[0])
+
+
+def test_edits_of_base_and_dev_batched_with_text_rows_follow_the_rule(base, dev):
+    """[klein] base: CFG rows and rows at scale 1 (the NO_CFG step and its inpainting variant) with text rows in
+    one engine; [dev]: the embedded scale. Each equals its reference run alone."""
+    image, mask = edit_cases.image_bytes(seed=2), edit_cases.mask_bytes(box=(0, 0, 0.5, 1))
+    specs = [ItemSpec(id="t", seed=1, sampler="flow_euler", steps=4, guidance=4.0, prompt="a red cat"),
+             ItemSpec(id="i", seed=2, sampler="flow_euler", steps=5, guidance=3.0, prompt="a dog", image=image,
+                      strength=0.6, negative_prompt="a small dog"),
+             ItemSpec(id="m", seed=3, sampler="flow_euler", steps=4, guidance=1.0, prompt="a house", image=image,
+                      mask=mask, strength=0.8),
+             ItemSpec(id="w", seed=4, sampler="flow_euler", steps=4, guidance=2.0, prompt="a tree", image=image,
+                      mask=mask, strength=0.6, width=96, height=64)]
+    engine = Engine(base, EAGER)
+    for spec, r in zip(specs, engine.generate(specs)):
+        if spec.image:
+            _assert_edit_equal(base, spec, r)
+        else:
+            _assert_equal_to_pipeline(base, [spec], [r])
+    assert any(k.endswith(":no-cfg+inpaint") for k in engine.stats()["groups"])
+    for spec, r in zip(specs[1:], Engine(dev, EAGER).generate(specs[1:])):
+        _assert_edit_equal(dev, spec, r)

@@ -17,6 +17,8 @@ from workers.loading import load_model
 from workers.models.tiny_pixart import MAX_TOKENS, make_tiny_pixart
 from workers.request.spec import ItemSpec
 
+from . import edit_cases
+
 
 @pytest.fixture(scope="module")
 def pixart_dir(tmp_path_factory):
@@ -307,3 +309,107 @@ def test_warm_up_captures_the_shortest_encoder_length_before_the_first_request(m
         assert all(r.warmed for r in model.text_graphs.runners.values())
     finally:
         model.text_graphs = None
+
+
+# -- image-to-image and inpainting (workers.edits) ----------------------------------------------------------
+# diffusers has no img2img or inpaint pipeline for PixArt. The rule: StableDiffusionImg2ImgPipeline's and
+# StableDiffusionInpaintPipeline's for a 4-channel model (the posterior sampled with the generator, times the
+# scaling factor; add_noise; pure noise times init_noise_sigma for inpainting at strength 1). The reference:
+# PixArtSigmaPipeline with its retrieve_timesteps followed by get_timesteps, latents noised by its scheduler's
+# add_noise, the inpainting blend in its (per-step, in-place) callback, and the generator (after the posterior and the noise)
+# for an ancestral sampler's steps.
+SCHEDULERS = {"dpmpp_2m": "DPMSolverMultistepScheduler", "euler": "EulerDiscreteScheduler", "ddpm": "DDPMScheduler"}
+
+
+def _edit_reference(model, spec: ItemSpec, monkeypatch, pixel_size: int = 0) -> torch.Tensor:
+    import diffusers
+    from diffusers import PixArtSigmaPipeline
+    from diffusers.pipelines.pixart_alpha import pipeline_pixart_sigma
+    from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3_img2img import retrieve_latents
+
+    family_named("pixart").set_cross_attention(model, "padded")  # the reference runs diffusers' processors
+    config = {**model.card.scheduler, "clip_sample": False}  # as the card's schedule reads it
+    scheduler = getattr(diffusers, SCHEDULERS[spec.sampler]).from_config(config)
+    pipe = PixArtSigmaPipeline(tokenizer=model.tokenizer, text_encoder=model.text_encoder, vae=model.vae,
+                               transformer=model.transformer, scheduler=scheduler)
+    pipe.set_progress_bar_config(disable=True)
+    monkeypatch.setattr(pipeline_pixart_sigma, "retrieve_timesteps",
+                        edit_cases.cut_timesteps(pipeline_pixart_sigma.retrieve_timesteps, spec.strength))
+    size = model.card.image_size
+    gen = edit_cases.generator(spec)
+    image = edit_cases.pipeline_image(spec, size, size)
+    if model.vae is None:  # pixel space: the pixels, in one channel as Pillow's luma weights them
+        x0 = (image * torch.tensor([0.299, 0.587, 0.114]).view(1, 3, 1, 1)).sum(1, keepdim=True)
+    else:
+        x0 = retrieve_latents(model.vae.encode(image), generator=gen) * model.vae.config.scaling_factor
+    noise = torch.randn(x0.shape, generator=gen)
+    timing = type(scheduler).from_config(config)
+    timing.set_timesteps(spec.steps)
+    start = edit_cases.start_of(spec.steps, spec.strength)
+    if hasattr(timing, "set_begin_index"):
+        timing.set_begin_index(start)
+    if spec.mask and spec.strength == 1:
+        x = noise * timing.init_noise_sigma
+    else:
+        x = edit_cases.noised(timing, x0, noise, timing.timesteps[start])
+    kw = {}
+    if spec.mask:
+        mask = torch.nn.functional.interpolate(edit_cases.pipeline_mask(spec, size, size), size=x0.shape[-2:])
+        blend = edit_cases.blend_callback(x0, noise, mask)  # PixArt's pipeline has the old callback: in place
+        kw["callback"] = lambda i, t, latents: latents.copy_(blend(pipe, i, t, {"latents": latents})["latents"])
+    try:
+        return pipe(spec.prompt, negative_prompt=spec.negative_prompt, num_inference_steps=spec.steps,
+                    guidance_scale=spec.guidance, latents=x / pipe.scheduler.init_noise_sigma,
+                    height=pixel_size or size, width=pixel_size or size, max_sequence_length=model.card.max_tokens,
+                    clean_caption=False, use_resolution_binning=False, output_type="latent", generator=gen,
+                    **kw).images[0]
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("strength", edit_cases.STRENGTHS)
+def test_image_to_image_follows_the_sd_img2img_rule(model, strength, monkeypatch):
+    spec = ItemSpec(id="i", seed=71, sampler="dpmpp_2m", steps=6, guidance=3.0, prompt="a red cat",
+                    image=edit_cases.image_bytes(), strength=strength)
+    edit_cases.assert_close(Engine(model, WorkerConfig(backend="eager")).generate([spec])[0].latents,
+                            _edit_reference(model, spec, monkeypatch))
+
+
+@pytest.mark.parametrize("strength", edit_cases.STRENGTHS)
+def test_inpainting_follows_the_sd_inpaint_rule(model, strength, monkeypatch):
+    spec = ItemSpec(id="m", seed=72, sampler="dpmpp_2m", steps=6, guidance=3.0, prompt="a green tree",
+                    image=edit_cases.image_bytes(seed=1), mask=edit_cases.mask_bytes(), strength=strength)
+    edit_cases.assert_close(Engine(model, WorkerConfig(backend="eager")).generate([spec])[0].latents,
+                            _edit_reference(model, spec, monkeypatch))
+
+
+def test_edits_of_every_kind_of_sampler_batched_with_text_rows_follow_the_rule(model, monkeypatch):
+    """Text-to-image, image-to-image and inpainting rows in one engine with DPM-Solver++ (its first kept step first
+    order), Euler (x0 + sigma eps) and DDPM (ancestral: its per-step noise from the generator after the posterior
+    and the noise): each equals its reference run alone."""
+    image, mask = edit_cases.image_bytes(seed=2), edit_cases.mask_bytes(box=(0, 0.25, 1, 0.75))
+    specs = [ItemSpec(id="t", seed=1, sampler="dpmpp_2m", steps=6, guidance=3.0, prompt="a red cat"),
+             ItemSpec(id="i", seed=2, sampler="dpmpp_2m", steps=7, guidance=4.0, prompt="a dog", image=image,
+                      strength=0.5),
+             ItemSpec(id="e", seed=3, sampler="euler", steps=6, guidance=2.0, prompt="a house", image=image,
+                      mask=mask, strength=0.7),
+             ItemSpec(id="a", seed=4, sampler="ddpm", steps=8, guidance=3.0, prompt="a tree", image=image,
+                      strength=0.6),
+             ItemSpec(id="p", seed=5, sampler="ddpm", steps=5, guidance=3.0, prompt="a boat", image=image,
+                      mask=mask, strength=1.0)]
+    for spec, r in zip(specs, Engine(model, WorkerConfig(backend="eager")).generate(specs)):
+        ref = (_edit_reference(model, spec, monkeypatch) if spec.image else
+               _reference(model, spec.prompt, spec.negative_prompt, spec.seed, spec.steps, spec.guidance))
+        edit_cases.assert_close(r.latents, ref, spec.id)
+
+
+def test_digits_text_edits_its_pixels_by_the_rule(monkeypatch):
+    """The shipped pixel-space PixArt model: an image's luma is its 8x8 one-channel latents."""
+    model = load_model("digits-text")
+    image = edit_cases.image_bytes(8, 8, seed=5)
+    specs = [ItemSpec(id="i", seed=1, sampler="dpmpp_2m", steps=10, guidance=3.0, prompt="a bold 3", image=image,
+                      strength=0.5),
+             ItemSpec(id="m", seed=2, sampler="dpmpp_2m", steps=10, guidance=3.0, prompt="an eight", image=image,
+                      mask=edit_cases.mask_bytes(8, 8), strength=0.8)]
+    for spec, r in zip(specs, Engine(model, WorkerConfig(backend="eager")).generate(specs)):
+        edit_cases.assert_close(r.latents, _edit_reference(model, spec, monkeypatch, pixel_size=64), spec.id)

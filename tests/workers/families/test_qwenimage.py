@@ -30,6 +30,8 @@ from workers.models.tiny_qwenimage import IMAGE_SIZE, MAX_TOKENS, make_tiny_qwen
 from workers.request.cards import CardError, read_card
 from workers.request.spec import ItemSpec
 
+from . import edit_cases
+
 EAGER = WorkerConfig(backend="eager", max_batch=4)
 
 
@@ -401,3 +403,56 @@ def test_a_shrunk_builtin_is_whole_and_generates_finite_images():
     results = Engine(model, WorkerConfig(backend="eager", max_batch=2)).generate(specs)
     assert [r.image.shape for r in results] == [(64, 64, 3), (64, 96, 3)]
     assert all(r.latents.isfinite().all() and r.latents.abs().max() > 0 for r in results)
+
+
+# -- image-to-image and inpainting (workers.edits) ----------------------------------------------------------
+def _edit_reference(model, spec: ItemSpec) -> torch.Tensor:
+    """QwenImageImg2ImgPipeline, or QwenImageInpaintPipeline for a spec with a mask, on the decoded image (and
+    mask), true CFG at the request's guidance against its negative prompt (" " for an empty one), with a generator
+    seeded as the request's; the final latents unpacked to (16, h, w)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageImg2ImgPipeline, QwenImageInpaintPipeline
+
+    cls = QwenImageInpaintPipeline if spec.mask else QwenImageImg2ImgPipeline
+    config = {k: v for k, v in model.card.scheduler.items() if k != "flow_grid"}
+    pipe = cls(scheduler=FlowMatchEulerDiscreteScheduler.from_config(config), vae=model.vae.autoencoder,
+               text_encoder=model.text_encoder, tokenizer=model.tokenizer, transformer=model.transformer)
+    pipe.set_progress_bar_config(disable=True)
+    width, height = spec.width or IMAGE_SIZE, spec.height or IMAGE_SIZE
+    out = pipe(spec.prompt, negative_prompt=spec.negative_prompt or " ", true_cfg_scale=spec.guidance,
+               strength=spec.strength, height=height, width=width, num_inference_steps=spec.steps,
+               max_sequence_length=model.card.max_tokens, output_type="latent", generator=edit_cases.generator(spec),
+               **edit_cases.decoded(spec)).images
+    return cls._unpack_latents(out, height, width, 8)[0, :, 0]
+
+
+@pytest.mark.parametrize("strength", edit_cases.STRENGTHS)
+def test_image_to_image_equals_the_img2img_pipeline(model, strength):
+    spec = ItemSpec(id="i", seed=31, sampler="flow_euler", steps=5, guidance=4.0, prompt="a red cat",
+                    negative_prompt="blurry photo", image=edit_cases.image_bytes(), strength=strength)
+    edit_cases.assert_close(Engine(model, EAGER).generate([spec])[0].latents, _edit_reference(model, spec))
+
+
+@pytest.mark.parametrize("strength", edit_cases.STRENGTHS)
+def test_inpainting_equals_the_inpaint_pipeline(model, strength):
+    spec = ItemSpec(id="m", seed=32, sampler="flow_euler", steps=5, guidance=3.0, prompt="a green tree",
+                    image=edit_cases.image_bytes(seed=1), mask=edit_cases.mask_bytes(), strength=strength)
+    edit_cases.assert_close(Engine(model, EAGER).generate([spec])[0].latents, _edit_reference(model, spec))
+
+
+def test_edits_with_and_without_guidance_and_text_rows_each_equal_their_pipeline(model, pipe):
+    """Text-to-image, image-to-image and inpainting rows in one engine, with true CFG and without (scale 1: the
+    NO_CFG step, and its inpainting variant), a non-square size among them: each equals its own pipeline."""
+    image, mask = edit_cases.image_bytes(seed=2), edit_cases.mask_bytes(box=(0, 0.5, 1, 1))
+    specs = [ItemSpec(id="t", seed=1, sampler="flow_euler", steps=4, guidance=4.0, prompt="a red cat"),
+             ItemSpec(id="i", seed=2, sampler="flow_euler", steps=5, guidance=1.0, prompt="a dog", image=image,
+                      strength=0.6),
+             ItemSpec(id="m", seed=3, sampler="flow_euler", steps=4, guidance=1.0, prompt="a house", image=image,
+                      mask=mask, strength=0.8),
+             ItemSpec(id="w", seed=4, sampler="flow_euler", steps=4, guidance=3.0, prompt="a tree", image=image,
+                      mask=mask, strength=0.6, width=96, height=64)]
+    engine = Engine(model, EAGER)
+    results = engine.generate(specs)
+    for spec, r in zip(specs, results):
+        ref = _edit_reference(model, spec) if spec.image else _reference(model, pipe, spec)
+        edit_cases.assert_close(r.latents, ref, spec.id)
+    assert any(k.endswith(":no-cfg+inpaint") for k in engine.stats()["groups"])

@@ -28,6 +28,8 @@ from workers.models.tiny_sana import IMAGE_SIZE, MAX_TOKENS, make_tiny_sana
 from workers.request.cards import CardError, read_card
 from workers.request.spec import ItemSpec
 
+from . import edit_cases
+
 EAGER = WorkerConfig(backend="eager", max_batch=4)
 # diffusers 0.42 on numpy 2 warns on every DPMSolverMultistepScheduler.set_timesteps (np.array of a tensor)
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
@@ -389,3 +391,73 @@ def test_a_shrunk_builtin_loads_generates_and_its_buffers_are_a_normal_builds():
     results = Engine(small, EAGER).generate(specs)
     assert [r.image.shape for r in results] == [(128, 128, 3), (128, 192, 3)]
     assert all(r.latents.isfinite().all() and r.latents.abs().max() > 0 for r in results)
+
+
+# -- image-to-image and inpainting (workers.edits) ----------------------------------------------------------
+# diffusers has no img2img or inpaint pipeline for Sana (Sana Sprint's img2img runs another sampler). The rule:
+# StableDiffusion3Img2ImgPipeline's and StableDiffusion3InpaintPipeline's, with the DC-AE's latent (deterministic,
+# times its scaling factor, as Sana Sprint's img2img encodes). The reference: SanaPipeline with its
+# retrieve_timesteps followed by get_timesteps (the begin index set), latents noised by its scheduler's add_noise
+# (scale_noise for flow Euler), and the inpainting blend in its step-end callback.
+def _edit_reference(model, spec: ItemSpec, monkeypatch, euler: bool = False) -> torch.Tensor:
+    from diffusers.pipelines.sana import pipeline_sana
+
+    pipe = _pipe(model, euler)
+    width, height = spec.width or IMAGE_SIZE, spec.height or IMAGE_SIZE
+    monkeypatch.setattr(pipeline_sana, "retrieve_timesteps",
+                        edit_cases.cut_timesteps(pipeline_sana.retrieve_timesteps, spec.strength))
+    vae = model.vae.vae
+    x0 = vae.encode(edit_cases.pipeline_image(spec, width, height)).latent * vae.config.scaling_factor
+    noise = torch.randn(x0.shape, generator=edit_cases.generator(spec))  # the DC-AE draws nothing before it
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(spec.steps)
+    start = edit_cases.start_of(spec.steps, spec.strength)
+    scheduler.set_begin_index(start)
+    x = noise if spec.mask and spec.strength == 1 else edit_cases.noised(scheduler, x0, noise,
+                                                                         scheduler.timesteps[start])
+    kw = {}
+    if spec.mask:
+        mask = torch.nn.functional.interpolate(edit_cases.pipeline_mask(spec, width, height), size=x0.shape[-2:])
+        kw["callback_on_step_end"] = edit_cases.blend_callback(x0, noise, mask)
+    try:
+        return pipe(spec.prompt, negative_prompt=spec.negative_prompt, num_inference_steps=spec.steps,
+                    guidance_scale=spec.guidance, height=height, width=width, latents=x,
+                    max_sequence_length=model.card.max_tokens, use_resolution_binning=False, output_type="latent",
+                    **kw).images[0]
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("strength", edit_cases.STRENGTHS)
+def test_image_to_image_follows_the_sd3_img2img_rule(model, strength, monkeypatch):
+    spec = ItemSpec(id="i", seed=61, sampler="flow_dpmpp_2m", steps=6, guidance=4.5, prompt="a red cat",
+                    image=edit_cases.image_bytes(), strength=strength)
+    edit_cases.assert_close(Engine(model, EAGER).generate([spec])[0].latents,
+                            _edit_reference(model, spec, monkeypatch))
+
+
+@pytest.mark.parametrize("strength", edit_cases.STRENGTHS)
+def test_inpainting_follows_the_sd3_inpaint_rule(model, strength, monkeypatch):
+    spec = ItemSpec(id="m", seed=62, sampler="flow_dpmpp_2m", steps=6, guidance=3.0, prompt="a green tree",
+                    image=edit_cases.image_bytes(seed=1), mask=edit_cases.mask_bytes(), strength=strength)
+    edit_cases.assert_close(Engine(model, EAGER).generate([spec])[0].latents,
+                            _edit_reference(model, spec, monkeypatch))
+
+
+def test_edits_and_text_rows_batched_together_follow_the_rule(model, monkeypatch):
+    """Text-to-image, image-to-image and inpainting rows in one engine, with CFG and without (scale 1: the NO_CFG
+    step and its inpainting variant), flow Euler beside DPM-Solver, a non-square size: each equals its reference."""
+    image, mask = edit_cases.image_bytes(seed=2), edit_cases.mask_bytes(box=(0.2, 0.2, 0.8, 0.8))
+    specs = [ItemSpec(id="t", seed=1, sampler="flow_dpmpp_2m", steps=5, guidance=4.5, prompt="a red cat"),
+             ItemSpec(id="i", seed=2, sampler="flow_dpmpp_2m", steps=6, guidance=1.0, prompt="a dog", image=image,
+                      strength=0.6),
+             ItemSpec(id="m", seed=3, sampler="flow_dpmpp_2m", steps=5, guidance=1.0, prompt="a house", image=image,
+                      mask=mask, strength=0.7),
+             ItemSpec(id="e", seed=4, sampler="flow_euler", steps=5, guidance=3.0, prompt="a tree", image=image,
+                      mask=mask, strength=0.6, width=192, height=128)]
+    engine = Engine(model, EAGER)
+    for spec, r in zip(specs, engine.generate(specs)):
+        euler = spec.sampler == "flow_euler"
+        ref = _edit_reference(model, spec, monkeypatch, euler) if spec.image else _reference(model, spec)
+        edit_cases.assert_close(r.latents, ref, spec.id)
+    assert any(k.endswith(":no-cfg+inpaint") for k in engine.stats()["groups"])

@@ -30,6 +30,8 @@ from workers.models.tiny_zimage import IMAGE_SIZE, MAX_TOKENS, make_tiny_zimage
 from workers.request.cards import CardError, read_card
 from workers.request.spec import ItemSpec
 
+from . import edit_cases
+
 EAGER = WorkerConfig(backend="eager", max_batch=4)
 LONG = ("a very long prompt about a small red cat sitting on a warm mat by the window, looking at the birds "
         "in the garden while the rain falls on the roof of the old house")  # past MAX_TOKENS: truncated
@@ -410,3 +412,54 @@ def test_rows_at_guidance_0_run_one_forward_each_as_the_pipeline_and_guided_rows
     results = engine.generate(specs)
     assert sorted(rows) == [2, 2, 2, 2]  # per step: the two unguided rows (one forward each), the guided one (two)
     _assert_equal_to_pipeline(tiny, specs, results)
+
+
+# -- image-to-image and inpainting (workers.edits) ----------------------------------------------------------
+def _edit_reference(model, spec: ItemSpec) -> torch.Tensor:
+    """ZImageImg2ImgPipeline, or ZImageInpaintPipeline for a spec with a mask, on the decoded image (and mask), with
+    a generator seeded as the request's. Quirk: both preprocess the image at its own size (no resize to height x
+    width, which must then be its size), so the tests give them images of the generation size."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImageImg2ImgPipeline, ZImageInpaintPipeline
+
+    cls = ZImageInpaintPipeline if spec.mask else ZImageImg2ImgPipeline
+    config = {k: v for k, v in model.card.scheduler.items() if k != "flow_grid"}
+    pipe = cls(scheduler=FlowMatchEulerDiscreteScheduler.from_config(config), vae=model.vae,
+               text_encoder=model.text_encoder, tokenizer=model.tokenizer, transformer=model.transformer)
+    pipe.set_progress_bar_config(disable=True)
+    width, height = spec.width or IMAGE_SIZE, spec.height or IMAGE_SIZE
+    return pipe(spec.prompt, negative_prompt=spec.negative_prompt, strength=spec.strength, height=height, width=width,
+                num_inference_steps=spec.steps, guidance_scale=spec.guidance, max_sequence_length=model.card.max_tokens,
+                output_type="latent", generator=edit_cases.generator(spec), **edit_cases.decoded(spec)).images[0]
+
+
+@pytest.mark.parametrize("strength", edit_cases.STRENGTHS)
+def test_image_to_image_equals_the_img2img_pipeline(tiny, strength):
+    spec = ItemSpec(id="i", seed=41, sampler="flow_euler", steps=6, guidance=0.0, prompt="a red cat",
+                    image=edit_cases.image_bytes(IMAGE_SIZE, IMAGE_SIZE), strength=strength)
+    edit_cases.assert_close(Engine(tiny, EAGER).generate([spec])[0].latents, _edit_reference(tiny, spec))
+
+
+@pytest.mark.parametrize("strength", edit_cases.STRENGTHS)
+def test_inpainting_equals_the_inpaint_pipeline(tiny, strength):
+    spec = ItemSpec(id="m", seed=42, sampler="flow_euler", steps=6, guidance=2.5, prompt="a green tree",
+                    negative_prompt="blurry", image=edit_cases.image_bytes(IMAGE_SIZE, IMAGE_SIZE, seed=1),
+                    mask=edit_cases.mask_bytes(IMAGE_SIZE, IMAGE_SIZE), strength=strength)
+    edit_cases.assert_close(Engine(tiny, EAGER).generate([spec])[0].latents, _edit_reference(tiny, spec))
+
+
+def test_edits_and_text_rows_batched_together_each_equal_their_pipeline(tiny):
+    """Text-to-image, image-to-image and inpainting rows in one engine, at Turbo's scale 0 (the NO_CFG step and its
+    inpainting variant) and with CFG, a non-square size among them: each equals its own pipeline."""
+    wide, square = edit_cases.image_bytes(96, 64, seed=2), edit_cases.image_bytes(IMAGE_SIZE, IMAGE_SIZE, seed=3)
+    specs = [ItemSpec(id="t", seed=1, sampler="flow_euler", steps=4, guidance=0.0, prompt="a red cat"),
+             ItemSpec(id="i", seed=2, sampler="flow_euler", steps=5, guidance=2.0, prompt="a dog", image=square,
+                      strength=0.6),
+             ItemSpec(id="m", seed=3, sampler="flow_euler", steps=4, guidance=0.0, prompt="a house", image=square,
+                      mask=edit_cases.mask_bytes(IMAGE_SIZE, IMAGE_SIZE, box=(0, 0, 1, 0.5)), strength=0.8),
+             ItemSpec(id="w", seed=4, sampler="flow_euler", steps=4, guidance=3.0, prompt="a tree", image=wide,
+                      mask=edit_cases.mask_bytes(96, 64), strength=0.6, width=96, height=64)]
+    engine = Engine(tiny, EAGER)
+    for spec, r in zip(specs, engine.generate(specs)):
+        edit_cases.assert_close(r.latents, _edit_reference(tiny, spec) if spec.image else _reference(tiny, spec),
+                                spec.id)
+    assert any(k.endswith(":no-cfg+inpaint") for k in engine.stats()["groups"])

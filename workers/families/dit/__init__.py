@@ -29,6 +29,10 @@ class DiT(Family):
     builtins = {"dit-xl-2-256": Builtin(256, DIT_XL_2_PARAMS), "dit-xl-2-512": Builtin(512, DIT_XL_2_PARAMS)}
     previews = {4: SD_VAE}
     runtime = "workers.families.dit.runtime:DiTRuntime"
+    # image-to-image and inpainting (workers.edits) by StableDiffusionImg2ImgPipeline's and
+    # StableDiffusionInpaintPipeline's rule (diffusers has none for DiT); a pixel-space model on its pixels
+    takes_image = True
+    takes_mask = True
     break_attention = True  # under `breakable`, each block's self-attention is an eager break (workers.speed.patches)
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,

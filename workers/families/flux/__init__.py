@@ -82,6 +82,9 @@ class Flux(Family):
     joint_attention = True  # its joint attention by the kernel per shape (workers.speed.routing), not a break
     compile_scope = "blocks"  # FLUX.1-dev 1024: 19 s cold instead of 107 s, its step 0-2.4% slower
     fp8_attention = True
+    # image-to-image and inpainting (workers.edits), as FluxImg2ImgPipeline and FluxInpaintPipeline
+    takes_image = True
+    takes_mask = True
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:

@@ -105,6 +105,11 @@ class Flux2(Family):
                 "flux2-dev-1024": Builtin(1024, DEV_PARAMS, DEV_ENCODER_PARAMS)}
     previews = {128: FLUX2_VAE}
     runtime = "workers.families.flux2.runtime:Flux2Runtime"
+    # image-to-image and inpainting (workers.edits) by FluxImg2ImgPipeline's and FluxInpaintPipeline's rule
+    # (diffusers has no FLUX.2 img2img pipeline, and its inpaint pipeline adds the image as reference tokens),
+    # the VAE's mode as FLUX.2's pipelines encode, the mask bilinear as Flux2KleinInpaintPipeline's
+    takes_image = True
+    takes_mask = True
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:

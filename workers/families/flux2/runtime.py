@@ -81,6 +81,16 @@ class Flux2Runtime(Flux2):
     def variant_of(self, model, spec) -> str:
         return NO_CFG if model.card.guidance_mode == "cfg" and spec.guidance <= 1 else ""
 
+    def encode_image(self, model, pixels, generators=None):
+        """The VAE's mode (every FLUX.2 pipeline encodes with ``sample_mode="argmax"``: no generator is drawn from),
+        patchified and normalised by its batch-norm statistics: ``Flux2VAE.encode_latents``."""
+        return model.vae.encode_latents(pixels).float()
+
+    def mask_latents(self, model, mask, shape):
+        """Bilinear onto the packed grid (one cell per 16 px), as Flux2KleinInpaintPipeline's ``prepare_mask_latents``
+        (a binarised mask, so its edges come out fractional)."""
+        return torch.nn.functional.interpolate(mask, size=tuple(shape[1:]), mode="bilinear")
+
     def make_step(self, model, shape=None, variant: str = ""):
         """One whole denoising step for latents of ``shape`` (128, h, w; the native one by default): pack, the
         transformer at timestep t / 1000 (the pipelines divide by 1000; the model multiplies back), CFG or the
@@ -376,6 +386,15 @@ class Flux2VAE(torch.nn.Module):
 
     def decode(self, z: torch.Tensor, return_dict: bool = True):
         return self.vae.decode(self.latents(z), return_dict=return_dict)
+
+    def encode_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) in [-1, 1] -> engine latents (B, 128, H/16, W/16), ``decode``'s inverse as the FLUX.2
+        pipelines' ``_encode_vae_image``: the posterior's mode, ``_patchify_latents``, ``(z - mean) / std``."""
+        z = patchify(self.vae.encode(pixels.to(self.dtype)).latent_dist.mode())
+        bn, eps = self.vae.bn, self.vae.config.batch_norm_eps
+        mean = bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(z.device, z.dtype)
+        return (z - mean) / std
 
 
 # -- loading -------------------------------------------------------------------------------------------------

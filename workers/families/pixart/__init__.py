@@ -34,6 +34,10 @@ class PixArt(Family):
                 "pixart-sigma-1024": Builtin(1024, SIGMA_PARAMS, T5_XXL_PARAMS)}
     previews = {4: SD_VAE}
     runtime = "workers.families.pixart.runtime:PixArtRuntime"
+    # image-to-image and inpainting (workers.edits) by StableDiffusionImg2ImgPipeline's and
+    # StableDiffusionInpaintPipeline's rule for a 4-channel model (diffusers has none for PixArt)
+    takes_image = True
+    takes_mask = True
     break_attention = True  # self-attention (attn1: no mask) through workers.speed.patches: fused q, k, v, the kernel
     compile_scope = "blocks"  # PixArt-Σ 512 end to end 160 ms compiled by blocks (docs/benchmarks/pixart_inductor-blocks.md)
     encoder_graphs = True  # under the graph backends T5 replays from CUDA graphs (runtime.real_length_encode)

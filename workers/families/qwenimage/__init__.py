@@ -83,6 +83,10 @@ class QwenImage(Family):
     builtins = {"qwen-image-1024": Builtin(1024, PARAMS, ENCODER_PARAMS)}
     previews = {16: WAN21_VAE}
     runtime = "workers.families.qwenimage.runtime:QwenImageRuntime"
+    # image-to-image and inpainting (workers.edits), as QwenImageImg2ImgPipeline and
+    # QwenImageInpaintPipeline
+    takes_image = True
+    takes_mask = True
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:

@@ -133,6 +133,12 @@ class QwenImageRuntime(QwenImage):
     def variant_of(self, model, spec) -> str:
         return NO_CFG if spec.guidance <= 1 else ""
 
+    def encode_image(self, model, pixels, generators=None):
+        """The video VAE's posterior of one frame, sampled with each row's generator, normalised by the config's
+        per-channel statistics: ``LatentDecoder.encode_latents``, as QwenImageImg2ImgPipeline's
+        ``_encode_vae_image``."""
+        return model.vae.encode_latents(pixels, generators).float()
+
     def make_step(self, model, shape=None, variant: str = ""):
         """One whole denoising step for latents of ``shape`` (16, h, w; the native one by default): pack, both
         CFG halves through the transformer in one forward (``transformer_forward``) at timestep t / 1000 (the
@@ -213,6 +219,15 @@ class LatentDecoder(torch.nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return next(self.autoencoder.parameters()).dtype
+
+    def encode_latents(self, pixels: torch.Tensor, generators=None) -> torch.Tensor:
+        """Images (B, 3, H, W) in [-1, 1] -> latents in the sampler's space (B, 16, h, w), ``decode``'s inverse as
+        the img2img and inpaint pipelines encode: a time axis of one frame, the posterior (sampled with one
+        generator per row, else its mode: ``workers.edits.posterior``), ``(z - mean) * (1 / std)``."""
+        from workers.edits import posterior
+
+        z = posterior(self.autoencoder.encode(pixels.to(self.dtype)[:, :, None]).latent_dist, generators)
+        return ((z - self.mean.to(z.dtype)) * (1.0 / self.std.to(z.dtype)))[:, :, 0]              # (B, 16, h, w)
 
     def decode(self, z: torch.Tensor, return_dict: bool = True):
         from diffusers.models.autoencoders.vae import DecoderOutput

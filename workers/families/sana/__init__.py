@@ -82,6 +82,10 @@ class Sana(Family):
     transformers = ("SanaTransformer2DModel",)
     builtins = {"sana-1600m-1024": Builtin(1024, SANA_1600M_PARAMS, GEMMA2_2B_PARAMS)}
     runtime = "workers.families.sana.runtime:SanaRuntime"
+    # image-to-image and inpainting (workers.edits) by StableDiffusion3Img2ImgPipeline's and
+    # StableDiffusion3InpaintPipeline's rule (diffusers has none for Sana but Sana Sprint's), the DC-AE's latent
+    takes_image = True
+    takes_mask = True
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:

@@ -72,6 +72,12 @@ class DCAE(torch.nn.Module):
     def decode(self, z: torch.Tensor):
         return self.vae.decode(z)
 
+    def encode_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) in [-1, 1] -> latents (B, 32, H/32, W/32) in the sampler's space: the DC-AE's latent
+        (deterministic: no posterior) times its scaling factor, as SanaSprintImg2ImgPipeline encodes (without its
+        SCM ``sigma_data``)."""
+        return self.vae.encode(pixels.to(self.dtype)).latent * self.config.scaling_factor
+
 
 class SanaRuntime(Sana):
     def reference_pipeline(self, model):
@@ -139,6 +145,10 @@ class SanaRuntime(Sana):
 
     def variant_of(self, model, spec) -> str:
         return NO_CFG if spec.guidance <= 1 else ""
+
+    def encode_image(self, model, pixels, generators=None):
+        """The DC-AE's latent times its scaling factor (``DCAE.encode_latents``): deterministic, no generator drawn."""
+        return model.vae.encode_latents(pixels).float()
 
     def make_step(self, model, shape=None, variant: str = ""):
         """One whole denoising step for latents of ``shape`` (32, h, w; nothing in it depends on the shape: the

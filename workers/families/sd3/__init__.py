@@ -57,6 +57,10 @@ class SD3(Family):
     joint_attention = True  # its joint attention by the kernel per shape (workers.speed.routing), not a break
     compile_scope = "blocks"  # SD3.5-medium 1024's fastest measured step (39.4 ms in FP8 on an H200) compiled by blocks
     fp8_attention = True
+    # image-to-image and inpainting (workers.edits), as StableDiffusion3Img2ImgPipeline and
+    # StableDiffusion3InpaintPipeline
+    takes_image = True
+    takes_mask = True
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:

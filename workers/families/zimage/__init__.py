@@ -86,6 +86,9 @@ class ZImage(Family):
     builtins = {"z-image-turbo-1024": Builtin(1024, TURBO_PARAMS, TURBO_ENCODER_PARAMS)}
     previews = {16: FLUX_VAE}
     runtime = "workers.families.zimage.runtime:ZImageRuntime"
+    # image-to-image and inpainting (workers.edits), as ZImageImg2ImgPipeline and ZImageInpaintPipeline
+    takes_image = True
+    takes_mask = True
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:
