@@ -20,7 +20,9 @@ from dit_serve.schemas import UPLOAD_ID, InputImage, JobRequest, clip
 from dit_serve.server.catalog import RequestError
 from workers.request import images
 
-DATA_URL = re.compile(r"^data:(?:image/(?:png|jpeg|jpg|webp))?(?:;[^,;]*)*;base64,", re.IGNORECASE)
+# a data URL's media type is not trusted (a browser labels an unknown file application/octet-stream): the bytes
+# themselves are checked
+DATA_URL = re.compile(r"^data:[^,;]{0,100}(?:;[^,;]{0,100}){0,8};base64,", re.IGNORECASE)
 SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"))
 
 

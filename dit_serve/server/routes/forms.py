@@ -27,6 +27,9 @@ async def read_form(request: Request, file_fields: tuple[str, ...]) -> tuple[dic
         if name in file_fields:
             files.setdefault(name, []).append(part)
             continue
+        if part.is_file:
+            raise RequestError(f"unknown file field {part.name[:60]!r}; this route takes files as "
+                               f"{' and '.join(repr(f) for f in file_fields)}", part.name[:100])
         if part.name in fields:
             raise RequestError(f"form field {part.name[:60]!r} is sent twice", part.name[:100])
         try:

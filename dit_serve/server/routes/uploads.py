@@ -28,10 +28,10 @@ async def create_upload(request: Request, store: StoreDep, limits: LimitsDep, wh
     takes as ``image`` or ``mask``. Checked before it is stored: an undecodable, animated or too large image is
     a 4xx naming ``file``, and nothing is stored."""
     files, fields = await read_form(request, ("file",))
+    part = one_file(files, "file")
     if fields:
         name = next(iter(fields))
         raise RequestError(f"unknown field {clip(name, 60)!r}: an upload takes one file, as 'file'", name[:100])
-    part = one_file(files, "file")
     check_size(len(part.data), "file", limits.max_image_bytes)
     ttl_s = request.app.state.upload_ttl_s
 
