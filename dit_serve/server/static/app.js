@@ -78,7 +78,7 @@ function applyModel() {
 }
 
 // -- an edit's input image, and the mask painted over it on a canvas of the image's own size -----------
-const edit = { dataUrl: null, painted: false }; // the chosen file as a data URL; whether any stroke was painted
+const edit = { dataUrl: null, blob: null, painted: false }; // the chosen file (a data URL, a blob URL); any strokes
 
 function showMaskEditor() {
   const m = card();
@@ -88,6 +88,7 @@ function showMaskEditor() {
   $("clear-mask").hidden = !m?.takes_mask;
 }
 
+// the file is shown from a blob: URL (the page's Content-Security-Policy allows those) and sent as a data URL
 function chooseImage() {
   const file = $("f-image").files[0];
   clearImage(false);
@@ -95,17 +96,19 @@ function chooseImage() {
   const reader = new FileReader();
   reader.onload = () => {
     const img = $("f-image-preview");
+    edit.blob = URL.createObjectURL(file);
     img.onload = () => {  // the mask has the image's size, upright as the browser shows it (EXIF applied)
       const canvas = $("f-mask");
       canvas.width = img.naturalWidth;
       canvas.height = img.naturalHeight;
-      $("mask-editor").querySelector(".paint").style.setProperty("--ratio", `${img.naturalWidth} / ${img.naturalHeight}`);
-      $("mask-editor").querySelector(".paint").classList.toggle("pixelated", img.naturalWidth < 256);
+      const paint = $("mask-editor").querySelector(".paint");
+      paint.style.setProperty("--ratio", `${img.naturalWidth} / ${img.naturalHeight}`);
+      paint.classList.toggle("pixelated", img.naturalWidth < 256);
       edit.dataUrl = reader.result;
       showMaskEditor();
     };
     img.onerror = () => { edit.dataUrl = reader.result; showMaskEditor(); }; // the service says what is wrong
-    img.src = reader.result;
+    img.src = edit.blob;
   };
   reader.readAsDataURL(file);
 }
@@ -113,8 +116,11 @@ function chooseImage() {
 function clearImage(resetInput = true) {
   edit.dataUrl = null;
   edit.painted = false;
+  if (edit.blob) URL.revokeObjectURL(edit.blob);
+  edit.blob = null;
   if (resetInput) $("f-image").value = "";
   $("f-image-preview").removeAttribute("src");
+  clearMask();
   showMaskEditor();
 }
 
