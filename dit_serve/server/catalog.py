@@ -14,7 +14,7 @@ import functools
 import hashlib
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from dit_serve.schemas import ImageEditRequest, ImageGenerationRequest, JobParams, JobRequest, ModelCard, clip
 from dit_serve.server.config import LimitsConfig
@@ -24,9 +24,6 @@ from workers.families.base import DIT_SCHEDULER
 from workers.request import cards
 from workers.request.images import ImageError, check_mask_size, check_strength
 from workers.request.sizes import nearest_bin, parse_size
-
-if TYPE_CHECKING:
-    from dit_serve.server.inputs import Input, JobInputs
 
 
 class RequestError(ValueError):
@@ -78,7 +75,8 @@ class NewJob:
 # an edit's strength when the request gives none: the img2img pipelines' (FluxImg2ImgPipeline,
 # StableDiffusion3Img2ImgPipeline) for image-to-image; the whole schedule inside a mask, as OpenAI's edits repaint it
 DEFAULT_STRENGTH = {"image": 0.6, "mask": 1.0}
-Reader = Callable[[], "Input"]  # reads and checks an input image (dit_serve.server.inputs)
+# reads and checks an input image: dit_serve.server.inputs (which imports this module) makes them, as Input
+Reader = Callable[[], "Input"]
 
 
 class Catalog:
@@ -107,7 +105,7 @@ class Catalog:
             raise RequestError(f"unknown model {name!r}; this service serves: {', '.join(self.models)}", "model")
         return self.models[name]
 
-    def resolve_job(self, req: JobRequest, idempotency_key: str | None = None, inputs: JobInputs | None = None
+    def resolve_job(self, req: JobRequest, idempotency_key: str | None = None, inputs: "JobInputs | None" = None
                     ) -> NewJob:
         """Check a job against the model and the limits; fill in the model's defaults (and a seed, drawn
         from ``idempotency_key`` when there is one: a retried submission is the same request). ``inputs``: the
@@ -150,7 +148,7 @@ class Catalog:
         return NewJob(info.name, params, labels, seeds, req.priority, req.webhook_url, prompts, stored or None)
 
     def edit(self, info: cards.ModelCard, image: Reader | None, mask: Reader | None, strength: float | None
-             ) -> tuple[dict, dict[str, bytes], Input | None]:
+             ) -> tuple[dict, dict[str, bytes], "Input | None"]:
         """An edit's image, mask and strength checked against the model's card: (JobParams' fields, the bytes to
         store, the image). The readers are called (files read, decoded, checked) only once the card allows what
         they read. Without an image: nothing, and a mask or a strength is refused."""
