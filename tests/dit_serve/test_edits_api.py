@@ -432,3 +432,33 @@ def test_multipart_bodies_are_split_exactly():
     with pytest.raises(multipart.FormError) as e:
         multipart.parse("application/x-www-form-urlencoded", b"a=1")
     assert e.value.status == 415
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_the_store_keeps_uploads_and_job_inputs_on_either_database(kind, tmp_path, request):
+    from dit_serve.schemas import InputImage, JobParams
+    from dit_serve.server.store import Store, UploadQuotaFull
+
+    url = request.getfixturevalue("postgres_url") if kind == "postgresql" else f"sqlite:///{tmp_path / 'jobs.db'}"
+    store = Store(url, tmp_path / "data")
+    try:
+        first = store.put_upload("t", b"12345", "PNG", 1, 1, max_tenant_bytes=8, ttl_s=60)
+        with pytest.raises(UploadQuotaFull):
+            store.put_upload("t", b"6789", "PNG", 1, 1, max_tenant_bytes=8)
+        assert store.upload_bytes("t") == 5 and store.get_upload(first.id, tenant="other") is None
+        assert store.get_upload(first.id, data=True)[1] == b"12345" and store.purge_uploads() == []
+        image = png()
+        ref = InputImage(sha256=hashlib.sha256(image).hexdigest(), width=8, height=8)
+        params = JobParams(sampler="ddim", steps=4, guidance=1.0, image=ref, strength=0.5)
+        job_id = store.create_job("digits", params, [1, 2], [0, 1], inputs={"image": image})
+        leases = store.lease("w", ["digits"], 2, 30)
+        assert [(ls.spec.image, ls.spec.strength) for ls in leases] == [(image, 0.5)] * 2
+        (tmp_path / "data" / "inputs" / job_id / "image").write_bytes(png(color=1))  # changed behind its back
+        store.release(leases, "stop")
+        from dit_serve.server.store.uploads import _read_input
+
+        _read_input.cache_clear()  # (a new scheduler process: nothing read yet)
+        assert store.lease("w", ["digits"], 2, 30) == []
+        assert "changed since it was submitted" in store.get_job(job_id).items[0].error
+    finally:
+        store.close()

@@ -54,7 +54,7 @@ class UploadsMixin(StoreBase):
                 if conn.dialect.name == "postgresql":  # concurrent uploads of a tenant cannot pass the bound together
                     conn.execute(text("SELECT pg_advisory_xact_lock(7346120986)"))
                 if max_tenant_bytes is not None:
-                    held = conn.execute(_HELD, {"tenant": tenant, "now": now}).scalar_one()
+                    held = int(conn.execute(_HELD, {"tenant": tenant, "now": now}).scalar_one())  # PG: numeric
                     if held + len(data) > max_tenant_bytes:
                         raise UploadQuotaFull(f"your tenant's uploads hold {held:,} bytes and may hold at most "
                                               f"{max_tenant_bytes:,}; this file of {len(data):,} would pass that: "
@@ -103,7 +103,7 @@ class UploadsMixin(StoreBase):
     def upload_bytes(self, tenant: str) -> int:
         """What ``tenant``'s uploads hold (those not past their expiry), in bytes."""
         with self._tx(write=False) as conn:
-            return conn.execute(_HELD, {"tenant": tenant, "now": time.time()}).scalar_one()
+            return int(conn.execute(_HELD, {"tenant": tenant, "now": time.time()}).scalar_one())
 
     def purge_uploads(self, limit: int = 500) -> list[str]:
         """Delete up to ``limit`` uploads past their expiry (retention); returns their ids."""
