@@ -391,6 +391,24 @@ def test_the_sdk_inlines_small_images_and_uploads_large_ones(svc, tmp_path, monk
         assert e.value.param == "strength" and e.value.status == 400
 
 
+def test_the_async_sdk_sends_edits_too(svc, monkeypatch):
+    import asyncio
+
+    from dit_serve import client as sdk
+
+    async def run():
+        async with sdk.AsyncClient(svc.url, api_key=KEY) as c:
+            inline = await c.submit(prompts=["a one"], model="digits-text", image=png(color=12), strength=0.4)
+            monkeypatch.setattr(sdk, "INLINE_MAX_BYTES", 10)
+            uploaded = await c.submit(prompts=["a one"], model="digits-text", image=png(color=13),
+                                      mask=left_half())
+            return inline, uploaded
+
+    inline, uploaded = asyncio.run(run())
+    assert (inline.params.image.id, inline.params.strength) == (None, 0.4)
+    assert uploaded.params.image.id.startswith("upl_") and uploaded.params.mask.id.startswith("upl_")
+
+
 def test_the_cli_submits_edits_and_bad_ones_are_one_line_exit_2(svc, tmp_path):
     from .test_cli_usage import cli, one_line
 
