@@ -2,7 +2,8 @@
 
     dit-serve serve [--config FILE]          the service (local Ray, SQLite, digits on the CPU by default)
     dit-serve submit --labels 3,7 [--out D]  queue a job (and wait for it and write its images);
-                                             text models: --prompt "a handwritten seven" (repeatable)
+                                             text models: --prompt "a handwritten seven" (repeatable);
+                                             edits: --image IN.png [--mask M.png] [--strength S]
     dit-serve status JOB                     a job's state and progress
     dit-serve list [--limit N]               jobs, newest first
     dit-serve fetch JOB --out DIR            write a job's PNGs, grid.png and manifest.json
@@ -63,12 +64,23 @@ def _add_conditioning(p) -> None:
                                                               "--width x --height")
 
 
+def _add_edit(p) -> None:
+    """An input image to vary (image-to-image) or, with a mask, to inpaint (models whose card says so)."""
+    p.add_argument("--image", type=Path, help="edits: a PNG, JPEG or WebP image to start from (image-to-image; "
+                                              "the models that take one: GET /v1/models, takes_image)")
+    p.add_argument("--mask", type=Path, help="inpainting: an image of --image's size, white = repaint, "
+                                             "black = keep")
+    p.add_argument("--strength", type=float, help="edits: how much of the schedule runs, in (0, 1] (default 0.6; "
+                                                  "1.0 with --mask): 1 repaints from noise, 0.3 stays close")
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate images locally and write PNGs + manifest.json")
     p.add_argument("--model", default=None, help="'digits' (the default: class-conditional, --labels), "
                                                  "'digits-text' (--prompt), a built-in architecture, or a model "
                                                  "directory")
     _add_conditioning(p)
+    _add_edit(p)
     _add_sampling(p)
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
@@ -114,6 +126,7 @@ def _add_client(sub) -> None:
     _add_service(p)
     p.add_argument("--model", help="a model the service serves (default: its first)")
     _add_conditioning(p)
+    _add_edit(p)
     _add_sampling(p)
     p.add_argument("--priority", type=int, help="-100..100 (default 0): higher runs first")
     p.add_argument("--preview-every", type=int, metavar="N", help="a preview of each running image every N steps "

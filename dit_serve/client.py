@@ -6,6 +6,7 @@
         job = c.submit(labels=[3, 7], num_per_label=4)
         job = c.wait(job)                    # a tqdm bar over the job's denoising steps
         images = c.images(job)               # PIL images, in item order
+        edit = c.submit(labels=[8], image="three.png", mask="left.png", strength=1.0)  # inpainting
 
 ``wait`` follows the job's Server-Sent Events (``events``, ``GET /v1/jobs/{id}/events``): it returns as
 soon as the job ends and shows progress as it comes; a dropped stream resumes with ``Last-Event-ID``,
@@ -28,10 +29,12 @@ one per call unless given), so a retried submission can never queue the same job
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import io
 import math
 import os
+import re
 import time
 import uuid
 from pathlib import Path
@@ -40,7 +43,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import httpx
 from pydantic import TypeAdapter
 
-from dit_serve.schemas import EndEvent, Job, JobEvent, JobList, ModelList, PreviewEvent, ProgressEvent
+from dit_serve.schemas import UPLOAD_ID, EndEvent, Job, JobEvent, JobList, ModelList, PreviewEvent, ProgressEvent, Upload
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV = "DIT_SERVE_URL"
@@ -49,6 +52,9 @@ JobRef = Job | str
 PreviewFn = Callable[[int, int, Any], None]  # (item index, step, PIL image)
 RETRY_STATUS = {502, 503, 504}  # a proxy or a restarting service: worth another try
 STREAM_SILENCE_S = 35.0  # an event stream silent this long has dropped (the service sends a keep-alive every 15 s)
+# an edit's image or mask up to this size goes inline in the job (base64; the service takes 4 MiB by default);
+# a larger one is uploaded first (POST /v1/uploads) and named by its id
+INLINE_MAX_BYTES = 2 << 20
 _EVENTS = TypeAdapter(JobEvent)
 
 
@@ -122,6 +128,48 @@ def _job_body(labels, **fields) -> dict[str, Any]:
         if isinstance(value, float) and not math.isfinite(value):
             raise InvalidRequest(f"{name} must be a finite number, got {value}", name)
     return {k: v for k, v in body.items() if v is not None}
+
+
+def _image_source(value: Any, field: str) -> tuple[str | None, bytes | None, str]:
+    """What ``submit``'s ``image`` or ``mask`` sends: (an upload's id or a data URL as it is, None, "") or (None,
+    the file's bytes, a file name). A path (str or Path) is read; bytes are an encoded PNG, JPEG or WebP file; a
+    PIL image is sent as PNG; a string 'upl_...' that is no file names an earlier upload (``upload``)."""
+    if isinstance(value, str) and (value.startswith("data:") or
+                                   (re.match(UPLOAD_ID, value) and not os.path.exists(value))):
+        return value, None, ""
+    if isinstance(value, (str, Path)):
+        try:
+            return None, Path(value).read_bytes(), Path(value).name
+        except OSError as e:
+            raise InvalidRequest(f"{field}: cannot read {str(value)!r}: {e.strerror or e}", field) from None
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return None, bytes(value), f"{field}.bin"
+    if hasattr(value, "save") and hasattr(value, "mode"):  # a PIL image
+        buf = io.BytesIO()
+        value.save(buf, format="PNG")
+        return None, buf.getvalue(), f"{field}.png"
+    raise InvalidRequest(f"{field} must be a file path, the bytes of a PNG, JPEG or WebP file, a PIL image or an "
+                         f"upload's id, not {type(value).__name__}", field)
+
+
+def _edit_fields(sources: dict[str, tuple[str | None, bytes | None, str]], uploaded: dict[str, str]) -> dict:
+    """The job body's image and mask fields: an id or data URL as given, an uploaded file's id, else base64."""
+    out = {}
+    for field, (given, data, _) in sources.items():
+        if given is not None or field in uploaded:
+            out[field] = given if given is not None else uploaded[field]
+        elif data is not None:
+            out[f"{field}_b64"] = base64.b64encode(data).decode("ascii")
+    return out
+
+
+def _to_upload(sources: dict, inline_max: int) -> dict[str, tuple[bytes, str]]:
+    """The files too large to send inline (over ``inline_max`` bytes): uploaded first (POST /v1/uploads)."""
+    return {f: (data, name) for f, (_, data, name) in sources.items() if data is not None and len(data) > inline_max}
+
+
+def _sources(image: Any, mask: Any) -> dict:
+    return {f: _image_source(v, f) for f, v in (("image", image), ("mask", mask)) if v is not None}
 
 
 def _pil(png: bytes):
@@ -251,7 +299,8 @@ class Client:
                seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
                guidance: float | None = None, eta: float | None = None, priority: int | None = None,
                webhook_url: str | None = None, idempotency_key: str | None = None, width: int | None = None,
-               height: int | None = None, exact_size: bool | None = None, preview_every: int | None = None) -> Job:
+               height: int | None = None, exact_size: bool | None = None, preview_every: int | None = None,
+               image: Any = None, mask: Any = None, strength: float | None = None) -> Job:
         """Queue a job: each label ``num_per_label`` times (class models), or each prompt ``num_per_prompt``
         times (text models, with an optional ``negative_prompt``); returns once the service stored it. Jobs of a
         higher ``priority`` (-100..100, default 0) run first. ``webhook_url`` is POSTed the finished job.
@@ -259,14 +308,34 @@ class Client:
         the nearest bin and, with ``exact_size``, resized to it. ``preview_every`` N: a preview of each
         running image every N steps (``wait(on_preview=...)``). Item i uses ``seeds[i]``, else ``seed + i``;
         without either the service draws a random seed (recorded in the job).
+        Edits (models whose card says ``takes_image``): ``image`` (a file path, bytes of a PNG, JPEG or WebP
+        file, a PIL image, or an upload's id) is varied at ``strength`` in (0, 1]; with ``mask`` (the same kinds;
+        white = repaint) it is inpainted. Files up to ``INLINE_MAX_BYTES`` go inline, larger ones are uploaded.
         The same ``idempotency_key`` (default: a fresh one) on a later call returns this job rather
         than a new one."""
         body = _job_body(labels, prompts=prompts, negative_prompt=negative_prompt, num_per_prompt=num_per_prompt,
                          model=model, num_per_label=num_per_label, seed=seed, seeds=seeds, sampler=sampler,
                          steps=steps, guidance=guidance, eta=eta, priority=priority, webhook_url=webhook_url,
-                         width=width, height=height, exact_size=exact_size, preview_every=preview_every)
+                         width=width, height=height, exact_size=exact_size, preview_every=preview_every,
+                         strength=strength)
+        sources = _sources(image, mask)
+        uploaded = {f: self.upload(data, name).id for f, (data, name) in _to_upload(sources, INLINE_MAX_BYTES).items()}
+        body.update(_edit_fields(sources, uploaded))
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
         return Job.model_validate(self._call("POST", "/v1/jobs", json=body, headers=headers).json())
+
+    def upload(self, image: Any, filename: str | None = None) -> Upload:
+        """Upload an image for edits (a path, bytes or a PIL image, as ``submit`` takes); its ``id`` is what
+        ``submit(image=...)`` or ``mask=`` may name. Uploads count in the tenant's quota until retention deletes
+        them (``delete_upload`` sooner)."""
+        _, data, name = _image_source(image, "image")
+        if data is None:
+            raise InvalidRequest("upload takes a file, not an upload's id or a data URL", "image")
+        r = self._call("POST", "/v1/uploads", files={"file": (filename or name, data)})
+        return Upload.model_validate(r.json())
+
+    def delete_upload(self, upload_id: str) -> Upload:
+        return Upload.model_validate(self._call("DELETE", f"/v1/uploads/{upload_id}").json())
 
     def get(self, job: JobRef, items: bool = True) -> Job:
         return Job.model_validate(self._call("GET", f"/v1/jobs/{_job_id(job)}", params={"items": items}).json())
@@ -429,13 +498,29 @@ class AsyncClient:
                      seeds: list[int] | None = None, sampler: str | None = None, steps: int | None = None,
                      guidance: float | None = None, eta: float | None = None, priority: int | None = None,
                      webhook_url: str | None = None, idempotency_key: str | None = None, width: int | None = None,
-               height: int | None = None, exact_size: bool | None = None, preview_every: int | None = None) -> Job:
+               height: int | None = None, exact_size: bool | None = None, preview_every: int | None = None,
+                     image: Any = None, mask: Any = None, strength: float | None = None) -> Job:
         body = _job_body(labels, prompts=prompts, negative_prompt=negative_prompt, num_per_prompt=num_per_prompt,
                          model=model, num_per_label=num_per_label, seed=seed, seeds=seeds, sampler=sampler,
                          steps=steps, guidance=guidance, eta=eta, priority=priority, webhook_url=webhook_url,
-                         width=width, height=height, exact_size=exact_size, preview_every=preview_every)
+                         width=width, height=height, exact_size=exact_size, preview_every=preview_every,
+                         strength=strength)
+        sources = _sources(image, mask)
+        uploaded = {f: (await self.upload(data, name)).id
+                    for f, (data, name) in _to_upload(sources, INLINE_MAX_BYTES).items()}
+        body.update(_edit_fields(sources, uploaded))
         headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
         return Job.model_validate((await self._call("POST", "/v1/jobs", json=body, headers=headers)).json())
+
+    async def upload(self, image: Any, filename: str | None = None) -> Upload:
+        _, data, name = _image_source(image, "image")
+        if data is None:
+            raise InvalidRequest("upload takes a file, not an upload's id or a data URL", "image")
+        r = await self._call("POST", "/v1/uploads", files={"file": (filename or name, data)})
+        return Upload.model_validate(r.json())
+
+    async def delete_upload(self, upload_id: str) -> Upload:
+        return Upload.model_validate((await self._call("DELETE", f"/v1/uploads/{upload_id}")).json())
 
     async def get(self, job: JobRef, items: bool = True) -> Job:
         r = await self._call("GET", f"/v1/jobs/{_job_id(job)}", params={"items": items})

@@ -211,7 +211,8 @@ def generate(args) -> int:
                      num_per_prompt=args.num_per_prompt or 1, width=args.width, height=args.height,
                      exact_size=args.exact_size, sampler=args.sampler, steps=args.steps, guidance=args.guidance,
                      seed=seed_of(args), eta=args.eta or 0.0, out=args.out, device=args.device,
-                     backend=args.backend, precision=args.precision)
+                     backend=args.backend, precision=args.precision, image=args.image, mask=args.mask,
+                     strength=args.strength)
     manifest = run_generate(a, progress=sys.stderr.isatty())
     for warning in Manifest.model_validate_json(manifest.read_text()).params.warnings:
         print(f"dit-serve: warning: {warning}", file=sys.stderr)
@@ -251,7 +252,8 @@ def submit(args) -> int:
                             sampler=args.sampler, steps=args.steps, guidance=args.guidance, eta=args.eta,
                             priority=args.priority, webhook_url=args.webhook_url, width=args.width,
                             height=args.height, exact_size=args.exact_size or None,
-                            preview_every=args.preview_every)
+                            preview_every=args.preview_every, image=args.image, mask=args.mask,
+                            strength=args.strength)
         try:  # from the moment the job exists: an interrupt says how to stop it, however early it comes
             print(job.id, flush=True)
             if args.wait or args.out:

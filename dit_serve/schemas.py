@@ -26,6 +26,10 @@ MAX_NAME = 200  # model names, class names
 # images API); the model's tokenizer then truncates to its token limit, as the reference does, with a warning.
 # GET /v1/models says it per model (max_prompt_chars).
 MAX_PROMPT = 32000
+# An edit's input image sent inline (base64 or a data URL) in a JSON body: the schema's static bound on the
+# text; the service's own limit on the decoded bytes is lower ([limits] max_inline_image_bytes, 413 past it).
+MAX_INLINE_CHARS = 64 << 20
+UPLOAD_ID = r"^upl_[0-9a-f]{24}$"  # an id POST /v1/uploads answers
 
 
 def clip(text: str, n: int = 100) -> str:
@@ -106,6 +110,23 @@ class JobRequest(_Request):
     webhook_url: str | None = Field(None, max_length=2000, pattern=r"^https?://[^\s]+$",
                                     description="POSTed the finished job (JSON) once it is done, failed or "
                                                 "cancelled; retried with backoff until it answers 2xx")
+    image: str | None = Field(None, min_length=1, max_length=MAX_INLINE_CHARS,
+                              description="edits (models whose card says takes_image): the input image, as an "
+                                          "upload's id (POST /v1/uploads, 'upl_...') or a data URL "
+                                          "('data:image/png;base64,...'); PNG, JPEG or WebP. Image-to-image, or "
+                                          "inpainting with `mask`")
+    image_b64: str | None = Field(None, min_length=1, max_length=MAX_INLINE_CHARS,
+                                  description="the input image as base64 (instead of `image`)")
+    mask: str | None = Field(None, min_length=1, max_length=MAX_INLINE_CHARS,
+                             description="inpainting (models whose card says takes_mask): an upload's id or a data "
+                                         "URL of an image of the input image's size; white = repaint, black = "
+                                         "keep")
+    mask_b64: str | None = Field(None, min_length=1, max_length=MAX_INLINE_CHARS,
+                                 description="the mask as base64 (instead of `mask`)")
+    strength: float | None = Field(None, gt=0, le=1,
+                                   description="edits: how much of the schedule runs, in (0, 1]: 1 repaints "
+                                               "from pure noise, 0.3 stays close to the input; default 0.6 for "
+                                               "image-to-image, 1.0 for inpainting")
 
     @property
     def num_items(self) -> int:
@@ -128,6 +149,17 @@ class JobRequest(_Request):
         return self
 
 
+class InputImage(_Response):
+    """An edit's input image (or mask) as the job stores it: once per job, beside its images."""
+
+    id: str | None = Field(None, description="the upload's id (POST /v1/uploads); null when it was sent inline "
+                                             "or read from a local file")
+    sha256: str = Field(description="SHA-256 of the stored bytes, hex (for an OpenAI edit's mask: of the mask "
+                                    "made from its transparency)")
+    width: int = Field(description="pixels, upright (EXIF orientation applied)")
+    height: int
+
+
 class JobParams(_Response):
     """The sampling parameters a job runs with, after the model's defaults are filled in."""
 
@@ -144,6 +176,10 @@ class JobParams(_Response):
                                              "(0: as generated)")
     output_height: int = 0
     preview_every: int = Field(0, description="a preview every N steps (0: none)")
+    image: InputImage | None = Field(None, description="edits: the input image (null: text-to-image); "
+                                                       "GET /v1/jobs/{id}/inputs/image serves it")
+    mask: InputImage | None = Field(None, description="inpainting: the mask, white = repaint (null: none)")
+    strength: float | None = Field(None, description="edits: the part of the schedule run, in (0, 1]")
     warnings: list[str] = Field(default_factory=list, description="what the service changed in the request, e.g. "
                                                                    "prompts cut at the model's token limit, and how "
                                                                    "the model is served (its card's warnings)")
@@ -308,6 +344,52 @@ class ImageGenerationRequest(_Request):
     priority: int = Field(0, ge=-100, le=100, description="as for jobs: higher runs first")
 
 
+class ImageEditRequest(_Request):
+    """The text fields of OpenAI's ``POST /v1/images/edits`` (multipart/form-data; the files are ``image`` and
+    ``mask``). As for generations: ``prompt`` is the prompt of a text model or names the class of a class model;
+    ``quality``, ``user``, ``input_fidelity`` and the like are accepted and ignored; ``seed``, ``steps``,
+    ``guidance``, ``strength`` and ``priority`` are extensions (the OpenAI SDK's ``extra_body``)."""
+
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT)
+    model: str | None = Field(None, min_length=1, max_length=MAX_NAME)
+    n: int = Field(1, ge=1, le=10_000)
+    size: str | None = Field(None, max_length=20, description="'WxH' of the returned images: a size the model "
+                                                                 "makes; 'auto' (or none): the model's listed size "
+                                                                 "nearest the input image's aspect ratio")
+    response_format: Literal["url", "b64_json"] = "url"
+    output_format: Literal["png"] | None = None
+    output_compression: int | None = Field(None, ge=0, le=100, description="accepted; PNG output is lossless")
+    background: Literal["auto", "opaque"] | None = None
+    stream: Literal[False] | None = None
+    partial_images: Literal[0] | None = None
+    quality: str | None = Field(None, max_length=100)
+    input_fidelity: str | None = Field(None, max_length=100)
+    user: str | None = Field(None, max_length=1000)
+    moderation: str | None = Field(None, max_length=100)
+    safety_identifier: str | None = Field(None, max_length=1000)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="image i uses seed + i; random when omitted")
+    steps: int | None = Field(None, ge=1, le=MAX_STEPS)
+    guidance: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
+    strength: float | None = Field(None, gt=0, le=1, description="how much of the schedule runs, in (0, 1]; "
+                                                                 "default 1.0 with a mask, 0.6 without")
+    priority: int = Field(0, ge=-100, le=100, description="as for jobs: higher runs first")
+
+
+class Upload(_Response):
+    """An uploaded image (POST /v1/uploads): jobs name it by ``id`` as their ``image`` or ``mask``."""
+
+    id: str = Field(description="'upl_' and 24 hex digits")
+    object: Literal["upload"] = "upload"
+    sha256: str = Field(description="SHA-256 of the file's bytes, hex")
+    bytes: int = Field(description="the file's size")
+    format: Literal["PNG", "JPEG", "WEBP"]
+    width: int = Field(description="pixels, upright (EXIF orientation applied)")
+    height: int
+    filename: str | None = Field(None, description="the name it was uploaded under")
+    created_at: float
+    expires_at: float | None = Field(None, description="when retention deletes it (null: kept until deleted)")
+
+
 class ImageData(_Response):
     b64_json: str | None = None
     url: str | None = None
@@ -341,6 +423,9 @@ class ModelCard(_Response):
                                                                     "size_multiple in this range, as asked; empty: "
                                                                     "only `sizes`")
     class_names: list[str] = Field(default_factory=list, description="index i names class i; empty if unnamed")
+    takes_image: bool = Field(False, description="edits: jobs may send an input image and a strength "
+                                                 "(image-to-image; POST /v1/images/edits)")
+    takes_mask: bool = Field(False, description="inpainting: jobs may send a mask with the image")
     defaults: dict = Field(default_factory=dict)
     samplers: list[str] = Field(default_factory=list, description="the samplers a job may name for this model "
                                                                    "(those that integrate what it predicts)")

@@ -14,14 +14,16 @@ import functools
 import hashlib
 import secrets
 from dataclasses import dataclass
+from typing import Callable
 
-from dit_serve.schemas import ImageGenerationRequest, JobParams, JobRequest, ModelCard, clip
+from dit_serve.schemas import ImageEditRequest, ImageGenerationRequest, JobParams, JobRequest, ModelCard, clip
 from dit_serve.server.config import LimitsConfig
 from samplers.rules import RULES, Grid, SettingError, check_plan
 from workers.families import preview_map_of
 from workers.families.base import DIT_SCHEDULER
 from workers.request import cards
-from workers.request.sizes import parse_size
+from workers.request.images import ImageError, check_mask_size, check_strength
+from workers.request.sizes import nearest_bin, parse_size
 
 
 class RequestError(ValueError):
@@ -39,6 +41,7 @@ def model_entry(card: cards.ModelCard, speed: str = "default") -> ModelCard:
                      max_tokens=card.max_tokens, image_size=card.image_size, guidance=card.guidance_mode,
                      sizes=[f"{w}x{h}" for w, h in card.made_sizes()], size_multiple=card.size_multiple,
                      size_range=list(card.size_range) if card.size_range[1] else [], class_names=card.class_names(),
+                     takes_image=card.takes_image, takes_mask=card.takes_mask,
                      defaults=card.defaults, warnings=list(card.warnings),
                      samplers=[n for n, rule in RULES.items() if card.prediction_type in rule.predictions])
 
@@ -66,6 +69,14 @@ class NewJob:
     priority: int = 0
     webhook_url: str | None = None
     prompts: list[str] | None = None  # per item, text models
+    inputs: dict[str, bytes] | None = None  # edits: {"image": ..., "mask": ...} as stored, once for the job
+
+
+# an edit's strength when the request gives none: the img2img pipelines' (FluxImg2ImgPipeline,
+# StableDiffusion3Img2ImgPipeline) for image-to-image; the whole schedule inside a mask, as OpenAI's edits repaint it
+DEFAULT_STRENGTH = {"image": 0.6, "mask": 1.0}
+# reads and checks an input image: dit_serve.server.inputs (which imports this module) makes them, as Input
+Reader = Callable[[], "Input"]
 
 
 class Catalog:
@@ -94,10 +105,17 @@ class Catalog:
             raise RequestError(f"unknown model {name!r}; this service serves: {', '.join(self.models)}", "model")
         return self.models[name]
 
-    def resolve_job(self, req: JobRequest, idempotency_key: str | None = None) -> NewJob:
+    def resolve_job(self, req: JobRequest, idempotency_key: str | None = None, inputs: "JobInputs | None" = None
+                    ) -> NewJob:
         """Check a job against the model and the limits; fill in the model's defaults (and a seed, drawn
-        from ``idempotency_key`` when there is one: a retried submission is the same request)."""
+        from ``idempotency_key`` when there is one: a retried submission is the same request). ``inputs``: the
+        request's image and mask, read once the card allows them (an edit; without it a request that sends
+        them is refused)."""
         info = self.model(req.model)
+        if inputs is None and any(getattr(req, f) is not None for f in ("image", "image_b64", "mask", "mask_b64")):
+            raise RequestError("this endpoint takes no input image", "image")
+        edit, stored, image = self.edit(info, inputs and inputs.reader("image"), inputs and inputs.reader("mask"),
+                                        req.strength)
         text = info.conditioning == "text"
         if text and req.prompts is None:
             raise RequestError(f"model {info.name!r} draws from text: send prompts, not labels", "labels")
@@ -108,8 +126,11 @@ class Catalog:
             per = "len(prompts) * num_per_prompt" if text else "len(labels) * num_per_label"
             raise RequestError(f"the job has {req.num_items} items ({per}); the limit is "
                                f"{self.limits.max_items_per_job}", "prompts" if text else "labels")
+        width, height = req.width, req.height
+        if image is not None and width is None and height is None:  # the listed size nearest the image's ratio
+            width, height = nearest_bin(image.width, image.height, info.made_sizes())
         params = self.params(info, req.sampler, req.steps, req.guidance, req.eta, req.negative_prompt,
-                             size=_size(info, req.width, req.height, req.exact_size))
+                             size=_size(info, width, height, req.exact_size), **edit)
         if req.preview_every:
             if preview_map_of(info) is None:
                 raise RequestError(f"model {info.name!r} has no preview (its {info.latent_channels}-channel latents "
@@ -124,10 +145,74 @@ class Catalog:
             labels = [lb for lb in (_label(info, lb) for lb in req.labels) for _ in range(req.num_per_label)]
         seed = random_seed(idempotency_key) if req.seed is None else req.seed
         seeds = req.seeds if req.seeds is not None else [seed + i for i in range(len(labels))]
-        return NewJob(info.name, params, labels, seeds, req.priority, req.webhook_url, prompts)
+        return NewJob(info.name, params, labels, seeds, req.priority, req.webhook_url, prompts, stored or None)
+
+    def edit(self, info: cards.ModelCard, image: Reader | None, mask: Reader | None, strength: float | None
+             ) -> tuple[dict, dict[str, bytes], "Input | None"]:
+        """An edit's image, mask and strength checked against the model's card: (JobParams' fields, the bytes to
+        store, the image). The readers are called (files read, decoded, checked) only once the card allows what
+        they read. Without an image: nothing, and a mask or a strength is refused."""
+        if image is None:
+            if mask is not None:
+                raise RequestError("a mask needs an input image to inpaint: send image (or image_b64) too", "mask")
+            if strength is not None:
+                raise RequestError("strength applies to edits (an input image): send image too, or no strength",
+                                   "strength")
+            return {}, {}, None
+        if not info.takes_image:
+            raise RequestError(f"model {info.name!r} does not take an input image (GET /v1/models: its takes_image "
+                               "is false)", "image")
+        if mask is not None and not info.takes_mask:
+            raise RequestError(f"model {info.name!r} does not inpaint (GET /v1/models: its takes_mask is false): "
+                               "send no mask for image-to-image", "mask")
+        if strength is not None:
+            try:
+                check_strength(strength)
+            except ValueError as e:
+                raise RequestError(str(e), "strength") from None
+        source = image()
+        painted = mask() if mask is not None else None
+        if painted is not None:
+            try:
+                check_mask_size(source, painted)
+            except ImageError as e:
+                raise RequestError(str(e), "mask") from None
+        if strength is None:
+            strength = DEFAULT_STRENGTH["mask" if painted is not None else "image"]
+        fields = {"image": source.ref(), "mask": painted and painted.ref(), "strength": strength}
+        stored = {"image": source.data, **({"mask": painted.data} if painted is not None else {})}
+        return fields, stored, source
+
+    def resolve_edit(self, req: ImageEditRequest, image: Reader, mask: Reader | None) -> NewJob:
+        """An OpenAI edit as a job of ``n`` images: the prompt as for generations; ``size`` the images' size
+        ('auto': the model's listed size nearest the input's aspect ratio)."""
+        info = self.model(req.model)
+        if req.n > self.limits.max_images_per_request:
+            raise RequestError(f"n must be at most {self.limits.max_images_per_request}, got {req.n}", "n")
+        width = height = None
+        if req.size not in (None, "auto"):
+            try:
+                width, height = parse_size(req.size)
+            except ValueError as e:
+                raise RequestError(str(e), "size") from None
+        if info.conditioning != "text":
+            self._class_label(info, req.prompt)  # before the files are read
+        edit, stored, source = self.edit(info, image, mask, req.strength)
+        if width is None:
+            width, height = nearest_bin(source.width, source.height, info.made_sizes())
+        params = self.params(info, None, req.steps, req.guidance, 0.0, size=self._openai_size(info, width, height,
+                                                                                              req.size), **edit)
+        seed = random_seed() if req.seed is None else req.seed
+        seeds = [seed + i for i in range(req.n)]
+        if info.conditioning == "text":
+            params.warnings.extend(_truncation_warnings(info, [req.prompt], "prompt"))
+            return NewJob(info.name, params, [0] * req.n, seeds, req.priority, prompts=[req.prompt] * req.n,
+                          inputs=stored)
+        return NewJob(info.name, params, [self._class_label(info, req.prompt)] * req.n, seeds, req.priority,
+                      inputs=stored)
 
     def params(self, info: cards.ModelCard, sampler: str | None, steps: int | None, guidance: float | None,
-               eta: float, negative_prompt: str = "", size: dict | None = None) -> JobParams:
+               eta: float, negative_prompt: str = "", size: dict | None = None, **edit) -> JobParams:
         sampler = sampler or info.defaults["sampler"]
         steps = steps or info.defaults["steps"]
         if steps > self.limits.max_steps:
@@ -145,7 +230,7 @@ class Catalog:
             raise RequestError(f"model {info.name!r} has no classifier-free guidance (its guidance is {meaning}): "
                                "negative_prompt does not apply", "negative_prompt")
         params = JobParams(sampler=sampler, steps=steps, guidance=guidance, eta=eta, negative_prompt=negative_prompt,
-                           **(size or _size(info, None, None, False)))
+                           **(size or _size(info, None, None, False)), **edit)
         params.warnings[:0] = info.warnings  # how the model is served comes first
         return params
 
@@ -160,25 +245,32 @@ class Catalog:
                 width, height = parse_size(req.size)
             except ValueError as e:
                 raise RequestError(str(e), "size") from None
-        try:  # OpenAI's size is the image's size: snapped to a bin when needed, then resized to it
-            size = _size(info, width, height, exact=True)
-        except RequestError:  # its message speaks of width and height, which this endpoint does not have
-            lo, hi = info.size_range
-            free = f", or sides that are multiples of {info.size_multiple} px from {lo} to {hi}" if hi else ""
-            raise RequestError(f"model {info.name!r} does not make {req.size} images; size must be one of "
-                               f"{', '.join(f'{w}x{h}' for w, h in info.made_sizes())}{free}, or 'auto' (its own size)",
-                               "size") from None
+        size = self._openai_size(info, width, height, req.size)
         params = self.params(info, None, req.steps, req.guidance, 0.0, size=size)
         seed = random_seed() if req.seed is None else req.seed
         seeds = [seed + i for i in range(req.n)]
         if info.conditioning == "text":
             params.warnings.extend(_truncation_warnings(info, [req.prompt], "prompt"))
             return NewJob(info.name, params, [0] * req.n, seeds, req.priority, prompts=[req.prompt] * req.n)
+        return NewJob(info.name, params, [self._class_label(info, req.prompt)] * req.n, seeds, req.priority)
+
+    @staticmethod
+    def _class_label(info: cards.ModelCard, prompt: str) -> int:
         try:
-            label = info.label_id(req.prompt)
+            return info.label_id(prompt)
         except ValueError as e:
             raise RequestError(f"the prompt must name one class of model {info.name!r}: {e}", "prompt") from None
-        return NewJob(info.name, params, [label] * req.n, seeds, req.priority)
+
+    @staticmethod
+    def _openai_size(info: cards.ModelCard, width: int | None, height: int | None, asked: str | None) -> dict:
+        try:  # OpenAI's size is the image's size: snapped to a bin when needed, then resized to it
+            return _size(info, width, height, exact=True)
+        except RequestError:  # its message speaks of width and height, which these endpoints do not have
+            lo, hi = info.size_range
+            free = f", or sides that are multiples of {info.size_multiple} px from {lo} to {hi}" if hi else ""
+            raise RequestError(f"model {info.name!r} does not make {asked} images; size must be one of "
+                               f"{', '.join(f'{w}x{h}' for w, h in info.made_sizes())}{free}, or 'auto' (its own size)",
+                               "size") from None
 
 
 @functools.lru_cache(maxsize=16)

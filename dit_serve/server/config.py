@@ -90,6 +90,10 @@ class StoreConfig(_Section):
                                                      "before it is marked failed as the cause")
     retention_hours: float = Field(0.0, ge=0, description="delete finished jobs (rows and images) this long "
                                                          "after their last item ended; 0 keeps them")
+    upload_retention_hours: float = Field(24.0, ge=0, description="delete uploads (POST /v1/uploads) this long "
+                                                                 "after they were made; 0 keeps them until "
+                                                                 "deleted (a job keeps its own copy of its "
+                                                                 "inputs, deleted with the job)")
 
     def database_url(self) -> str:
         return self.url or f"sqlite:///{self.data_dir / 'jobs.db'}"
@@ -118,6 +122,15 @@ class LimitsConfig(_Section):
                                                                   "(an admin's included) fills the queue for the others")
     tenant_max_priority: int = Field(100, ge=-100, le=100, description="highest job priority a tenant may "
                                                                        "ask for, unless it has its own limit")
+    max_image_bytes: int = Field(20 << 20, ge=1024, le=1 << 30,
+                                 description="an edit's input image or mask file (POST /v1/uploads, "
+                                             "/v1/images/edits); larger: 413 naming the field")
+    max_inline_image_bytes: int = Field(4 << 20, ge=1024, le=1 << 30,
+                                        description="an image or mask sent inline in POST /v1/jobs (base64 or a "
+                                                    "data URL), decoded; larger: 413 naming the field (upload it)")
+    tenant_max_upload_bytes: int = Field(1 << 30, ge=1024, description="the uploads a tenant may keep at once, "
+                                                                       "in bytes; past it: 403 (delete uploads, or "
+                                                                       "retention deletes them)")
 
     @property
     def reserved_items(self) -> int:

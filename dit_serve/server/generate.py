@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +48,9 @@ class GenerateArgs:
     device: str = "auto"
     backend: str = "auto"
     precision: str = "bf16"
+    image: Path | None = None  # edits: an input image (image-to-image), and a mask (inpainting)
+    mask: Path | None = None
+    strength: float | None = None
 
 
 def check_args(a: GenerateArgs) -> None:
@@ -116,7 +119,13 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
         _check_sampling(card, a)
         conds = [{"prompt": p, "negative_prompt": a.negative_prompt} for p in a.prompts for _ in range(a.num_per_prompt)] \
             if text else [{"label": card.label_id(lb)} for lb in a.labels for _ in range(a.num_per_label)]
-        size, size_note = _size(card, a)
+        edit, refs, source = _edit(card, a)
+        default = None
+        if source is not None:  # without --width and --height, as the service: the listed size nearest its ratio
+            from workers.request.sizes import nearest_bin
+
+            default = nearest_bin(*source, card.made_sizes())
+        size, size_note = _size(card, a, default)
     except (CardError, ValueError) as e:
         raise UsageError(str(e)) from None
 
@@ -141,7 +150,7 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     staging = prepare_out(a.out)
     n = len(conds)
     reqs = [ItemSpec(id=str(i), seed=a.seed + i, sampler=sampler, steps=steps, guidance=guidance, eta=a.eta,
-                     **size, **c) for i, c in enumerate(conds)]
+                     **size, **edit, **c) for i, c in enumerate(conds)]
     max_batch = min(64, 1 << (n - 1).bit_length())
     engine = Engine(model, WorkerConfig(backend=a.backend, max_batch=max_batch))
     try:
@@ -154,7 +163,7 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
         raise
     params = JobParams(sampler=sampler, steps=steps, guidance=guidance, eta=a.eta, negative_prompt=a.negative_prompt,
                        width=size["width"], height=size["height"], output_width=size["out_width"],
-                       output_height=size["out_height"], warnings=[*card.warnings, *size_note])
+                       output_height=size["out_height"], warnings=[*card.warnings, *size_note], **refs)
     images = [ManifestImage(file=f"{i:05d}.png" if text else f"{i:05d}_label{r.request.label}.png", index=i,
                             label=None if text else r.request.label, prompt=r.request.prompt if text else None,
                             seed=r.request.seed) for i, r in enumerate(results)]
@@ -163,12 +172,59 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     return write_outputs(a.out, staging, manifest, [r.image for r in results], cols)
 
 
-def _size(card, a: GenerateArgs) -> tuple[dict, list[str]]:
+def _edit(card, a: GenerateArgs) -> tuple[dict, dict, tuple[int, int] | None]:
+    """An edit's ItemSpec fields (image, mask, strength), the manifest's record of them (JobParams' image, mask,
+    strength) and the image's size; nothing for text-to-image. The service's checks (``workers.request.images``,
+    the card's takes_image and takes_mask), as UsageErrors naming the option."""
+    import hashlib
+
+    from dit_serve.schemas import InputImage
+    from workers.request import images
+
+    if a.image is None:
+        if a.mask is not None or a.strength is not None:
+            raise UsageError(f"{'--mask' if a.mask is not None else '--strength'} applies to edits: pass --image too")
+        return {}, {}, None
+    if not card.takes_image:
+        raise UsageError(f"--image: model {card.name!r} does not take an input image")
+    if a.mask is not None and not card.takes_mask:
+        raise UsageError(f"--mask: model {card.name!r} does not inpaint")
+    if a.strength is not None:
+        try:
+            images.check_strength(a.strength)
+        except ValueError as e:
+            raise UsageError(f"--{e}") from None
+    files = {name: path for name, path in (("image", a.image), ("mask", a.mask)) if path is not None}
+    data, decoded = {}, {}
+    for name, path in files.items():
+        try:
+            data[name] = path.read_bytes()
+        except OSError as e:
+            raise UsageError(f"--{name}: cannot read {str(path)!r}: {e.strerror or e}") from None
+        try:
+            decoded[name] = (images.decode_mask if name == "mask" else images.decode_image)(data[name], f"--{name}")
+        except images.ImageError as e:
+            raise UsageError(str(e)) from None
+    if "mask" in decoded:
+        try:
+            images.check_mask_size(decoded["image"], decoded["mask"])
+        except images.ImageError as e:
+            raise UsageError(f"--{e}") from None
+    strength = a.strength if a.strength is not None else (1.0 if "mask" in data else 0.6)
+    refs = {name: InputImage(sha256=hashlib.sha256(b).hexdigest(), width=decoded[name].width,
+                             height=decoded[name].height) for name, b in data.items()}
+    return {**data, "strength": strength}, {**refs, "strength": strength}, decoded["image"].size
+
+
+def _size(card, a: GenerateArgs, default: tuple[int, int] | None = None) -> tuple[dict, list[str]]:
     """ItemSpec's size fields, resolved as the service resolves them (``ModelCard.resolve_size``), and the
-    warning when the model makes another size than the one asked."""
+    warning when the model makes another size than the one asked (``default``: the size asked when no width and
+    height are given; else the model's own)."""
     for name, value in (("--width", a.width), ("--height", a.height)):
         if value is not None and not 8 <= value <= 4096:
             raise UsageError(f"{name} must be between 8 and 4096 pixels, got {value}")
+    if default is not None and a.width is None and a.height is None:
+        a = replace(a, width=default[0], height=default[1])
     (w, h), note = card.resolve_size(a.width, a.height)
     asked = (a.width or card.image_size, a.height or card.image_size)
     out = asked if a.exact_size and asked != (w, h) else (0, 0)

@@ -39,8 +39,13 @@ class BodyRejected(Exception):
 
 
 class LimitsMiddleware:
-    def __init__(self, app, max_body_bytes: int = 1 << 20, read_timeout_s: float = 30.0):
+    """``route_limits``: paths whose bodies may be larger than ``max_body_bytes`` (an edit's image files), and
+    their own limit."""
+
+    def __init__(self, app, max_body_bytes: int = 1 << 20, read_timeout_s: float = 30.0,
+                 route_limits: dict[str, int] | None = None):
         self.app, self.max_body_bytes, self.read_timeout_s = app, max_body_bytes, read_timeout_s
+        self.route_limits = route_limits or {}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -49,10 +54,13 @@ class LimitsMiddleware:
             declared = _content_length(scope["headers"])
         except ValueError as e:
             return await _reply(send, 400, str(e))
-        if declared is not None and declared > self.max_body_bytes:
+        path = scope.get("path", "")
+        limit = self.route_limits.get(path, self.max_body_bytes)
+        if declared is not None and declared > limit:
+            where = f" on {path}" if path in self.route_limits else ""
             return await _reply(send, 413, f"the request body is {declared} bytes; this service accepts at "
-                                           f"most {self.max_body_bytes} ({_size(self.max_body_bytes)})")
-        body = _Body(receive, send, self.max_body_bytes, self.read_timeout_s, declared)
+                                           f"most {limit} ({_size(limit)}){where}")
+        body = _Body(receive, send, limit, self.read_timeout_s, declared)
         try:
             await self.app(scope, body.receive, body.send)
         except Exception:

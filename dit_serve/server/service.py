@@ -104,9 +104,10 @@ def open_store(config: Config) -> Store:
 
 
 class Retention:
-    """Deletes finished jobs (rows and images) ``seconds`` after they end (0 keeps them), and the temp
-    files of results a killed process never finished writing. A thread of its own: deleting many images
-    must not hold up the scheduler's dispatch."""
+    """Deletes finished jobs (rows, images and inputs) ``seconds`` after they end (0 keeps them), uploads past
+    their expiry (``[store] upload_retention_hours``, checked every ``sweep_every_s``), and the temp files of
+    results a killed process never finished writing. A thread of its own: deleting many images must not hold
+    up the scheduler's dispatch."""
 
     def __init__(self, store: Store, seconds: float, sweep_every_s: float = 60.0):
         self.store, self.seconds, self.sweep_every_s = store, seconds, sweep_every_s
@@ -119,6 +120,8 @@ class Retention:
                     last_sweep = time.monotonic()
                     if swept := self.store.sweep_temp_files():
                         log.info("removed %d result temp file(s) left by a process that was killed", swept)
+                    if expired := self.store.purge_uploads():
+                        log.info("deleted %d upload(s) past retention", len(expired))
                 if self.seconds and (purged := self.store.purge_finished(self.seconds)):
                     log.info("deleted %d finished job(s) past retention", len(purged))
             except Exception:  # a store hiccup must not end the policy
@@ -227,7 +230,8 @@ class Service:
         import uvicorn
 
         app = create_app(self.store, catalog, self.config.server, self.metrics,
-                         lambda: self.scheduler.num_ready if self.scheduler else None, self.config.webhooks.allow_hosts)
+                         lambda: self.scheduler.num_ready if self.scheduler else None, self.config.webhooks.allow_hosts,
+                         upload_ttl_s=self.config.store.upload_retention_hours * 3600)
         app.router.lifespan_context = self._lifespan
         self._sock = _bind(self.config.server.host, self.config.server.port)
         self.port = self._sock.getsockname()[1]

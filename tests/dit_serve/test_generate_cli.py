@@ -127,3 +127,33 @@ def test_a_failed_run_leaves_no_folder_it_created(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="the engine failed"):
         main(["generate", "--model", "digits", "--labels", "1", "--steps", "2", "--out", str(out)])
     assert not out.exists()
+
+
+def test_generate_edits_a_local_image_and_records_its_hash(tmp_path, capsys):
+    """--image (and --mask, --strength) locally: the manifest records each input's sha256; outside the mask the
+    source's pixels are kept exactly; bad input is one line, exit 2, nothing written."""
+    import hashlib
+
+    Image.new("L", (8, 8), 70).save(tmp_path / "in.png")
+    mask = Image.new("L", (8, 8), 0)
+    mask.paste(255, (0, 0, 4, 8))
+    mask.save(tmp_path / "mask.png")
+    Image.new("L", (9, 8), 0).save(tmp_path / "wide.png")
+    code = main(["generate", "--model", "digits-text", "--prompt", "an eight", "--image", str(tmp_path / "in.png"),
+                 "--mask", str(tmp_path / "mask.png"), "--steps", "4", "--seed", "1", "--out", str(tmp_path / "out")])
+    assert code == 0
+    params = json.loads((tmp_path / "out" / "manifest.json").read_text())["params"]
+    assert params["image"]["sha256"] == hashlib.sha256((tmp_path / "in.png").read_bytes()).hexdigest()
+    assert params["mask"]["sha256"] == hashlib.sha256((tmp_path / "mask.png").read_bytes()).hexdigest()
+    assert params["strength"] == 1.0 and params["image"]["id"] is None
+    assert (np.asarray(Image.open(tmp_path / "out" / "00000.png"))[:, 4:] == 70).all()
+    capsys.readouterr()
+    for extra, message in ((["--mask", str(tmp_path / "wide.png")], "--mask: 9x8 differs from the image's 8x8"),
+                           (["--strength", "0"], "--strength must be a number in (0, 1]"),
+                           (["--image", str(tmp_path / "nope.png")], "--image: cannot read")):
+        args = ["generate", "--model", "digits-text", "--prompt", "an eight", "--image", str(tmp_path / "in.png"),
+                *extra, "--out", str(tmp_path / "bad")]
+        assert _exit_code(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+        assert not (tmp_path / "bad").exists()

@@ -26,10 +26,12 @@ CONFIG = """
 expected-statuses = ["2XX", "400", "401", "403", "404", "409", "410", "429"]
 
 [[operations]]
-include-path = "/v1/images/generations"
-# no worker here: the images endpoint waits for a job that never runs and answers its schema's 504
+include-path-regex = "^/v1/images/(generations|edits)$"
+# no worker here: the images endpoints wait for a job that never runs and answer their schema's 504 (an edit's
+# generated image is rarely a decodable one: mostly a 400 naming it)
 checks.not_a_server_error.expected-statuses = ["2XX", "3XX", "4XX", "504"]
-checks.positive_data_acceptance.expected-statuses = ["2XX", "400", "401", "403", "404", "409", "410", "429", "504"]
+checks.positive_data_acceptance.expected-statuses = ["2XX", "400", "401", "403", "404", "409", "410", "413", "429",
+                                                     "504"]
 """
 
 

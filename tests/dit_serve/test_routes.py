@@ -14,7 +14,8 @@ from dit_serve.server.service import build_catalog, open_store
 
 from .conftest import service_config
 
-SAMPLES = {"job_id": "abc", "index": "0", "model_id": "digits"}  # values for the schema's path parameters
+SAMPLES = {"job_id": "abc", "index": "0", "model_id": "digits", "name": "image",
+           "upload_id": "upl_" + "0" * 24}  # values for the schema's path parameters
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def test_every_v1_operation_in_the_schema_needs_a_key(make_app):
     operations = [(method, re.sub(r"\{(\w+)\}", lambda m: SAMPLES[m[1]], path))
                   for path, ops in http.get("/openapi.json").json()["paths"].items() for method in ops]
     v1 = [(method, path) for method, path in operations if path.startswith("/v1/")]
-    assert len(v1) == 12  # jobs 9, openai 1, models 2
+    assert len(v1) == 17  # jobs 10, openai 2, uploads 3, models 2
     for method, path in v1:
         for headers in ({}, {"Authorization": "Bearer wrong-key-0"}):
             r = http.request(method, path, headers=headers)

@@ -435,6 +435,8 @@ def test_an_older_database_is_upgraded_in_place(tmp_path, kind):
         assert [ls.job_id for ls in store.lease("w", ["digits"], 1, ttl=30)] == [urgent]
         assert store.submit("digits", PARAMS, [0], [1], idempotency_key="k")[1]
         assert store.submit("digits", PARAMS, [0], [1], idempotency_key="k")[1] is False
+        upload = store.put_upload("default", b"png", "PNG", 1, 1)  # its table made by the upgrade
+        assert store.get_upload(upload.id)[0] == upload and store.upload_bytes("default") == 3
         with store.engine.begin() as conn:
             assert conn.execute(text("SELECT version FROM dit_serve_schema")).scalars().all() == [SCHEMA_VERSION]
     finally:

@@ -344,3 +344,44 @@ def test_a_failed_jobs_reasons_are_visible_text_and_a_cancel_keeps_its_progress(
     assert _js(browser, "return [document.querySelector('#j-progress').value, "
                         "document.querySelector('#grid .cell progress').value]") == [0.4, 0.4]
     assert _js_errors(browser) == []
+
+
+def test_an_edit_picks_an_image_paints_a_mask_and_shows_the_result_beside_the_input(keyed, browser, tmp_path):
+    """The form's image and the brush on its canvas become the job's image and mask (white where painted, at the
+    image's own size); the job's page shows the input and the mask before the results."""
+    from PIL import Image
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    source = tmp_path / "three.png"
+    Image.new("L", (8, 8), 90).save(source)
+    browser.get(f"{keyed.url}/")
+    browser.execute_script("sessionStorage.setItem('dit-serve.api-key', arguments[0])", KEY)
+    browser.get(f"{keyed.url}/")
+    _wait(browser, lambda d: _js(d, "return !document.querySelector('#edit-field').hidden"), what="the edit field")
+    assert _js(browser, "return document.querySelector('#mask-editor').hidden")
+    _find(browser, "#f-image").send_keys(str(source))
+    _wait(browser, lambda d: _js(d, "return !document.querySelector('#mask-editor').hidden"), what="the canvas")
+    canvas = _find(browser, "#f-mask")
+    assert _js(browser, "const c = arguments[0]; return [c.width, c.height]", canvas) == [8, 8]
+    box = _js(browser, "const r = arguments[0].getBoundingClientRect(); return [r.width, r.height]", canvas)
+    _fill(browser, "#f-brush", "")
+    _js(browser, "document.querySelector('#f-brush').value = 5")  # a brush of about a pixel at 8 px
+    left = -box[0] / 2 + box[0] / 16  # the canvas's left column, from its centre, top to bottom
+    ActionChains(browser).move_to_element_with_offset(canvas, left, -box[1] / 2 + 2).click_and_hold() \
+        .move_by_offset(0, box[1] / 2).move_by_offset(0, box[1] / 2 - 4).release().perform()
+    _fill(browser, "#f-strength", "0.8")
+    job_id = _submit(browser, "three", count=1, steps=5)
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    params = httpx.get(f"{keyed.url}/v1/jobs/{job_id}", headers=auth).json()["params"]
+    assert params["strength"] == 0.8 and params["image"]["width"] == params["mask"]["width"] == 8
+    mask = Image.open(io.BytesIO(httpx.get(f"{keyed.url}/v1/jobs/{job_id}/inputs/mask", headers=auth).content))
+    column = [mask.convert("L").getpixel((0, y)) for y in range(8)]
+    assert column.count(255) >= 6 and mask.convert("L").getpixel((7, 4)) == 0, column  # painted left, kept right
+    _run_as_a_worker(keyed.store, job_id, 1)
+    _wait(browser, lambda d: _loaded_images(d) == 3, what="the input, the mask and the result")
+    cells = _js(browser, "return [...document.querySelectorAll('#grid .cell')].map(c => "
+                         "c.querySelector('.what').textContent)")
+    assert cells == ["input, strength 0.8", "mask", "three"]
+    assert "inpainting" in _text(browser, "#j-summary")
+    assert _js_errors(browser) == []

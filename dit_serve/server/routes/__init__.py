@@ -15,7 +15,8 @@ DESCRIPTIONS = {400: "Bad request: the message names the field", 401: "Missing o
                 405: "Method not allowed (see the Allow header)", 408: "The request body did not arrive in time",
                 409: "Conflict (an image not made yet: the message says its state)",
                 410: "Gone: the item failed (the message says why) or was cancelled", 413: "Request body too large",
-                415: "The body is not sent as JSON (Content-Type: application/json)", 429: "Too many queued items: retry after Retry-After "
+                415: "The body is not sent as JSON (Content-Type: application/json), or for uploads and image "
+                "edits as multipart/form-data", 429: "Too many queued items: retry after Retry-After "
                 "seconds", 500: "Internal error, or the generation failed", 503: "Not ready",
                 504: "The generation did not finish in time"}
 
@@ -26,3 +27,15 @@ def errors(*statuses: int) -> dict:
 
 
 ERRORS = errors(400, 401, 405, 408, 413, 415, 500)  # any route can answer these (validation, key, limits, bugs)
+
+
+def form_body(schema: dict, required: list[str], files: dict[str, str]) -> dict:
+    """A route's ``openapi_extra`` for a multipart/form-data body: ``files`` (name -> description) as binary
+    parts, and the text fields of a request model's JSON ``schema`` (``model_json_schema()``), each as the type it
+    has when given (a form has no null)."""
+    properties = {name: {"type": "string", "format": "binary", "description": text} for name, text in files.items()}
+    for name, field in schema.get("properties", {}).items():
+        branches = [b for b in field.get("anyOf", [field]) if b.get("type") != "null"]
+        properties[name] = {**{k: v for k, v in field.items() if k not in ("anyOf", "default")}, **branches[0]}
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": required, "properties": properties, "additionalProperties": False}}}}}

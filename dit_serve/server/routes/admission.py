@@ -52,7 +52,7 @@ class Admission:
             return self.store.submit(new.model, new.params, new.labels, new.seeds, idempotency_key, new.priority,
                                      new.webhook_url, tenant=who.tenant, max_active=limits.max_queued_items,
                                      tenant_max_active=tenant_bound, prompts=new.prompts, view=True,
-                                     reserve=limits.reserved_items)
+                                     reserve=limits.reserved_items, inputs=new.inputs)
         except IdempotencyConflict as e:
             raise RequestError(str(e), "Idempotency-Key", status=409) from None
         except QueueFull as e:

@@ -1,5 +1,5 @@
-"""Jobs: submit, read, list, cancel (and purge), retry, and a job's images, previews, archive and
-events. Callers are tenants (``dit_serve.server.keys``): each sees and acts on its own jobs only, and
+"""Jobs: submit, read, list, cancel (and purge), retry, and a job's images, previews, archive, events and an
+edit's inputs. Callers are tenants (``dit_serve.server.keys``): each sees and acts on its own jobs only, and
 a job that another tenant owns is a 404."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from fastapi.responses import FileResponse, StreamingResponse
 from dit_serve.schemas import MAX_ITEMS, Job, JobList, JobRequest, clip, event_schema
 from dit_serve.server.catalog import RequestError
 from dit_serve.server.events import END_EVENT_ITEMS, Cursor, EventResponse, JobEvents
+from dit_serve.server.inputs import JobInputs, format_of
 from dit_serve.server.keys import Principal
 from dit_serve.server.routes import errors
 from dit_serve.server.routes.deps import AdmissionDep, Caller, CatalogDep, StoreDep, StreamsDep, v1_router
@@ -52,8 +53,14 @@ def job_or_404(store: Store, job_id: str, who: Principal, with_items: bool = Tru
 @router.post("/jobs", status_code=202, response_model=Job, responses=errors(403, 409, 429))
 def submit_job(req: JobRequest, store: StoreDep, catalog: CatalogDep, admission: AdmissionDep,
                who: Caller, idempotency_key: str | None = IdempotencyKey) -> Job:
-    """Queue a job; 202 once it is committed to the store (429 with Retry-After when the queue is full)."""
-    job_id, created, job = admission.submit(catalog.resolve_job(req, idempotency_key), who, idempotency_key)
+    """Queue a job; 202 once it is committed to the store (429 with Retry-After when the queue is full).
+    Edits send ``image`` (an upload's id or a data URL; or ``image_b64``), ``mask`` and ``strength``."""
+    def upload(upload_id: str) -> bytes | None:
+        found = store.get_upload(upload_id, tenant=who.scope, data=True)
+        return None if found is None else found[1]
+
+    inputs = JobInputs(req, upload, catalog.limits.max_inline_image_bytes)
+    job_id, created, job = admission.submit(catalog.resolve_job(req, idempotency_key, inputs), who, idempotency_key)
     headers = {"Location": f"/v1/jobs/{job_id}"} | ({} if created else {"Idempotent-Replayed": "true"})
     # a new job as written, not read back, and serialised here: this answer is on every image's path,
     # and the scheduler leasing the job meanwhile needs the interpreter that a re-validation would hold
@@ -160,6 +167,20 @@ def _no_image(job: Job, index: int) -> RequestError:
         return RequestError(f"{where} was cancelled before it was made", "index", status=410)
     return RequestError(f"{where} is not ready yet ({item.state}, step {item.step} of {item.total_steps})", "index",
                         status=409)
+
+
+@router.get("/jobs/{job_id}/inputs/{name}", response_class=Response,
+            responses={200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}}, **errors(404)})
+def get_input(store: StoreDep, who: Caller, job_id: str = JobId,
+              name: str = Path(pattern="^(image|mask)$", description="image or mask")):
+    """An edit's input image or mask, as the job stored it (``params.image``, ``params.mask``: its SHA-256)."""
+    job_or_404(store, job_id, who, with_items=False)
+    data = store.job_input(job_id, name)
+    if data is None:
+        raise RequestError(f"job {job_id} has no input {name}", "name", status=404)
+    return Response(data, media_type=f"image/{format_of(data).lower()}",
+                    headers={"Cache-Control": "private, max-age=86400", "X-Content-Type-Options": "nosniff",
+                             "Content-Security-Policy": "default-src 'none'"})
 
 
 @router.get("/jobs/{job_id}/items/{index}/preview", response_class=Response,

@@ -1,4 +1,5 @@
-"""OpenAI-compatible images: ``POST /v1/images/generations`` runs a job and answers when it ends.
+"""OpenAI-compatible images: ``POST /v1/images/generations`` and ``POST /v1/images/edits`` (multipart/form-data:
+an image, a mask whose transparent area is repainted) run a job and answer when it ends.
 
 The wait is woken by the store's change notifications (``Store.changes``: in-process, and from other
 processes through PostgreSQL's NOTIFY), so a finished image is handed over at once; one count query a
@@ -13,10 +14,12 @@ import time
 from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from dit_serve.schemas import ImageData, ImageGenerationRequest, ImagesResponse, Job
+from dit_serve.schemas import ImageData, ImageEditRequest, ImageGenerationRequest, ImagesResponse, Job
 from dit_serve.server.catalog import RequestError
 from dit_serve.server.config import LimitsConfig
-from dit_serve.server.routes import errors
+from dit_serve.server.inputs import Input, check_size, mask_from_alpha
+from dit_serve.server.routes import errors, form_body
+from dit_serve.server.routes.forms import one_file, read_form, validate_fields
 from dit_serve.server.routes.deps import AdmissionDep, Caller, CatalogDep, LimitsDep, ServerDep, StoreDep, v1_router
 from dit_serve.server.store import Store
 
@@ -31,6 +34,42 @@ async def generate_images(req: ImageGenerationRequest, request: Request, store: 
     """OpenAI-compatible: runs a job of ``n`` images of the class the prompt names and waits for it.
     A client that hangs up before it finishes gets its job cancelled (``[server] cancel_on_disconnect``)."""
     new = catalog.resolve_images(req)
+    job_id, _, _ = await run_in_threadpool(admission.submit, new, who)
+    job = await _wait(store, job_id, limits, request, server.cancel_on_disconnect)
+    if job is None:  # the client went away
+        return Response(status_code=499)
+    base = (server.public_url or str(request.base_url)).rstrip("/")
+    data = [await run_in_threadpool(_image_data, store, job, i, req.response_format, base)
+            for i in range(job.num_items)]
+    return ImagesResponse(created=int(job.created_at), data=data)
+
+
+EDIT_FORM = form_body(ImageEditRequest.model_json_schema(), ["image", "prompt"], {
+    "image": "the image to edit: one PNG, JPEG or WebP file (OpenAI's SDK sends several as image[]: more than one "
+             "is refused, as no served model takes reference images)",
+    "mask": "where to edit: an image of the input's size whose fully transparent pixels are repainted "
+            "(OpenAI's rule), for models that inpaint; without it the whole image is varied (image-to-image)"})
+
+
+@router.post("/images/edits", response_model=ImagesResponse, response_model_exclude_none=True,
+             responses=errors(403, 429, 504), openapi_extra=EDIT_FORM)
+async def edit_images(request: Request, store: StoreDep, catalog: CatalogDep, admission: AdmissionDep,
+                      limits: LimitsDep, server: ServerDep, who: Caller) -> Response | ImagesResponse:
+    """OpenAI-compatible image edits (multipart/form-data): ``n`` images made from ``image``, inpainted where the
+    ``mask`` is transparent (models that inpaint), else image-to-image at ``strength``; waits as generations do."""
+    files, fields = await read_form(request, ("image", "mask"))
+    req = validate_fields(ImageEditRequest, fields)
+    sent = files.get("image", [])
+    if len(sent) > 1:
+        raise RequestError(f"image: {len(sent)} images were sent; the served models edit one image (several are "
+                           "reference images of instruction-edit models, which this service does not serve): send one",
+                           "image")
+    image, mask = one_file(files, "image"), one_file(files, "mask", required=False)
+    for name, part in (("image", image), ("mask", mask)):
+        if part is not None:
+            check_size(len(part.data), name, limits.max_image_bytes)
+    read_mask = None if mask is None else (lambda: Input.of(mask_from_alpha(mask.data), "mask", mask=True))
+    new = await run_in_threadpool(catalog.resolve_edit, req, lambda: Input.of(image.data, "image"), read_mask)
     job_id, _, _ = await run_in_threadpool(admission.submit, new, who)
     job = await _wait(store, job_id, limits, request, server.cancel_on_disconnect)
     if job is None:  # the client went away

@@ -73,6 +73,103 @@ function applyModel() {
   $("class-names").replaceChildren(...m.class_names.map((n) => el("option", { value: n })));
   chosenLabels.length = 0;
   renderLabels();
+  $("edit-field").hidden = !m.takes_image;
+  showMaskEditor();
+}
+
+// -- an edit's input image, and the mask painted over it on a canvas of the image's own size -----------
+const edit = { dataUrl: null, blob: null, painted: false }; // the chosen file (a data URL, a blob URL); any strokes
+
+function showMaskEditor() {
+  const m = card();
+  $("mask-editor").hidden = !(m?.takes_image && edit.dataUrl);
+  $("f-mask").hidden = !m?.takes_mask;
+  $("mask-note").hidden = !m?.takes_mask;
+  $("clear-mask").hidden = !m?.takes_mask;
+}
+
+// the file is shown from a blob: URL (the page's Content-Security-Policy allows those) and sent as a data URL
+function chooseImage() {
+  const file = $("f-image").files[0];
+  clearImage(false);
+  if (!file) return;
+  const reader = new FileReader();
+  reader.onload = () => {
+    const img = $("f-image-preview");
+    edit.blob = URL.createObjectURL(file);
+    img.onload = () => {  // the mask has the image's size, upright as the browser shows it (EXIF applied)
+      const canvas = $("f-mask");
+      canvas.width = img.naturalWidth;
+      canvas.height = img.naturalHeight;
+      const paint = $("mask-editor").querySelector(".paint");
+      paint.style.setProperty("--ratio", `${img.naturalWidth} / ${img.naturalHeight}`);
+      paint.classList.toggle("pixelated", img.naturalWidth < 256);
+      edit.dataUrl = reader.result;
+      showMaskEditor();
+    };
+    img.onerror = () => { edit.dataUrl = reader.result; showMaskEditor(); }; // the service says what is wrong
+    img.src = edit.blob;
+  };
+  reader.readAsDataURL(file);
+}
+
+function clearImage(resetInput = true) {
+  edit.dataUrl = null;
+  edit.painted = false;
+  if (edit.blob) URL.revokeObjectURL(edit.blob);
+  edit.blob = null;
+  if (resetInput) $("f-image").value = "";
+  $("f-image-preview").removeAttribute("src");
+  clearMask();
+  showMaskEditor();
+}
+
+function clearMask() {
+  const canvas = $("f-mask");
+  canvas.getContext("2d").clearRect(0, 0, canvas.width, canvas.height);
+  edit.painted = false;
+}
+
+// strokes in the canvas's own pixels (the image's), whatever size it is shown at
+function paintable(canvas) {
+  const ctx = canvas.getContext("2d");
+  let last = null;
+  const at = (e) => {
+    const box = canvas.getBoundingClientRect();
+    return [(e.clientX - box.left) * canvas.width / box.width, (e.clientY - box.top) * canvas.height / box.height];
+  };
+  const stroke = (to) => {
+    const radius = Math.max(0.5, Number($("f-brush").value) / 100 * Math.max(canvas.width, canvas.height) / 2);
+    ctx.fillStyle = ctx.strokeStyle = "rgba(255, 64, 64, 0.55)";
+    ctx.lineWidth = radius * 2;
+    ctx.lineCap = "round";
+    ctx.beginPath();
+    if (last) { ctx.moveTo(...last); ctx.lineTo(...to); ctx.stroke(); }
+    else { ctx.arc(...to, radius, 0, 2 * Math.PI); ctx.fill(); }
+    last = to;
+    edit.painted = true;
+  };
+  canvas.onpointerdown = (e) => { canvas.setPointerCapture(e.pointerId); last = null; stroke(at(e)); };
+  canvas.onpointermove = (e) => { if (e.buttons & 1) stroke(at(e)); };
+  canvas.onpointerup = canvas.onpointercancel = () => { last = null; };
+}
+
+// the painted strokes as the service reads a mask: a PNG of the image's size, white = repaint, black = keep
+function maskDataUrl() {
+  const canvas = $("f-mask");
+  const painted = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height);
+  const out = document.createElement("canvas");
+  out.width = canvas.width;
+  out.height = canvas.height;
+  const ctx = out.getContext("2d");
+  const mask = ctx.createImageData(canvas.width, canvas.height);
+  for (let i = 0; i < painted.data.length; i += 4) {
+    const v = painted.data[i + 3] > 0 ? 255 : 0;
+    mask.data[i] = mask.data[i + 1] = mask.data[i + 2] = v;
+    mask.data[i + 3] = 255;
+  }
+  ctx.putImageData(mask, 0, 0);
+  return out.toDataURL("image/png");
 }
 
 function addLabels() {
@@ -100,6 +197,11 @@ function jobRequest() {
                  guidance: $("f-guidance").disabled ? undefined : number("f-guidance"), width, height,
                  seed: number("f-seed"), priority: number("f-priority"),
                  preview_every: number("f-preview") || undefined };
+  if (m.takes_image && edit.dataUrl) {
+    body.image = edit.dataUrl;
+    if (m.takes_mask && edit.painted) body.mask = maskDataUrl();
+    body.strength = number("f-strength");
+  }
   if (m.conditioning === "text") {
     body.prompts = $("f-prompts").value.split("\n").map((p) => p.trim()).filter(Boolean);
     body.num_per_prompt = number("f-count");
@@ -123,8 +225,8 @@ async function submitJob(e) {
     location.hash = `#/jobs/${job.id}`;
   } catch (err) {
     showError($("form-error"), err);
-    const field = { num_per_label: "count", num_per_prompt: "count", width: "size", height: "size" }[err.param]
-      ?? err.param;
+    const field = { num_per_label: "count", num_per_prompt: "count", width: "size", height: "size",
+                    image_b64: "image", mask_b64: "mask" }[err.param] ?? err.param;
     $("job-form").querySelector(`[name="${CSS.escape(field ?? "")}"]`)?.setAttribute("aria-invalid", "true");
   } finally {
     button.disabled = false;
@@ -249,9 +351,25 @@ function jobView(jobId) {
     return names[item.label] ?? `class ${item.label}`;
   }
 
+  // an edit's input (and mask) first, the results beside them
+  function inputCells() {
+    const p = job.params ?? {};
+    return ["image", "mask"].filter((name) => p[name]).map((name) => {
+      const cell = el("li", { className: "cell input" },
+        el("div", { className: "frame" }, el("img", { alt: `the job's input ${name}` })),
+        el("div", { className: "cap" }, el("span", { className: "what",
+          textContent: name === "image" ? `input${p.strength ? `, strength ${p.strength}` : ""}` : "mask" })));
+      cell.dataset.input = name;
+      api(`/v1/jobs/${encodeURIComponent(jobId)}/inputs/${name}`, { signal: ctrl.signal, raw: true })
+        .then(async (r) => setCellImage(cell, URL.createObjectURL(await r.blob())))
+        .catch((e) => { if (!ctrl.signal.aborted) cell.title = e.message; });
+      return cell;
+    });
+  }
+
   function buildGrid() {
     const items = job.items.slice(0, MAX_CELLS);
-    $("grid").replaceChildren(...items.map((item) => {
+    $("grid").replaceChildren(...inputCells(), ...items.map((item) => {
       const cell = el("li", { className: "cell" },
         el("div", { className: "frame" }, el("img", { alt: `${itemText(item)}, seed ${item.seed}` })),
         el("div", { className: "cap" }, el("span", { className: "what", textContent: itemText(item) }),
@@ -291,7 +409,8 @@ function jobView(jobId) {
     const p = j.params;
     const counts = Object.entries(j.counts).map(([s, n]) => `${n} ${s}`).join(", ");
     const size = p && p.width ? ` · ${p.width}×${p.height}` : "";
-    const how = p ? ` · ${p.sampler}, ${p.steps} steps, guidance ${p.guidance}${size}` : "";
+    const kind = p?.mask ? ` · inpainting` : p?.image ? ` · image-to-image` : "";
+    const how = p ? ` · ${p.sampler}, ${p.steps} steps, guidance ${p.guidance}${size}${kind}` : "";
     $("j-summary").textContent = `${j.model} · ${images(j.num_items)}${how} · ${counts}`;
     $("j-failures").replaceChildren(...(j.failures ?? []).map((f) => el("li", {},
       `${f.items} item${f.items === 1 ? "" : "s"} failed (first: #${f.first}): `, el("span", { textContent: f.error }))));
@@ -420,6 +539,10 @@ async function start() {
   $("add-label").onclick = addLabels;
   $("f-label").onkeydown = (e) => { if (e.key === "Enter") { e.preventDefault(); addLabels(); } };
   $("job-form").onsubmit = submitJob;
+  $("f-image").onchange = chooseImage;
+  $("clear-image").onclick = () => clearImage();
+  $("clear-mask").onclick = clearMask;
+  paintable($("f-mask"));
   const list = await api("/v1/models");
   for (const m of list.data) models.set(m.id, m);
   $("f-model").replaceChildren(...list.data.map((m) =>

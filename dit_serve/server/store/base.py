@@ -72,6 +72,8 @@ class StoreBase:
                 for statement in MIGRATIONS[v]:
                     if statement == "tables":
                         meta.create_all(conn, tables=[tenants, api_keys])
+                    elif statement.startswith("table:"):
+                        meta.tables[statement.removeprefix("table:")].create(conn, checkfirst=True)
                     else:
                         conn.execute(text(statement))
                 log.warning("job store upgraded from schema version %d to %d", v, v + 1)

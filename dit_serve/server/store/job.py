@@ -50,13 +50,15 @@ class JobsMixin(StoreBase):
                idempotency_key: str | None = None, priority: int = 0, webhook_url: str | None = None, *,
                tenant: str = DEFAULT_TENANT, max_active: int | None = None,
                tenant_max_active: int | None = None, prompts: list[str] | None = None, view: bool = False,
-               reserve: int = 0) -> tuple:
+               reserve: int = 0, inputs: dict[str, bytes] | None = None) -> tuple:
         """``create_job`` that also says whether the job is new (False: an earlier submission's) and
         belongs to ``tenant`` (Idempotency-Keys are per tenant). ``QueueFull``, and nothing stored, when
         the queued and running items would exceed ``max_active`` (all tenants) or ``tenant_max_active``,
         or would pass ``max_active - reserve`` while the tenant then holds more than ``reserve`` items.
         With ``view``, a third element: the new job as ``get_job`` would read it right after (None for an
-        earlier submission's), made from what was written rather than read back."""
+        earlier submission's), made from what was written rather than read back. ``inputs``: an edit's image
+        and mask bytes ({"image": ..., "mask": ...}), stored once for the job (``inputs/<job>/<name>``, renamed
+        into place inside the transaction; ``params`` names their SHA-256)."""
         stored = params.model_dump_json()
         if JobParams.model_validate_json(stored) != params:  # a row this store writes is one it can read
             raise ValueError(f"job parameters do not survive storage: {stored[:200]}")
@@ -76,6 +78,8 @@ class JobsMixin(StoreBase):
                           prompt=prompts[i] if prompts else None, seed=sd, state="queued", step=0,
                           total_steps=params.steps, attempts=0)
                      for i, (lb, sd) in enumerate(zip(labels, seeds))]
+        staged = self._stage_inputs(job_id, inputs) if inputs else None  # written before the write lock is taken
+        stored = False
         try:
             with self._tx() as conn:  # the key's lookup inside the writing transaction: one transaction, not two
                 if idempotency_key is not None and (found := self._by_key(tenant, idempotency_key, digest, conn)):
@@ -83,10 +87,16 @@ class JobsMixin(StoreBase):
                 self._check_room(conn, len(labels), tenant, max_active, tenant_max_active, reserve)
                 conn.execute(_INSERT_JOB, job_row)
                 conn.execute(_INSERT_ITEMS, item_rows)
+                if staged is not None:  # before the commit; a failed one removes them below
+                    self._place_inputs(job_id, staged)
+            stored = True
         except IntegrityError:  # the same key committed by a concurrent submission: that one stands
             if idempotency_key is None or (found := self._by_key(tenant, idempotency_key, digest)) is None:
                 raise
             return earlier(found)
+        finally:
+            if staged is not None and not stored:  # nothing stored for a refused, replayed or failed submission
+                self._drop_inputs(job_id)
         self._new_work()
         self.changes.notify([job_id])  # on PostgreSQL: wakes the scheduler of another process
         if not view:
@@ -243,6 +253,7 @@ class JobsMixin(StoreBase):
         # after the commit: a crash here leaves files no row points at, never a row without its file
         shutil.rmtree(self.data_dir / "images" / job_id, ignore_errors=True)
         shutil.rmtree(self.data_dir / "previews" / job_id, ignore_errors=True)
+        shutil.rmtree(self.data_dir / "inputs" / job_id, ignore_errors=True)
         return True
 
     def counts(self) -> dict[str, int]:

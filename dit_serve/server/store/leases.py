@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Collection
 
 from sqlalchemy import and_, bindparam, func, or_, select, update
@@ -15,6 +15,7 @@ from sqlalchemy import and_, bindparam, func, or_, select, update
 from dit_serve.schemas import JobParams
 from dit_serve.server.store.base import NO_LEASE, StoreBase
 from dit_serve.server.store.tables import items, jobs
+from dit_serve.server.store.uploads import InputMissing, read_inputs
 from workers.request import admission
 from workers.request.spec import ItemSpec
 
@@ -41,6 +42,8 @@ class Lease:
     leased_at: float = 0.0   # it to a worker (time.time(), for the latency phases in /metrics)
     sent_at: float = 0.0
     returned_at: float = 0.0  # when the lease's transaction had returned to the scheduler (sub-phases)
+    image: bytes = field(default=b"", repr=False)  # an edit's input image and mask, as the job stored them
+    mask: bytes = field(default=b"", repr=False)   # (one bytes object per job and lease: sent to a worker once)
 
     @property
     def key(self) -> str:
@@ -53,7 +56,8 @@ class Lease:
         return ItemSpec(id=self.key, seed=self.seed, sampler=p.sampler, steps=p.steps, guidance=p.guidance,
                         eta=p.eta, label=self.label, model=self.model, prompt=self.prompt or "",
                         negative_prompt=p.negative_prompt, width=p.width, height=p.height,
-                        out_width=p.output_width, out_height=p.output_height, preview_every=p.preview_every)
+                        out_width=p.output_width, out_height=p.output_height, preview_every=p.preview_every,
+                        image=self.image, mask=self.mask, strength=p.strength or 1.0)
 
 
 def requeue_backoff(requeues: int) -> float:
@@ -104,13 +108,17 @@ class LeasesMixin(StoreBase):
             for r in rows:
                 try:
                     params = _params(r.params)
+                    image, mask = read_inputs(self.data_dir, r.job_id, params) if params.image else (b"", b"")
+                except InputMissing as e:
+                    _set(conn, [(r.job_id, r.idx)], state="failed", finished_at=now, **NO_LEASE, error=str(e)[:2000])
+                    continue
                 except ValueError as e:
                     _set(conn, [(r.job_id, r.idx)], state="failed", finished_at=now, **NO_LEASE,
                          error=f"the stored job cannot be read: {str(e)[:300]}")
                     continue
                 leases.append(Lease(r.job_id, r.idx, r.model, r.label, r.seed, params, token, prompt=r.prompt,
                                     requeues=r.requeues, crashes=r.crashes, suspect=level is not None,
-                                    created_at=r.created_at, leased_at=now))
+                                    created_at=r.created_at, leased_at=now, image=image, mask=mask))
             if level is not None and len(leases) == 1:
                 leases[0].solo = True
             if leases:

@@ -1,8 +1,10 @@
-"""Retention: what the store deletes on its own, finished jobs past ``[store] retention_hours`` and the
-temp files a killed process left behind."""
+"""Retention: what the store deletes on its own, finished jobs past ``[store] retention_hours`` (with their
+images and inputs) and the temp files a killed process left behind. Uploads past their expiry:
+``UploadsMixin.purge_uploads``."""
 
 from __future__ import annotations
 
+import shutil
 import time
 
 from sqlalchemy import and_, case, func, select
@@ -29,12 +31,20 @@ class RetentionMixin(StoreBase):
         """Delete result temp files a killed process left behind (written, never renamed nor removed);
         only old ones, since another scheduler may be writing a fresh one. Returns how many."""
         cutoff, n = time.time() - older_than_s, 0
-        temps = [*(self.data_dir / "images").glob("*/.*.tmp"), *(self.data_dir / "previews").glob("*/.*.tmp")]
+        temps = [*(self.data_dir / "images").glob("*/.*.tmp"), *(self.data_dir / "previews").glob("*/.*.tmp"),
+                 *(self.data_dir / "uploads").glob(".*.tmp")]
         for tmp in temps:
             try:
                 if tmp.stat().st_mtime < cutoff:
                     tmp.unlink()
                     n += 1
             except FileNotFoundError:  # removed meanwhile
+                pass
+        for staging in (self.data_dir / "inputs").glob(".staging-*"):  # a submission killed before its commit
+            try:
+                if staging.stat().st_mtime < cutoff:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    n += 1
+            except FileNotFoundError:
                 pass
         return n

@@ -83,11 +83,28 @@ api_keys = Table(
     Column("revoked_at", Float),
 )
 
+# images uploaded for edits (POST /v1/uploads): the file is uploads/<id> under the data dir; counted per tenant
+uploads = Table(
+    "uploads", meta,
+    Column("id", String(32), primary_key=True),
+    Column("tenant", String(64), nullable=False),
+    Column("sha256", String(64), nullable=False),
+    Column("bytes", BigInteger, nullable=False),
+    Column("format", String(8), nullable=False),
+    Column("width", Integer, nullable=False),
+    Column("height", Integer, nullable=False),
+    Column("filename", String(200)),
+    Column("created_at", Float, nullable=False),
+    Column("expires_at", Float),  # retention deletes it then (None: kept until deleted)
+    Index("uploads_tenant", "tenant"),
+    Index("uploads_expires", "expires_at"),
+)
+
 
 # The schema's version, stored in the database. Version 1 is the first layout (it had no version
 # table); 2 added the idempotency columns, 3 job priorities, 4 webhooks, 5 tenants, API keys and failure
-# accounting, 6 prompts. MIGRATIONS[v] brings v to v + 1 in place.
-SCHEMA_VERSION = 6
+# accounting, 6 prompts, 7 uploads. MIGRATIONS[v] brings v to v + 1 in place; "table:NAME" creates that table.
+SCHEMA_VERSION = 7
 schema = Table("dit_serve_schema", meta, Column("version", Integer, primary_key=True))
 MIGRATIONS = {
     1: ["ALTER TABLE jobs ADD COLUMN idempotency_key VARCHAR(200)",
@@ -115,4 +132,5 @@ MIGRATIONS = {
         "CREATE INDEX items_tenant_state ON items (tenant, state)",
         "tables"],  # create the tables new in this version (tenants, api_keys)
     5: ["ALTER TABLE items ADD COLUMN prompt TEXT"],
+    6: ["table:uploads"],
 }
