@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from dit_serve.server.config import SchedulerConfig
+from dit_serve.server.autoscale import Rates
+from dit_serve.server.config import AutoscaleConfig, SchedulerConfig
 from dit_serve.server.metrics import Metrics
 from dit_serve.server.store import Lease, Store, lease_shape
 from workers.actor import remote_worker_class
@@ -102,8 +103,9 @@ def _actor_class():
 
 class Scheduler:
     def __init__(self, store: Store, workers: WorkerConfig, config: SchedulerConfig, lease_seconds: float,
-                 metrics: Metrics | None = None):
-        self.store, self.cfg, self.sched = store, workers, config
+                 metrics: Metrics | None = None, autoscale: AutoscaleConfig = AutoscaleConfig()):
+        self.store, self.cfg, self.sched, self.auto = store, workers, config, autoscale
+        self.rates = Rates.from_config(autoscale)  # image-steps per second of one worker, per model
         self.lease_seconds = lease_seconds
         self.metrics = metrics or Metrics()
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -269,6 +271,7 @@ class Scheduler:
             if models != w.models:
                 w.models, self._fill_now = list(models), True
                 log.info("%s serves %s now", w.name, ", ".join(w.models))
+        self._measure(w, report)
         for key, (done, _total) in report["progress"].items():
             if key in w.leases:
                 w.leases[key].step = done
@@ -301,6 +304,21 @@ class Scheduler:
         self.metrics.worker_report(w.name, report)
         if failed := report.get("load_failed"):  # as a worker that failed to start: dropped, restarted later
             self._drop(w, f"failed to start: {failed}", "crash", failed_start=True)
+
+    def _measure(self, w: _Worker, report: dict) -> None:
+        """The worker's rate (``Rates``): the image-steps this report's window advanced over its seconds spent
+        stepping, when it ran one model only and held at least half its in-flight limit (a fuller batch steps
+        more images a second; a worker that ran half-empty would read low)."""
+        steps: dict[str, int] = {}
+        for key, (done, _total) in report["progress"].items():
+            if (ls := w.leases.get(key)) is not None:
+                steps[ls.model] = steps.get(ls.model, 0) + max(0, done - ls.step)
+        for key, _png in report["finished"]:
+            if (ls := w.leases.get(key)) is not None:
+                steps[ls.model] = steps.get(ls.model, 0) + max(0, ls.params.steps - ls.step)
+        if len(steps) == 1 and 2 * len(w.leases) >= self.cfg.inflight():
+            (model, n), = steps.items()
+            self.rates.observe(model, n, report.get("busy_s", 0.0))
 
     def _requeue(self, leases: list[Lease], kind: str, error: str) -> None:
         if not leases:

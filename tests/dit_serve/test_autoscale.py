@@ -1,0 +1,131 @@
+"""Autoscaling's policy (pure: no Ray) and its inputs: the store's backlog, the rates, the [autoscale] config."""
+
+from __future__ import annotations
+
+import pytest
+
+from dit_serve.schemas import JobParams
+from dit_serve.server.autoscale import Backlog, Demand, Rates, demand, fit, workers_for
+from dit_serve.server.config import AutoscaleConfig, Config, ConfigError, load_config
+from dit_serve.server.store import Store
+
+PARAMS = JobParams(sampler="ddim", steps=20, guidance=1.0)
+
+
+def test_workers_needed_is_the_backlog_over_what_one_worker_drains_in_the_target():
+    assert workers_for(0, 100.0, 60.0) == 0
+    assert workers_for(1, 100.0, 60.0) == 1
+    assert workers_for(6000, 100.0, 60.0) == 1  # exactly one worker's 60 s
+    assert workers_for(6001, 100.0, 60.0) == 2
+    assert workers_for(60000, 100.0, 60.0) == 10
+
+
+def test_demand_per_model_within_its_bounds_and_the_total_within_the_services():
+    cfg = AutoscaleConfig(enabled=True, target_drain_s=10, default_rate=100, rates={"b": 50.0}, max_workers=6,
+                          max_workers_per_model={"a": 3}, min_workers_per_model={"c": 1})
+    backlog = {"a": Backlog(queued=400, steps=8000), "b": Backlog(queued=10, running=2, steps=1200)}
+    d = demand(backlog, Rates.from_config(cfg), cfg, ["a", "b", "c"])
+    # a: 8000 / (100 x 10) = 8, at most 3; b: 1200 / (50 x 10) = 2.4 -> 3; c: none, but its floor of 1; then
+    # 7 > max_workers: b gives one (the least backlog per worker of those above their floors)
+    assert d.workers == {"a": 3, "b": 2, "c": 1} and d.total == 6
+    assert d.seconds == {"a": 80.0, "b": 24.0, "c": 0.0}
+    idle = demand({}, Rates.from_config(cfg), cfg.model_copy(update={"min_workers": 2}), ["a", "b", "c"])
+    assert idle.workers == {"a": 0, "b": 0, "c": 1} and idle.total == 2 and idle.spare == 1
+    zero = demand({}, Rates.from_config(cfg), AutoscaleConfig(enabled=True), ["a"])
+    assert zero == Demand({"a": 0}, 0, {"a": 0.0})
+
+
+def test_the_total_is_cut_from_the_models_that_lose_least_and_each_model_with_work_keeps_a_worker():
+    # b's backlog per worker is the smallest: it gives first, but keeps one while a has more than one
+    assert fit({"a": 4, "b": 3}, 5, {"a": 400.0, "b": 30.0}) == {"a": 4, "b": 1}
+    assert fit({"a": 4, "b": 3}, 2, {"a": 400.0, "b": 30.0}) == {"a": 1, "b": 1}
+    assert fit({"a": 4, "b": 3, "c": 1}, 2, {"a": 400.0, "b": 30.0, "c": 5.0}) == {"a": 1, "b": 1, "c": 0}
+    assert fit({"a": 2, "b": 2}, 2, {"a": 1.0, "b": 100.0}, floors={"a": 2}) == {"a": 2, "b": 0}
+    cfg = AutoscaleConfig(enabled=True, target_drain_s=1, max_workers=3)
+    d = demand({"a": Backlog(steps=10**6), "b": Backlog(steps=10)}, Rates(default=100), cfg, ["a", "b"])
+    assert d.workers == {"a": 2, "b": 1} and d.total == 3
+
+
+def test_rates_are_measured_from_busy_seconds_then_configured_then_the_default():
+    rates = Rates({"b": 40.0}, default=100.0, memory_s=60.0, min_busy_s=1.0)
+    assert rates.rate("a") == 100.0 and rates.rate("b") == 40.0 and rates.measured("a") is None
+    rates.observe("a", 100, 0.5)  # half a second of stepping: not yet enough to go by
+    assert rates.rate("a") == 100.0
+    rates.observe("a", 130, 0.65)
+    assert rates.rate("a") == pytest.approx(200.0, rel=0.01)
+    for _ in range(100):  # the worker got slower (larger images): the old reports decay away
+        rates.observe("a", 50, 1.0)
+    assert rates.rate("a") == pytest.approx(50.0, rel=0.02)
+    rates.observe("a", 0, 1.0)  # nothing stepped: no measurement
+    rates.observe("b", 10, 0.0)
+    assert rates.rate("b") == 40.0
+
+
+def test_the_store_reports_the_steps_left_per_model(tmp_path):
+    store = Store(f"sqlite:///{tmp_path}/s.db", tmp_path)
+    assert store.backlog() == {}
+    store.submit("digits", PARAMS, [1, 2, 3], [0, 1, 2])
+    store.submit("digits-text", PARAMS.model_copy(update={"steps": 10}), [0, 0], [0, 1], prompts=["a", "b"])
+    (ls,) = store.lease("w", ["digits"], 1, ttl=30)
+    ls.step = 15
+    store.heartbeat([ls], ttl=30)
+    assert store.backlog() == {"digits": {"queued": 2, "running": 1, "steps": 2 * 20 + 5},
+                               "digits-text": {"queued": 2, "running": 0, "steps": 20}}
+    assert store.commit_result(ls, b"png")
+    assert Backlog.of(store.backlog())["digits"] == Backlog(queued=2, running=0, steps=40)
+
+
+def test_autoscaling_is_off_by_default_and_a_bad_section_says_what_is_wrong(tmp_path):
+    assert Config().autoscale.enabled is False
+    path = tmp_path / "a.toml"
+    path.write_text('[autoscale]\nenabled = true\nmin_workers = 0\nmax_workers = 4\ntarget_drain_s = 120\n'
+                    '[autoscale.rates]\ndigits = 800.0\n')
+    cfg = load_config(path).autoscale
+    assert cfg.enabled and cfg.max_workers == 4 and cfg.rates == {"digits": 800.0}
+    for text, words in [
+        ("[autoscale]\nmin_workers = 5\nmax_workers = 2\n", r"autoscale: min_workers \(5\) is more than max_workers \(2\)"),
+        ("[autoscale]\ntarget_drain_s = 0\n", "autoscale.target_drain_s: Input should be greater than 0"),
+        ("[autoscale]\nidle_timeouts = 3\n", "autoscale.idle_timeouts: Extra inputs are not permitted"),
+        ("[autoscale.rates]\nflux = 3.0\n", "autoscale.rates names 'flux', not among the served models"),
+        ("[autoscale.rates]\ndigits = 0\n", "autoscale.rates: 'digits' = 0.0: must be more than 0"),
+        ("[autoscale.min_workers_per_model]\ndigits = 3\n[autoscale.max_workers_per_model]\ndigits = 1\n",
+         r"min_workers_per_model\['digits'\] \(3\) is more than that model may have \(1\)"),
+        ("[autoscale]\nmax_workers = 2\n[autoscale.min_workers_per_model]\ndigits = 2\ndigits-text = 1\n",
+         r"min_workers_per_model adds up to 3, more than max_workers \(2\)"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=words) as e:
+            load_config(path)
+        assert str(path) in str(e.value)
+
+
+def test_the_scheduler_measures_a_models_rate_from_its_workers_step_reports(tmp_path):
+    """Steps a report's window advanced (progress, and the rest of the finished items' plans) over its busy
+    seconds, from a worker that ran one model at half its in-flight limit or more; nothing from a worker that
+    ran two models at once, or ran nearly empty."""
+    from types import SimpleNamespace
+
+    from dit_serve.server.config import SchedulerConfig
+    from dit_serve.server.scheduler import Scheduler, _Worker
+    from workers.config import WorkerConfig
+
+    store = Store(f"sqlite:///{tmp_path}/s.db", tmp_path)
+    store.submit("digits", PARAMS, [1] * 4, list(range(4)))
+    store.submit("digits-text", PARAMS, [0], [0], prompts=["a"])
+    sched = Scheduler(store, WorkerConfig(max_batch=4), SchedulerConfig(), 30.0,
+                      autoscale=AutoscaleConfig(enabled=True, default_rate=7.0))
+    w = _Worker("w", None, SimpleNamespace(), None, models=["digits"])
+    w.leases = {ls.key: ls for ls in store.lease("o", ["digits"], 4, ttl=30)}
+    a, b, c, d = w.leases
+    w.leases[d].step = 18
+    report = {"progress": {a: (5, 20), b: (5, 20), c: (5, 20)}, "finished": [(d, b"png")], "busy_s": 1.7}
+    sched._measure(w, report)
+    assert sched.rates.rate("digits") == pytest.approx((15 + 2) / 1.7)
+    assert sched.rates.rate("digits-text") == 7.0
+    w.leases = {k: ls for k, ls in w.leases.items() if k == a}  # one item of four: too empty to go by
+    sched._measure(w, {"progress": {a: (20, 20)}, "finished": [], "busy_s": 100.0})
+    assert sched.rates.rate("digits") == pytest.approx(17 / 1.7)
+    (t,) = store.lease("o", ["digits-text"], 1, ttl=30)
+    w.leases = {a: w.leases[a], t.key: t, **{f"x{i}": w.leases[a] for i in range(2)}}
+    sched._measure(w, {"progress": {a: (20, 20), t.key: (3, 20)}, "finished": [], "busy_s": 100.0})  # two models
+    assert sched.rates.rate("digits") == pytest.approx(17 / 1.7) and sched.rates.measured("digits-text") is None
