@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from dit_serve.server.autoscale import Rates
+from dit_serve.server.autoscale import Backlog, Demand, Rates, demand
 from dit_serve.server.config import AutoscaleConfig, SchedulerConfig
 from dit_serve.server.metrics import Metrics
 from dit_serve.server.store import Lease, Store, lease_shape
@@ -116,6 +116,11 @@ class Scheduler:
         self.draining = False
         self._last_fill = 0.0    # when _dispatch last asked the store for work (monotonic)
         self._fill_now = False   # a worker became ready: ask at the next turn
+        # autoscaling ([autoscale]): the workers the backlog asks for, and what Ray's autoscaler was asked for
+        self.demand = Demand()
+        self.asked: int | None = None  # workers' bundles last requested (None: never)
+        self._slot_cfg = workers.model_copy(update={"resource": "GPU"}) \
+            if autoscale.enabled and workers.resource == "auto" else workers  # no GPU node yet at scale from zero
 
     @property
     def held(self) -> int:
@@ -154,6 +159,9 @@ class Scheduler:
     def reconcile(self) -> None:
         import ray
 
+        if self.auto.enabled:
+            self._autoscale(ray.nodes())
+            return
         wanted = plan_slots(ray.nodes(), self.cfg)
         for key in [k for k in self.workers if k not in wanted]:
             self._drop(self.workers[key], "its node left the cluster", "infra")
@@ -161,6 +169,41 @@ class Scheduler:
             if key not in self.workers and self._backoff.get(key, (0, 0.0))[1] <= time.monotonic():
                 self._start(key, plan)
         self.metrics.workers.set(self.num_ready)
+
+    def _autoscale(self, nodes: list[dict]) -> None:
+        """Reconcile with autoscaling on: the workers the backlog needs (``autoscale.demand``), asked of Ray's
+        autoscaler as bundles of the worker's resources, and started on the free slots the cluster has, up to
+        that many (on the nodes that run workers already first, so that whole nodes empty and go)."""
+        slots = plan_slots(nodes, self._slot_cfg)
+        for key in [k for k in self.workers if k not in slots]:
+            self._drop(self.workers[key], "its node left the cluster", "infra")
+        self.demand = demand(Backlog.of(self.store.backlog()), self.rates, self.auto, list(self.cfg.models))
+        self._ask(self.demand.total)
+        now = time.monotonic()
+        free = [k for k in slots if k not in self.workers and self._backoff.get(k, (0, 0.0))[1] <= now]
+        used: dict[str | None, int] = {}
+        for w in self.workers.values():
+            used[w.plan.node_id] = used.get(w.plan.node_id, 0) + 1
+        free.sort(key=lambda k: (-used.get(slots[k].node_id, 0), k))
+        for key in free[:max(0, self.demand.total - len(self.workers))]:
+            self._start(key, slots[key])
+        self.metrics.workers.set(self.num_ready)
+
+    def _ask(self, n: int) -> None:
+        """Ask Ray's autoscaler for ``n`` workers' resources (``request_resources``: the cluster is kept big
+        enough for them, idle nodes beyond go); again only when ``n`` changed."""
+        if not self.auto.request_resources or n == self.asked:
+            return
+        from ray.autoscaler import sdk
+
+        try:
+            sdk.request_resources(bundles=[self.auto.worker_bundle(self.cfg)] * n)
+        except Exception as e:  # a cluster without an autoscaler: the workers fit the nodes it has
+            log.warning("could not ask Ray's autoscaler for %d workers: %s: %s", n, type(e).__name__, e)
+            return
+        log.info("asked Ray's autoscaler for %d worker%s (%s each)", n, "" if n == 1 else "s",
+                 self.auto.worker_bundle(self.cfg))
+        self.asked = n
 
     def _start(self, key: str, plan: SlotPlan) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -401,6 +444,8 @@ class Scheduler:
             except Exception:
                 pass
         self.workers.clear()
+        if self.asked:  # the service stops: its nodes are no longer wanted
+            self._ask(0)
 
 
 def _replied(w: _Worker, wake: threading.Event) -> None:

@@ -129,3 +129,100 @@ def test_the_scheduler_measures_a_models_rate_from_its_workers_step_reports(tmp_
     w.leases = {a: w.leases[a], t.key: t, **{f"x{i}": w.leases[a] for i in range(2)}}
     sched._measure(w, {"progress": {a: (20, 20), t.key: (3, 20)}, "finished": [], "busy_s": 100.0})  # two models
     assert sched.rates.rate("digits") == pytest.approx(17 / 1.7) and sched.rates.measured("digits-text") is None
+
+
+class _FakeRay:
+    """What the scheduler's reconcile reads of Ray and starts on it, in memory: the nodes, the autoscaler's
+    requests, and the worker actors (each a record of its options and config, ready when told)."""
+
+    def __init__(self, monkeypatch):
+        import ray
+        from ray.autoscaler import sdk
+
+        from dit_serve.server import scheduler as sched_mod
+
+        self.nodes: list[dict] = [{"NodeID": "f" * 56, "Alive": True, "Resources": {"CPU": 2.0}}]
+        self.requests: list[list[dict]] = []
+        self.started: list[tuple[dict, object]] = []
+        self.killed: list = []
+        monkeypatch.setattr(ray, "nodes", lambda: self.nodes)
+        monkeypatch.setattr(ray, "kill", lambda handle, **_: self.killed.append(handle))
+        monkeypatch.setattr(sdk, "request_resources", lambda bundles=None, num_cpus=None: self.requests.append(bundles))
+        fake = self
+
+        class Actor:
+            @staticmethod
+            def options(**opts):
+                from types import SimpleNamespace
+
+                def remote(cfg):
+                    handle = SimpleNamespace(opts=opts, cfg=cfg, info=SimpleNamespace(remote=lambda: object()))
+                    fake.started.append((opts, cfg))
+                    return handle
+                return SimpleNamespace(remote=remote)
+
+        monkeypatch.setattr(sched_mod, "_actor_class", lambda: Actor)
+
+    def add_gpu_node(self, name: str, gpus: int = 1) -> None:
+        self.nodes.append({"NodeID": name * 56, "Alive": True, "Resources": {"CPU": 8.0, "GPU": float(gpus)}})
+
+
+def _scheduler(tmp_path, auto: AutoscaleConfig, workers=None):
+    from dit_serve.server.config import SchedulerConfig
+    from dit_serve.server.scheduler import Scheduler
+    from workers.config import WorkerConfig
+
+    store = Store(f"sqlite:///{tmp_path}/s.db", tmp_path)
+    return Scheduler(store, workers or WorkerConfig(max_batch=8), SchedulerConfig(), 30.0, autoscale=auto)
+
+
+def test_ray_is_asked_for_the_workers_the_backlog_needs_and_less_as_it_drains(tmp_path, monkeypatch):
+    """``request_resources`` gets one bundle per worker wanted (a GPU each, [workers] resource auto), the
+    workers start on the GPUs the cluster has as nodes join (packed: a node's slots before another's), and
+    the request goes down as the backlog drains, to nothing once it is gone."""
+    ray = _FakeRay(monkeypatch)
+    sched = _scheduler(tmp_path, AutoscaleConfig(enabled=True, target_drain_s=5, default_rate=100, max_workers=3))
+    sched.reconcile()
+    assert ray.requests == [[]] and sched.workers == {}  # no backlog: nothing asked (a stale request cleared)
+    job = sched.store.create_job("digits", PARAMS, [1] * 100, list(range(100)))  # 2000 steps: 4 workers' 5 s
+    sched.reconcile()
+    assert ray.requests[1:] == [[{"GPU": 1.0}] * 3] and sched.workers == {}  # at most 3; no GPU node yet
+    ray.add_gpu_node("a", gpus=2)
+    ray.add_gpu_node("b")
+    sched.reconcile()
+    assert sorted(sched.workers) == ["aaaaaaaaaaaa-0", "aaaaaaaaaaaa-1", "bbbbbbbbbbbb-0"]
+    assert all(opts["num_gpus"] == 1 for opts, _ in ray.started) and len(ray.requests) == 2  # unchanged: not again
+    for ls in sched.store.lease("other", ["digits"], 60, ttl=30):  # 60 items done: 800 steps left, 2 workers
+        assert sched.store.commit_result(ls, b"png")
+    sched.reconcile()
+    assert ray.requests[-1] == [{"GPU": 1.0}] * 2 and len(sched.workers) == 3  # idle ones stop on their own
+    sched.store.cancel_job(job)
+    sched.reconcile()
+    assert ray.requests[-1] == [] and sched.asked == 0
+
+
+def test_autoscaling_off_asks_ray_for_nothing_and_starts_a_worker_per_gpu(tmp_path, monkeypatch):
+    ray = _FakeRay(monkeypatch)
+    ray.add_gpu_node("a", gpus=2)
+    sched = _scheduler(tmp_path, AutoscaleConfig())
+    sched.store.create_job("digits", PARAMS, [1] * 100, list(range(100)))
+    sched.reconcile()
+    assert ray.requests == [] and sorted(sched.workers) == ["aaaaaaaaaaaa-0", "aaaaaaaaaaaa-1"]
+    assert [cfg.models for _, cfg in ray.started] == [("digits", "digits-text")] * 2
+    off = _scheduler(tmp_path / "off", AutoscaleConfig(enabled=True, request_resources=False, max_workers=1))
+    off.store.create_job("digits", PARAMS, [1], [0])
+    off.reconcile()
+    assert ray.requests == [] and len(off.workers) == 1  # the cluster as it is, no request
+
+
+def test_a_custom_bundle_and_a_custom_resource_are_what_ray_is_asked_for(tmp_path, monkeypatch):
+    from workers.config import WorkerConfig
+
+    ray = _FakeRay(monkeypatch)
+    sched = _scheduler(tmp_path, AutoscaleConfig(enabled=True, max_workers=2), WorkerConfig(resource="dit_gpu"))
+    sched.store.create_job("digits", PARAMS, [1], [0])
+    sched.reconcile()
+    custom = _scheduler(tmp_path / "c", AutoscaleConfig(enabled=True, bundle={"GPU": 1, "CPU": 4}))
+    custom.store.create_job("digits", PARAMS, [1], [0])
+    custom.reconcile()
+    assert ray.requests == [[{"dit_gpu": 1.0}], [{"GPU": 1.0, "CPU": 4.0}]]
