@@ -206,6 +206,9 @@ class Job(_Response):
     steps_done: int = Field(description="denoising steps done over all items")
     steps_total: int
     items: list[ItemStatus] | None = Field(None, description="per-item progress (GET /v1/jobs/{id} only)")
+    waiting: str | None = Field(None, description="why queued items wait, while no worker serves the job's model "
+                                                  "(e.g. 'waiting for a worker: none serves model ...'; GET "
+                                                  "/v1/jobs/{id} only)")
 
     @property
     def finished(self) -> bool:

@@ -99,16 +99,22 @@ class Demand:
         return max(0, self.total - sum(self.workers.values()))
 
 
-def demand(backlog: Mapping[str, Backlog], rates: Rates, cfg: AutoscaleConfig, models: list[str]) -> Demand:
+def demand(backlog: Mapping[str, Backlog], rates: Rates, cfg: AutoscaleConfig, models: list[str],
+           holding: Mapping[str, int] | None = None, per_worker: int = 1) -> Demand:
     """The workers each of ``models`` needs for its ``backlog`` at its rate to drain in ``target_drain_s``, at
     least its ``min_workers_per_model`` and at most its ``max_workers_per_model``; their sum cut to
-    ``max_workers`` (``fit``) and raised to ``min_workers``."""
+    ``max_workers`` (``fit``) and raised to ``min_workers``.
+
+    ``holding`` (the workers that hold running items of each model) bounds a model's workers by where its work
+    can go: a running item stays on its worker, and its queued items fill at most one more worker per
+    ``per_worker`` of them (the items one worker runs at once). Without it, the bound is the items."""
     want, seconds = {}, {}
     for m in models:
         b = backlog.get(m, Backlog())
         rate = rates.rate(m)
         seconds[m] = b.steps / rate
-        n = max(workers_for(b.steps, rate, cfg.target_drain_s), cfg.min_workers_per_model.get(m, 0))
+        useful = b.items if holding is None else holding.get(m, 0) + math.ceil(b.queued / max(1, per_worker))
+        n = max(min(workers_for(b.steps, rate, cfg.target_drain_s), useful), cfg.min_workers_per_model.get(m, 0))
         want[m] = min(n, cfg.max_workers_per_model.get(m, cfg.max_workers))
     want = fit(want, cfg.max_workers, seconds, cfg.min_workers_per_model)
     return Demand(want, max(cfg.min_workers, sum(want.values())), seconds)

@@ -44,11 +44,15 @@ from typing import Any
 from dit_serve.server.autoscale import Backlog, Demand, Rates, demand
 from dit_serve.server.config import AutoscaleConfig, SchedulerConfig
 from dit_serve.server.metrics import Metrics
-from dit_serve.server.store import Lease, Store, lease_shape
+from dit_serve.server.store import Lease, Store, WorkerRow, lease_shape
 from workers.actor import remote_worker_class
 from workers.config import WorkerConfig
 
 log = logging.getLogger(__name__)
+
+# the scheduler writes its workers to the store (``Store.put_workers``) when they change, and at least this
+# often: readers take rows older than ``store.workers.FRESH_S`` for a scheduler that is gone
+PUBLISH_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,9 @@ class _Worker:
     reserved: bool = False  # for suspects: takes no new work until empty, then runs an isolated group
     queue_left: bool = False  # its last lease got all it asked for: more may be queued
     news: bool = False  # its last answer ended items: poll again at once (others: at most once a tick)
+    started_at: float = field(default_factory=time.time)
+    loading: list[str] = field(default_factory=list)  # models it loads: before it is ready, all it was started with
+    idle_since: float | None = None  # (monotonic) nothing leased and nothing queued for its models since then
 
     @property
     def name(self) -> str:
@@ -104,8 +111,11 @@ def _actor_class():
 class Scheduler:
     def __init__(self, store: Store, workers: WorkerConfig, config: SchedulerConfig, lease_seconds: float,
                  metrics: Metrics | None = None, autoscale: AutoscaleConfig = AutoscaleConfig()):
-        self.store, self.cfg, self.sched, self.auto = store, workers, config, autoscale
-        self.rates = Rates.from_config(autoscale)  # image-steps per second of one worker, per model
+        self.store, self.cfg, self.sched = store, workers, config
+        # [autoscale]'s per-model tables name models as [workers] models does; the store, by the names they serve as
+        self.auto = autoscale.model_copy(update={t: {_name(k): v for k, v in getattr(autoscale, t).items()}
+                                                 for t in ("min_workers_per_model", "max_workers_per_model", "rates")})
+        self.rates = Rates.from_config(self.auto)  # image-steps per second of one worker, per model
         self.lease_seconds = lease_seconds
         self.metrics = metrics or Metrics()
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -121,6 +131,8 @@ class Scheduler:
         self.asked: int | None = None  # workers' bundles last requested (None: never)
         self._slot_cfg = workers.model_copy(update={"resource": "GPU"}) \
             if autoscale.enabled and workers.resource == "auto" else workers  # no GPU node yet at scale from zero
+        self._published: list[WorkerRow] | None = None  # the workers as last written to the store
+        self._published_at = 0.0
 
     @property
     def held(self) -> int:
@@ -145,7 +157,9 @@ class Scheduler:
 
     def turn(self) -> None:
         now = time.monotonic()
-        if now - self._last_reconcile >= self.sched.reconcile_seconds:
+        since = now - self._last_reconcile
+        if since >= self.sched.reconcile_seconds or (self.auto.enabled and self.store.queued.is_set() and since >= min(
+                0.5, self.sched.reconcile_seconds)):  # new work may need a worker: do not wait for the next reconcile
             self._last_reconcile = now
             self.reconcile()
         self._collect()
@@ -161,14 +175,29 @@ class Scheduler:
 
         if self.auto.enabled:
             self._autoscale(ray.nodes())
-            return
-        wanted = plan_slots(ray.nodes(), self.cfg)
-        for key in [k for k in self.workers if k not in wanted]:
-            self._drop(self.workers[key], "its node left the cluster", "infra")
-        for key, plan in wanted.items():
-            if key not in self.workers and self._backoff.get(key, (0, 0.0))[1] <= time.monotonic():
-                self._start(key, plan)
+        else:
+            wanted = plan_slots(ray.nodes(), self.cfg)
+            for key in [k for k in self.workers if k not in wanted]:
+                self._drop(self.workers[key], "its node left the cluster", "infra")
+            for key, plan in wanted.items():
+                if key not in self.workers and self._backoff.get(key, (0, 0.0))[1] <= time.monotonic():
+                    self._start(key, plan)
         self.metrics.workers.set(self.num_ready)
+        self._publish()
+
+    def _publish(self, force: bool = False) -> None:
+        """Write this scheduler's workers to the store (any API process reads them) if they changed, or
+        ``PUBLISH_EVERY_S`` passed (the rows' age tells readers the scheduler lives)."""
+        rows = [WorkerRow(key=w.key, state="ready" if w.ready else "starting", models=sorted(w.models),
+                          loading=list(w.loading), node=w.plan.node_id if w.plan else None,
+                          resource=w.plan.resource if w.plan else None, held=len(w.leases), started_at=w.started_at)
+                for w in self.workers.values()]
+        old, now = self._published, time.monotonic()
+        if not force and old is not None and now - self._published_at < PUBLISH_EVERY_S and len(old) == len(rows) \
+                and all(a.same(b) for a, b in zip(old, rows)):
+            return
+        self.store.put_workers(self.owner, rows)
+        self._published, self._published_at = rows, now
 
     def _autoscale(self, nodes: list[dict]) -> None:
         """Reconcile with autoscaling on: the workers the backlog needs (``autoscale.demand``), asked of Ray's
@@ -177,9 +206,22 @@ class Scheduler:
         slots = plan_slots(nodes, self._slot_cfg)
         for key in [k for k in self.workers if k not in slots]:
             self._drop(self.workers[key], "its node left the cluster", "infra")
-        self.demand = demand(Backlog.of(self.store.backlog()), self.rates, self.auto, list(self.cfg.models))
+        backlog = Backlog.of(self.store.backlog())
+        holding: dict[str, int] = {}
+        for w in self.workers.values():
+            for m in {ls.model for ls in w.leases.values()}:
+                holding[m] = holding.get(m, 0) + 1
+        self.demand = demand(backlog, self.rates, self.auto, [_name(m) for m in self.cfg.models], holding,
+                             self.cfg.inflight())
         self._ask(self.demand.total)
         now = time.monotonic()
+        for w in list(self.workers.values()):  # idle ones stop (not a crash): their resources go back to Ray
+            if not w.ready or w.leases or w.loading or any(backlog.get(m, Backlog()).queued for m in w.models):
+                w.idle_since = None
+                continue
+            w.idle_since = now if w.idle_since is None else w.idle_since
+            if now - w.idle_since >= self.auto.idle_timeout_s and self._may_stop(w):
+                self._retire(w, f"idle for {now - w.idle_since:.0f} s")
         free = [k for k in slots if k not in self.workers and self._backoff.get(k, (0, 0.0))[1] <= now]
         used: dict[str | None, int] = {}
         for w in self.workers.values():
@@ -188,6 +230,30 @@ class Scheduler:
         for key in free[:max(0, self.demand.total - len(self.workers))]:
             self._start(key, slots[key])
         self.metrics.workers.set(self.num_ready)
+
+    def _may_stop(self, w: _Worker) -> bool:
+        """Whether stopping ``w`` keeps ``min_workers`` running, and each of its models' own minimum."""
+        if len(self.workers) - 1 < self.auto.min_workers:
+            return False
+        for m in w.models:
+            others = sum(m in o.models or m in o.loading for o in self.workers.values() if o is not w)
+            if others < self.auto.min_workers_per_model.get(m, 0):
+                return False
+        return True
+
+    def _retire(self, w: _Worker, reason: str) -> None:
+        """Stop ``w`` on purpose (it is idle): not a crash; anything it holds goes back uncounted."""
+        import ray
+
+        log.info("stopping %s (%s): %s", w.name, ", ".join(w.models) or "no model", reason)
+        if w.leases:
+            self.store.release(list(w.leases.values()), "stop")
+        self.workers.pop(w.key, None)
+        self.metrics.forget_worker(w.name)
+        try:
+            ray.kill(w.handle, no_restart=True)
+        except Exception:  # already gone
+            pass
 
     def _ask(self, n: int) -> None:
         """Ask Ray's autoscaler for ``n`` workers' resources (``request_resources``: the cluster is kept big
@@ -216,7 +282,7 @@ class Scheduler:
         if plan.node_id is not None:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(plan.node_id, soft=False)
         handle = _actor_class().options(**opts).remote(self.cfg)
-        self.workers[key] = _Worker(key, plan, handle, handle.info.remote())
+        self.workers[key] = _Worker(key, plan, handle, handle.info.remote(), loading=[_name(m) for m in self.cfg.models])
         log.info("starting worker %s (%s%s)", key, plan.resource, f" on node {plan.node_id[:12]}" if plan.node_id else "")
 
     def _drop(self, w: _Worker, reason: str, kind: str = "crash", failed_start: bool = False) -> None:
@@ -293,6 +359,7 @@ class Scheduler:
             return
         if starting:
             w.ready_ref, w.models, self._fill_now = None, list(value["models"]), True
+            w.loading = [_name(m) for m in value.get("loading", ())]
             self._backoff.pop(w.key, None)
             log.info("%s ready: %s on %s (%s)%s", w.name, ", ".join(w.models), value["device"], value["backend"],
                      f"; loading {', '.join(value['loading'])}" if value.get("loading") else "")
@@ -311,6 +378,7 @@ class Scheduler:
 
     def _apply_report(self, w: _Worker, report: dict) -> None:
         if models := report.get("models"):  # a worker serves its first model while it loads the others
+            w.loading = [_name(m) for m in report.get("loading", ())]
             if models != w.models:
                 w.models, self._fill_now = list(models), True
                 log.info("%s serves %s now", w.name, ", ".join(w.models))
@@ -374,6 +442,7 @@ class Scheduler:
 
     # -- leases ------------------------------------------------------------------------------------
     def _heartbeat(self) -> None:
+        self._publish()  # a worker that became ready, or serves another model: readers learn it now
         self._suspects = bool(self.workers) and self.store.has_suspects(sorted({m for w in self.workers.values()
                                                                                  for m in w.models}))
         held = [ls for w in self.workers.values() for ls in w.leases.values()]
@@ -446,6 +515,21 @@ class Scheduler:
         self.workers.clear()
         if self.asked:  # the service stops: its nodes are no longer wanted
             self._ask(0)
+        try:
+            self.store.put_workers(self.owner, [])
+        except Exception:  # the rows age out on their own
+            pass
+
+
+@lru_cache(maxsize=256)
+def _name(spec: str) -> str:
+    """The name a model of ``[workers] models`` is served under (its card's; a directory's is its folder's)."""
+    from workers.request.cards import read_card
+
+    try:
+        return read_card(spec).name
+    except Exception:  # the worker will say what is wrong with it
+        return str(spec)
 
 
 def _replied(w: _Worker, wake: threading.Event) -> None:

@@ -42,8 +42,20 @@ def test_the_total_is_cut_from_the_models_that_lose_least_and_each_model_with_wo
     assert fit({"a": 4, "b": 3, "c": 1}, 2, {"a": 400.0, "b": 30.0, "c": 5.0}) == {"a": 1, "b": 1, "c": 0}
     assert fit({"a": 2, "b": 2}, 2, {"a": 1.0, "b": 100.0}, floors={"a": 2}) == {"a": 2, "b": 0}
     cfg = AutoscaleConfig(enabled=True, target_drain_s=1, max_workers=3)
-    d = demand({"a": Backlog(steps=10**6), "b": Backlog(steps=10)}, Rates(default=100), cfg, ["a", "b"])
+    d = demand({"a": Backlog(queued=10**4, steps=10**6), "b": Backlog(queued=1, steps=10)}, Rates(default=100), cfg,
+               ["a", "b"])
     assert d.workers == {"a": 2, "b": 1} and d.total == 3
+
+
+def test_a_model_gets_no_more_workers_than_its_work_can_go_to():
+    """A running item stays on its worker; queued items fill one more worker per ``per_worker`` of them: a tail
+    of running items on one worker asks for that one worker, however many steps it has left."""
+    cfg = AutoscaleConfig(enabled=True, target_drain_s=1, max_workers=8)
+    tail = {"a": Backlog(queued=0, running=20, steps=400)}
+    assert demand(tail, Rates(default=100), cfg, ["a"]).workers == {"a": 4}  # no holders given: by the items
+    assert demand(tail, Rates(default=100), cfg, ["a"], holding={"a": 1}, per_worker=8).workers == {"a": 1}
+    more = {"a": Backlog(queued=17, running=20, steps=10**4)}
+    assert demand(more, Rates(default=100), cfg, ["a"], holding={"a": 1}, per_worker=8).workers == {"a": 1 + 3}
 
 
 def test_rates_are_measured_from_busy_seconds_then_configured_then_the_default():
@@ -226,3 +238,91 @@ def test_a_custom_bundle_and_a_custom_resource_are_what_ray_is_asked_for(tmp_pat
     custom.store.create_job("digits", PARAMS, [1], [0])
     custom.reconcile()
     assert ray.requests == [[{"dit_gpu": 1.0}], [{"GPU": 1.0, "CPU": 4.0}]]
+
+
+def _ready(sched, models=("digits",)):
+    """Every worker the fake Ray started is ready now, serving ``models``."""
+    for w in sched.workers.values():
+        w.ready_ref, w.models, w.loading = None, list(models), []
+
+
+def test_an_idle_worker_stops_cleanly_after_the_timeout_down_to_zero_and_a_new_job_starts_one(tmp_path, monkeypatch):
+    """Nothing leased and nothing queued for its models for ``idle_timeout_s``: the worker is stopped (not a
+    crash, nothing requeued), down to ``min_workers`` (0: none left, the service scales to zero); a new job
+    makes the scheduler ask Ray again and start one."""
+    clock = [1000.0]
+    from dit_serve.server import scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod.time, "monotonic", lambda: clock[0])
+    ray = _FakeRay(monkeypatch)
+    ray.add_gpu_node("a", gpus=2)
+    sched = _scheduler(tmp_path, AutoscaleConfig(enabled=True, target_drain_s=1, default_rate=100, max_workers=2,
+                                                 idle_timeout_s=60))
+    job = sched.store.create_job("digits", PARAMS, [1] * 20, list(range(20)))  # 400 steps: 2 workers (at most)
+    sched.reconcile()
+    _ready(sched)
+    assert len(sched.workers) == 2 and ray.requests[-1] == [{"GPU": 1.0}] * 2
+    busy, idle = sched.workers.values()
+    busy.leases = {ls.key: ls for ls in sched.store.lease("o", ["digits"], 20, ttl=30)}  # it runs them all
+    clock[0] += 100
+    sched.reconcile()  # the other has nothing leased and nothing is queued: idle from now
+    assert idle.idle_since == clock[0] and busy.idle_since is None and len(sched.workers) == 2
+    clock[0] += 59
+    sched.reconcile()
+    assert len(sched.workers) == 2
+    clock[0] += 1
+    sched.reconcile()
+    assert list(sched.workers.values()) == [busy] and ray.killed == [idle.handle]
+    for ls in list(busy.leases.values()):
+        assert sched.store.commit_result(ls, b"png")
+    busy.leases = {}
+    sched.reconcile()
+    assert ray.requests[-1] == [] and sched.store.get_job(job).state == "done"
+    clock[0] += 60
+    sched.reconcile()
+    assert sched.workers == {} and ray.killed == [idle.handle, busy.handle]  # scaled to zero
+    assert sched.metrics.worker_crashes._value.get() == 0 and sched.store.list_workers() == []
+    sched.store.create_job("digits", PARAMS, [1], [0])  # a new job: asked for again, and a worker starts
+    sched.reconcile()
+    assert ray.requests[-1] == [{"GPU": 1.0}] and len(sched.workers) == 1
+
+
+def test_idle_workers_stay_at_the_minimums(tmp_path, monkeypatch):
+    clock = [1000.0]
+    from dit_serve.server import scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod.time, "monotonic", lambda: clock[0])
+    ray = _FakeRay(monkeypatch)
+    ray.add_gpu_node("a", gpus=4)
+    sched = _scheduler(tmp_path, AutoscaleConfig(enabled=True, min_workers=1, max_workers=4, idle_timeout_s=10,
+                                                 min_workers_per_model={"digits-text": 1}))
+    sched.reconcile()  # the minimums with no backlog: digits-text's worker, and no spare beyond it
+    assert len(sched.workers) == 1
+    sched.store.create_job("digits", PARAMS, [1] * 1000, list(range(1000)))
+    sched.reconcile()
+    assert len(sched.workers) == 1 + 1  # 20000 steps at 100/s: 1 worker in 300 s
+    first, second = sched.workers.values()
+    for w, models in ((first, ["digits-text"]), (second, ["digits"])):
+        w.ready_ref, w.models, w.loading = None, models, []
+    sched.store.cancel_job(sched.store.list_jobs(1, 0)[0][0].id)
+    for _ in range(3):
+        clock[0] += 10
+        sched.reconcile()
+    assert list(sched.workers.values()) == [first]  # digits-text's own minimum keeps it
+
+
+def test_the_store_tells_of_the_workers_and_whether_a_model_waits_for_one(tmp_path):
+    from dit_serve.server.store import WorkerRow
+
+    store = Store(f"sqlite:///{tmp_path}/s.db", tmp_path)
+    assert store.waiting_note("digits") == "waiting for a worker: none serves model 'digits' now"
+    store.put_workers("sched-1", [WorkerRow("cpu-0", "starting", loading=["digits"], started_at=1.0)])
+    assert store.waiting_note("digits") == "waiting for a worker: one is loading model 'digits'"
+    store.put_workers("sched-1", [WorkerRow("cpu-0", "ready", models=["digits"], held=3, started_at=1.0)])
+    store.put_workers("sched-2", [WorkerRow("gpu-0", "ready", models=["digits-text"], started_at=2.0)])
+    assert store.waiting_note("digits") is None and store.waiting_note("digits-text") is None
+    assert [(r.owner, r.key, r.models, r.held) for r in store.list_workers()] == [
+        ("sched-1", "cpu-0", ["digits"], 3), ("sched-2", "gpu-0", ["digits-text"], 0)]
+    assert store.list_workers(fresh_s=-1) == []  # a scheduler that stopped writing is gone
+    store.put_workers("sched-1", [])
+    assert store.waiting_note("digits") == "waiting for a worker: none serves model 'digits' now"

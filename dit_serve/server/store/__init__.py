@@ -22,7 +22,8 @@ engine, the migration, transactions, change notifications):
   poison isolation;
 - ``store.results``, ``ResultsMixin``: an image committed exactly once; previews;
 - ``store.outbox``, ``OutboxMixin``: webhooks due, claimed, recorded;
-- ``store.retention``, ``RetentionMixin``: finished jobs past retention, stale temp files.
+- ``store.retention``, ``RetentionMixin``: finished jobs past retention, stale temp files;
+- ``store.workers``, ``WorkersMixin``: the workers each scheduler runs and the models they serve.
 
 The schema and its migrations are ``store.tables``; ``store.changes`` wakes waiters on a job's changes.
 """
@@ -37,14 +38,15 @@ from dit_serve.server.store.outbox import OutboxMixin
 from dit_serve.server.store.results import ResultsMixin
 from dit_serve.server.store.retention import RetentionMixin
 from dit_serve.server.store.tables import (DEFAULT_TENANT, MIGRATIONS, SCHEMA_VERSION, api_keys, items, jobs, meta,
-                                           schema, tenants)
+                                           schema, tenants, workers)
+from dit_serve.server.store.workers import WorkerRow, WorkersMixin
 
 __all__ = ["CHANNEL", "DEFAULT_TENANT", "MIGRATIONS", "SCHEMA_VERSION", "Changes", "IdempotencyConflict", "Lease",
-           "QueueFull", "Store", "StoreError", "api_keys", "dump_manifest", "items", "job_state", "jobs", "lease_shape",
-           "meta", "requeue_backoff", "schema", "tenants"]
+           "QueueFull", "Store", "StoreError", "WorkerRow", "api_keys", "dump_manifest", "items", "job_state", "jobs",
+           "lease_shape", "meta", "requeue_backoff", "schema", "tenants", "workers"]
 
 
-class Store(JobsMixin, LeasesMixin, ResultsMixin, OutboxMixin, RetentionMixin, StoreBase):
+class Store(JobsMixin, LeasesMixin, ResultsMixin, OutboxMixin, RetentionMixin, WorkersMixin, StoreBase):
     """Jobs, items, leases and results. Thread-safe: each call uses its own pooled connection.
 
     ``max_requeues`` bounds the infrastructure failures an item survives; ``poison_crashes`` the crashes

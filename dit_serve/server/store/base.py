@@ -72,6 +72,8 @@ class StoreBase:
                 for statement in MIGRATIONS[v]:
                     if statement == "tables":
                         meta.create_all(conn, tables=[tenants, api_keys])
+                    elif statement.startswith("create "):
+                        meta.create_all(conn, tables=[meta.tables[name] for name in statement.split()[1:]])
                     else:
                         conn.execute(text(statement))
                 log.warning("job store upgraded from schema version %d to %d", v, v + 1)

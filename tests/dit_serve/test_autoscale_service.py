@@ -1,0 +1,60 @@
+"""Autoscaling in the whole service, on a local Ray with CPU workers (the [workers] resource "CPU": its
+``cpu_workers`` are the slots): no worker until a job comes, idle workers stop, a job waits for a worker while
+none serves its model. Ray's autoscaler itself is in test_autoscaler_fake_cluster.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from dit_serve.client import Client
+from dit_serve.server.service import Service
+
+from .conftest import service_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _wait_for(cond, timeout: float = 90.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def _pngs(svc: Service, job_id: str) -> list[str]:
+    return sorted(p.name for p in (svc.config.store.data_dir / "images" / job_id).iterdir())
+
+
+def test_scale_from_zero_to_zero_and_back(local_ray, digits_model, tmp_path):
+    """min_workers 0: no worker at start; a job starts one (its GET says it waits for a worker meanwhile), the
+    worker stops once idle for idle_timeout_s (a clean stop: no crash, nothing requeued), and a second job
+    starts one again. Every item ends done, with one PNG."""
+    cfg = service_config(tmp_path, digits_model, workers={"resource": "CPU", "max_inflight": 8},
+                         autoscale={"enabled": True, "min_workers": 0, "max_workers": 1, "idle_timeout_s": 1.0})
+    with Service(cfg) as svc, Client(svc.url) as client:
+        time.sleep(1.0)
+        assert svc.scheduler.workers == {}
+        for round_ in range(2):
+            job = client.submit(labels=list(range(10)), steps=10, seed=round_)
+            assert client.get(job, items=False).waiting.startswith("waiting for a worker: ")
+            job = client.wait(job, progress=False, timeout=120)
+            assert job.state == "done" and job.waiting is None
+            assert _pngs(svc, job.id) == [f"{i:05d}.png" for i in range(10)]
+            assert all(it.attempts == 1 and it.requeues == 0 for it in job.items)
+            _wait_for(lambda: svc.scheduler.workers == {}, what="the idle worker to stop")
+            assert svc.scheduler.asked == 0
+        assert svc.metrics.worker_crashes._value.get() == 0
+        assert svc.store.list_workers() == []
