@@ -133,3 +133,111 @@ def fit(want: Mapping[str, int], limit: int, seconds: Mapping[str, float],
         m = min(cut, key=lambda m: (out[m] == 1 and seconds.get(m, 0) > 0, seconds.get(m, 0.0) / out[m], m))
         out[m] -= 1
     return out
+
+
+# -- placement: which models each worker holds ---------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerState:
+    """A running worker as placement sees it."""
+
+    key: str
+    models: tuple[str, ...]  # what it serves or loads
+    idle: bool = False       # ready, nothing leased, nothing queued for its models, loading nothing
+    idle_s: float = 0.0      # for how long
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What a new worker and a switch of an idle one cost, in seconds until it serves: measured, else
+    configured (``start_cost_s``, ``switch_cost_s``)."""
+
+    start_s: float
+    switch_s: Mapping[str, float] = field(default_factory=dict)  # per model switched to
+    default_switch_s: float = 30.0
+
+    def switch(self, model: str) -> float:
+        return self.switch_s.get(model, self.default_switch_s)
+
+
+@dataclass
+class Placement:
+    """What to do: workers to start (each with its models, the first served first) and idle workers to switch
+    (their key, the model they load, and the models they unload to make room)."""
+
+    start: list[list[str]] = field(default_factory=list)
+    switch: list[tuple[str, str, list[str]]] = field(default_factory=list)
+
+
+def switch_gain(backlog_s: float, serving: int, switch_s: float) -> float:
+    """Seconds sooner a model's backlog (``backlog_s`` of one worker's time) is done when one more worker joins
+    the ``serving`` ones after ``switch_s``: with n workers it takes B/n; with one more, s + (B - n s)/(n + 1);
+    the difference is (B - n s) / (n (n + 1)), and nothing when B <= n s (the others finish first). With none
+    serving it, infinite: the backlog waits until one does."""
+    if backlog_s <= 0:
+        return 0.0
+    if serving <= 0:
+        return math.inf
+    return max(0.0, (backlog_s - serving * switch_s) / (serving * (serving + 1)))
+
+
+def place(d: Demand, backlog: Mapping[str, Backlog], workers: list[WorkerState], free_slots: int, costs: Costs,
+          cfg: AutoscaleConfig, models: list[str], fits=lambda models: len(models) <= 1) -> Placement:
+    """Which workers to start and which idle workers to switch, for the models whose workers (``d.workers``)
+    outnumber those serving them, the largest backlog first (only models with queued items, or below their own
+    minimum).
+
+    For each worker a model lacks: an idle worker that holds none of it is switched when the switch pays
+    (``switch_gain`` at least ``min_switch_gain_s``, after its cost) and costs no more than starting one; else a
+    new worker starts on a free slot while the total is under ``d.total``; else the model waits (Ray was asked
+    for the nodes). An idle worker whose models would fall below their minimum is not switched. A new worker
+    loads its model and then, while ``fits`` says their weights fit together, the other models with queued
+    items (the largest backlog first); spare workers for ``min_workers`` load the models in their order. An idle
+    worker that has room loads the model beside its own instead of unloading them."""
+    serving = {m: sum(m in w.models for w in workers) for m in models}
+    floors = cfg.min_workers_per_model
+    queued = {m: backlog.get(m, Backlog()).queued for m in models}
+    order = sorted(models, key=lambda m: (-d.seconds.get(m, 0.0), models.index(m)))
+    idle = sorted((w for w in workers if w.idle), key=lambda w: (-w.idle_s, w.key))
+    out = Placement()
+    # new workers: on free slots, within max_workers, and up to the total beyond the workers that are busy (an
+    # idle worker may be switched instead, or time out)
+    starts = max(0, min(free_slots, cfg.max_workers - len(workers), d.total - (len(workers) - len(idle))))
+
+    def extras(first: str) -> list[str]:
+        chosen = [first]
+        for m in [m for m in order if m != first and queued[m]]:
+            if fits(chosen + [m]):
+                chosen.append(m)
+        return chosen
+
+    for m in order:
+        lacking = d.workers.get(m, 0) - serving[m]
+        if lacking <= 0 or not (queued[m] or serving[m] < floors.get(m, 0)):
+            continue
+        for _ in range(lacking):
+            movable = [w for w in idle if m not in w.models
+                       and all(serving[x] - 1 >= floors.get(x, 0) or fits(list(w.models) + [m]) for x in w.models)]
+            pays = switch_gain(d.seconds.get(m, 0.0), serving[m], costs.switch(m)) >= max(cfg.min_switch_gain_s, 1e-9)
+            if movable and pays and (starts <= 0 or costs.switch(m) <= costs.start_s):
+                w = movable[0]
+                idle.remove(w)
+                unload = [] if fits(list(w.models) + [m]) else list(w.models)
+                out.switch.append((w.key, m, unload))
+                for x in unload:
+                    serving[x] -= 1
+                serving[m] += 1
+            elif starts > 0:
+                chosen = extras(m)
+                out.start.append(chosen)
+                for x in chosen:
+                    serving[x] += 1
+                starts -= 1
+            else:
+                break
+    for _ in range(min(starts, d.total - len(workers) - len(out.start))):  # spare workers for min_workers
+        chosen: list[str] = []
+        for m in models:
+            if fits(chosen + [m]):
+                chosen.append(m)
+        out.start.append(chosen or models[:1])
+    return out

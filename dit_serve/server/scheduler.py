@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from dit_serve.server.autoscale import Backlog, Demand, Rates, demand
+from dit_serve.server.autoscale import Backlog, Costs, Demand, Rates, WorkerState, demand, place
 from dit_serve.server.config import AutoscaleConfig, SchedulerConfig
 from dit_serve.server.metrics import Metrics
 from dit_serve.server.store import Lease, Store, WorkerRow, lease_shape
@@ -93,6 +93,9 @@ class _Worker:
     started_at: float = field(default_factory=time.time)
     loading: list[str] = field(default_factory=list)  # models it loads: before it is ready, all it was started with
     idle_since: float | None = None  # (monotonic) nothing leased and nothing queued for its models since then
+    asked_at: float = field(default_factory=time.monotonic)  # when it was started (its start's cost)
+    switching: tuple[str, float] | None = None  # (model, monotonic time) it was told to load, until it serves it
+    dropping: set[str] = field(default_factory=set)  # models it was told to unload: a late report may still list them
 
     @property
     def name(self) -> str:
@@ -133,6 +136,11 @@ class Scheduler:
             if autoscale.enabled and workers.resource == "auto" else workers  # no GPU node yet at scale from zero
         self._published: list[WorkerRow] | None = None  # the workers as last written to the store
         self._published_at = 0.0
+        self._specs = {_name(spec): spec for spec in workers.models}  # served name -> its [workers] models entry
+        self.start_s: float | None = None  # a worker's start until ready, measured (an average)
+        self.switch_s: dict[str, float] = {}  # per model, an idle worker's switch to it until it serves it, measured
+        self.switches: dict[str, int] = {}  # switches to each model
+        self._need: dict[str, int] = {}  # per model, the bytes of its weights on a worker (placement)
 
     @property
     def held(self) -> int:
@@ -215,21 +223,56 @@ class Scheduler:
                              self.cfg.inflight())
         self._ask(self.demand.total)
         now = time.monotonic()
-        for w in list(self.workers.values()):  # idle ones stop (not a crash): their resources go back to Ray
-            if not w.ready or w.leases or w.loading or any(backlog.get(m, Backlog()).queued for m in w.models):
+        for w in self.workers.values():
+            if not w.ready or w.leases or w.loading or w.switching or any(backlog.get(m, Backlog()).queued
+                                                                          for m in w.models):
                 w.idle_since = None
-                continue
-            w.idle_since = now if w.idle_since is None else w.idle_since
-            if now - w.idle_since >= self.auto.idle_timeout_s and self._may_stop(w):
-                self._retire(w, f"idle for {now - w.idle_since:.0f} s")
+            elif w.idle_since is None:
+                w.idle_since = now
         free = [k for k in slots if k not in self.workers and self._backoff.get(k, (0, 0.0))[1] <= now]
         used: dict[str | None, int] = {}
         for w in self.workers.values():
             used[w.plan.node_id] = used.get(w.plan.node_id, 0) + 1
         free.sort(key=lambda k: (-used.get(slots[k].node_id, 0), k))
-        for key in free[:max(0, self.demand.total - len(self.workers))]:
-            self._start(key, slots[key])
-        self.metrics.workers.set(self.num_ready)
+        states = [WorkerState(w.key, tuple(dict.fromkeys(w.models + w.loading)), w.idle_since is not None,
+                              now - w.idle_since if w.idle_since is not None else 0.0) for w in self.workers.values()]
+        costs = Costs(self.auto.start_cost_s if self.start_s is None else self.start_s, dict(self.switch_s),
+                      self.auto.switch_cost_s)
+        placement = place(self.demand, backlog, states, len(free), costs, self.auto, list(self._specs), self._fits)
+        for key, model, unload in placement.switch:
+            self._switch(self.workers[key], model, unload)
+        for models, key in zip(placement.start, free):
+            self._start(key, slots[key], models)
+        for w in list(self.workers.values()):  # idle ones stop (not a crash): their resources go back to Ray
+            if w.idle_since is not None and now - w.idle_since >= self.auto.idle_timeout_s and self._may_stop(w):
+                self._retire(w, f"idle for {now - w.idle_since:.0f} s")
+
+    def _fits(self, models: list[str]) -> bool:
+        """Whether ``models``' weights fit one worker together (``[autoscale] memory_gib``, 85% of it: the rest is
+        for activations and graphs, as the worker's own check keeps it); with no memory given, one model."""
+        if self.auto.memory_gib <= 0:
+            return len(models) <= 1
+        from workers.families.memory import weight_bytes
+        from workers.request.cards import read_card
+
+        for m in models:
+            if m not in self._need:
+                card = read_card(self._specs.get(m, m))
+                self._need[m] = weight_bytes(card, card.dtype)
+        return sum(self._need[m] for m in models) <= 0.85 * self.auto.memory_gib * 2**30
+
+    def _switch(self, w: _Worker, model: str, unload: list[str]) -> None:
+        """Move idle ``w`` to ``model``: it unloads ``unload`` (leased none of them from now) and loads it."""
+        log.info("switching %s to %s%s", w.name, model, f" (unloading {', '.join(unload)})" if unload else "")
+        if unload:
+            w.handle.unload.remote(unload)
+            w.dropping |= set(unload)
+            w.models = [m for m in w.models if m not in unload]
+        w.dropping.discard(model)
+        w.handle.load.remote([self._specs.get(model, model)])
+        w.loading = list(dict.fromkeys(w.loading + [model]))
+        w.switching, w.idle_since = (model, time.monotonic()), None
+        self.switches[model] = self.switches.get(model, 0) + 1
 
     def _may_stop(self, w: _Worker) -> bool:
         """Whether stopping ``w`` keeps ``min_workers`` running, and each of its models' own minimum."""
@@ -271,7 +314,7 @@ class Scheduler:
                  self.auto.worker_bundle(self.cfg))
         self.asked = n
 
-    def _start(self, key: str, plan: SlotPlan) -> None:
+    def _start(self, key: str, plan: SlotPlan, models: list[str] | None = None) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         opts: dict[str, Any] = {"num_cpus": self.cfg.num_cpus}
@@ -281,8 +324,10 @@ class Scheduler:
             opts["resources"] = {plan.resource: 1}
         if plan.node_id is not None:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(plan.node_id, soft=False)
-        handle = _actor_class().options(**opts).remote(self.cfg)
-        self.workers[key] = _Worker(key, plan, handle, handle.info.remote(), loading=[_name(m) for m in self.cfg.models])
+        cfg = self.cfg if models is None else self.cfg.model_copy(
+            update={"models": tuple(self._specs.get(m, m) for m in models)})  # autoscaling's placement
+        handle = _actor_class().options(**opts).remote(cfg)
+        self.workers[key] = _Worker(key, plan, handle, handle.info.remote(), loading=[_name(m) for m in cfg.models])
         log.info("starting worker %s (%s%s)", key, plan.resource, f" on node {plan.node_id[:12]}" if plan.node_id else "")
 
     def _drop(self, w: _Worker, reason: str, kind: str = "crash", failed_start: bool = False) -> None:
@@ -360,6 +405,8 @@ class Scheduler:
         if starting:
             w.ready_ref, w.models, self._fill_now = None, list(value["models"]), True
             w.loading = [_name(m) for m in value.get("loading", ())]
+            took = time.monotonic() - w.asked_at
+            self.start_s = took if self.start_s is None else 0.5 * self.start_s + 0.5 * took
             self._backoff.pop(w.key, None)
             log.info("%s ready: %s on %s (%s)%s", w.name, ", ".join(w.models), value["device"], value["backend"],
                      f"; loading {', '.join(value['loading'])}" if value.get("loading") else "")
@@ -377,11 +424,23 @@ class Scheduler:
         self._apply_report(w, value)
 
     def _apply_report(self, w: _Worker, report: dict) -> None:
-        if models := report.get("models"):  # a worker serves its first model while it loads the others
+        if "models" in report:  # a worker serves its first model while it loads the others; and switches
+            w.dropping &= set(report["models"])  # a report without a model it was told to unload: gone for good
+            models = [m for m in report["models"] if m not in w.dropping]
             w.loading = [_name(m) for m in report.get("loading", ())]
+            if w.switching is not None:
+                model, since = w.switching
+                if model in models:
+                    took = time.monotonic() - since
+                    old = self.switch_s.get(model)
+                    self.switch_s[model] = took if old is None else 0.5 * old + 0.5 * took
+                    w.switching = None
+                    log.info("%s switched to %s in %.1f s", w.name, model, took)
+                elif model not in w.loading:
+                    w.loading.append(model)  # the report is older than the load
             if models != w.models:
                 w.models, self._fill_now = list(models), True
-                log.info("%s serves %s now", w.name, ", ".join(w.models))
+                log.info("%s serves %s now", w.name, ", ".join(w.models) or "no model")
         self._measure(w, report)
         for key, (done, _total) in report["progress"].items():
             if key in w.leases:
@@ -393,6 +452,9 @@ class Scheduler:
         finished = [(w.leases.pop(key, None), png) for key, png in report["finished"]]
         failed = [(w.leases.pop(key, None), error) for key, error in report["failed"]]
         crashed = [(w.leases.pop(key, None), error) for key, error in report.get("crashed", ())]
+        returned = [ls for ls in (w.leases.pop(key, None) for key in report.get("returned", ())) if ls is not None]
+        if returned:  # a model it no longer serves (a switch): back to the queue, not counted
+            self.store.release(returned, "stop")
         if (finished or failed) and not self._suspects and (w.queue_left or self.store.queued.is_set()):
             self._fill(w, expect=True)  # the next items are on their way before the commits: the GPU does not wait
         committed = []
@@ -481,7 +543,7 @@ class Scheduler:
         are preferred (``workers.admission``): fewer, fuller replays per step."""
         capacity = self.cfg.inflight()
         room = capacity - len(w.leases)
-        if self.draining or room <= 0 or (w.reserved and w.leases):
+        if self.draining or room <= 0 or (w.reserved and w.leases) or not w.models:
             return
         prefer = {lease_shape(ls.model, ls.params) for ls in w.leases.values()} if self.sched.group_shapes else None
         leases = self.store.lease(f"{self.owner}/{w.key}", w.models, room, self.lease_seconds, isolate=w.reserved,

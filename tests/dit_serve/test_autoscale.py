@@ -157,6 +157,7 @@ class _FakeRay:
         self.requests: list[list[dict]] = []
         self.started: list[tuple[dict, object]] = []
         self.killed: list = []
+        self.calls: list[tuple[str, object, object]] = []  # (method, actor handle, argument)
         monkeypatch.setattr(ray, "nodes", lambda: self.nodes)
         monkeypatch.setattr(ray, "kill", lambda handle, **_: self.killed.append(handle))
         monkeypatch.setattr(sdk, "request_resources", lambda bundles=None, num_cpus=None: self.requests.append(bundles))
@@ -169,6 +170,9 @@ class _FakeRay:
 
                 def remote(cfg):
                     handle = SimpleNamespace(opts=opts, cfg=cfg, info=SimpleNamespace(remote=lambda: object()))
+                    for method in ("load", "unload", "submit"):
+                        setattr(handle, method, SimpleNamespace(
+                            remote=lambda arg, method=method, handle=handle: fake.calls.append((method, handle, arg))))
                     fake.started.append((opts, cfg))
                     return handle
                 return SimpleNamespace(remote=remote)
@@ -326,3 +330,130 @@ def test_the_store_tells_of_the_workers_and_whether_a_model_waits_for_one(tmp_pa
     assert store.list_workers(fresh_s=-1) == []  # a scheduler that stopped writing is gone
     store.put_workers("sched-1", [])
     assert store.waiting_note("digits") == "waiting for a worker: none serves model 'digits' now"
+
+
+# -- placement ---------------------------------------------------------------------------------------------
+def test_a_switch_pays_when_the_backlog_outlasts_its_cost_on_the_workers_it_has():
+    from dit_serve.server.autoscale import switch_gain
+
+    assert switch_gain(100.0, 0, 30.0) == float("inf")  # nothing serves it: it waits for one
+    assert switch_gain(0.0, 0, 30.0) == 0.0
+    assert switch_gain(100.0, 1, 30.0) == pytest.approx((100 - 30) / 2)  # 100 s alone; 30 + 70/2 = 65 s with one more
+    assert switch_gain(100.0, 2, 30.0) == pytest.approx((100 - 60) / 6)  # 50 s; 30 + 40/3 = 43.3 s
+    assert switch_gain(50.0, 2, 30.0) == 0.0  # the two finish in 25 s, before the switch would
+
+
+def _place(backlog, workers, free, auto=None, fits=lambda ms: len(ms) <= 1, start_s=120.0, switch_s=None,
+           models=("a", "b")):
+    from dit_serve.server.autoscale import Costs, place
+
+    cfg = auto or AutoscaleConfig(enabled=True, target_drain_s=10, default_rate=10, max_workers=4)
+    held = {}
+    for w in workers:
+        for m in w.models:
+            if not w.idle:
+                held[m] = held.get(m, 0) + 1
+    d = demand(backlog, Rates(default=10), cfg, list(models), held, per_worker=8)
+    return place(d, backlog, workers, free, Costs(start_s, switch_s or {}, 30.0), cfg, list(models), fits)
+
+
+def test_an_idle_worker_switches_to_a_model_that_no_worker_serves_rather_than_a_new_one_starting():
+    from dit_serve.server.autoscale import WorkerState
+
+    idle_a, busy_a = WorkerState("w1", ("a",), idle=True, idle_s=5), WorkerState("w2", ("a",), idle=False)
+    b = {"a": Backlog(running=8, steps=80), "b": Backlog(queued=4, steps=400)}
+    p = _place(b, [idle_a, busy_a], free=2)
+    assert p.switch == [("w1", "b", ["a"])] and p.start == []
+    # the switch costs more than a start on a free slot: a new worker for b, the idle one left to time out
+    p = _place(b, [idle_a, busy_a], free=2, switch_s={"b": 200.0})
+    assert p.switch == [] and p.start == [["b"]]
+    # no free slot: the switch, whatever it costs (nothing serves b)
+    assert _place(b, [idle_a, busy_a], free=0, switch_s={"b": 200.0}).switch == [("w1", "b", ["a"])]
+    # room for both on the idle worker: b loads beside a
+    assert _place(b, [idle_a, busy_a], free=0, fits=lambda ms: True).switch == [("w1", "b", [])]
+
+
+def test_a_switch_to_a_model_that_workers_serve_only_where_it_finishes_the_backlog_sooner():
+    from dit_serve.server.autoscale import WorkerState
+
+    busy_b, idle_a = WorkerState("w1", ("b",), idle=False), WorkerState("w2", ("a",), idle=True)
+    big = {"b": Backlog(queued=40, running=8, steps=2000)}  # 200 s on the one worker serving it: 2 wanted
+    assert _place(big, [busy_b, idle_a], free=0).switch == [("w2", "b", ["a"])]
+    small = {"b": Backlog(queued=9, running=8, steps=250)}  # 25 s: the switch's 30 s would not pay
+    assert _place(small, [busy_b, idle_a], free=0).switch == []
+    assert _place(small, [busy_b, idle_a], free=0, switch_s={"b": 5.0}).switch == [("w2", "b", ["a"])]
+    gain = AutoscaleConfig(enabled=True, target_drain_s=10, default_rate=10, max_workers=4, min_switch_gain_s=20)
+    assert _place(small, [busy_b, idle_a], free=0, auto=gain, switch_s={"b": 5.0}).switch == []  # gain 10 s
+
+
+def test_new_workers_load_the_model_that_lacks_workers_then_what_fits_beside_it():
+    b = {"a": Backlog(queued=100, steps=5000), "b": Backlog(queued=10, steps=300), "c": Backlog(queued=1, steps=10)}
+    models = ("a", "b", "c")
+    p = _place(b, [], free=3, models=models, fits=lambda ms: len(ms) <= 2)
+    # at most 4 workers: a (500 s of work) gets 2, b and c one each; the two for a hold b too (two models fit),
+    # so b lacks none, and c's worker holds a beside it; three free slots: three start
+    assert p.start == [["a", "b"], ["a", "b"], ["c", "a"]]
+    one = _place(b, [], free=1, models=models, fits=lambda ms: True)
+    assert one.start == [["a", "b", "c"]]
+    spare = _place({}, [], free=2, models=models, fits=lambda ms: len(ms) <= 2,
+                   auto=AutoscaleConfig(enabled=True, min_workers=1))
+    assert spare.start == [["a", "b"]] and spare.switch == []
+
+
+def test_an_idle_worker_at_its_models_minimum_is_not_switched():
+    from dit_serve.server.autoscale import WorkerState
+
+    auto = AutoscaleConfig(enabled=True, target_drain_s=10, default_rate=10, max_workers=4,
+                           min_workers_per_model={"a": 1})
+    b = {"b": Backlog(queued=4, steps=400)}
+    p = _place(b, [WorkerState("w1", ("a",), idle=True)], free=1, auto=auto)
+    assert p.switch == [] and p.start == [["b"]]
+
+
+def test_the_scheduler_switches_an_idle_worker_and_leases_it_only_what_it_serves(tmp_path, monkeypatch):
+    """Two slots, a backlog of digits and then of digits-text: two workers start with digits; once digits is
+    done, one idle worker is told to unload it and load digits-text. From then it is leased no digits item,
+    even from a report older than the switch; the item it hands back goes to the queue uncounted; the switch's
+    time is measured when a report shows it serving digits-text."""
+    from workers.config import WorkerConfig
+
+    ray = _FakeRay(monkeypatch)
+    sched = _scheduler(tmp_path, AutoscaleConfig(enabled=True, target_drain_s=1, default_rate=100, max_workers=2,
+                                                 idle_timeout_s=600), WorkerConfig(resource="CPU", cpu_workers=2,
+                                                                                   max_batch=8))
+    a = sched.store.create_job("digits", PARAMS, [1] * 16, list(range(16)))
+    sched.reconcile()
+    assert [cfg.models for _, cfg in ray.started] == [("digits",), ("digits",)]
+    _ready(sched)
+    w1, w2 = sched.workers.values()
+    for w in (w1, w2):
+        sched._fill(w, expect=True)
+    assert len(w1.leases) == len(w2.leases) == 8
+    for w in (w1, w2):
+        for ls in w.leases.values():
+            assert sched.store.commit_result(ls, b"png")
+        w.leases = {}
+    assert sched.store.get_job(a).state == "done"
+    b = sched.store.create_job("digits-text", PARAMS, [0] * 4, list(range(4)), prompts=["a seven"] * 4)
+    sched.reconcile()
+    switched = [(m, h) for m, h, _ in ray.calls if m in ("unload", "load")]
+    assert [m for m, _ in switched] == ["unload", "load"] and switched[0][1] is switched[1][1]
+    w = next(w for w in (w1, w2) if w.handle is switched[0][1])
+    assert [arg for m, h, arg in ray.calls if m in ("unload", "load")] == [["digits"], ["digits-text"]]
+    assert w.models == [] and w.loading == ["digits-text"] and sched.switches == {"digits-text": 1}
+    sched.reconcile()
+    assert sched.switches == {"digits-text": 1} and len(sched.workers) == 2  # once
+    old = {"progress": {}, "finished": [], "failed": [], "models": ["digits"], "loading": []}
+    sched._apply_report(w, old)  # sent before the switch: digits is not taken back
+    assert w.models == [] and w.loading == ["digits-text"]
+    sched.store.create_job("digits", PARAMS, [1], [0])
+    sched._fill(w, expect=True)
+    assert w.leases == {}
+    sched._apply_report(w, {**old, "models": ["digits-text"], "loading": []})
+    assert w.models == ["digits-text"] and w.switching is None and "digits-text" in sched.switch_s
+    sched._fill(w, expect=True)
+    assert {ls.model for ls in w.leases.values()} == {"digits-text"} and len(w.leases) == 4
+    back = next(iter(w.leases))
+    sched._apply_report(w, {**old, "models": ["digits-text"], "returned": [back]})  # handed back unrun
+    (item,) = [it for it in sched.store.get_job(b).items if f"{b}/{it.index}" == back]
+    assert item.state == "queued" and item.attempts == 0 and item.requeues == 0

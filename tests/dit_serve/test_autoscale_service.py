@@ -58,3 +58,30 @@ def test_scale_from_zero_to_zero_and_back(local_ray, digits_model, tmp_path):
             assert svc.scheduler.asked == 0
         assert svc.metrics.worker_crashes._value.get() == 0
         assert svc.store.list_workers() == []
+
+
+def test_a_worker_switches_model_once_for_a_backlog_of_the_other_model(local_ray, digits_model, tmp_path):
+    """Two models, two worker slots, one model per worker: a digits backlog starts two digits workers; then a
+    digits-text job finds both idle (they stay: a long idle timeout) and one of them switches, once. No item
+    fails, none runs twice, and each has one PNG."""
+    cfg = service_config(tmp_path, digits_model,
+                         workers={"models": ("digits", "digits-text"), "resource": "CPU", "cpu_workers": 2,
+                                  "max_inflight": 8},
+                         autoscale={"enabled": True, "max_workers": 2, "idle_timeout_s": 600, "target_drain_s": 1,
+                                    "default_rate": 100})
+    with Service(cfg) as svc, Client(svc.url) as client:
+        a = client.submit(labels=list(range(8)), num_per_label=2, steps=50, seed=1)  # 16 items: two workers' worth
+        _wait_for(lambda: len(svc.scheduler.workers) == 2, what="two workers")
+        a = client.wait(a, progress=False, timeout=120)
+        assert a.state == "done"
+        assert {tuple(w.models) for w in svc.scheduler.workers.values()} == {("digits",)}
+        b = client.submit(prompts=["a handwritten seven", "a three"], num_per_prompt=3, steps=10, seed=2,
+                          model="digits-text")
+        b = client.wait(b, progress=False, timeout=120)
+        assert b.state == "done"
+        assert svc.scheduler.switches == {"digits-text": 1}
+        assert sorted(tuple(w.models) for w in svc.scheduler.workers.values()) == [("digits",), ("digits-text",)]
+        for job in (a, b):
+            assert all(it.state == "done" and it.attempts == 1 for it in job.items)
+            assert _pngs(svc, job.id) == [f"{i:05d}.png" for i in range(job.num_items)]
+        assert svc.metrics.worker_crashes._value.get() == 0 and "digits-text" in svc.scheduler.switch_s
