@@ -281,6 +281,23 @@ class JobList(_Response):
     next_offset: int | None = None
 
 
+class WorkerStatus(_Response):
+    """A worker of the service (its scheduler wrote it to the store within the last 30 s)."""
+
+    name: str = Field(description="worker-<slot>")
+    state: Literal["starting", "ready"]
+    models: list[str] = Field(description="the models it serves now")
+    loading: list[str] = Field(description="the models it loads (a starting worker: those it starts with)")
+    held: int = Field(description="items leased to it")
+    node: str | None = Field(None, description="the Ray node it runs on (none: a CPU worker anywhere)")
+    resource: str | None = Field(None, description="what it takes of its node: GPU, CPU or a custom resource")
+    started_at: float
+
+
+class WorkerList(_Response):
+    data: list[WorkerStatus]
+
+
 # -- OpenAI-compatible images API ----------------------------------------------------------------
 class ImageGenerationRequest(_Request):
     """OpenAI's ``POST /v1/images/generations`` body. For class-conditional models the prompt names

@@ -141,6 +141,7 @@ class Scheduler:
         self.switch_s: dict[str, float] = {}  # per model, an idle worker's switch to it until it serves it, measured
         self.switches: dict[str, int] = {}  # switches to each model
         self._need: dict[str, int] = {}  # per model, the bytes of its weights on a worker (placement)
+        self._zero_since: float | None = None  # (monotonic) backlog came while no worker ran: scale from zero
 
     @property
     def held(self) -> int:
@@ -191,6 +192,8 @@ class Scheduler:
                 if key not in self.workers and self._backoff.get(key, (0, 0.0))[1] <= time.monotonic():
                     self._start(key, plan)
         self.metrics.workers.set(self.num_ready)
+        for m in self._specs:
+            self.metrics.serving.labels(m).set(sum(w.ready and m in w.models for w in self.workers.values()))
         self._publish()
 
     def _publish(self, force: bool = False) -> None:
@@ -223,6 +226,13 @@ class Scheduler:
                              self.cfg.inflight())
         self._ask(self.demand.total)
         now = time.monotonic()
+        for m in self._specs:
+            self.metrics.desired.labels(m).set(self.demand.workers.get(m, 0))
+            self.metrics.backlog_seconds.labels(m).set(round(self.demand.seconds.get(m, 0.0), 3))
+        if self.workers or not self.demand.total:
+            self._zero_since = None if not self.workers else self._zero_since
+        elif self._zero_since is None:
+            self._zero_since = now
         for w in self.workers.values():
             if not w.ready or w.leases or w.loading or w.switching or any(backlog.get(m, Backlog()).queued
                                                                           for m in w.models):
@@ -273,6 +283,7 @@ class Scheduler:
         w.loading = list(dict.fromkeys(w.loading + [model]))
         w.switching, w.idle_since = (model, time.monotonic()), None
         self.switches[model] = self.switches.get(model, 0) + 1
+        self.metrics.switches.labels(model).inc()
 
     def _may_stop(self, w: _Worker) -> bool:
         """Whether stopping ``w`` keeps ``min_workers`` running, and each of its models' own minimum."""
@@ -313,6 +324,7 @@ class Scheduler:
         log.info("asked Ray's autoscaler for %d worker%s (%s each)", n, "" if n == 1 else "s",
                  self.auto.worker_bundle(self.cfg))
         self.asked = n
+        self.metrics.requested.set(n)
 
     def _start(self, key: str, plan: SlotPlan, models: list[str] | None = None) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -407,6 +419,11 @@ class Scheduler:
             w.loading = [_name(m) for m in value.get("loading", ())]
             took = time.monotonic() - w.asked_at
             self.start_s = took if self.start_s is None else 0.5 * self.start_s + 0.5 * took
+            if self._zero_since is not None:  # the first worker after none
+                self.metrics.scale_from_zero.observe(time.monotonic() - self._zero_since)
+                log.info("first worker ready %.1f s after the backlog came with none running",
+                         time.monotonic() - self._zero_since)
+                self._zero_since = None
             self._backoff.pop(w.key, None)
             log.info("%s ready: %s on %s (%s)%s", w.name, ", ".join(w.models), value["device"], value["backend"],
                      f"; loading {', '.join(value['loading'])}" if value.get("loading") else "")
@@ -435,6 +452,7 @@ class Scheduler:
                     old = self.switch_s.get(model)
                     self.switch_s[model] = took if old is None else 0.5 * old + 0.5 * took
                     w.switching = None
+                    self.metrics.switch_seconds.observe(took)
                     log.info("%s switched to %s in %.1f s", w.name, model, took)
                 elif model not in w.loading:
                     w.loading.append(model)  # the report is older than the load

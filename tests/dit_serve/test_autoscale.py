@@ -457,3 +457,17 @@ def test_the_scheduler_switches_an_idle_worker_and_leases_it_only_what_it_serves
     sched._apply_report(w, {**old, "models": ["digits-text"], "returned": [back]})  # handed back unrun
     (item,) = [it for it in sched.store.get_job(b).items if f"{b}/{it.index}" == back]
     assert item.state == "queued" and item.attempts == 0 and item.requeues == 0
+
+
+def test_metrics_show_each_models_desired_workers_and_backlog_and_the_request(tmp_path, monkeypatch):
+    ray = _FakeRay(monkeypatch)
+    sched = _scheduler(tmp_path, AutoscaleConfig(enabled=True, target_drain_s=10, default_rate=100, max_workers=4))
+    sched.store.create_job("digits", PARAMS, [1] * 100, list(range(100)))  # 2000 steps: 20 s of one worker
+    sched.reconcile()
+    text = sched.metrics.render().decode()
+    for line in ('dit_serve_autoscale_desired_workers{model="digits"} 2.0',
+                 'dit_serve_autoscale_desired_workers{model="digits-text"} 0.0',
+                 'dit_serve_autoscale_backlog_gpu_seconds{model="digits"} 20.0',
+                 "dit_serve_autoscale_requested_workers 2.0", 'dit_serve_workers_serving{model="digits"} 0.0'):
+        assert line in text, line
+    assert ray.requests[-1] == [{"GPU": 1.0}] * 2

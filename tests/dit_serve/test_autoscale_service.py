@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 import ray
 
@@ -50,6 +51,9 @@ def test_scale_from_zero_to_zero_and_back(local_ray, digits_model, tmp_path):
         for round_ in range(2):
             job = client.submit(labels=list(range(10)), steps=10, seed=round_)
             assert client.get(job, items=False).waiting.startswith("waiting for a worker: ")
+            workers = _wait_for(lambda: httpx.get(f"{svc.url}/v1/workers").json()["data"], what="a worker listed")
+            assert [(w["name"], w["resource"]) for w in workers] == [("worker-cpu-0", "CPU")]
+            assert "digits" in workers[0]["models"] + workers[0]["loading"]
             job = client.wait(job, progress=False, timeout=120)
             assert job.state == "done" and job.waiting is None
             assert _pngs(svc, job.id) == [f"{i:05d}.png" for i in range(10)]
@@ -57,7 +61,13 @@ def test_scale_from_zero_to_zero_and_back(local_ray, digits_model, tmp_path):
             _wait_for(lambda: svc.scheduler.workers == {}, what="the idle worker to stop")
             assert svc.scheduler.asked == 0
         assert svc.metrics.worker_crashes._value.get() == 0
-        assert svc.store.list_workers() == []
+        assert svc.store.list_workers() == [] and httpx.get(f"{svc.url}/v1/workers").json() == {"data": []}
+        metrics = httpx.get(f"{svc.url}/metrics").text
+        for line in ("dit_serve_scale_from_zero_seconds_count 2.0", "dit_serve_autoscale_requested_workers 0.0",
+                     'dit_serve_autoscale_desired_workers{model="digits"} 0.0',
+                     'dit_serve_autoscale_backlog_gpu_seconds{model="digits"} 0.0',
+                     'dit_serve_workers_serving{model="digits"} 0.0'):
+            assert line in metrics, line
 
 
 def test_a_worker_switches_model_once_for_a_backlog_of_the_other_model(local_ray, digits_model, tmp_path):
@@ -85,3 +95,9 @@ def test_a_worker_switches_model_once_for_a_backlog_of_the_other_model(local_ray
             assert all(it.state == "done" and it.attempts == 1 for it in job.items)
             assert _pngs(svc, job.id) == [f"{i:05d}.png" for i in range(job.num_items)]
         assert svc.metrics.worker_crashes._value.get() == 0 and "digits-text" in svc.scheduler.switch_s
+        metrics = httpx.get(f"{svc.url}/metrics").text
+        for line in ('dit_serve_model_switches_total{model="digits-text"} 1.0', "dit_serve_model_switch_seconds_count 1.0",
+                     'dit_serve_workers_serving{model="digits"} 1.0', 'dit_serve_workers_serving{model="digits-text"} 1.0'):
+            assert line in metrics, line
+        listed = httpx.get(f"{svc.url}/v1/workers").json()["data"]
+        assert sorted(tuple(w["models"]) for w in listed) == [("digits",), ("digits-text",)]

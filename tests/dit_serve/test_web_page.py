@@ -344,3 +344,14 @@ def test_a_failed_jobs_reasons_are_visible_text_and_a_cancel_keeps_its_progress(
     assert _js(browser, "return [document.querySelector('#j-progress').value, "
                         "document.querySelector('#grid .cell progress').value]") == [0.4, 0.4]
     assert _js_errors(browser) == []
+
+
+@pytest.mark.slow
+def test_the_page_lists_the_workers_and_the_models_they_hold(svc, browser):
+    """The job list's page shows each worker (``GET /v1/workers``): its name, state and the models it holds."""
+    browser.get(f"{svc.url}/")
+    _wait(browser, lambda d: _js(d, "return document.querySelectorAll('#workers li').length") == 1, what="a worker")
+    _wait(browser, lambda d: "ready" in _text(d, "#workers li"), what="it is ready")
+    assert _text(browser, "#workers li").startswith("worker-cpu-0ready" + "digits")
+    assert _js(browser, "return document.querySelector('#workers-empty').hidden")
+    assert _js_errors(browser) == []
