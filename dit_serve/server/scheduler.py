@@ -72,7 +72,11 @@ def plan_slots(nodes: list[dict], cfg: WorkerConfig) -> dict[str, SlotPlan]:
         resource = "GPU" if any(n["Resources"].get("GPU", 0) >= 1 for n in alive) else "CPU"
     if resource == "CPU":
         return {f"cpu-{i}": SlotPlan(None, "CPU") for i in range(cfg.cpu_workers)}
-    return {f"{n['NodeID'][:12]}-{i}": SlotPlan(n["NodeID"], resource)
+    prefixes: dict[str, int] = {}
+    for n in alive:
+        prefixes[n["NodeID"][:12]] = prefixes.get(n["NodeID"][:12], 0) + 1
+    short = lambda node_id: node_id[:12] if prefixes[node_id[:12]] == 1 else node_id  # noqa: E731 (unique names)
+    return {f"{short(n['NodeID'])}-{i}": SlotPlan(n["NodeID"], resource)
             for n in alive for i in range(int(n["Resources"].get(resource, 0)))}
 
 
