@@ -191,7 +191,8 @@ def place(d: Demand, backlog: Mapping[str, Backlog], workers: list[WorkerState],
     new worker starts on a free slot while the total is under ``d.total``; else the model waits (Ray was asked
     for the nodes). An idle worker whose models would fall below their minimum is not switched. A new worker
     loads its model and then, while ``fits`` says their weights fit together, the other models with queued
-    items (the largest backlog first); spare workers for ``min_workers`` load the models in their order. An idle
+    items (the largest backlog first), then the rest (it serves the first while it loads the others); spare
+    workers for ``min_workers`` load the models in their order. An idle
     worker that has room loads the model beside its own instead of unloading them."""
     serving = {m: sum(m in w.models for w in workers) for m in models}
     floors = cfg.min_workers_per_model
@@ -205,8 +206,8 @@ def place(d: Demand, backlog: Mapping[str, Backlog], workers: list[WorkerState],
 
     def extras(first: str) -> list[str]:
         chosen = [first]
-        for m in [m for m in order if m != first and queued[m]]:
-            if fits(chosen + [m]):
+        for m in [m for m in order if m != first and queued[m]] + [m for m in models if not queued[m]]:
+            if m not in chosen and fits(chosen + [m]):
                 chosen.append(m)
         return chosen
 
