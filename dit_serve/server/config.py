@@ -25,6 +25,13 @@ is needed (``dit-serve serve`` alone: local Ray, SQLite under ./dit-serve-data, 
     [limits]
     max_items_per_job = 10000
 
+    [autoscale]                 # off by default: one worker per GPU (or the CPU worker), every model
+    enabled = false             # true: workers by the backlog, nodes asked of Ray's autoscaler, idle ones stop
+    min_workers = 0             # 0: scale to zero
+    max_workers = 8
+    target_drain_s = 300        # workers per model = ceil(steps left / (rate x target_drain_s))
+    idle_timeout_s = 300
+
     [webhooks]                  # jobs with a webhook_url are POSTed to it when they finish
     secret = ""                 # set: deliveries are signed (X-Dit-Serve-Signature: sha256=<hmac>)
     max_attempts = 8            # retried with backoff (2 s, doubling) until a 2xx answer
