@@ -221,6 +221,8 @@ class Scheduler:
         slots = plan_slots(nodes, self._slot_cfg)
         for key in [k for k in self.workers if k not in slots]:
             self._drop(self.workers[key], "its node left the cluster", "infra")
+        if self.draining:  # the service stops: no worker started, switched or stopped now
+            return
         backlog = Backlog.of(self.store.backlog())
         holding: dict[str, int] = {}
         for w in self.workers.values():

@@ -471,3 +471,13 @@ def test_metrics_show_each_models_desired_workers_and_backlog_and_the_request(tm
                  "dit_serve_autoscale_requested_workers 2.0", 'dit_serve_workers_serving{model="digits"} 0.0'):
         assert line in text, line
     assert ray.requests[-1] == [{"GPU": 1.0}] * 2
+
+
+def test_a_draining_scheduler_starts_no_worker(tmp_path, monkeypatch):
+    ray = _FakeRay(monkeypatch)
+    ray.add_gpu_node("a", gpus=2)
+    sched = _scheduler(tmp_path, AutoscaleConfig(enabled=True, max_workers=2))
+    sched.store.create_job("digits", PARAMS, [1] * 100, list(range(100)))
+    sched.draining = True
+    sched.reconcile()
+    assert sched.workers == {} and ray.started == []
