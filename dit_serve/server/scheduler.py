@@ -4,7 +4,11 @@ items from the store to them, and commits what they finish.
 One loop, one thread; each turn:
 
 1. every ``reconcile_seconds``: read ``ray.nodes()``; start a worker for each new slot (a GPU, a
-   unit of the configured custom resource, or the CPU worker) and drop workers whose node left;
+   unit of the configured custom resource, or the CPU worker) and drop workers whose node left. With
+   ``[autoscale]`` on (and within 0.5 s of new work), as many workers as the backlog needs instead
+   (``dit_serve.server.autoscale``): Ray's autoscaler is asked for their resources, workers start on the
+   free slots with the models that lack workers, idle ones switch to a model with backlog when that pays,
+   and stop after ``idle_timeout_s``; the workers are written to the store (``Store.put_workers``);
 2. wait up to ``tick_seconds`` for the workers' outstanding (long) ``poll()`` and ``info()`` calls,
    or less: the first answer, or new work in the store, ends the wait; commit
    finished PNGs (exactly once, through the lease), record failures, note progress, write the
@@ -235,10 +239,8 @@ class Scheduler:
         for m in self._specs:
             self.metrics.desired.labels(m).set(self.demand.workers.get(m, 0))
             self.metrics.backlog_seconds.labels(m).set(round(self.demand.seconds.get(m, 0.0), 3))
-        if self.workers or not self.demand.total:
-            self._zero_since = None if not self.workers else self._zero_since
-        elif self._zero_since is None:
-            self._zero_since = now
+        if not self.workers:  # scale from zero: timed from the first backlog with no worker to the first ready
+            self._zero_since = (self._zero_since or now) if self.demand.total else None
         for w in self.workers.values():
             if not w.ready or w.leases or w.loading or w.switching or any(backlog.get(m, Backlog()).queued
                                                                           for m in w.models):

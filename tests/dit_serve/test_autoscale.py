@@ -12,6 +12,14 @@ from dit_serve.server.store import Store
 PARAMS = JobParams(sampler="ddim", steps=20, guidance=1.0)
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_store(request, tmp_path):
+    url = f"sqlite:///{tmp_path}/s.db" if request.param == "sqlite" else request.getfixturevalue("postgres_url")
+    store = Store(url, tmp_path)
+    yield store
+    store.close()
+
+
 def test_workers_needed_is_the_backlog_over_what_one_worker_drains_in_the_target():
     assert workers_for(0, 100.0, 60.0) == 0
     assert workers_for(1, 100.0, 60.0) == 1
@@ -73,8 +81,8 @@ def test_rates_are_measured_from_busy_seconds_then_configured_then_the_default()
     assert rates.rate("b") == 40.0
 
 
-def test_the_store_reports_the_steps_left_per_model(tmp_path):
-    store = Store(f"sqlite:///{tmp_path}/s.db", tmp_path)
+def test_the_store_reports_the_steps_left_per_model(any_store):
+    store = any_store
     assert store.backlog() == {}
     store.submit("digits", PARAMS, [1, 2, 3], [0, 1, 2])
     store.submit("digits-text", PARAMS.model_copy(update={"steps": 10}), [0, 0], [0, 1], prompts=["a", "b"])
@@ -315,10 +323,10 @@ def test_idle_workers_stay_at_the_minimums(tmp_path, monkeypatch):
     assert list(sched.workers.values()) == [first]  # digits-text's own minimum keeps it
 
 
-def test_the_store_tells_of_the_workers_and_whether_a_model_waits_for_one(tmp_path):
+def test_the_store_tells_of_the_workers_and_whether_a_model_waits_for_one(any_store):
     from dit_serve.server.store import WorkerRow
 
-    store = Store(f"sqlite:///{tmp_path}/s.db", tmp_path)
+    store = any_store
     assert store.waiting_note("digits") == "waiting for a worker: none serves model 'digits' now"
     store.put_workers("sched-1", [WorkerRow("cpu-0", "starting", loading=["digits"], started_at=1.0)])
     assert store.waiting_note("digits") == "waiting for a worker: one is loading model 'digits'"
