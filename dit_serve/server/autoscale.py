@@ -1,6 +1,8 @@
-"""Autoscaling policy: how many workers each model needs. Pure functions and small records, no Ray and no
-store: the scheduler reads the backlog from the store and the rates from its workers' reports, asks
-``demand`` how many workers to run, and acts on the answer (``[autoscale]``, docs/service.md).
+"""Autoscaling policy: how many workers each model needs, and which models each worker holds. Pure functions and
+small records, no Ray and no store: the scheduler reads the backlog from the store and the rates from its
+workers' reports, asks ``demand`` how many workers to run and ``place`` which to start or switch, and acts on
+the answer (``[autoscale]``, docs/service.md, Autoscaling). ``bench/autoscale_sim.py`` replays a day through
+the same two functions.
 
 The unit of work is the image-step: one denoising step of one item. A model's backlog is the steps left in
 its queued items (their whole plans) and its running items (the rest of theirs); a worker does ``rate``
@@ -192,8 +194,8 @@ def place(d: Demand, backlog: Mapping[str, Backlog], workers: list[WorkerState],
     for the nodes). An idle worker whose models would fall below their minimum is not switched. A new worker
     loads its model and then, while ``fits`` says their weights fit together, the other models with queued
     items (the largest backlog first), then the rest (it serves the first while it loads the others); spare
-    workers for ``min_workers`` load the models in their order. An idle
-    worker that has room loads the model beside its own instead of unloading them."""
+    workers for ``min_workers`` load the models in their order. An idle worker that has room loads the model
+    beside its own instead of unloading them."""
     serving = {m: sum(m in w.models for w in workers) for m in models}
     floors = cfg.min_workers_per_model
     queued = {m: backlog.get(m, Backlog()).queued for m in models}

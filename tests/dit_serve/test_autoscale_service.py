@@ -59,15 +59,15 @@ def test_scale_from_zero_to_zero_and_back(local_ray, digits_model, tmp_path):
             assert _pngs(svc, job.id) == [f"{i:05d}.png" for i in range(10)]
             assert all(it.attempts == 1 and it.requeues == 0 for it in job.items)
             _wait_for(lambda: svc.scheduler.workers == {}, what="the idle worker to stop")
+            _wait_for(lambda: svc.store.list_workers() == [], what="the store to say so")  # the same reconcile's end
             assert svc.scheduler.asked == 0
         assert svc.metrics.worker_crashes._value.get() == 0
         assert svc.store.list_workers() == [] and httpx.get(f"{svc.url}/v1/workers").json() == {"data": []}
-        metrics = httpx.get(f"{svc.url}/metrics").text
         for line in ("dit_serve_scale_from_zero_seconds_count 2.0", "dit_serve_autoscale_requested_workers 0.0",
                      'dit_serve_autoscale_desired_workers{model="digits"} 0.0',
                      'dit_serve_autoscale_backlog_gpu_seconds{model="digits"} 0.0',
-                     'dit_serve_workers_serving{model="digits"} 0.0'):
-            assert line in metrics, line
+                     'dit_serve_workers_serving{model="digits"} 0.0'):  # gauges: set at each reconcile
+            _wait_for(lambda: line in httpx.get(f"{svc.url}/metrics").text, 10, line)
 
 
 def test_a_worker_switches_model_once_for_a_backlog_of_the_other_model(local_ray, digits_model, tmp_path):
@@ -95,9 +95,8 @@ def test_a_worker_switches_model_once_for_a_backlog_of_the_other_model(local_ray
             assert all(it.state == "done" and it.attempts == 1 for it in job.items)
             assert _pngs(svc, job.id) == [f"{i:05d}.png" for i in range(job.num_items)]
         assert svc.metrics.worker_crashes._value.get() == 0 and "digits-text" in svc.scheduler.switch_s
-        metrics = httpx.get(f"{svc.url}/metrics").text
         for line in ('dit_serve_model_switches_total{model="digits-text"} 1.0', "dit_serve_model_switch_seconds_count 1.0",
                      'dit_serve_workers_serving{model="digits"} 1.0', 'dit_serve_workers_serving{model="digits-text"} 1.0'):
-            assert line in metrics, line
-        listed = httpx.get(f"{svc.url}/v1/workers").json()["data"]
-        assert sorted(tuple(w["models"]) for w in listed) == [("digits",), ("digits-text",)]
+            _wait_for(lambda: line in httpx.get(f"{svc.url}/metrics").text, 10, line)  # gauges: at each reconcile
+        _wait_for(lambda: sorted(tuple(w["models"]) for w in httpx.get(f"{svc.url}/v1/workers").json()["data"])
+                  == [("digits",), ("digits-text",)], 15, "the workers listed with their models")

@@ -3,11 +3,12 @@ node provider is Ray's fake multi-node provider (``ray.autoscaler._private.fake_
 launches is a raylet and its processes on this machine). Worker nodes bring a ``dit_worker`` resource, which
 stands in for a GPU; the service runs with [autoscale] on and min_workers 0.
 
-Two details of Ray 2.60 shape the head's start: the wheel lacks the provider's defaults file
+Three details of Ray 2.60 shape the head's start: the wheel lacks the provider's defaults file
 (``fake_multi_node/example.yaml``), so the provider is named as an external one (its class path), which Ray
-fills with minimal defaults; and ``ray start`` writes the cluster's address into its temp dir
+fills with minimal defaults; ``ray start`` writes the cluster's address into its temp dir
 (``ray_current_cluster``, which a bare ``ray.init()`` of another test would join), so the head gets a temp dir
-of its own. Every process of this cluster (head, monitor, fake nodes, their workers) is a descendant of the
+of its own; and the head authenticates as this process does (token authentication, which a local
+``ray.init()`` earlier in the same process turns on). Every process of this cluster (head, monitor, fake nodes, their workers) is a descendant of the
 ``ray start`` this test runs, and is stopped by its process ids at the end."""
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ def fake_cluster():
     host = "127.0.0.1"
     config = tmp / "cluster.yaml"
     config.write_text(yaml.safe_dump(_cluster_config(f"{host}:{port}")))
-    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_AUTH_MODE": "disabled",
+    # the cluster authenticates as this process does: a local ray.init() earlier in the process turned token
+    # authentication on for it (RAY_AUTH_MODE=token, the token in ~/.ray/auth_token), and then the GCS must send
+    # the token to reach this process (else every actor it owns is taken for orphaned at once); else neither does
+    auth = os.environ.get("RAY_AUTH_MODE", "disabled")
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_AUTH_MODE": auth,
            "RAY_TMPDIR": str(tmp)}
     log = open(tmp / "head.log", "w")
     head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}",
