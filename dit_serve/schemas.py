@@ -242,6 +242,9 @@ class Job(_Response):
     steps_done: int = Field(description="denoising steps done over all items")
     steps_total: int
     items: list[ItemStatus] | None = Field(None, description="per-item progress (GET /v1/jobs/{id} only)")
+    waiting: str | None = Field(None, description="why queued items wait, while no worker serves the job's model "
+                                                  "(e.g. 'waiting for a worker: none serves model ...'; GET "
+                                                  "/v1/jobs/{id} only)")
 
     @property
     def finished(self) -> bool:
@@ -312,6 +315,23 @@ class JobList(_Response):
     data: list[Job]
     total: int
     next_offset: int | None = None
+
+
+class WorkerStatus(_Response):
+    """A worker of the service (its scheduler wrote it to the store within the last 30 s)."""
+
+    name: str = Field(description="worker-<slot>")
+    state: Literal["starting", "ready"]
+    models: list[str] = Field(description="the models it serves now")
+    loading: list[str] = Field(description="the models it loads (a starting worker: those it starts with)")
+    held: int = Field(description="items leased to it")
+    node: str | None = Field(None, description="the Ray node it runs on (none: a CPU worker anywhere)")
+    resource: str | None = Field(None, description="what it takes of its node: GPU, CPU or a custom resource")
+    started_at: float
+
+
+class WorkerList(_Response):
+    data: list[WorkerStatus]
 
 
 # -- OpenAI-compatible images API ----------------------------------------------------------------

@@ -6,6 +6,12 @@ never touch the engine, so the engine stays single-threaded:
 
 - ``submit(items)`` / ``cancel(ids)`` queue work; the loop admits or drops it at the next step
   boundary (a cancelled item stops before its next step). Each returns a list as long as its input.
+- ``load(specs)`` / ``unload(names)`` change the models it serves (autoscaling moves an idle worker to a model
+  with backlog): a model to load is loaded by the loader thread and added to the engine between steps, then
+  served; a model to unload stops being reported at once, and the loop drops it between steps (its graphs,
+  arena and weights go; a load waits for the unloads sent before it, so their memory is free). An item of a
+  model this worker does not serve at the moment but knows (one it unloaded or is loading) is handed back
+  unrun (``returned`` in the next poll: the scheduler requeues it uncounted), never failed.
 - ``poll(wait_s)`` hands over what happened since the last poll: per-item progress, finished items
   as PNG bytes, the latest preview of running items that asked for them (key, step, PNG bytes; encoded
   by the poll, only the latest of each item, never by the step loop),
@@ -89,6 +95,7 @@ class Worker:
             return model, own
 
         jobs = list(zip(config.models, dtypes, speeds))
+        self._load = load
         first, own = load(*jobs[0])
         self.backend = auto_backend(self.device) if config.backend == "auto" else config.backend
         self.config = config
@@ -102,6 +109,14 @@ class Worker:
         self._specs = {first.name: config.models[0]}  # loaded model name -> its entry in config.models
         self._ready = [first.name]  # the models it serves now (the engine's, as the step loop added them)
         self._loading = [spec for spec, _, _ in jobs[1:]]  # what it has yet to serve
+        self._names = {spec: card.name for spec, card in zip(config.models, cards)}  # spec -> the name it serves as
+        self._known = set(self._names.values())  # models of this worker (served, loading or unloaded): an item of one
+        # it does not serve now is handed back, not failed
+        self._cancelled: set[str] = set()  # specs unloaded before their load ended: dropped when they arrive
+        self._unloads = 0  # unloads sent and not yet done by the step loop: a load waits for them (their memory)
+        self._returned: list[str] = []  # items handed back unrun (a model it does not serve now), not polled yet
+        self._models_version = 0  # bumped when the served models change: a long poll answers then
+        self._load_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._load_failed = ""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -114,7 +129,7 @@ class Worker:
         self._timings: dict[str, tuple[float, float, float]] = {}  # finished item -> (received, admitted, PNG
         # ready), not polled yet
         self._failed: list[tuple[str, str]] = []
-        self._ready_told = 1  # how many ready models the last poll reported
+        self._ready_told = 0  # the models' version the last poll reported
         self._crashed: list[tuple[str, str]] = []
         self._step_seconds: list[float] = []
         self._busy_s, self._since = 0.0, time.perf_counter()
@@ -124,25 +139,46 @@ class Worker:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
-        if jobs[1:]:  # the first model serves while the others load, one after another
-            self._loader = threading.Thread(target=self._load_rest, args=(load, jobs[1:]), name="load", daemon=True)
-            self._loader.start()
+        for job in jobs[1:]:  # the first model serves while the others load, one after another
+            self._load_queue.put(job)
+        self._loader = threading.Thread(target=self._load_rest, name="load", daemon=True)
+        self._loader.start()
 
-    def _load_rest(self, load, jobs) -> None:
-        """The loader thread: each model after the first, loaded here and handed to the step loop, which adds
-        it to the engine and warms it between steps. A model that fails to load is reported by the next poll
-        (``load_failed``): the scheduler then drops the worker as one that failed to start."""
-        for spec, dtype, own in jobs:
-            if self._stop.is_set():
-                return
+    def _load_rest(self) -> None:
+        """The loader thread: each model after the first (and each ``load`` asks for), loaded here and handed to
+        the step loop, which adds it to the engine and warms it between steps. A model that fails to load is
+        reported by the next poll (``load_failed``): the scheduler then drops the worker as one that failed to
+        start; nothing more is loaded."""
+        while not self._stop.is_set():
             try:
-                model, own = load(spec, dtype, own)
+                spec, dtype, own = self._load_queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            with self._lock:
+                while self._unloads and not self._stop.is_set():  # their memory first
+                    self._news.wait(0.2)
+                if spec in self._cancelled or self._load_failed:  # unloaded before it began
+                    self._cancelled.discard(spec)
+                    if spec in self._loading:
+                        self._loading.remove(spec)
+                        self._models_version += 1
+                    continue
+            try:
+                if self.device.startswith("cuda"):
+                    import torch
+
+                    from workers.families.memory import check_fits
+
+                    check_fits([spec], [str(dtype).removeprefix("torch.")],
+                               torch.cuda.mem_get_info(torch.device(self.device))[0], self.device,
+                               encoders_here=self.config.text_encoder_device in ("", self.device))
+                model, own = self._load(spec, dtype, own)
             except Exception as e:
                 log.exception("loading %s failed", spec)
                 with self._lock:
                     self._load_failed = f"loading model {spec} failed: {type(e).__name__}: {str(e)[:500]}"
                     self._news.notify_all()
-                return
+                continue
             self._inbox.put(("model", (spec, model, own)))
 
     def _dtype(self, name: str, card):
@@ -199,6 +235,44 @@ class Worker:
                 raise RuntimeError(self._load_failed)
             return sorted(self._ready)
 
+    def load(self, specs: list[str]) -> list[bool]:
+        """Serve ``specs`` too (entries as ``[workers] models`` takes them), once loaded and warm; the poll that
+        follows says so (``models``). A model it serves or loads already is left as it is."""
+        from workers.families import family_named
+
+        out = []
+        for spec in specs:
+            card = read_card(spec)
+            with self._lock:
+                self._cancelled.discard(spec)
+                if card.name in self._ready or spec in self._loading:
+                    out.append(False)
+                    continue
+                self._names[spec] = card.name
+                self._known.add(card.name)
+                self._loading.append(spec)
+                self._models_version += 1
+            self._load_queue.put((spec, self._dtype(self.config.dtype, card),
+                                  self._speed(self.config, spec, family_named(card.family))))
+            out.append(True)
+        return out
+
+    def unload(self, names: list[str]) -> list[bool]:
+        """Stop serving the models ``names``: no poll reports them from now on, and the step loop drops them
+        between steps (an item of theirs still here is handed back: ``returned``). One still loading is
+        dropped when its load ends."""
+        with self._lock:
+            for name in names:
+                if name in self._ready:
+                    self._ready.remove(name)
+                self._cancelled |= {spec for spec in self._loading if self._names.get(spec) == name}
+                self._unloads += 1
+            self._models_version += 1
+            self._news.notify_all()
+        for name in names:
+            self._inbox.put(("unload", name))
+        return [True] * len(names)
+
     def submit(self, items: list[ItemSpec]) -> list[bool]:
         now = time.time()
         for item in items:
@@ -216,19 +290,21 @@ class Worker:
         calls it in the actor's ``poll`` concurrency group, so a waiting poll never holds up ``submit`` and
         ``cancel`` (which keep their order in the default group)."""
         with self._lock:
-            if wait_s > 0 and not (self._finished or self._failed or self._crashed or self._stop.is_set()
-                                   or self._load_failed or len(self._ready) != self._ready_told):
+            if wait_s > 0 and not (self._finished or self._failed or self._crashed or self._returned
+                                   or self._stop.is_set() or self._load_failed
+                                   or self._models_version != self._ready_told):
                 self._news.wait(wait_s)
             now = time.perf_counter()
             previews = self._previews
-            self._ready_told = len(self._ready)
+            self._ready_told = self._models_version
             report = {"progress": dict(self._progress), "finished": self._finished, "failed": self._failed,
+                      "returned": self._returned,
                       "timings": self._timings, "models": sorted(self._ready), "loading": list(self._loading),
                       **({"load_failed": self._load_failed} if self._load_failed else {}),
                       "crashed": self._crashed, "step_seconds": self._step_seconds, "busy_s": self._busy_s,
                       "window_s": now - self._since, "stats": self.engine.stats(), "answered": time.time()}
             self._finished, self._failed, self._crashed, self._step_seconds = [], [], [], []
-            self._timings = {}
+            self._timings, self._returned = {}, []
             self._previews = {}
             self._busy_s, self._since = 0.0, now
         report["previews"] = [(k, step, _png(image, self._png_level)) for k, (step, image) in previews.items()]
@@ -264,6 +340,10 @@ class Worker:
                 self._add(adds)
                 adds = []
                 self._serve(*payload)
+            elif kind == "unload":
+                self._add(adds)
+                adds = []
+                self._unload(payload)
             else:
                 self._add(adds)
                 adds = []
@@ -276,6 +356,15 @@ class Worker:
 
     def _serve(self, spec: str, model, own) -> None:
         """The step loop: a model the loader thread made, added to the engine and warmed, then served."""
+        with self._lock:
+            if spec in self._cancelled:  # unloaded while it loaded
+                self._cancelled.discard(spec)
+                if spec in self._loading:
+                    self._loading.remove(spec)
+                self._models_version += 1
+                self._news.notify_all()
+                log.info("%s loaded after it was unloaded: dropped", model.name)
+                return
         t0 = time.perf_counter()
         try:
             self.engine.add_model(model, own, sizes=self._sizes)
@@ -290,7 +379,40 @@ class Worker:
             self._specs[model.name] = spec
             self._ready.append(model.name)
             self._loading.remove(spec)
+            self._models_version += 1
             self._news.notify_all()
+
+    def _unload(self, name: str) -> None:
+        """The step loop: ``name`` leaves the engine; its items still here are handed back unrun (``returned``),
+        its text encoder is forgotten unless another model shares it, and its memory goes."""
+        import gc
+
+        try:
+            if name in self.engine.models:
+                ids = [a.req.id for g in self.engine.groups.values() if g.model.name == name for a in g.active]
+                for item_id in ids:
+                    self.engine.cancel(item_id)
+                with self._lock:
+                    self._returned += ids
+                    for item_id in ids:
+                        self._progress.pop(item_id, None)
+                        self._previews.pop(item_id, None)
+                        self._admitted.pop(item_id, None)
+                self.engine.remove_model(name)
+                from workers.encoders import release_unused
+
+                release_unused([m.text_encoder for m in self.engine.models.values() if m.text_encoder is not None])
+                gc.collect()
+                if self.device.startswith("cuda"):
+                    import torch
+
+                    torch.cuda.empty_cache()
+                log.info("unloaded %s", name)
+        finally:
+            with self._lock:
+                self._specs.pop(name, None)
+                self._unloads -= 1
+                self._news.notify_all()
 
     def _cancel(self, item_id: str) -> None:
         self.engine.cancel(item_id)
@@ -300,7 +422,14 @@ class Worker:
             self._previews.pop(item_id, None)
 
     def _add(self, received: list[tuple[ItemSpec, float]]) -> None:
-        """Admit items together; if that fails, one by one, so a bad item fails alone."""
+        """Admit items together; if that fails, one by one, so a bad item fails alone. An item of a model this
+        worker knows but does not serve now (unloaded, or still loading) is handed back, not failed."""
+        away = {it.id for it, _ in received if it.model and it.model not in self.engine.models and it.model in self._known}
+        if away:
+            received = [(it, t) for it, t in received if it.id not in away]
+            with self._lock:
+                self._returned += sorted(away)
+                self._news.notify_all()
         if not received:
             return
         items, arrived = [it for it, _ in received], {it.id: t for it, t in received}

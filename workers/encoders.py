@@ -123,6 +123,15 @@ def clear() -> None:
     _SHARED.clear()
 
 
+def release_unused(in_use) -> int:
+    """Forget the shared encoders that are none of ``in_use`` (the text encoders of the models still loaded): a
+    worker that unloads a model lets its encoder's memory go. Returns how many were forgotten."""
+    gone = [key for key, encoder in _SHARED.items() if not any(encoder is m for m in in_use)]
+    for key in gone:
+        del _SHARED[key]
+    return len(gone)
+
+
 LENGTH_STEP = 64  # token counts are padded up to a multiple of this (at most the model's limit): few shapes
 
 

@@ -216,6 +216,24 @@ class Engine:
         if self._warm:
             self._warm_models([model], sizes)
 
+    def remove_model(self, name: str) -> LoadedModel:
+        """Stop serving ``name``: its groups (their graphs and arenas) go, and the model is handed back (the caller
+        drops it, and its memory goes with the last reference). Its requests must have left first (ValueError
+        otherwise: cancel them). The graph pool stays for the other models' captures. Call it where steps run."""
+        if name not in self.models:
+            raise KeyError(f"model {name!r} is not loaded here (loaded: {', '.join(self.models) or 'none'})")
+        mine = [key for key, group in self.groups.items() if group.model.name == name]
+        if active := sum(len(self.groups[key].active) for key in mine):
+            raise ValueError(f"model {name!r} still runs {active} request(s): cancel them before removing it")
+        for key in mine:
+            del self.groups[key]
+        self._keys = {k: v for k, v in self._keys.items() if k[0] != name}
+        model = self.models.pop(name)
+        self.speed.pop(name, None)
+        self.attention.pop(name, None)
+        model.text_graphs = None
+        return model
+
     def _add_model(self, m: LoadedModel, speed: SpeedConfig) -> None:
         self.models[m.name], self.speed[m.name] = m, speed
         family, graphs = family_of(m), self.backend_for(m) != "eager"

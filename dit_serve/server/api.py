@@ -30,14 +30,14 @@ from dit_serve.server.events import StreamLimits, Streams
 from dit_serve.server.http_limits import LimitsMiddleware
 from dit_serve.server.keys import KeyRing
 from dit_serve.server.metrics import Metrics
-from dit_serve.server.routes import ERRORS, docs, jobs, models, openai, ops, uploads
+from dit_serve.server.routes import ERRORS, docs, jobs, models, openai, ops, uploads, workers
 from dit_serve.server.routes.admission import Admission
 from dit_serve.server.routes.jobs import EVENT_ID
 from dit_serve.server.store import Store
 
 log = logging.getLogger(__name__)
 # in this order; the page at / and its assets need no key (they hold no data; the page calls /v1 with one)
-ROUTERS = (jobs.router, openai.router, uploads.router, models.router, web.router, ops.router)
+ROUTERS = (jobs.router, openai.router, uploads.router, models.router, workers.router, web.router, ops.router)
 
 
 def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Metrics,

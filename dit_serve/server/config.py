@@ -25,6 +25,13 @@ is needed (``dit-serve serve`` alone: local Ray, SQLite under ./dit-serve-data, 
     [limits]
     max_items_per_job = 10000
 
+    [autoscale]                 # off by default: one worker per GPU (or the CPU worker), every model
+    enabled = false             # true: workers by the backlog, nodes asked of Ray's autoscaler, idle ones stop
+    min_workers = 0             # 0: scale to zero
+    max_workers = 8
+    target_drain_s = 300        # workers per model = ceil(steps left / (rate x target_drain_s))
+    idle_timeout_s = 300
+
     [webhooks]                  # jobs with a webhook_url are POSTed to it when they finish
     secret = ""                 # set: deliveries are signed (X-Dit-Serve-Signature: sha256=<hmac>)
     max_attempts = 8            # retried with backoff (2 s, doubling) until a 2xx answer
@@ -39,7 +46,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from dit_serve.errors import ConfigError  # defined on the SDK side: the CLI catches it without this module
 from workers.config import WorkerConfig  # the [workers] section: defined once, beside the worker it configures
@@ -170,6 +177,77 @@ class SchedulerConfig(_Section):
                                                  "strict queue order")
 
 
+class AutoscaleConfig(_Section):
+    """How many workers run, and which models each holds (``dit_serve.server.autoscale``). Off by default: one
+    worker per GPU (or the CPU workers), each with every configured model, as the cluster gives them."""
+
+    enabled: bool = Field(False, description="start and stop workers by the backlog, and ask Ray's autoscaler "
+                                             "for the nodes they need")
+    min_workers: int = Field(0, ge=0, description="workers kept running with no backlog; 0: scale to zero")
+    max_workers: int = Field(8, ge=1, description="most workers at once (Ray is never asked for more)")
+    min_workers_per_model: dict[str, int] = Field(default_factory=dict, description="per model, workers kept "
+                                                  "serving it with no backlog")
+    max_workers_per_model: dict[str, int] = Field(default_factory=dict, description="per model, most workers "
+                                                  "serving it at once")
+    target_drain_s: float = Field(300.0, gt=0, description="enough workers to finish the backlog in about this "
+                                                           "long: workers = ceil(steps left / (rate x this))")
+    idle_timeout_s: float = Field(300.0, ge=0, description="a worker with nothing leased and no backlog for its "
+                                                          "models stops after this long (above the minimums)")
+    default_rate: float = Field(100.0, gt=0, description="denoising steps of one image per second that one worker "
+                                                         "does, until measured, for models without a `rates` entry")
+    rates: dict[str, float] = Field(default_factory=dict, description="per model, the rate until measured "
+                                    "(image-steps per second per worker)")
+    start_cost_s: float = Field(120.0, ge=0, description="a new worker's start (a node, the process, its first "
+                                                        "model), until measured")
+    switch_cost_s: float = Field(30.0, ge=0, description="an idle worker's switch to another model (unload, "
+                                                        "load, warm), until measured")
+    min_switch_gain_s: float = Field(0.0, ge=0, description="switch an idle worker to a model only if that "
+                                                           "finishes the model's backlog at least this much sooner")
+    memory_gib: float = Field(0.0, ge=0, description="device memory of one worker, for placement: a new worker "
+                                                     "also loads the other models with backlog whose weights "
+                                                     "fit (workers/families/memory.py); 0: one model per worker")
+    request_resources: bool = Field(True, description="ask Ray's autoscaler for the workers' nodes "
+                                                      "(ray.autoscaler.sdk.request_resources); false: use the "
+                                                      "nodes the cluster has")
+    bundle: dict[str, float] = Field(default_factory=dict, description="what one worker asks Ray for; empty: one "
+                                     "unit of [workers] resource (GPU when it is auto), or its num_cpus CPUs")
+
+    @field_validator("min_workers_per_model")
+    @classmethod
+    def _at_least_zero(cls, table: dict[str, int]) -> dict[str, int]:
+        for name, value in table.items():
+            if value < 0:
+                raise ValueError(f"{name!r} = {value}: must be 0 or more")
+        return table
+
+    @field_validator("max_workers_per_model", "rates", "bundle")
+    @classmethod
+    def _positive(cls, table: dict) -> dict:
+        for name, value in table.items():
+            if not value > 0:
+                raise ValueError(f"{name!r} = {value}: must be more than 0")
+        return table
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscaleConfig":
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers ({self.min_workers}) is more than max_workers ({self.max_workers})")
+        for model, low in self.min_workers_per_model.items():
+            high = min(self.max_workers_per_model.get(model, self.max_workers), self.max_workers)
+            if low > high:
+                raise ValueError(f"min_workers_per_model[{model!r}] ({low}) is more than that model may have ({high})")
+        if (low := sum(self.min_workers_per_model.values())) > self.max_workers:
+            raise ValueError(f"min_workers_per_model adds up to {low}, more than max_workers ({self.max_workers})")
+        return self
+
+    def worker_bundle(self, workers: WorkerConfig) -> dict[str, float]:
+        """What one worker takes of a node, as Ray's autoscaler is asked for it."""
+        if self.bundle:
+            return dict(self.bundle)
+        resource = "GPU" if workers.resource == "auto" else workers.resource
+        return {"CPU": workers.num_cpus} if resource == "CPU" else {resource: 1.0}
+
+
 class Config(_Section):
     server: ServerConfig = ServerConfig()
     store: StoreConfig = StoreConfig()
@@ -178,6 +256,16 @@ class Config(_Section):
     limits: LimitsConfig = LimitsConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     webhooks: WebhookConfig = WebhookConfig()
+    autoscale: AutoscaleConfig = AutoscaleConfig()
+
+    @model_validator(mode="after")
+    def _autoscale_models(self) -> "Config":
+        a = self.autoscale
+        for table in ("min_workers_per_model", "max_workers_per_model", "rates"):
+            if unknown := sorted(set(getattr(a, table)) - set(self.workers.models)):
+                raise ValueError(f"autoscale.{table} names {', '.join(map(repr, unknown))}, not among the served "
+                                 f"models ({', '.join(self.workers.models)})")
+        return self
 
     def worker_config(self) -> WorkerConfig:
         """The workers' section as the workers get it: their compiled kernels kept under the data directory
@@ -214,6 +302,6 @@ def _validate(data: dict, source: str) -> Config:
         return Config.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise ConfigError(f"{source}: {where}: {err['msg'].removeprefix('Value error, ')}") from None
+        where = "".join(f"{p}: " if i == len(err["loc"]) - 1 else f"{p}." for i, p in enumerate(err["loc"]))
+        raise ConfigError(f"{source}: {where}{err['msg'].removeprefix('Value error, ')}") from None
 

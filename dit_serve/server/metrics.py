@@ -59,6 +59,23 @@ class Metrics:
             "(-> the scheduler had it) make handoff", ["phase"], buckets=PHASE_BUCKETS, registry=r)
         self.rejected = Counter("dit_serve_submissions_rejected", "submissions refused with a 429 (queue full)",
                                 registry=r)
+        # autoscaling ([autoscale]; dit_serve.server.autoscale)
+        self.serving = Gauge("dit_serve_workers_serving", "workers serving each model now (ready, the model loaded)",
+                             ["model"], registry=r)
+        self.desired = Gauge("dit_serve_autoscale_desired_workers", "workers each model's backlog asks for "
+                             "(autoscaling on)", ["model"], registry=r)
+        self.backlog_seconds = Gauge("dit_serve_autoscale_backlog_gpu_seconds", "each model's backlog (steps left "
+                                     "over one worker's rate) in seconds of one worker (GPU-seconds)", ["model"],
+                                     registry=r)
+        self.requested = Gauge("dit_serve_autoscale_requested_workers", "workers' resources asked of Ray's "
+                               "autoscaler (request_resources)", registry=r)
+        self.switches = Counter("dit_serve_model_switches", "idle workers switched to (or loading beside) another "
+                                "model, by the model loaded", ["model"], registry=r)
+        self.switch_seconds = Histogram("dit_serve_model_switch_seconds", "a switch, from the order to the worker "
+                                        "serving the model", buckets=PHASE_BUCKETS, registry=r)
+        self.scale_from_zero = Histogram("dit_serve_scale_from_zero_seconds", "with no worker running, from the "
+                                         "first backlog to the first worker ready (nodes, start, first model)",
+                                         buckets=PHASE_BUCKETS, registry=r)
         self._window_s = window_s
         self._done_times: deque[float] = deque()
         self._busy: dict[str, tuple[float, float]] = {}  # worker -> decayed (busy s, wall s)

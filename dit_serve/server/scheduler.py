@@ -4,7 +4,11 @@ items from the store to them, and commits what they finish.
 One loop, one thread; each turn:
 
 1. every ``reconcile_seconds``: read ``ray.nodes()``; start a worker for each new slot (a GPU, a
-   unit of the configured custom resource, or the CPU worker) and drop workers whose node left;
+   unit of the configured custom resource, or the CPU worker) and drop workers whose node left. With
+   ``[autoscale]`` on (and within 0.5 s of new work), as many workers as the backlog needs instead
+   (``dit_serve.server.autoscale``): Ray's autoscaler is asked for their resources, workers start on the
+   free slots with the models that lack workers, idle ones switch to a model with backlog when that pays,
+   and stop after ``idle_timeout_s``; the workers are written to the store (``Store.put_workers``);
 2. wait up to ``tick_seconds`` for the workers' outstanding (long) ``poll()`` and ``info()`` calls,
    or less: the first answer, or new work in the store, ends the wait; commit
    finished PNGs (exactly once, through the lease), record failures, note progress, write the
@@ -41,13 +45,18 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from dit_serve.server.config import SchedulerConfig
+from dit_serve.server.autoscale import Backlog, Costs, Demand, Rates, WorkerState, demand, place
+from dit_serve.server.config import AutoscaleConfig, SchedulerConfig
 from dit_serve.server.metrics import Metrics
-from dit_serve.server.store import Lease, Store, lease_shape
+from dit_serve.server.store import Lease, Store, WorkerRow, lease_shape
 from workers.actor import remote_worker_class
 from workers.config import WorkerConfig
 
 log = logging.getLogger(__name__)
+
+# the scheduler writes its workers to the store (``Store.put_workers``) when they change, and at least this
+# often: readers take rows older than ``store.workers.FRESH_S`` for a scheduler that is gone
+PUBLISH_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -67,7 +76,11 @@ def plan_slots(nodes: list[dict], cfg: WorkerConfig) -> dict[str, SlotPlan]:
         resource = "GPU" if any(n["Resources"].get("GPU", 0) >= 1 for n in alive) else "CPU"
     if resource == "CPU":
         return {f"cpu-{i}": SlotPlan(None, "CPU") for i in range(cfg.cpu_workers)}
-    return {f"{n['NodeID'][:12]}-{i}": SlotPlan(n["NodeID"], resource)
+    prefixes: dict[str, int] = {}
+    for n in alive:
+        prefixes[n["NodeID"][:12]] = prefixes.get(n["NodeID"][:12], 0) + 1
+    short = lambda node_id: node_id[:12] if prefixes[node_id[:12]] == 1 else node_id  # noqa: E731 (unique names)
+    return {f"{short(n['NodeID'])}-{i}": SlotPlan(n["NodeID"], resource)
             for n in alive for i in range(int(n["Resources"].get(resource, 0)))}
 
 
@@ -85,6 +98,12 @@ class _Worker:
     reserved: bool = False  # for suspects: takes no new work until empty, then runs an isolated group
     queue_left: bool = False  # its last lease got all it asked for: more may be queued
     news: bool = False  # its last answer ended items: poll again at once (others: at most once a tick)
+    started_at: float = field(default_factory=time.time)
+    loading: list[str] = field(default_factory=list)  # models it loads: before it is ready, all it was started with
+    idle_since: float | None = None  # (monotonic) nothing leased and nothing queued for its models since then
+    asked_at: float = field(default_factory=time.monotonic)  # when it was started (its start's cost)
+    switching: tuple[str, float] | None = None  # (model, monotonic time) it was told to load, until it serves it
+    dropping: set[str] = field(default_factory=set)  # models it was told to unload: a late report may still list them
 
     @property
     def name(self) -> str:
@@ -102,8 +121,12 @@ def _actor_class():
 
 class Scheduler:
     def __init__(self, store: Store, workers: WorkerConfig, config: SchedulerConfig, lease_seconds: float,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, autoscale: AutoscaleConfig = AutoscaleConfig()):
         self.store, self.cfg, self.sched = store, workers, config
+        # [autoscale]'s per-model tables name models as [workers] models does; the store, by the names they serve as
+        self.auto = autoscale.model_copy(update={t: {_name(k): v for k, v in getattr(autoscale, t).items()}
+                                                 for t in ("min_workers_per_model", "max_workers_per_model", "rates")})
+        self.rates = Rates.from_config(self.auto)  # image-steps per second of one worker, per model
         self.lease_seconds = lease_seconds
         self.metrics = metrics or Metrics()
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -114,6 +137,19 @@ class Scheduler:
         self.draining = False
         self._last_fill = 0.0    # when _dispatch last asked the store for work (monotonic)
         self._fill_now = False   # a worker became ready: ask at the next turn
+        # autoscaling ([autoscale]): the workers the backlog asks for, and what Ray's autoscaler was asked for
+        self.demand = Demand()
+        self.asked: int | None = None  # workers' bundles last requested (None: never)
+        self._slot_cfg = workers.model_copy(update={"resource": "GPU"}) \
+            if autoscale.enabled and workers.resource == "auto" else workers  # no GPU node yet at scale from zero
+        self._published: list[WorkerRow] | None = None  # the workers as last written to the store
+        self._published_at = 0.0
+        self._specs = {_name(spec): spec for spec in workers.models}  # served name -> its [workers] models entry
+        self.start_s: float | None = None  # a worker's start until ready, measured (an average)
+        self.switch_s: dict[str, float] = {}  # per model, an idle worker's switch to it until it serves it, measured
+        self.switches: dict[str, int] = {}  # switches to each model
+        self._need: dict[str, int] = {}  # per model, the bytes of its weights on a worker (placement)
+        self._zero_since: float | None = None  # (monotonic) backlog came while no worker ran: scale from zero
 
     @property
     def held(self) -> int:
@@ -138,7 +174,9 @@ class Scheduler:
 
     def turn(self) -> None:
         now = time.monotonic()
-        if now - self._last_reconcile >= self.sched.reconcile_seconds:
+        since = now - self._last_reconcile
+        if since >= self.sched.reconcile_seconds or (self.auto.enabled and self.store.queued.is_set() and since >= min(
+                0.5, self.sched.reconcile_seconds)):  # new work may need a worker: do not wait for the next reconcile
             self._last_reconcile = now
             self.reconcile()
         self._collect()
@@ -152,15 +190,151 @@ class Scheduler:
     def reconcile(self) -> None:
         import ray
 
-        wanted = plan_slots(ray.nodes(), self.cfg)
-        for key in [k for k in self.workers if k not in wanted]:
-            self._drop(self.workers[key], "its node left the cluster", "infra")
-        for key, plan in wanted.items():
-            if key not in self.workers and self._backoff.get(key, (0, 0.0))[1] <= time.monotonic():
-                self._start(key, plan)
+        if self.auto.enabled:
+            self._autoscale(ray.nodes())
+        else:
+            wanted = plan_slots(ray.nodes(), self.cfg)
+            for key in [k for k in self.workers if k not in wanted]:
+                self._drop(self.workers[key], "its node left the cluster", "infra")
+            for key, plan in wanted.items():
+                if key not in self.workers and self._backoff.get(key, (0, 0.0))[1] <= time.monotonic():
+                    self._start(key, plan)
         self.metrics.workers.set(self.num_ready)
+        for m in self._specs:
+            self.metrics.serving.labels(m).set(sum(w.ready and m in w.models for w in self.workers.values()))
+        self._publish()
 
-    def _start(self, key: str, plan: SlotPlan) -> None:
+    def _publish(self, force: bool = False) -> None:
+        """Write this scheduler's workers to the store (any API process reads them) if they changed, or
+        ``PUBLISH_EVERY_S`` passed (the rows' age tells readers the scheduler lives)."""
+        rows = [WorkerRow(key=w.key, state="ready" if w.ready else "starting", models=sorted(w.models),
+                          loading=list(w.loading), node=w.plan.node_id if w.plan else None,
+                          resource=w.plan.resource if w.plan else None, held=len(w.leases), started_at=w.started_at)
+                for w in self.workers.values()]
+        old, now = self._published, time.monotonic()
+        if not force and old is not None and now - self._published_at < PUBLISH_EVERY_S and len(old) == len(rows) \
+                and all(a.same(b) for a, b in zip(old, rows)):
+            return
+        self.store.put_workers(self.owner, rows)
+        self._published, self._published_at = rows, now
+
+    def _autoscale(self, nodes: list[dict]) -> None:
+        """Reconcile with autoscaling on: the workers the backlog needs (``autoscale.demand``), asked of Ray's
+        autoscaler as bundles of the worker's resources, and started on the free slots the cluster has, up to
+        that many (on the nodes that run workers already first, so that whole nodes empty and go)."""
+        slots = plan_slots(nodes, self._slot_cfg)
+        for key in [k for k in self.workers if k not in slots]:
+            self._drop(self.workers[key], "its node left the cluster", "infra")
+        if self.draining:  # the service stops: no worker started, switched or stopped now
+            return
+        backlog = Backlog.of(self.store.backlog())
+        holding: dict[str, int] = {}
+        for w in self.workers.values():
+            for m in {ls.model for ls in w.leases.values()}:
+                holding[m] = holding.get(m, 0) + 1
+        self.demand = demand(backlog, self.rates, self.auto, [_name(m) for m in self.cfg.models], holding,
+                             self.cfg.inflight())
+        self._ask(self.demand.total)
+        now = time.monotonic()
+        for m in self._specs:
+            self.metrics.desired.labels(m).set(self.demand.workers.get(m, 0))
+            self.metrics.backlog_seconds.labels(m).set(round(self.demand.seconds.get(m, 0.0), 3))
+        if not self.workers:  # scale from zero: timed from the first backlog with no worker to the first ready
+            self._zero_since = (self._zero_since or now) if self.demand.total else None
+        for w in self.workers.values():
+            if not w.ready or w.leases or w.loading or w.switching or any(backlog.get(m, Backlog()).queued
+                                                                          for m in w.models):
+                w.idle_since = None
+            elif w.idle_since is None:
+                w.idle_since = now
+        free = [k for k in slots if k not in self.workers and self._backoff.get(k, (0, 0.0))[1] <= now]
+        used: dict[str | None, int] = {}
+        for w in self.workers.values():
+            used[w.plan.node_id] = used.get(w.plan.node_id, 0) + 1
+        free.sort(key=lambda k: (-used.get(slots[k].node_id, 0), k))
+        states = [WorkerState(w.key, tuple(dict.fromkeys(w.models + w.loading)), w.idle_since is not None,
+                              now - w.idle_since if w.idle_since is not None else 0.0) for w in self.workers.values()]
+        costs = Costs(self.auto.start_cost_s if self.start_s is None else self.start_s, dict(self.switch_s),
+                      self.auto.switch_cost_s)
+        placement = place(self.demand, backlog, states, len(free), costs, self.auto, list(self._specs), self._fits)
+        for key, model, unload in placement.switch:
+            self._switch(self.workers[key], model, unload)
+        for models, key in zip(placement.start, free):
+            self._start(key, slots[key], models)
+        for w in list(self.workers.values()):  # idle ones stop (not a crash): their resources go back to Ray
+            if w.idle_since is not None and now - w.idle_since >= self.auto.idle_timeout_s and self._may_stop(w):
+                self._retire(w, f"idle for {now - w.idle_since:.0f} s")
+
+    def _fits(self, models: list[str]) -> bool:
+        """Whether ``models``' weights fit one worker together (``[autoscale] memory_gib``, 85% of it: the rest is
+        for activations and graphs, as the worker's own check keeps it); with no memory given, one model."""
+        if self.auto.memory_gib <= 0:
+            return len(models) <= 1
+        from workers.families.memory import weight_bytes
+        from workers.request.cards import read_card
+
+        for m in models:
+            if m not in self._need:
+                card = read_card(self._specs.get(m, m))
+                self._need[m] = weight_bytes(card, card.dtype)
+        return sum(self._need[m] for m in models) <= 0.85 * self.auto.memory_gib * 2**30
+
+    def _switch(self, w: _Worker, model: str, unload: list[str]) -> None:
+        """Move idle ``w`` to ``model``: it unloads ``unload`` (leased none of them from now) and loads it."""
+        log.info("switching %s to %s%s", w.name, model, f" (unloading {', '.join(unload)})" if unload else "")
+        if unload:
+            w.handle.unload.remote(unload)
+            w.dropping |= set(unload)
+            w.models = [m for m in w.models if m not in unload]
+        w.dropping.discard(model)
+        w.handle.load.remote([self._specs.get(model, model)])
+        w.loading = list(dict.fromkeys(w.loading + [model]))
+        w.switching, w.idle_since = (model, time.monotonic()), None
+        self.switches[model] = self.switches.get(model, 0) + 1
+        self.metrics.switches.labels(model).inc()
+
+    def _may_stop(self, w: _Worker) -> bool:
+        """Whether stopping ``w`` keeps ``min_workers`` running, and each of its models' own minimum."""
+        if len(self.workers) - 1 < self.auto.min_workers:
+            return False
+        for m in w.models:
+            others = sum(m in o.models or m in o.loading for o in self.workers.values() if o is not w)
+            if others < self.auto.min_workers_per_model.get(m, 0):
+                return False
+        return True
+
+    def _retire(self, w: _Worker, reason: str) -> None:
+        """Stop ``w`` on purpose (it is idle): not a crash; anything it holds goes back uncounted."""
+        import ray
+
+        log.info("stopping %s (%s): %s", w.name, ", ".join(w.models) or "no model", reason)
+        if w.leases:
+            self.store.release(list(w.leases.values()), "stop")
+        self.workers.pop(w.key, None)
+        self.metrics.forget_worker(w.name)
+        try:
+            ray.kill(w.handle, no_restart=True)
+        except Exception:  # already gone
+            pass
+
+    def _ask(self, n: int) -> None:
+        """Ask Ray's autoscaler for ``n`` workers' resources (``request_resources``: the cluster is kept big
+        enough for them, idle nodes beyond go); again only when ``n`` changed."""
+        if not self.auto.request_resources or n == self.asked:
+            return
+        from ray.autoscaler import sdk
+
+        try:
+            sdk.request_resources(bundles=[self.auto.worker_bundle(self.cfg)] * n)
+        except Exception as e:  # a cluster without an autoscaler: the workers fit the nodes it has
+            log.warning("could not ask Ray's autoscaler for %d workers: %s: %s", n, type(e).__name__, e)
+            return
+        log.info("asked Ray's autoscaler for %d worker%s (%s each)", n, "" if n == 1 else "s",
+                 self.auto.worker_bundle(self.cfg))
+        self.asked = n
+        self.metrics.requested.set(n)
+
+    def _start(self, key: str, plan: SlotPlan, models: list[str] | None = None) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         opts: dict[str, Any] = {"num_cpus": self.cfg.num_cpus}
@@ -170,8 +344,10 @@ class Scheduler:
             opts["resources"] = {plan.resource: 1}
         if plan.node_id is not None:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(plan.node_id, soft=False)
-        handle = _actor_class().options(**opts).remote(self.cfg)
-        self.workers[key] = _Worker(key, plan, handle, handle.info.remote())
+        cfg = self.cfg if models is None else self.cfg.model_copy(
+            update={"models": tuple(self._specs.get(m, m) for m in models)})  # autoscaling's placement
+        handle = _actor_class().options(**opts).remote(cfg)
+        self.workers[key] = _Worker(key, plan, handle, handle.info.remote(), loading=[_name(m) for m in cfg.models])
         log.info("starting worker %s (%s%s)", key, plan.resource, f" on node {plan.node_id[:12]}" if plan.node_id else "")
 
     def _drop(self, w: _Worker, reason: str, kind: str = "crash", failed_start: bool = False) -> None:
@@ -248,6 +424,14 @@ class Scheduler:
             return
         if starting:
             w.ready_ref, w.models, self._fill_now = None, list(value["models"]), True
+            w.loading = [_name(m) for m in value.get("loading", ())]
+            took = time.monotonic() - w.asked_at
+            self.start_s = took if self.start_s is None else 0.5 * self.start_s + 0.5 * took
+            if self._zero_since is not None:  # the first worker after none
+                self.metrics.scale_from_zero.observe(time.monotonic() - self._zero_since)
+                log.info("first worker ready %.1f s after the backlog came with none running",
+                         time.monotonic() - self._zero_since)
+                self._zero_since = None
             self._backoff.pop(w.key, None)
             log.info("%s ready: %s on %s (%s)%s", w.name, ", ".join(w.models), value["device"], value["backend"],
                      f"; loading {', '.join(value['loading'])}" if value.get("loading") else "")
@@ -265,10 +449,25 @@ class Scheduler:
         self._apply_report(w, value)
 
     def _apply_report(self, w: _Worker, report: dict) -> None:
-        if models := report.get("models"):  # a worker serves its first model while it loads the others
+        if "models" in report:  # a worker serves its first model while it loads the others; and switches
+            w.dropping &= set(report["models"])  # a report without a model it was told to unload: gone for good
+            models = [m for m in report["models"] if m not in w.dropping]
+            w.loading = [_name(m) for m in report.get("loading", ())]
+            if w.switching is not None:
+                model, since = w.switching
+                if model in models:
+                    took = time.monotonic() - since
+                    old = self.switch_s.get(model)
+                    self.switch_s[model] = took if old is None else 0.5 * old + 0.5 * took
+                    w.switching = None
+                    self.metrics.switch_seconds.observe(took)
+                    log.info("%s switched to %s in %.1f s", w.name, model, took)
+                elif model not in w.loading:
+                    w.loading.append(model)  # the report is older than the load
             if models != w.models:
                 w.models, self._fill_now = list(models), True
-                log.info("%s serves %s now", w.name, ", ".join(w.models))
+                log.info("%s serves %s now", w.name, ", ".join(w.models) or "no model")
+        self._measure(w, report)
         for key, (done, _total) in report["progress"].items():
             if key in w.leases:
                 w.leases[key].step = done
@@ -279,6 +478,9 @@ class Scheduler:
         finished = [(w.leases.pop(key, None), png) for key, png in report["finished"]]
         failed = [(w.leases.pop(key, None), error) for key, error in report["failed"]]
         crashed = [(w.leases.pop(key, None), error) for key, error in report.get("crashed", ())]
+        returned = [ls for ls in (w.leases.pop(key, None) for key in report.get("returned", ())) if ls is not None]
+        if returned:  # a model it no longer serves (a switch): back to the queue, not counted
+            self.store.release(returned, "stop")
         if (finished or failed) and not self._suspects and (w.queue_left or self.store.queued.is_set()):
             self._fill(w, expect=True)  # the next items are on their way before the commits: the GPU does not wait
         committed = []
@@ -302,6 +504,21 @@ class Scheduler:
         if failed := report.get("load_failed"):  # as a worker that failed to start: dropped, restarted later
             self._drop(w, f"failed to start: {failed}", "crash", failed_start=True)
 
+    def _measure(self, w: _Worker, report: dict) -> None:
+        """The worker's rate (``Rates``): the image-steps this report's window advanced over its seconds spent
+        stepping, when it ran one model only and held at least half its in-flight limit (a fuller batch steps
+        more images a second; a worker that ran half-empty would read low)."""
+        steps: dict[str, int] = {}
+        for key, (done, _total) in report["progress"].items():
+            if (ls := w.leases.get(key)) is not None:
+                steps[ls.model] = steps.get(ls.model, 0) + max(0, done - ls.step)
+        for key, _png in report["finished"]:
+            if (ls := w.leases.get(key)) is not None:
+                steps[ls.model] = steps.get(ls.model, 0) + max(0, ls.params.steps - ls.step)
+        if len(steps) == 1 and 2 * len(w.leases) >= self.cfg.inflight():
+            (model, n), = steps.items()
+            self.rates.observe(model, n, report.get("busy_s", 0.0))
+
     def _requeue(self, leases: list[Lease], kind: str, error: str) -> None:
         if not leases:
             return
@@ -313,6 +530,7 @@ class Scheduler:
 
     # -- leases ------------------------------------------------------------------------------------
     def _heartbeat(self) -> None:
+        self._publish()  # a worker that became ready, or serves another model: readers learn it now
         self._suspects = bool(self.workers) and self.store.has_suspects(sorted({m for w in self.workers.values()
                                                                                  for m in w.models}))
         held = [ls for w in self.workers.values() for ls in w.leases.values()]
@@ -351,7 +569,7 @@ class Scheduler:
         are preferred (``workers.admission``): fewer, fuller replays per step."""
         capacity = self.cfg.inflight()
         room = capacity - len(w.leases)
-        if self.draining or room <= 0 or (w.reserved and w.leases):
+        if self.draining or room <= 0 or (w.reserved and w.leases) or not w.models:
             return
         prefer = {lease_shape(ls.model, ls.params) for ls in w.leases.values()} if self.sched.group_shapes else None
         leases = self.store.lease(f"{self.owner}/{w.key}", w.models, room, self.lease_seconds, isolate=w.reserved,
@@ -383,6 +601,23 @@ class Scheduler:
             except Exception:
                 pass
         self.workers.clear()
+        if self.asked:  # the service stops: its nodes are no longer wanted
+            self._ask(0)
+        try:
+            self.store.put_workers(self.owner, [])
+        except Exception:  # the rows age out on their own
+            pass
+
+
+@lru_cache(maxsize=256)
+def _name(spec: str) -> str:
+    """The name a model of ``[workers] models`` is served under (its card's; a directory's is its folder's)."""
+    from workers.request.cards import read_card
+
+    try:
+        return read_card(spec).name
+    except Exception:  # the worker will say what is wrong with it
+        return str(spec)
 
 
 def _replied(w: _Worker, wake: threading.Event) -> None:

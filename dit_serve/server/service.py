@@ -195,7 +195,8 @@ class Service:
 
         self._init_ray()
         cfg = self.config
-        self.scheduler = Scheduler(self.store, cfg.worker_config(), cfg.scheduler, cfg.store.lease_seconds, self.metrics)
+        self.scheduler = Scheduler(self.store, cfg.worker_config(), cfg.scheduler, cfg.store.lease_seconds, self.metrics,
+                                   cfg.autoscale)
         # the first actors are created from this thread: Ray sets up its serializers (importing pydantic.v1)
         # on first use, and doing that while another thread imports FastAPI raced into a KeyError
         self.scheduler.reconcile()

@@ -51,3 +51,15 @@ def test_parity_measures_a_checkout_and_compares_two_reports(tmp_path, capsys):
     parity.main(["--compare", str(tmp_path / "parity_a.json"), str(tmp_path / "parity_a.json")])
     out = capsys.readouterr().out
     assert "| dit one image |" in out and "| 1.000 |" in out
+
+
+def test_the_autoscaling_simulation_replays_a_trace_through_the_policy_beside_a_fixed_fleet(tmp_path):
+    import autoscale_sim
+
+    assert autoscale_sim.main(["--smoke", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "autoscale_sim.json").read_text())
+    fixed, *auto = r["rows"]
+    assert fixed["system"].startswith("fixed") and [a["models_per_worker"] for a in auto] == ["one", "all"]
+    assert all(a["gpu_hours"] < fixed["gpu_hours"] and a["node_starts"] > 0 and a["day_p95_s"] > 0 for a in auto)
+    assert auto[0]["switches"] > 0 and fixed["switches"] == 0 and fixed["gpu_hours"] == 8 * 10.0
+    assert "| fixed: 8 workers, always on |" in (tmp_path / "autoscale_sim.md").read_text()

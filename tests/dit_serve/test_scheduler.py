@@ -21,6 +21,12 @@ def test_one_cpu_worker_without_gpus():
     assert list(plan_slots([_node("a")], WorkerConfig(cpu_workers=2))) == ["cpu-0", "cpu-1"]
 
 
+def test_nodes_whose_ids_begin_alike_get_slots_of_their_own():
+    a, b = "f" * 51 + "00001", "f" * 51 + "00002"  # Ray's fake multi-node provider names its nodes so
+    slots = plan_slots([_node(a, GPU=1.0), _node(b, GPU=1.0), _node("c" * 56, GPU=1.0)], WorkerConfig())
+    assert sorted(slots) == ["cccccccccccc-0", f"{a}-0", f"{b}-0"]
+
+
 def test_custom_resource_per_unit():
     nodes = [_node("n1", dit_worker=1.0), _node("n2"), _node("n3", dit_worker=2.0)]
     slots = plan_slots(nodes, WorkerConfig(resource="dit_worker"))

@@ -263,6 +263,9 @@ def test_split_roles_on_postgres(svc, digits_model, postgres_url, tmp_path):
         job = c.wait(c.submit(labels=list(range(10)), seed=5), progress=False, timeout=180)
         assert job.state == "done" and oracle(c.images(job), list(range(10))) >= 0.8
         assert httpx.get(f"{api.url}/healthz").json()["workers"] is None  # the API process runs none
+        # ... but tells of the scheduler's, from the store
+        listed = _wait_for(lambda: httpx.get(f"{api.url}/v1/workers").json()["data"], what="the worker listed")
+        assert [(w["state"], w["models"]) for w in listed] == [("ready", ["digits"])]
 
 
 def test_a_killed_worker_loses_nothing(svc, client):

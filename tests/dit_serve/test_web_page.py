@@ -385,3 +385,14 @@ def test_an_edit_picks_an_image_paints_a_mask_and_shows_the_result_beside_the_in
     assert cells == ["input, strength 0.8", "mask", "three"]
     assert "inpainting" in _text(browser, "#j-summary")
     assert _js_errors(browser) == []
+
+
+@pytest.mark.slow
+def test_the_page_lists_the_workers_and_the_models_they_hold(svc, browser):
+    """The job list's page shows each worker (``GET /v1/workers``): its name, state and the models it holds."""
+    browser.get(f"{svc.url}/")
+    _wait(browser, lambda d: _js(d, "return document.querySelectorAll('#workers li').length") == 1, what="a worker")
+    _wait(browser, lambda d: "ready" in _text(d, "#workers li"), what="it is ready")
+    assert _text(browser, "#workers li").startswith("worker-cpu-0ready" + "digits")
+    assert _js(browser, "return document.querySelector('#workers-empty').hidden")
+    assert _js_errors(browser) == []

@@ -354,3 +354,38 @@ def test_a_later_model_that_fails_to_load_is_reported_by_the_next_poll(monkeypat
         assert report["models"] == ["digits"]
     finally:
         w.stop()
+
+
+def test_a_worker_switches_model_and_hands_back_the_items_it_no_longer_serves():
+    """``unload`` stops the worker reporting a model at once and the step loop drops it between steps, handing
+    its items back unrun (``returned``, never failed); ``load`` serves another model once loaded and warm. An
+    item of a model the worker never knew still fails, as before."""
+    w = Worker(WorkerConfig(models=("digits",), max_batch=4, torch_threads=1))
+    try:
+        w.submit([_item(0, steps=400), _item(1, steps=400)])  # long: still running when the unload comes
+        deadline = time.monotonic() + 30
+        while not w.poll()["progress"]:
+            assert time.monotonic() < deadline
+        assert w.unload(["digits"]) == [True] and w.load(["digits-text"]) == [True]
+        first = w.poll()
+        assert first["models"] == []  # at once: nothing leases it digits any more
+        returned, models = set(first["returned"]), []
+        while models != ["digits-text"] or returned != {"job/0", "job/1"}:
+            assert time.monotonic() < deadline, (models, returned)
+            report = w.poll(wait_s=1.0)
+            returned |= set(report["returned"])
+            models = report["models"]
+            assert report["finished"] == [] and report["failed"] == [] and "load_failed" not in report
+        assert set(w.engine.models) == {"digits-text"} and {k.model for k in w.engine.groups} == {"digits-text"}
+        text = ItemSpec(id="job/t", model="digits-text", prompt="a seven", seed=1, sampler="ddim", steps=4,
+                        guidance=2.0)
+        stray, unknown = _item(2, steps=4), ItemSpec(**{**_item(3).__dict__, "model": "nope"})
+        w.submit([text, stray, unknown])
+        finished, failed, reports = _drain(w, {"job/t", "job/3"})
+        assert set(finished) == {"job/t"} and set(failed) == {"job/3"}
+        assert "job/2" in {k for r in reports for k in r["returned"]}  # digits: known here, not served now
+        assert w.load(["digits"]) == [True] and w.load(["digits-text"]) == [False]  # served already
+        while w.poll(wait_s=1.0)["models"] != ["digits", "digits-text"]:
+            assert time.monotonic() < deadline + 30
+    finally:
+        w.stop()

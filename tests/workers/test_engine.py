@@ -244,3 +244,24 @@ def test_a_failed_warm_up_example_leaves_warm_up_on_zeros(model, monkeypatch, ca
     assert e.generate([req(1)])[0].image.shape[:2] == (model.card.image_size,) * 2
 
 
+
+
+def test_a_removed_model_leaves_with_its_groups_and_only_once_its_requests_have(model):
+    """``remove_model``: the model's groups (graphs, arenas) go and its requests are refused after; while one of
+    its requests runs it stays (cancel them first); the other model keeps serving, and can come back."""
+    text = load_model("digits-text")
+    e = Engine([model, text], WorkerConfig(backend="eager", max_batch=4))
+    e.warmup()
+    e.add(req(0, model="digits-text", prompt="a three"))
+    with pytest.raises(ValueError, match="still runs 1 request"):
+        e.remove_model("digits-text")
+    e.cancel("r0")
+    assert e.remove_model("digits-text") is text
+    assert set(e.models) == {"digits"} and {k.model for k in e.groups} == {"digits"} and "digits-text" not in e.speed
+    with pytest.raises(KeyError, match="not loaded here"):
+        e.add(req(1, model="digits-text", prompt="a three"))
+    with pytest.raises(KeyError, match="not loaded here"):
+        e.remove_model("digits-text")
+    assert e.generate([req(2, model="digits")])[0].image.shape == (8, 8)
+    e.add_model(text)
+    assert e.generate([req(3, model="digits-text", prompt="a three")])[0].image.shape == (8, 8)

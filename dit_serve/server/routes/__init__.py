@@ -1,6 +1,6 @@
 """The HTTP API's routes, one module-level router per area: ``jobs`` (submit, read, list, cancel, retry,
-images, previews, archive, events), ``openai`` (POST /v1/images/generations), ``models``, and ``ops``
-(health and metrics, open to probes). A route asks for what it uses with ``Depends`` (``deps``); the
+images, previews, archive, events), ``openai`` (POST /v1/images/generations), ``models``, ``workers`` (what
+each worker serves), and ``ops`` (health and metrics, open to probes). A route asks for what it uses with ``Depends`` (``deps``); the
 objects themselves are the app's, put on ``app.state`` by ``dit_serve.server.api.create_app``.
 
 Here: the error statuses a route documents (``errors(404, 409)``), so that every status a route can

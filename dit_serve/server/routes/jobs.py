@@ -71,8 +71,12 @@ def submit_job(req: JobRequest, store: StoreDep, catalog: CatalogDep, admission:
 @router.get("/jobs/{job_id}", response_model=Job, responses=errors(404))
 def get_job(store: StoreDep, who: Caller, job_id: str = JobId,
             items: bool = Query(True, description="include per-item progress")) -> Job:
-    """State and per-item progress (each running item's current step)."""
-    return job_or_404(store, job_id, who, items)
+    """State and per-item progress (each running item's current step); ``waiting`` says why queued items wait
+    while no worker serves the job's model (none started yet, or being started or switched to it)."""
+    job = job_or_404(store, job_id, who, items)
+    if job.counts.get("queued") and (note := store.waiting_note(job.model)) is not None:
+        job = job.model_copy(update={"waiting": note})
+    return job
 
 
 @router.get("/jobs/{job_id}/events", status_code=200, response_class=EventResponse,

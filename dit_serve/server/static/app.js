@@ -251,6 +251,7 @@ function homeView() {
         active = list.data.some(isActive);
         renderJobs(list, rows);
         showError($("jobs-error"), null);
+        renderWorkers(await api("/v1/workers", { signal: ctrl.signal }).catch(() => null));
       } catch (e) {
         if (ctrl.signal.aborted) return;
         showError($("jobs-error"), e);
@@ -288,6 +289,20 @@ function renderJobs(list, rows) {
   }
   $("jobs-empty").hidden = list.total > 0;
   $("more-jobs").hidden = list.next_offset == null;
+}
+
+// The workers and the models each holds (GET /v1/workers): what autoscaling started, switched or stopped.
+function renderWorkers(list) {
+  if (!list) return; // a service without the route
+  $("workers").replaceChildren(...list.data.map((w) => {
+    const held = [w.models.join(", ") || "no model", w.loading.length ? `loading ${w.loading.join(", ")}` : "",
+                  w.state === "ready" ? `${w.held} item${w.held === 1 ? "" : "s"}` : ""].filter(Boolean).join(" · ");
+    const state = el("span");
+    setState(state, w.state);
+    return el("li", { className: "job worker" }, el("code", { textContent: w.name }), state,
+              el("span", { className: "what", textContent: held }));
+  }));
+  $("workers-empty").hidden = list.data.length > 0;
 }
 
 // -- a job's page (#/jobs/<id>) --------------------------------------------------------------------

@@ -23,7 +23,8 @@ engine, the migration, transactions, change notifications):
 - ``store.results``, ``ResultsMixin``: an image committed exactly once; previews;
 - ``store.outbox``, ``OutboxMixin``: webhooks due, claimed, recorded;
 - ``store.retention``, ``RetentionMixin``: finished jobs past retention, stale temp files;
-- ``store.uploads``, ``UploadsMixin``: edits' uploaded images (quota, retention) and the inputs a job keeps.
+- ``store.uploads``, ``UploadsMixin``: edits' uploaded images (quota, retention) and the inputs a job keeps;
+- ``store.workers``, ``WorkersMixin``: the workers each scheduler runs and the models they serve.
 
 The schema and its migrations are ``store.tables``; ``store.changes`` wakes waiters on a job's changes.
 """
@@ -38,15 +39,18 @@ from dit_serve.server.store.outbox import OutboxMixin
 from dit_serve.server.store.results import ResultsMixin
 from dit_serve.server.store.retention import RetentionMixin
 from dit_serve.server.store.tables import (DEFAULT_TENANT, MIGRATIONS, SCHEMA_VERSION, api_keys, items, jobs, meta,
-                                           schema, tenants, uploads)
+                                           schema, tenants, uploads, workers)
 from dit_serve.server.store.uploads import InputMissing, UploadQuotaFull, UploadsMixin
+from dit_serve.server.store.workers import WorkerRow, WorkersMixin
 
 __all__ = ["CHANNEL", "DEFAULT_TENANT", "MIGRATIONS", "SCHEMA_VERSION", "Changes", "IdempotencyConflict", "Lease",
-           "QueueFull", "Store", "StoreError", "api_keys", "dump_manifest", "items", "job_state", "jobs", "lease_shape",
-           "meta", "requeue_backoff", "schema", "tenants", "InputMissing", "UploadQuotaFull", "uploads"]
+           "QueueFull", "Store", "StoreError", "WorkerRow", "api_keys", "dump_manifest", "items", "job_state", "jobs",
+           "lease_shape", "meta", "requeue_backoff", "schema", "tenants", "InputMissing", "UploadQuotaFull", "uploads",
+           "workers"]
 
 
-class Store(JobsMixin, LeasesMixin, ResultsMixin, OutboxMixin, RetentionMixin, UploadsMixin, StoreBase):
+class Store(JobsMixin, LeasesMixin, ResultsMixin, OutboxMixin, RetentionMixin, UploadsMixin, WorkersMixin,
+            StoreBase):
     """Jobs, items, leases and results. Thread-safe: each call uses its own pooled connection.
 
     ``max_requeues`` bounds the infrastructure failures an item survives; ``poison_crashes`` the crashes

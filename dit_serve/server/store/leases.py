@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Collection
 
-from sqlalchemy import and_, bindparam, func, or_, select, update
+from sqlalchemy import and_, bindparam, case, func, or_, select, update
 
 from dit_serve.schemas import JobParams
 from dit_serve.server.store.base import NO_LEASE, StoreBase
@@ -142,6 +142,19 @@ class LeasesMixin(StoreBase):
                        "its scheduler or worker gone)")
         return [r for r in rows if (r.job_id, r.idx) not in spent]
 
+    def backlog(self) -> dict[str, dict[str, int]]:
+        """Per model, the work waiting for workers: ``queued`` and ``running`` items, and ``steps``, the denoising
+        steps left (a queued item's whole plan, a running item's rest, by the progress its heartbeats wrote).
+        What autoscaling sizes the workers by (``dit_serve.server.autoscale``)."""
+        with self._tx(write=False) as conn:
+            rows = conn.execute(_BACKLOG).all()
+        out: dict[str, dict[str, int]] = {}
+        for model, state, n, steps in rows:
+            entry = out.setdefault(model, {"queued": 0, "running": 0, "steps": 0})
+            entry[state] += int(n)
+            entry["steps"] += int(steps or 0)
+        return out
+
     def has_suspects(self, models: list[str]) -> bool:
         """Whether items that crashed workers repeatedly wait to be run in isolation."""
         return self._any(select(items.c.idx).where(items.c.model.in_(models), items.c.state == "queued",
@@ -225,6 +238,9 @@ _LEASABLE = and_(items.c.model.in_(bindparam("models", expanding=True)), items.c
                      and_(items.c.state == "running", items.c.lease_expires < bindparam("now"))))
 _ANY_LEASABLE = select(items.c.idx).where(_LEASABLE).limit(1)
 _LEASE_LEVEL = select(func.max(items.c.crashes)).where(_LEASABLE, items.c.crashes >= 2)
+_BACKLOG = (select(items.c.model, items.c.state, func.count(),
+                   func.sum(items.c.total_steps - case((items.c.state == "running", items.c.step), else_=0)))
+            .where(items.c.state.in_(("queued", "running"))).group_by(items.c.model, items.c.state))
 
 
 def _lease_rows(condition):

@@ -100,11 +100,27 @@ uploads = Table(
     Index("uploads_expires", "expires_at"),
 )
 
+# the workers each scheduler runs, as it last wrote them (``store.workers``): what any API process tells of them
+workers = Table(
+    "workers", meta,
+    Column("owner", String(200), primary_key=True),  # the scheduler (its lease owner)
+    Column("key", String(100), primary_key=True),    # the worker's slot
+    Column("state", String(16), nullable=False),     # starting | ready | switching
+    Column("models", Text, nullable=False),          # JSON list: the models it serves now
+    Column("loading", Text, nullable=False),         # JSON list: the models it is loading
+    Column("node", String(64)),
+    Column("resource", String(64)),
+    Column("held", Integer, nullable=False, default=0),  # items leased to it
+    Column("started_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
 
 # The schema's version, stored in the database. Version 1 is the first layout (it had no version
 # table); 2 added the idempotency columns, 3 job priorities, 4 webhooks, 5 tenants, API keys and failure
-# accounting, 6 prompts, 7 uploads. MIGRATIONS[v] brings v to v + 1 in place; "table:NAME" creates that table.
-SCHEMA_VERSION = 7
+# accounting, 6 prompts, 7 uploads, 8 the workers table. MIGRATIONS[v] brings v to v + 1 in place; "table:NAME"
+# creates that table.
+SCHEMA_VERSION = 8
 schema = Table("dit_serve_schema", meta, Column("version", Integer, primary_key=True))
 MIGRATIONS = {
     1: ["ALTER TABLE jobs ADD COLUMN idempotency_key VARCHAR(200)",
@@ -133,4 +149,5 @@ MIGRATIONS = {
         "tables"],  # create the tables new in this version (tenants, api_keys)
     5: ["ALTER TABLE items ADD COLUMN prompt TEXT"],
     6: ["table:uploads"],
+    7: ["table:workers"],
 }

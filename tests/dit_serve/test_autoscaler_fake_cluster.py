@@ -1,0 +1,143 @@
+"""Autoscaling with Ray's real autoscaler, on one machine: a head node started with an autoscaling config whose
+node provider is Ray's fake multi-node provider (``ray.autoscaler._private.fake_multi_node``: each "node" it
+launches is a raylet and its processes on this machine). Worker nodes bring a ``dit_worker`` resource, which
+stands in for a GPU; the service runs with [autoscale] on and min_workers 0.
+
+Three details of Ray 2.60 shape the head's start: the wheel lacks the provider's defaults file
+(``fake_multi_node/example.yaml``), so the provider is named as an external one (its class path), which Ray
+fills with minimal defaults; ``ray start`` writes the cluster's address into its temp dir
+(``ray_current_cluster``, which a bare ``ray.init()`` of another test would join), so the head gets a temp dir
+of its own; and the head authenticates as this process does (token authentication, which a local
+``ray.init()`` earlier in the same process turns on). Every process of this cluster (head, monitor, fake nodes, their workers) is a descendant of the
+``ray start`` this test runs, and is stopped by its process ids at the end."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+import yaml
+
+from dit_serve.client import Client
+from dit_serve.server import reaper
+from dit_serve.server.service import Service
+
+from .conftest import service_config
+
+pytestmark = pytest.mark.slow
+RESOURCE = "dit_worker"
+PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cluster_config(gcs_address: str) -> dict:
+    return {
+        "cluster_name": "dit-serve-fake", "max_workers": 2, "upscaling_speed": 1.0,
+        "idle_timeout_minutes": 0.1,  # a node without work goes after 6 s
+        "provider": {"type": "external", "module": PROVIDER, "gcs_address": gcs_address, "use_node_id_as_ip": True,
+                     "disable_node_updaters": True, "disable_launch_config_check": True},
+        "available_node_types": {
+            "ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "max_workers": 0},
+            "ray.worker.dit": {"resources": {"CPU": 1, RESOURCE: 1}, "node_config": {}, "min_workers": 0,
+                               "max_workers": 2}},
+        "head_node_type": "ray.head.default", "auth": {}, "docker": {}, "file_mounts": {},
+        "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": [],
+        "initialization_commands": [], "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [],
+        "head_start_ray_commands": [], "worker_start_ray_commands": []}
+
+
+@pytest.fixture
+def fake_cluster():
+    """The head node with the autoscaler (an update a second), joined by this process; its address."""
+    tmp = Path(tempfile.mkdtemp(prefix="dsf-", dir="/tmp"))  # short: Ray's socket paths live under it
+    port = _free_port()
+    host = "127.0.0.1"
+    config = tmp / "cluster.yaml"
+    config.write_text(yaml.safe_dump(_cluster_config(f"{host}:{port}")))
+    # the cluster authenticates as this process does: a local ray.init() earlier in the process turned token
+    # authentication on for it (RAY_AUTH_MODE=token, the token in ~/.ray/auth_token), and then the GCS must send
+    # the token to reach this process (else every actor it owns is taken for orphaned at once); else neither does
+    auth = os.environ.get("RAY_AUTH_MODE", "disabled")
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_AUTH_MODE": auth,
+           "RAY_TMPDIR": str(tmp)}
+    log = open(tmp / "head.log", "w")
+    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}",
+                             f"--node-ip-address={host}", "--num-cpus=1", f"--autoscaling-config={config}",
+                             f"--temp-dir={tmp / 'ray'}", "--include-dashboard=false", "--disable-usage-stats",
+                             "--block"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    root = {(head.pid, reaper.start_time(head.pid))}
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                ray.init(address=f"{host}:{port}", log_to_driver=False)
+                break
+            except Exception:
+                assert head.poll() is None and time.monotonic() < deadline, (tmp / "head.log").read_text()[-3000:]
+                time.sleep(1.0)
+        yield f"{host}:{port}"
+    finally:
+        ray.shutdown()
+        reaper.kill(reaper.with_descendants(root))  # by process id: this cluster's processes only
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait_for(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+def _worker_nodes() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(RESOURCE)}
+
+
+def test_the_real_autoscaler_launches_nodes_for_the_backlog_and_terminates_them_when_idle(fake_cluster, digits_model,
+                                                                                          tmp_path):
+    """min_workers 0: no worker node until a job comes; the scheduler's request makes the autoscaler launch
+    nodes, workers start on them, every item finishes once (one PNG each, one attempt each), the request goes
+    to 0, the idle workers stop and the autoscaler terminates their nodes; a second job scales from zero
+    again."""
+    cfg = service_config(tmp_path, digits_model,
+                         workers={"resource": RESOURCE, "max_inflight": 8},
+                         autoscale={"enabled": True, "min_workers": 0, "max_workers": 2, "idle_timeout_s": 2.0,
+                                    "target_drain_s": 1.0, "default_rate": 100.0})
+    with Service(cfg) as svc, Client(svc.url) as client:
+        time.sleep(2.0)
+        assert _worker_nodes() == set() and svc.scheduler.workers == {}
+        done = 0
+        for round_, (labels, per_label, want_nodes) in enumerate([(list(range(8)), 2, 2), ([3], 4, 1)]):
+            job = client.submit(labels=labels, num_per_label=per_label, steps=50, seed=round_)
+            launched = _wait_for(lambda: len(_worker_nodes()) >= want_nodes and _worker_nodes(), 120,
+                                 f"{want_nodes} worker node(s) launched")
+            _wait_for(lambda: any(w.ready for w in svc.scheduler.workers.values()), 120, "a worker ready")
+            assert {w.plan.node_id for w in svc.scheduler.workers.values()} <= launched
+            job = client.wait(job, progress=False, timeout=180)
+            assert job.state == "done" and all(it.state == "done" and it.attempts == 1 for it in job.items)
+            pngs = sorted(p.name for p in (tmp_path / "images" / job.id).iterdir())
+            assert pngs == [f"{i:05d}.png" for i in range(job.num_items)]
+            done += job.num_items
+            assert svc.metrics.items.labels("done")._value.get() == done  # each committed once
+            _wait_for(lambda: svc.scheduler.asked == 0, 30, "the request lowered to nothing")
+            _wait_for(lambda: svc.scheduler.workers == {}, 60, "the idle workers to stop")
+            _wait_for(lambda: not _worker_nodes(), 90, "the autoscaler to terminate the idle nodes")
+        metrics = httpx.get(f"{svc.url}/metrics").text
+        assert "dit_serve_scale_from_zero_seconds_count 2.0" in metrics
+        assert svc.metrics.worker_crashes._value.get() == 0
