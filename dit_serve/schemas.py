@@ -446,6 +446,10 @@ class ModelCard(_Response):
     takes_image: bool = Field(False, description="edits: jobs may send an input image and a strength "
                                                  "(image-to-image; POST /v1/images/edits)")
     takes_mask: bool = Field(False, description="inpainting: jobs may send a mask with the image")
+    edit: Literal["", "image-to-image", "reference"] = Field(
+        "", description="what an input image means: \"image-to-image\" (varied at a strength; inpainted with a "
+                        "mask), \"reference\" (an instruction edit, FLUX.1 Kontext: the prompt says what to change "
+                        "in the image; no strength, no mask), \"\" (the model takes none)")
     defaults: dict = Field(default_factory=dict)
     samplers: list[str] = Field(default_factory=list, description="the samplers a job may name for this model "
                                                                    "(those that integrate what it predicts)")

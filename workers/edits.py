@@ -94,11 +94,22 @@ def check_edit(family, model, spec) -> None:
         if spec.mask:
             raise ValueError("mask: a mask needs an image to inpaint (image is empty)")
         return
+    if takes_reference(model):  # an instruction edit (FLUX.1 Kontext): the image is a reference, strength unused
+        if spec.mask:
+            raise ValueError(f"mask: model {model.name!r} edits a reference image by its prompt and takes no mask")
+        return
     check_strength(spec.strength)
     if not family.takes_image:
         raise ValueError(f"image: model {model.name!r} ({family.name}) does not take an input image")
     if spec.mask and not family.takes_mask:
         raise ValueError(f"mask: model {model.name!r} ({family.name}) does not inpaint")
+
+
+def takes_reference(model) -> bool:
+    """Whether ``model``'s input image is a reference its family's step reads (its card's ``edit`` "reference":
+    FLUX.1 Kontext), not a starting point: such a request starts as text-to-image, its image the family's."""
+    card = getattr(model, "card", None)
+    return card is not None and card.edit == "reference"
 
 
 def pixels_of(image, width: int, height: int) -> torch.Tensor:
@@ -177,9 +188,9 @@ def starts(model, family, shape: tuple[int, int, int], specs, plans: list[Plan],
     tensors go to the model's device (the engine's pinned, asynchronous copy); an edit's tensors are made there."""
     gens = [torch.Generator("cpu").manual_seed(s.seed) for s in specs]
     out: list[Start | None] = [None] * len(specs)
-    edits = [i for i, s in enumerate(specs) if s.image]
+    edits = [i for i, s in enumerate(specs) if s.image and not takes_reference(model)]
     for i, s in enumerate(specs):
-        if not s.image:
+        if i not in edits:  # text-to-image, and a reference edit (its image is a step input: the family's encode)
             out[i] = Start(torch.randn(shape, generator=gens[i]) * plans[i].init_sigma, gens[i], plans[i])
     if not edits:
         return out

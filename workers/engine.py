@@ -28,7 +28,9 @@ noise from the same generator, so an image does not depend on its batch or bucke
 
 Edits (``workers.edits``; ``ItemSpec.image``, ``mask``, ``strength``): an image-to-image request is admitted with
 its image encoded (one VAE batch per admission, model and latent shape) and noised to the step its strength
-selects, and joins its group at that step with a cut plan: the same graphs as text-to-image. An inpainting request's rows run the
+selects, and joins its group at that step with a cut plan: the same graphs as text-to-image. An instruction edit
+(a card whose ``edit`` is "reference": FLUX.1 Kontext) starts as text-to-image; its image is a per-request input of
+its family's step variant (``Family.variant_specs``), grouped by the reference's size. An inpainting request's rows run the
 engine's ``INPAINT`` variant of the family's step (its own groups and graphs), which blends the image back outside
 the mask after every step, inside the captured step.
 """
@@ -144,9 +146,11 @@ def step_specs(model: LoadedModel, shape: tuple[int, int, int] | None = None, va
     ``workers.edits.edit_specs``) and outputs, per sample, for latents of ``shape`` (C, H, W; the model's native
     shape by default) in the engine's step ``variant``."""
     lat, f32 = tuple(shape or model.latent_shape), torch.float32
+    family = family_of(model)
     inputs = {"x": TensorSpec(lat, f32), "t": TensorSpec((), f32), "guidance": TensorSpec((), f32),
               "coeffs": TensorSpec((9,), f32), "hist": TensorSpec(lat, f32), "noise": TensorSpec(lat, f32),
-              **family_of(model).cond_specs(model), **table_specs(model),
+              **family.cond_specs(model), **family.variant_specs(model, lat, family_variant(variant)[0]),
+              **table_specs(model),
               **(edit_specs(lat) if family_variant(variant)[1] else {})}
     return inputs, {"x_next": TensorSpec(lat, f32), "hist_next": TensorSpec(lat, f32)}
 
@@ -385,6 +389,9 @@ class Engine:
         row = {"x": torch.randn(shape, generator=gen), "t": plan.timesteps[i], "coeffs": plan.coeffs[i],
                "guidance": torch.tensor(probe.guidance), "hist": torch.randn(shape, generator=gen),
                "noise": torch.randn(shape, generator=gen), **cond, **{k: v[i] for k, v in tables.items()}}
+        for name, spec in step_specs(model, shape, variant)[0].items():  # a variant's own inputs (Kontext's
+            if name not in row and name not in EDIT_INPUTS:             # reference tokens): seeded noise
+                row[name] = torch.randn(spec.shape_per_sample, generator=gen).to(spec.dtype)
         if family_variant(variant)[1]:
             mask = torch.zeros((1, *shape[1:]))
             mask[..., : shape[2] // 2] = 1.0

@@ -41,7 +41,7 @@ def model_entry(card: cards.ModelCard, speed: str = "default") -> ModelCard:
                      max_tokens=card.max_tokens, image_size=card.image_size, guidance=card.guidance_mode,
                      sizes=[f"{w}x{h}" for w, h in card.made_sizes()], size_multiple=card.size_multiple,
                      size_range=list(card.size_range) if card.size_range[1] else [], class_names=card.class_names(),
-                     takes_image=card.takes_image, takes_mask=card.takes_mask,
+                     takes_image=card.takes_image, takes_mask=card.takes_mask, edit=card.edit,
                      defaults=card.defaults, warnings=list(card.warnings),
                      samplers=[n for n, rule in RULES.items() if card.prediction_type in rule.predictions])
 
@@ -151,7 +151,8 @@ class Catalog:
              ) -> tuple[dict, dict[str, bytes], "Input | None"]:
         """An edit's image, mask and strength checked against the model's card: (JobParams' fields, the bytes to
         store, the image). The readers are called (files read, decoded, checked) only once the card allows what
-        they read. Without an image: nothing, and a mask or a strength is refused."""
+        they read. Without an image: nothing, and a mask or a strength is refused. An instruction edit's (a card
+        whose ``edit`` is "reference"): the image only, a mask or a strength refused."""
         if image is None:
             if mask is not None:
                 raise RequestError("a mask needs an input image to inpaint: send image (or image_b64) too", "mask")
@@ -162,6 +163,13 @@ class Catalog:
         if not info.takes_image:
             raise RequestError(f"model {info.name!r} does not take an input image (GET /v1/models: its takes_image "
                                "is false)", "image")
+        if info.edit == "reference":  # an instruction edit (FLUX.1 Kontext): the image is the prompt's reference
+            for name, sent in (("mask", mask is not None), ("strength", strength is not None)):
+                if sent:
+                    raise RequestError(f"model {info.name!r} edits a reference image by its prompt (an instruction "
+                                       f"edit, GET /v1/models: its edit is \"reference\"): it takes no {name}", name)
+            source = image()
+            return {"image": source.ref(), "mask": None, "strength": None}, {"image": source.data}, source
         if mask is not None and not info.takes_mask:
             raise RequestError(f"model {info.name!r} does not inpaint (GET /v1/models: its takes_mask is false): "
                                "send no mask for image-to-image", "mask")

@@ -187,6 +187,9 @@ def _edit(card, a: GenerateArgs) -> tuple[dict, dict, tuple[int, int] | None]:
         return {}, {}, None
     if not card.takes_image:
         raise UsageError(f"--image: model {card.name!r} does not take an input image")
+    if card.edit == "reference" and (a.mask is not None or a.strength is not None):
+        raise UsageError(f"{'--mask' if a.mask is not None else '--strength'}: model {card.name!r} edits a reference "
+                         "image by its prompt (an instruction edit): it takes no mask and no strength")
     if a.mask is not None and not card.takes_mask:
         raise UsageError(f"--mask: model {card.name!r} does not inpaint")
     if a.strength is not None:
@@ -210,6 +213,10 @@ def _edit(card, a: GenerateArgs) -> tuple[dict, dict, tuple[int, int] | None]:
             images.check_mask_size(decoded["image"], decoded["mask"])
         except images.ImageError as e:
             raise UsageError(f"--{e}") from None
+    if card.edit == "reference":  # the image is the step's reference: no strength
+        refs = {"image": InputImage(sha256=hashlib.sha256(data["image"]).hexdigest(), width=decoded["image"].width,
+                                    height=decoded["image"].height)}
+        return {"image": data["image"]}, {**refs, "strength": None}, decoded["image"].size
     strength = a.strength if a.strength is not None else (1.0 if "mask" in data else 0.6)
     refs = {name: InputImage(sha256=hashlib.sha256(b).hexdigest(), width=decoded[name].width,
                              height=decoded[name].height) for name, b in data.items()}

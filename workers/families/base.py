@@ -36,7 +36,11 @@ Hooks, all called with the loaded model (``workers.loading.LoadedModel``) as the
     step_variants(model) (("",))                 the steps it captures per shape: "" (the step), and e.g.
                                                  NO_CFG, the step of the rows whose guidance means no classifier-
                                                  free guidance (one forward per image instead of two)
-    variant_of(model, spec) ("")                 the variant a request's rows run (its guidance decides)
+    variant_of(model, spec) ("")                 the variant a request's rows run (its guidance decides; FLUX.1
+                                                 Kontext's: its reference image's token grid)
+    variant_specs(model, shape, variant) ({})    the variant's own per-sample inputs, beside cond_specs' (FLUX.1
+                                                 Kontext's reference tokens, whose count the variant fixes); its
+                                                 encode returns them for the variant's requests
     plan_kwargs(model, shape) ({})               extra arguments of make_plan for latents of this shape
                                                  (FLUX.1-dev's resolution-dependent shift ``mu``)
     compile_regions(model) (repeated blocks)     what a blocks-scope compile compiles; None: the whole step
@@ -137,6 +141,13 @@ class ModelCard:
                                      # text-to-image): GET /v1/models shows them, each job repeats them
     takes_image: bool = False        # it runs image-to-image (an input image and a strength): its family's
     takes_mask: bool = False         # and inpainting (an image and a mask); set by read_card from the family
+    edit: str = ""                   # what an input image means: "" (none taken), "image-to-image" (varied at a
+                                     # strength; inpainted with a mask: workers.edits), "reference" (an
+                                     # instruction edit: the image is a reference the prompt edits, FLUX.1
+                                     # Kontext; no strength, no mask)
+    reference_sizes: tuple[tuple[int, int], ...] = ()  # "reference": the (width, height) a reference image is
+                                     # resized to, the one of the nearest aspect ratio (FLUX.1 Kontext's preferred
+                                     # resolutions); empty: its own size, sides rounded down to size_multiple
 
     @property
     def prediction_type(self) -> str:
@@ -275,6 +286,9 @@ class Family:
 
     def variant_of(self, model, spec) -> str:
         return ""
+
+    def variant_specs(self, model, shape: tuple[int, int, int], variant: str) -> dict:
+        return {}
 
     def plan_kwargs(self, model, shape: tuple[int, int, int]) -> dict:
         return {}

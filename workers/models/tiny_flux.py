@@ -7,7 +7,10 @@ configs. Nothing is downloaded.
 
 Images 64x64 (latents 16x8x8, 16 packed tokens), also 96x64 and 64x96; prompts of ``MAX_TOKENS`` T5 tokens.
 
-    python -m workers.models.tiny_flux OUT_DIR [--schnell]
+``kontext``: FLUX.1 Kontext's directory (``FluxKontextPipeline``), its references kept at their own size
+(``dit_serve.kontext_auto_resize`` false: the preferred Kontext resolutions are 1 MP, slow on a CPU).
+
+    python -m workers.models.tiny_flux OUT_DIR [--schnell | --kontext]
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ DEV_SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_le
 SCHNELL_SCHEDULER = {**DEV_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False}
 
 
-def make_tiny_flux(path: Path, seed: int = 0, schnell: bool = False, head_dim: int = 8) -> Path:
+def make_tiny_flux(path: Path, seed: int = 0, schnell: bool = False, head_dim: int = 8, kontext: bool = False
+                   ) -> Path:
     """FLUX.1-dev's layout (guidance-distilled: the transformer embeds the guidance scale), or schnell's
     (``schnell``: no guidance embedding, static shift 1). ``head_dim``: 2 heads of it (16 for FP8 attention,
     whose kernel wants a multiple of 16)."""
@@ -61,12 +65,12 @@ def make_tiny_flux(path: Path, seed: int = 0, schnell: bool = False, head_dim: i
     FlowMatchEulerDiscreteScheduler(**(SCHNELL_SCHEDULER if schnell else DEV_SCHEDULER)).save_pretrained(
         path / "scheduler")
     (path / "model_index.json").write_text(json.dumps({
-        "_class_name": "FluxPipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "_class_name": "FluxKontextPipeline" if kontext else "FluxPipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
         "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "PreTrainedTokenizerFast"],
         "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
         "dit_serve": {"dtype": "float32", "max_sequence_length": MAX_TOKENS, "image_size": IMAGE_SIZE,
-                      "sizes": list(SIZES)}}, indent=2))
+                      "sizes": list(SIZES), **({"kontext_auto_resize": False} if kontext else {})}}, indent=2))
     return path
 
 
@@ -74,5 +78,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--schnell", action="store_true", help="FLUX.1-schnell's layout (no guidance embedding)")
+    parser.add_argument("--kontext", action="store_true", help="FLUX.1 Kontext's (FluxKontextPipeline)")
     args = parser.parse_args()
-    print(make_tiny_flux(args.out, schnell=args.schnell))
+    print(make_tiny_flux(args.out, schnell=args.schnell, kontext=args.kontext))

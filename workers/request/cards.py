@@ -38,7 +38,10 @@ def read_card(spec: str | Path) -> ModelCard:
     family = FAMILIES.get(card.family)  # what edits it runs is its family's (workers.edits)
     if family is None:
         return card
-    return replace(card, takes_image=family.takes_image, takes_mask=family.takes_mask and family.takes_image)
+    if card.edit == "reference":  # an instruction edit (FLUX.1 Kontext): the image is the card's, no mask
+        return replace(card, takes_image=True, takes_mask=False)
+    return replace(card, takes_image=family.takes_image, takes_mask=family.takes_mask and family.takes_image,
+                   edit="image-to-image" if family.takes_image else "")
 
 
 def _read_card(spec: str) -> ModelCard:

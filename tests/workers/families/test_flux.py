@@ -125,23 +125,24 @@ def test_the_real_models_cards(dev_dir, schnell_dir, tmp_path):
         d.size_for(4096, 1024)
 
 
-def test_kontext_is_served_as_text_to_image_and_says_so(dev_dir, tmp_path):
-    """FluxKontextPipeline has FLUX.1-dev's layout; served without its image input, the model's entry in
-    GET /v1/models and each job's warnings say that it is an edit model run as text-to-image."""
-    from dit_serve.schemas import JobRequest
-    from dit_serve.server.catalog import Catalog, model_entry
-    from dit_serve.server.config import LimitsConfig
+def test_kontext_takes_a_reference_image_and_is_served_without_a_warning(dev_dir, tmp_path):
+    """FluxKontextPipeline has FLUX.1-dev's layout; its card takes an image as the reference of an instruction
+    edit (``edit`` "reference", no mask), its references resized to the preferred Kontext resolutions unless
+    ``dit_serve.kontext_auto_resize`` is false; FLUX.1's own card is an image-to-image one."""
+    from workers.families.flux import PREFERRED_KONTEXT_RESOLUTIONS
 
     kontext = _layout_copy(dev_dir, tmp_path / "kontext")
     index = json.loads((kontext / "model_index.json").read_text())
     (kontext / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxKontextPipeline"}))
     card = read_card(kontext)
-    (warning,) = card.warnings
-    assert "FLUX.1 Kontext" in warning and "image-editing" in warning and "without its image input" in warning
-    assert model_entry(card).warnings == [warning]
-    job = Catalog([card], LimitsConfig()).resolve_job(JobRequest(prompts=["a cat"]))
-    assert job.params.warnings == [warning]
-    assert read_card(dev_dir).warnings == () and model_entry(read_card(dev_dir)).warnings == []
+    assert (card.edit, card.takes_image, card.takes_mask, card.warnings) == ("reference", True, False, ())
+    assert card.reference_sizes == PREFERRED_KONTEXT_RESOLUTIONS
+    plain = read_card(dev_dir)
+    assert (plain.edit, plain.takes_image, plain.takes_mask, plain.warnings) == ("image-to-image", True, True, ())
+    (kontext / "model_index.json").write_text(json.dumps({**index, "_class_name": "FluxKontextPipeline",
+                                                          "dit_serve": {"kontext_auto_resize": "no"}}))
+    with pytest.raises(CardError, match="kontext_auto_resize must be true or false"):
+        read_card(kontext)
 
 
 @pytest.mark.parametrize("part", ["vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"])

@@ -18,8 +18,12 @@ schnell alike (then shifted by ``mu`` for dev's dynamic shifting, statically for
 scheduler config says so with ``flow_grid: "flux"`` (a samplers.NoiseSchedule key, not a diffusers one).
 
 Kontext. FLUX.1 Kontext (``FluxKontextPipeline``, ``black-forest-labs/FLUX.1-Kontext-dev``) has FLUX.1-dev's
-layout and runs as text-to-image when given no image, as its pipeline does with ``image=None``; it is an
-image-editing model, and until requests carry an image its card says that it is served without one.
+layout. Its card's ``edit`` is "reference": a request's image is the reference the prompt edits (no strength, no
+mask), its latent tokens joined to the image sequence (``runtime``); without an image it runs as text-to-image, as
+its pipeline does with ``image=None``. The reference is resized as the pipeline does (``reference_size``): its
+sides rounded down to 16 px, then, with ``_auto_resize`` (the pipeline's default), to the preferred Kontext
+resolution of the nearest aspect ratio (``PREFERRED_KONTEXT_RESOLUTIONS``, the card's ``reference_sizes``);
+``dit_serve.kontext_auto_resize: false`` in model_index.json keeps its own size (small test models).
 
 Sizes. The latents are 16 x H/8 x W/8, packed 2x2 into (H/16)(W/16) tokens of 64, so each side is a
 multiple of 16 px. FLUX has no native size in its configs; 1024 is the real models' (``dit_serve.image_size``
@@ -45,8 +49,12 @@ NATIVE_SIZE = 1024
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline refuses more T5 tokens
 DEV = {"defaults": {"sampler": "flow_euler", "steps": 28, "guidance": 3.5}, "max_tokens": 512}
 SCHNELL = {"defaults": {"sampler": "flow_euler", "steps": 4, "guidance": 0.0}, "max_tokens": 256}
-# edit pipelines with FluxPipeline's layout, served as text-to-image (no image input yet): what they are
+# edit pipelines with FluxPipeline's layout: what they are (an instruction edit: the image is a reference)
 EDIT_PIPELINES = {"FluxKontextPipeline": "FLUX.1 Kontext"}
+# FluxKontextPipeline's PREFERRED_KONTEXT_RESOLUTIONS, (width, height) as its _auto_resize reads them
+PREFERRED_KONTEXT_RESOLUTIONS = ((672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248),
+                                 (880, 1184), (944, 1104), (1024, 1024), (1104, 944), (1184, 880), (1248, 832),
+                                 (1328, 800), (1392, 752), (1456, 720), (1504, 688), (1568, 672))
 # part -> (the file that must be there, what it holds: the message's words)
 PARTS = {"vae": ("vae/config.json", "the VAE (AutoencoderKL)"),
          "text_encoder": ("text_encoder/config.json", "the CLIP text encoder (CLIPTextModel)"),
@@ -114,16 +122,35 @@ def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict
                         f"{MAX_SEQUENCE_LENGTH} (FluxPipeline's limit), got {max_tokens}")
     tokenizer_json = path / "tokenizer_2" / "tokenizer.json"
     pipeline = index.get("_class_name", "")
-    warnings = (f"model {name!r} is {EDIT_PIPELINES[pipeline]} ({pipeline}), an image-editing model; it is served "
-                "as text-to-image, without its image input",) if pipeline in EDIT_PIPELINES else ()
+    kontext = pipeline in EDIT_PIPELINES
+    auto_resize = extra.get("kontext_auto_resize", True)
+    if not isinstance(auto_resize, bool):
+        raise CardError(f"{path}/model_index.json: dit_serve.kontext_auto_resize must be true or false")
     return ModelCard(
         name, "flux", "text", path=str(path), image_size=size, latent_channels=int(vae["latent_channels"]),
         latent_size=size // factor, dtype=extra.get("dtype", "bfloat16"), scheduler={**scheduler, "flow_grid": "flux"},
         defaults={**base["defaults"], **extra.get("defaults", {})}, max_tokens=max_tokens,
         sizes=tuple(listed_sizes(path, extra, multiple) or ratio_sizes(size, multiple)), size_multiple=multiple,
         size_range=(multiple, 2 * size), rounds_down=True,
-        guidance_mode="embedded" if distilled else "none", warnings=warnings,
+        guidance_mode="embedded" if distilled else "none", edit="reference" if kontext else "",
+        reference_sizes=PREFERRED_KONTEXT_RESOLUTIONS if kontext and auto_resize else (),
         tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() else "")
+
+
+def reference_size(card: ModelCard, width: int, height: int) -> tuple[int, int]:
+    """The (width, height) FluxKontextPipeline resizes a width x height reference image to: each side rounded down
+    to the card's multiple (its image processor's ``get_default_height_width``), then the card's reference size
+    of the nearest aspect ratio (``_auto_resize``: the first of the smallest (|ratio - w/h|, w, h)), each side
+    rounded down to the multiple again. ValueError for an image under one patch per side."""
+    m = card.size_multiple
+    w, h = width - width % m, height - height % m
+    if not (w and h):
+        raise ValueError(f"image: {width}x{height} is too small for a reference image: model {card.name!r} needs "
+                         f"at least {m} px per side")
+    if card.reference_sizes:
+        ratio = w / h
+        _, w, h = min((abs(ratio - rw / rh), rw, rh) for rw, rh in card.reference_sizes)
+    return w // m * m, h // m * m
 
 
 def _check_layout(path: Path, transformer: dict, vae: dict | None) -> None:

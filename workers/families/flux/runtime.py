@@ -19,6 +19,15 @@ T5 padded and truncated to ``max_tokens``, neither encoder given an attention ma
 transformer: padding tokens take part, as in the reference, and every shape is fixed per model.
 Encodings are cached per model in an LRU keyed by the prompt.
 
+Kontext (``FluxKontextPipeline``; a card whose ``edit`` is "reference"). A request's image is resized as the
+pipeline resizes it (``workers.families.flux.reference_size``), VAE-encoded at admission (the posterior's mode: the
+pipeline's ``sample_mode="argmax"``, so nothing is drawn from the request's generator) and packed into tokens of
+64: a per-request input of the step, ``reference`` (n, 64). The step runs the transformer over [latent tokens,
+reference tokens], the reference's position ids those of its own grid with the first axis 1, and keeps the latent
+tokens' output, as the pipeline does. The token count depends on the reference's size: it is the step variant
+(``kontext-RxC``, the reference's R x C token grid; ``variant_of``), so the engine groups and captures each
+reference size apart. The schedule's shift reads the latent tokens only, as the pipeline's ``mu``.
+
 Graph safety: the position ids (image grid and text zeros) are device tensors made once per shape in
 ``make_step``, and so are the RoPE tables the transformer would make of them at each call (float64 on CUDA;
 ``rotary_tables``), so the step captures as is.
@@ -35,12 +44,43 @@ from graphs import TensorSpec
 from samplers import model_input, sampler_step
 from workers.speed import modulation
 from workers.encoders import place_encoder
-from workers.families.flux import Flux, builtin, fast  # fast: its routed attention registers on import
+from workers.families.flux import Flux, builtin, fast, reference_size  # fast: its routed attention registers on import
 from workers.families.textcache import encodings
 from workers.loading import assemble, load_checked_encoder, load_sharded, load_vae
 from workers.speed.modulation import give as give_modulation
 
 CACHE_SIZE = 4096
+KONTEXT = "kontext-"  # a Kontext edit's step variant: KONTEXT + "RxC", its reference's token grid
+
+
+def reference_grid(variant: str) -> tuple[int, int] | None:
+    """(rows, columns) of the reference tokens of a Kontext variant; None for another variant."""
+    if not variant.startswith(KONTEXT):
+        return None
+    rows, cols = variant[len(KONTEXT):].split("x")
+    return int(rows), int(cols)
+
+
+def reference_image(model, spec):
+    """A Kontext request's reference: its decoded image resized as FluxKontextPipeline resizes it, and its size;
+    None where the model takes no reference or the request has no image."""
+    from workers.request.images import decode_image
+
+    card = model.card
+    if card is None or card.edit != "reference" or not spec.image:
+        return None
+    image = decode_image(spec.image)
+    return image, reference_size(card, *image.size)
+
+
+@torch.no_grad()
+def reference_tokens(model, images: list) -> torch.Tensor:
+    """The packed latents (B, n, 64) of Kontext references (``reference_image``'s, one size), in the model's dtype:
+    the pipeline's preprocess (Lanczos resize, [-1, 1]), the VAE's posterior mode, ``(z - shift) * scale``, packed."""
+    from workers.edits import pixels_of, vae_encode
+
+    pixels = torch.stack([pixels_of(image, w, h) for image, (w, h) in images]).to(model.device)
+    return pack(vae_encode(model, pixels, None)).to(model.dtype)
 
 
 @torch.no_grad()
@@ -119,11 +159,36 @@ class FluxRuntime(Flux):
         return {"mu": flow_mu((h // 2) * (w // 2), model.card.scheduler)}
 
     def encode(self, model, specs) -> list[dict[str, torch.Tensor]]:
-        """Each request's prompt, encoded in one batch per text encoder (cache misses only)."""
+        """Each request's prompt, encoded in one batch per text encoder (cache misses only); a Kontext request's
+        reference tokens too (``reference``), its images encoded in one VAE batch per reference size."""
         found = _encode_texts(model, sorted({s.prompt for s in specs}))
-        return [{"prompt_embeds": found[s.prompt][0], "pooled": found[s.prompt][1]} for s in specs]
+        out = [{"prompt_embeds": found[s.prompt][0], "pooled": found[s.prompt][1]} for s in specs]
+        refs = {i: r for i, r in enumerate(reference_image(model, s) for s in specs) if r is not None}
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for i, (_, size) in refs.items():
+            by_size.setdefault(size, []).append(i)
+        for rows in by_size.values():
+            for i, tokens in zip(rows, reference_tokens(model, [refs[i] for i in rows])):
+                out[i]["reference"] = tokens
+        return out
 
-    def make_step(self, model, shape=None):
+    def variant_of(self, model, spec) -> str:
+        """A Kontext request's variant: its reference's token grid (``KONTEXT`` + "RxC"); "" otherwise."""
+        ref = reference_image(model, spec)
+        if ref is None:
+            return ""
+        w, h = ref[1]
+        m = model.card.size_multiple
+        return f"{KONTEXT}{h // m}x{w // m}"
+
+    def variant_specs(self, model, shape, variant: str) -> dict[str, TensorSpec]:
+        """A Kontext variant's reference tokens, (R C, 64) per sample."""
+        grid = reference_grid(variant)
+        if grid is None:
+            return {}
+        return {"reference": TensorSpec((grid[0] * grid[1], model.transformer.config.in_channels), model.dtype)}
+
+    def make_step(self, model, shape=None, variant: str = ""):
         """One whole denoising step for latents of ``shape`` (16, h, w; the native one by default): pack, the
         transformer at timestep t / 1000 (FluxPipeline divides by 1000; the model multiplies back), with the
         guidance scale per row when the model embeds it, unpack, sampler update. The position ids depend on
@@ -134,13 +199,21 @@ class FluxRuntime(Flux):
         transformer, dtype, device = model.transformer, model.dtype, model.device
         _, h, w = shape or model.latent_shape
         img_ids = image_ids(h // 2, w // 2, device)                       # (N, 3)
+        n = img_ids.shape[0]
+        grid = reference_grid(variant)
+        if grid is not None:  # Kontext: the reference's tokens follow, ids of its grid with the first axis 1
+            ref_ids = image_ids(*grid, device)
+            ref_ids[:, 0] = 1
+            img_ids = torch.cat([img_ids, ref_ids])                       # (N + n_ref, 3)
         txt_ids = torch.zeros(model.card.max_tokens, 3, device=device)   # (L, 3): text tokens share position 0
         embeds_guidance = model.card.guidance_mode == "embedded"  # the card read guidance_embeds
         rotary = rotary_tables(transformer, img_ids, txt_ids)
         pos = transformer.pos_embed
 
-        def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, pooled, modulation=None):
+        def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, pooled, modulation=None, reference=None):
             tokens = pack(model_input(x, coeffs).to(dtype))                 # (B, N, 64)
+            if reference is not None:  # Kontext: [latent tokens, reference tokens]
+                tokens = torch.cat([tokens, reference], dim=1)              # (B, N + n_ref, 64)
             if modulation is not None:  # this step's rows of the requests' tables (table_specs)
                 give_modulation(transformer, modulation)
             if rotary is not None:  # taken by this forward's one call of pos_embed
@@ -149,6 +222,8 @@ class FluxRuntime(Flux):
                             pooled_projections=pooled, timestep=t.to(dtype) / 1000,
                             guidance=guidance if embeds_guidance else None,  # (B,) float32, as the pipeline's
                             img_ids=img_ids, txt_ids=txt_ids, return_dict=False)[0]  # (B, N, 64)
+            if reference is not None:  # the latent tokens' output only, as the pipeline's noise_pred[:, :N]
+                v = v[:, :n]
             x_next, denoised = sampler_step(x, unpack(v.float(), h, w), hist, noise, coeffs)  # (B, 16, h, w)
             return {"x_next": x_next, "hist_next": denoised}
 
