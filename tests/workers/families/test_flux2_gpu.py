@@ -26,6 +26,8 @@ import torch
 
 from workers.config import WorkerConfig
 
+from .gpu_stats import fallbacks, pooled
+
 pytestmark = pytest.mark.gpu
 
 PROMPTS = ("a red cat", "the big blue house", "a dog", "small green tree drawn", "a photo of a cat")
@@ -52,20 +54,6 @@ def tiny(tmp_path_factory):
                                                                               ("dev", dev))}
 
 
-def _pooled(groups) -> dict:
-    """The stats of a shape's groups (its step with CFG and without: the family's step variants) as one: the
-    first's backend and compile stats, every bucket's replays and fallbacks summed."""
-    groups = list(groups)
-    out = {**groups[0], "buckets": {}}
-    for g in groups:
-        if g["backend"] != out["backend"]:
-            out["backend"] = "mixed"
-        for b, st in g["buckets"].items():
-            into = out["buckets"].setdefault(b, {k: 0 for k in st if isinstance(st[k], (int, float))})
-            for k in into:
-                into[k] += st.get(k, 0) if isinstance(st.get(k, 0), (int, float)) else 0
-    return out
-
 
 def _specs(n: int, sizes=((0, 0),)):
     from workers.request.spec import ItemSpec
@@ -83,9 +71,6 @@ def _assert_equal_latents(got, want, tol=1e-5):
         assert err <= tol, (g.request.id, err)
 
 
-def _fallbacks(group_stats: dict) -> int:
-    return sum(s["eager_fallbacks"] + s["capture_failures"] for s in group_stats["buckets"].values())
-
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tiny_graphs_engine_replays_what_eager_computes(tiny, variant):
@@ -97,8 +82,8 @@ def test_tiny_graphs_engine_replays_what_eager_computes(tiny, variant):
     got = graphs.generate(specs)
     want = Engine(model, WorkerConfig(backend="eager", max_batch=4)).generate(specs)
     _assert_equal_latents(got, want)
-    stats = _pooled(graphs.stats()["groups"].values())
-    assert stats["backend"] == "full" and _fallbacks(stats) == 0  # no eager breaks: whole-step graphs
+    stats = pooled(graphs.stats()["groups"].values())
+    assert stats["backend"] == "full" and fallbacks(stats) == 0  # no eager breaks: whole-step graphs
     replayed = {b for b, s in stats["buckets"].items() if s["replays"]}
     assert 4 in replayed and replayed - {4}, replayed
 
@@ -179,7 +164,7 @@ def test_tiny_sizes_share_one_pool_and_replay_what_eager_computes(tiny, variant)
         assert g.image.shape[:2] == (g.request.height, g.request.width)
     _assert_equal_latents(got, want)
     for group in graphs.stats()["groups"].values():
-        assert _fallbacks(group) == 0 and sum(s["replays"] for s in group["buckets"].values()) > 0
+        assert fallbacks(group) == 0 and sum(s["replays"] for s in group["buckets"].values()) > 0
 
 
 # -- full size -----------------------------------------------------------------------------------------------

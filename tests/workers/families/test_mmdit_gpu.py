@@ -26,6 +26,8 @@ import torch
 
 from workers.config import WorkerConfig
 
+from .gpu_stats import fallbacks
+
 pytestmark = pytest.mark.gpu
 
 PROMPTS = ("a red cat", "the big blue house", "a dog", "small green tree drawn", "a photo of a cat")
@@ -58,9 +60,6 @@ def _assert_equal_latents(got, want, tol=1e-5):
         assert err <= tol, (g.request.id, err)
 
 
-def _fallbacks(group_stats: dict) -> int:
-    return sum(s["eager_fallbacks"] + s["capture_failures"] for s in group_stats["buckets"].values())
-
 
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 @pytest.mark.parametrize("family", ["sd3", "flux"])
@@ -74,7 +73,7 @@ def test_tiny_buckets_replay_what_eager_computes(tiny, family, backend):
     want = Engine(model, WorkerConfig(backend="eager", max_batch=8)).generate(specs)
     _assert_equal_latents(got, want)
     stats = next(iter(graphs.stats()["groups"].values()))
-    assert stats["backend"] == backend and _fallbacks(stats) == 0
+    assert stats["backend"] == backend and fallbacks(stats) == 0
     replayed = {b for b, s in stats["buckets"].items() if s["replays"]}
     # 13 = 8 + 4 + 1 while all are active, or padded where the tiny model's timings say a larger bucket costs the
     # same (8 + 4 + 4 was seen): the largest bucket and a smaller one replayed
@@ -101,7 +100,7 @@ def test_tiny_sizes_share_one_pool_and_replay_what_eager_computes(tiny, family, 
         assert g.image.shape[:2] == (g.request.height, g.request.width)
     _assert_equal_latents(got, want)
     for group in graphs.stats()["groups"].values():
-        assert _fallbacks(group) == 0 and sum(s["replays"] for s in group["buckets"].values()) > 0
+        assert fallbacks(group) == 0 and sum(s["replays"] for s in group["buckets"].values()) > 0
 
 
 # -- full size -----------------------------------------------------------------------------------------------

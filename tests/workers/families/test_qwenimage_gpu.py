@@ -27,6 +27,8 @@ import torch
 
 from workers.config import WorkerConfig
 
+from .gpu_stats import fallbacks, pooled
+
 pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 PROMPTS = ("a red cat", "the big blue house", "a dog", "small green tree drawn on a table", "a photo of a cat")
@@ -47,20 +49,6 @@ def tiny(tiny_dir):
     return load_model(tiny_dir, device="cuda", dtype=torch.float32)
 
 
-def _pooled(groups) -> dict:
-    """The stats of a shape's groups (its step with CFG and without: the family's step variants) as one: the
-    first's backend and compile stats, every bucket's replays and fallbacks summed."""
-    groups = list(groups)
-    out = {**groups[0], "buckets": {}}
-    for g in groups:
-        if g["backend"] != out["backend"]:
-            out["backend"] = "mixed"
-        for b, st in g["buckets"].items():
-            into = out["buckets"].setdefault(b, {k: 0 for k in st if isinstance(st[k], (int, float))})
-            for k in into:
-                into[k] += st.get(k, 0) if isinstance(st.get(k, 0), (int, float)) else 0
-    return out
-
 
 def _specs(n: int, sizes=((0, 0),), steps: int = 6):
     from workers.request.spec import ItemSpec
@@ -79,9 +67,6 @@ def _rel_errors(got, want) -> list[float]:
     return out
 
 
-def _fallbacks(group_stats: dict) -> int:
-    return sum(s["eager_fallbacks"] + s["capture_failures"] for s in group_stats["buckets"].values())
-
 
 def test_tiny_buckets_replay_what_eager_computes(tiny):
     from workers.engine import Engine
@@ -92,8 +77,8 @@ def test_tiny_buckets_replay_what_eager_computes(tiny):
     got = graphs.generate(specs)
     want = Engine(tiny, WorkerConfig(backend="eager", max_batch=4)).generate(specs)
     assert max(_rel_errors(got, want)) <= 1e-5
-    stats = _pooled(graphs.stats()["groups"].values())
-    assert stats["backend"] == "full" and _fallbacks(stats) == 0, stats
+    stats = pooled(graphs.stats()["groups"].values())
+    assert stats["backend"] == "full" and fallbacks(stats) == 0, stats
     replayed = {b for b, s in stats["buckets"].items() if s["replays"]}
     assert 4 in replayed and replayed - {4}, replayed
 
@@ -115,7 +100,7 @@ def test_tiny_sizes_share_one_pool_and_replay_what_eager_computes(tiny):
         assert g.image.shape[:2] == (g.request.height, g.request.width)
     assert max(_rel_errors(got, want)) <= 1e-5
     for group in graphs.stats()["groups"].values():
-        assert _fallbacks(group) == 0 and sum(s["replays"] for s in group["buckets"].values()) > 0
+        assert fallbacks(group) == 0 and sum(s["replays"] for s in group["buckets"].values()) > 0
 
 
 @pytest.mark.parametrize("bucket", [1, 2, 4])
@@ -131,8 +116,8 @@ def test_bf16_each_bucket_replays_what_eager_computes(tiny_dir, bucket):
     got = graphs.generate(specs)
     want = Engine(model, WorkerConfig(backend="eager", max_batch=bucket)).generate(specs)
     assert max(_rel_errors(got, want)) <= 1e-3
-    stats = _pooled(graphs.stats()["groups"].values())
-    assert _fallbacks(stats) == 0 and stats["buckets"][bucket]["replays"] > 0, stats
+    stats = pooled(graphs.stats()["groups"].values())
+    assert fallbacks(stats) == 0 and stats["buckets"][bucket]["replays"] > 0, stats
 
 
 @pytest.mark.slow
@@ -155,7 +140,7 @@ def test_bf16_fused_graphs_make_what_eager_makes_from_one_compile(tiny_dir):
     # for the latents' bf16 differences: a few uint8 levels on average
     assert all(g.image.shape == w.image.shape for g, w in zip(got, want))
     assert max(abs(g.image.astype(int) - w.image.astype(int)).mean() for g, w in zip(got, want)) <= 8
-    stats = _pooled(fused.stats()["groups"].values())
+    stats = pooled(fused.stats()["groups"].values())
     assert stats["compile"]["compiled"] and stats["compile"]["fallback_reason"] is None, stats["compile"]
     assert stats["compile"]["graphs"] == 1 and stats["compile"]["one_row_graphs"] <= 1, stats["compile"]
-    assert _fallbacks(stats) == 0, stats
+    assert fallbacks(stats) == 0, stats

@@ -21,6 +21,8 @@ import torch
 
 from workers.config import WorkerConfig
 
+from .gpu_stats import fallbacks, pooled
+
 pytestmark = [pytest.mark.gpu,  # skipped without CUDA (tests/conftest.py)
               pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")]
 
@@ -38,20 +40,6 @@ def tiny(tmp_path_factory):
                       dtype=torch.float32)
 
 
-def _pooled(groups) -> dict:
-    """The stats of a shape's groups (its step with CFG and without: the family's step variants) as one: the
-    first's backend and compile stats, every bucket's replays and fallbacks summed."""
-    groups = list(groups)
-    out = {**groups[0], "buckets": {}}
-    for g in groups:
-        if g["backend"] != out["backend"]:
-            out["backend"] = "mixed"
-        for b, st in g["buckets"].items():
-            into = out["buckets"].setdefault(b, {k: 0 for k in st if isinstance(st[k], (int, float))})
-            for k in into:
-                into[k] += st.get(k, 0) if isinstance(st.get(k, 0), (int, float)) else 0
-    return out
-
 
 def _specs(n: int, sizes=((0, 0),)):
     from workers.request.spec import ItemSpec
@@ -66,9 +54,6 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def _fallbacks(group_stats: dict) -> int:
-    return sum(s["eager_fallbacks"] + s["capture_failures"] for s in group_stats["buckets"].values())
-
 
 def test_tiny_graphs_replay_what_eager_computes(tiny):
     from workers.engine import Engine
@@ -80,8 +65,8 @@ def test_tiny_graphs_replay_what_eager_computes(tiny):
     want = Engine(tiny, WorkerConfig(backend="eager", max_batch=4)).generate(specs)
     for g, w in zip(got, want):
         assert g.latents.shape == w.latents.shape and _rel(g.latents, w.latents) <= 1e-5, g.request.id
-    stats = _pooled(graphs.stats()["groups"].values())
-    assert stats["backend"] == "full" and _fallbacks(stats) == 0  # no eager breaks in Sana's step
+    stats = pooled(graphs.stats()["groups"].values())
+    assert stats["backend"] == "full" and fallbacks(stats) == 0  # no eager breaks in Sana's step
     replayed = {b for b, s in stats["buckets"].items() if s["replays"]}
     assert 4 in replayed and replayed <= {1, 2, 4}, replayed
 
@@ -151,7 +136,7 @@ def test_tiny_sizes_share_one_pool_and_replay_what_eager_computes(tiny):
         assert g.image.shape[:2] == (g.request.height, g.request.width)
         assert _rel(g.latents, w.latents) <= 1e-5, g.request.id
     for group in graphs.stats()["groups"].values():
-        assert _fallbacks(group) == 0 and sum(s["replays"] for s in group["buckets"].values()) > 0
+        assert fallbacks(group) == 0 and sum(s["replays"] for s in group["buckets"].values()) > 0
 
 
 @pytest.mark.slow

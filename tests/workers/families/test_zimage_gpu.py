@@ -24,6 +24,8 @@ import torch
 
 from workers.config import WorkerConfig
 
+from .gpu_stats import fallbacks, pooled
+
 pytestmark = pytest.mark.gpu
 
 PROMPTS = ("a red cat", "the big blue house on a hill with a small garden and an old tree in front of it",
@@ -39,20 +41,6 @@ def tiny(tmp_path_factory):
     path = make_tiny_zimage(tmp_path_factory.mktemp("zimage") / "tiny-zimage", dim=64, heads=4)
     return load_model(path, device="cuda", dtype=torch.float32)
 
-
-def _pooled(groups) -> dict:
-    """The stats of a shape's groups (its step with CFG and without: the family's step variants) as one: the
-    first's backend and compile stats, every bucket's replays and fallbacks summed."""
-    groups = list(groups)
-    out = {**groups[0], "buckets": {}}
-    for g in groups:
-        if g["backend"] != out["backend"]:
-            out["backend"] = "mixed"
-        for b, st in g["buckets"].items():
-            into = out["buckets"].setdefault(b, {k: 0 for k in st if isinstance(st[k], (int, float))})
-            for k in into:
-                into[k] += st.get(k, 0) if isinstance(st.get(k, 0), (int, float)) else 0
-    return out
 
 
 def _specs(n: int, sizes=((0, 0),)):
@@ -70,9 +58,6 @@ def _assert_equal_latents(got, want, tol=1e-5):
         assert err <= tol, (g.request.id, err)
 
 
-def _fallbacks(group_stats: dict) -> int:
-    return sum(s["eager_fallbacks"] + s["capture_failures"] for s in group_stats["buckets"].values())
-
 
 @pytest.mark.parametrize("backend", ["full", "breakable"])
 def test_tiny_buckets_replay_what_eager_computes(tiny, backend):
@@ -84,8 +69,8 @@ def test_tiny_buckets_replay_what_eager_computes(tiny, backend):
     got = graphs.generate(specs)
     want = Engine(tiny, WorkerConfig(backend="eager", max_batch=4)).generate(specs)
     _assert_equal_latents(got, want)
-    stats = _pooled(graphs.stats()["groups"].values())
-    assert stats["backend"] == backend and _fallbacks(stats) == 0
+    stats = pooled(graphs.stats()["groups"].values())
+    assert stats["backend"] == backend and fallbacks(stats) == 0
     replayed = {b for b, s in stats["buckets"].items() if s["replays"]}
     # 7 = 4 + 2 + 1 while all are active, or padded where the tiny model's timings say a larger bucket costs the
     # same: the largest bucket and a smaller one replayed
@@ -111,7 +96,7 @@ def test_tiny_sizes_share_one_pool_and_replay_what_eager_computes(tiny):
         assert g.image.shape[:2] == (g.request.height, g.request.width)
     _assert_equal_latents(got, want)
     for group in graphs.stats()["groups"].values():
-        assert _fallbacks(group) == 0 and sum(s["replays"] for s in group["buckets"].values()) > 0
+        assert fallbacks(group) == 0 and sum(s["replays"] for s in group["buckets"].values()) > 0
 
 
 def test_tiny_on_cuda_equals_the_pipeline(tiny):

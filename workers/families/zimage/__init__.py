@@ -49,7 +49,7 @@ from numbers import Real
 from pathlib import Path
 
 from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes, read_json
-from workers.previews import PreviewMap
+from workers.previews import FLUX_VAE
 from workers.request.sizes import ratio_sizes
 
 NATIVE_SIZE = 1024
@@ -69,14 +69,6 @@ TURBO_PARAMS, TURBO_ENCODER_PARAMS = 6_154_908_736 + 83_819_683, 4_022_468_096
 TURBO_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0,
                    "use_dynamic_shifting": False, "flow_grid": "flux"}
 
-# ComfyUI latent_formats.Flux, which ComfyUI's Z-Image reads too: FLUX.1's 16-channel VAE (workers.previews)
-FLUX_VAE = PreviewMap(weight=((-0.0346, 0.0244, 0.0681), (0.0034, 0.0210, 0.0687), (0.0275, -0.0668, -0.0433),
-                              (-0.0174, 0.0160, 0.0617), (0.0859, 0.0721, 0.0329), (0.0004, 0.0383, 0.0115),
-                              (0.0405, 0.0861, 0.0915), (-0.0236, -0.0185, -0.0259), (-0.0245, 0.0250, 0.1180),
-                              (0.1008, 0.0755, -0.0421), (-0.0515, 0.0201, 0.0011), (0.0428, -0.0012, -0.0036),
-                              (0.0817, 0.0765, 0.0749), (-0.1264, -0.0522, -0.1103), (-0.0280, -0.0881, -0.0499),
-                              (-0.1262, -0.0982, -0.0778)),
-                      bias=(-0.0329, -0.0718, -0.0851))
 
 
 class ZImage(Family):
