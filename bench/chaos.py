@@ -537,7 +537,7 @@ def schemathesis_round(url: str, key: str, max_examples: int, seed: int, out: Pa
 
 def fuzz_result(rounds: list[dict], entries: list[dict], before: int, after: int, target: int, stopped: dict) -> dict:
     """What the HAR entries say was stored: accepted jobs (202, not an idempotent replay) and images
-    requests that returned images each store one job; a 200 DELETE with purge removes one."""
+    requests (generations, edits) that returned images each store one job; a 200 DELETE with purge removes one."""
     status = Counter(e["response"]["status"] for e in entries)
     server_errors = [f'{e["request"]["method"]} {e["request"]["url"]} -> {e["response"]["status"]}'
                      for e in entries if e["response"]["status"] >= 500]
@@ -556,7 +556,7 @@ def fuzz_result(rounds: list[dict], entries: list[dict], before: int, after: int
                         "schemathesis_failures": dict(failures), "rounds": rounds, "after_sigterm": stopped,
                         "checked": "every response of every generated case (HAR) has a status below 500; the "
                                    "jobs total (GET /v1/jobs) after the run minus before equals the 202 job "
-                                   "submissions that were not idempotent replays plus the 200 images requests, "
+                                   "submissions that were not idempotent replays plus the 200 images requests (generations, edits), "
                                    "minus the 200 DELETEs with purge: rejected requests stored nothing"}}
 
 
@@ -572,7 +572,7 @@ def _stored(e: dict) -> bool:
     method, path, code = e["request"]["method"], _path(e), e["response"]["status"]
     if method == "POST" and path == "/v1/jobs":
         return code == 202 and _header(e, "idempotent-replayed") != "true"
-    return method == "POST" and path == "/v1/images/generations" and code == 200
+    return method == "POST" and path in ("/v1/images/generations", "/v1/images/edits") and code == 200
 
 
 def _purged(e: dict) -> bool:
