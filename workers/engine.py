@@ -245,12 +245,8 @@ class Engine:
         if applied.attention is not None:
             self.attention[m.name] = applied.attention
             log.info("%s: %s", m.name, applied.attention)
-        warm, self._warm = self._warm, False  # its native groups are warmed by add_model, with its sizes
-        try:
-            for variant in family.step_variants(m):
-                self._group(m, tuple(m.latent_shape), variant)
-        finally:
-            self._warm = warm
+        for variant in family.step_variants(m):  # warmed by warmup or add_model, with its sizes
+            self._group(m, tuple(m.latent_shape), variant, capture=False)
         if graphs and family.encoder_graphs:
             self._graph_encoder(m)
 
@@ -258,11 +254,13 @@ class Engine:
         """The graph backend of ``model``'s groups (``backend_for``)."""
         return backend_for(self.config.backend, model)
 
-    def _group(self, model: LoadedModel, shape: tuple[int, int, int], variant: str = "") -> GraphKey:
+    def _group(self, model: LoadedModel, shape: tuple[int, int, int], variant: str = "",
+               capture: bool = True) -> GraphKey:
         """The group of ``model`` at latent ``shape`` running its step ``variant`` (``Family.step_variants``, or the
         engine's inpainting variant of one, ``workers.edits.inpaint_variant``), made on first use. Groups of every
         shape capture into their device's one graph pool: their replays never overlap (one engine thread), so the
-        pool holds the largest shape's working memory once, not one copy per shape."""
+        pool holds the largest shape's working memory once, not one copy per shape. A group new once the engine
+        is warm is captured at once unless ``capture`` is False (its caller warms it)."""
         if (model.name, shape, variant) in self._keys:
             key = self._keys[model.name, shape, variant]
             self.groups[key].last_used = self.steps_run
@@ -291,7 +289,7 @@ class Engine:
         self.groups[key] = _Group(model, runner, shape, last_used=self.steps_run, compiled=compiled, decoder=decoder,
                                   variant=variant)
         self._keys[model.name, shape, variant] = key
-        if self._warm:  # a size first asked for while serving: captured now, once (logged)
+        if self._warm and capture:  # a size first asked for while serving: captured now, once (logged)
             log.info("capturing %s at latent shape %s%s on first use", model.name, "x".join(map(str, shape)),
                      f" ({variant})" if variant else "")
             runner.warmup(example=self.warmup_example(model, shape, variant))
@@ -336,15 +334,11 @@ class Engine:
         self._warm = True
 
     def _warm_models(self, models: list[LoadedModel], sizes: Iterable[tuple[int, int]]) -> None:
-        warm, self._warm = self._warm, False  # the groups of ``sizes`` are made here, then warmed below
-        try:
-            for m in models:
-                for w, h in sizes:
-                    if m.card is not None and m.card.makes(w, h):
-                        for variant in family_of(m).step_variants(m):
-                            self._group(m, m.card.latent_shape(w, h), variant)
-        finally:
-            self._warm = warm
+        for m in models:  # the groups of ``sizes`` are made here, then warmed below
+            for w, h in sizes:
+                if m.card is not None and m.card.makes(w, h):
+                    for variant in family_of(m).step_variants(m):
+                        self._group(m, m.card.latent_shape(w, h), variant, capture=False)
         names = {m.name for m in models}
         for group in [g for g in self.groups.values() if g.model.name in names]:
             known = len(CHOOSER.choices)
