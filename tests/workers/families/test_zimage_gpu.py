@@ -63,7 +63,7 @@ def _assert_equal_latents(got, want, tol=1e-5):
 def test_tiny_buckets_replay_what_eager_computes(tiny, backend):
     from workers.engine import Engine
 
-    specs = _specs(7)  # 7 = 4 + 2 + 1 replays while all are active
+    specs = _specs(9)  # at most 4 active (max_batch): buckets of 4 while the queue lasts, smaller ones at its tail
     graphs = Engine(tiny, WorkerConfig(backend=backend, max_batch=4))
     graphs.warmup()
     got = graphs.generate(specs)
@@ -72,9 +72,8 @@ def test_tiny_buckets_replay_what_eager_computes(tiny, backend):
     stats = pooled(graphs.stats()["groups"].values())
     assert stats["backend"] == backend and fallbacks(stats) == 0
     replayed = {b for b, s in stats["buckets"].items() if s["replays"]}
-    # 7 = 4 + 2 + 1 while all are active, or padded where the tiny model's timings say a larger bucket costs the
-    # same: the largest bucket and a smaller one replayed
-    assert 4 in replayed and replayed <= {1, 2, 4} and replayed - {4}, replayed
+    # the tail's smaller groups may be padded to 4 where the tiny model's timings say a larger bucket costs the same
+    assert 4 in replayed and replayed <= {1, 2, 4}, replayed
 
 
 def test_tiny_sizes_share_one_pool_and_replay_what_eager_computes(tiny):
