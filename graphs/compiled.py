@@ -237,6 +237,11 @@ class CompiledStep:
             self._fail(exc)
             return self.fn(**inputs)
 
+    def decline(self, reason: str) -> None:
+        """Run the step uncompiled from now on, ``reason`` in the stats (the caller knows it must not compile)."""
+        self.fallback_reason = reason
+        logger.info("%s: running uncompiled: %s", self.name, reason)
+
     def _fail(self, exc: Exception) -> None:
         self.fallback_reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
         logger.warning("%s: compiled step failed, running it uncompiled: %s", self.name, self.fallback_reason)

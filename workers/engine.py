@@ -277,9 +277,12 @@ class Engine:
             step = inpainting(step)
         speed, compiled = self.speed[model.name], None
         if speed.compile != "off":
-            regions = compile_regions(model) if speed.compile_scope == "blocks" else []
+            declined = family_of(model).uncompiled_on.get(device.type)
+            regions = compile_regions(model) if speed.compile_scope == "blocks" and not declined else []
             compiled = CompiledStep(step, f"{model.name} at {'x'.join(map(str, shape))}{' ' + variant if variant else ''}",
                                     regions=regions)
+            if declined:
+                compiled.decline(declined)
         runner = GraphRunner(compiled or step, inputs, outputs,
                              max_batch=self.config.max_batch, backend=self.backend_for(model), device=device,
                              pool=pool, stream=stream)

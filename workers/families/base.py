@@ -44,6 +44,9 @@ Hooks, all called with the loaded model (``workers.loading.LoadedModel``) as the
     plan_kwargs(model, shape) ({})               extra arguments of make_plan for latents of this shape
                                                  (FLUX.1-dev's resolution-dependent shift ``mu``)
     compile_regions(model) (repeated blocks)     what a blocks-scope compile compiles; None: the whole step
+    uncompiled_on ({})                           device type -> why the family's step runs uncompiled there
+                                                 even where its speed compiles (a compiled step not yet shown
+                                                 to equal eager on that device); the reason is in the stats
     table_specs(model) ({})                      per-step inputs known at admission (SD3's and FLUX.1's
                                                  modulation tables), per sample; where not empty:
     step_tables(model, plans, specs, conds)      each request's tables at every step of its plan, and
@@ -243,6 +246,7 @@ class Family:
     encoder_graphs: ClassVar[bool] = False
     compile_scope: ClassVar[str] = "step"         # what the `fast` speed compiles: the scope measured best for
                                                   # the family ("step": the whole step; "blocks": its blocks)
+    uncompiled_on: ClassVar[dict[str, str]] = {}  # device type -> why its step is not compiled there
     fp8_attention: ClassVar[bool] = False         # `fastest` runs its attention in FP8 too (cuDNN, Hopper)
     takes_image: ClassVar[bool] = False           # image-to-image: requests with an input image (workers.edits)
     takes_mask: ClassVar[bool] = False            # inpainting: requests with an image and a mask

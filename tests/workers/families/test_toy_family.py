@@ -125,3 +125,19 @@ def test_the_engine_serves_the_toy(toy):
     assert [r.image.shape for r in batched] == [(SIDE, SIDE)] * 5
     assert torch.equal(batched[3].latents, alone[0].latents)  # its own seed: the same image in any batch
     assert engine.stats()["real_rows"] == 5 * 4 and engine.attention == {}
+
+
+def test_a_family_can_keep_its_step_uncompiled_on_a_device_type(toy, monkeypatch):
+    from workers.speed import SpeedConfig
+
+    monkeypatch.setattr(Toy, "uncompiled_on", {"cpu": "not yet shown equal to eager on this device"})
+    model = load_model("toy-4")
+    specs = [ItemSpec(id=str(i), model="toy-4", label=i % CLASSES, seed=i, sampler="ddim", steps=4, guidance=2.0)
+             for i in range(3)]
+    fast = Engine(model, WorkerConfig(backend="eager", max_batch=4), speed=SpeedConfig(compile="inductor"))
+    got = fast.generate(specs)
+    want = Engine(model, WorkerConfig(backend="eager", max_batch=4)).generate(specs)
+    assert all(torch.equal(g.latents, w.latents) for g, w in zip(got, want))  # the plain step, bit for bit
+    (group,) = fast.stats()["groups"].values()
+    assert group["compile"]["compiled"] is False and group["compile"]["region_graphs"] == 0
+    assert group["compile"]["fallback_reason"] == "not yet shown equal to eager on this device"
