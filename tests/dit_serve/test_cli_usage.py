@@ -157,14 +157,20 @@ def test_ctrl_c_while_waiting_says_the_job_keeps_running_and_how_to_cancel(api):
     import signal
 
     url, http, env = api
-    environ = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    # faulthandler: should Ctrl-C ever go unheeded, SIGABRT makes the CLI print where each thread was
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1", **env}
     proc = subprocess.Popen([sys.executable, "-m", "dit_serve.cli", "submit", "--labels", "3", "--wait"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ, cwd=ROOT)
     try:
         job = proc.stdout.readline().strip()
         assert job, proc.stderr.read()
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 130
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            pytest.fail(f"the CLI went on for 60 s after Ctrl-C; where it was:\n{proc.communicate(timeout=30)[1]}")
+        assert code == 130
         err = proc.stderr.read()
     finally:
         if proc.poll() is None:
