@@ -158,3 +158,33 @@ def test_full_size_buckets_replay_what_eager_computes():
         for key, tol in (("x_next", 1e-3), ("hist_next", 1e-2)):
             got, want = outs["full", b, key], outs["eager", b, key]
             assert torch.isfinite(got).all() and _rel(got, want) <= tol, (b, key, _rel(got, want))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_tiny_transformer_compiled_alone_computes_what_eager_does(tiny, dynamic):
+    """Where Sana's compiled step parts from eager on CUDA (``Sana.uncompiled_on``): the transformer's forward alone,
+    compiled by Inductor (static, then with a dynamic batch, as the engine compiles), with a masked text batch."""
+    from workers.families.sana.runtime import head_bias
+
+    tr, (c, h, w) = tiny.transformer, tiny.latent_shape
+    heads, length = tr.transformer_blocks[0].attn2.heads, tiny.card.max_tokens
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(4, c, h, w, device="cuda", generator=g)
+    text = torch.randn(4, length, tr.config.caption_channels, device="cuda", generator=g)
+    mask = torch.zeros(4, length, device="cuda")
+    for row, n in enumerate((3, 5, length, 1)):
+        mask[row, :n] = 1
+
+    def forward(x, text, mask, t):
+        return tr(x, encoder_hidden_states=text, encoder_attention_mask=head_bias(mask, heads, x.dtype), timestep=t,
+                  return_dict=False)[0]
+
+    t = torch.tensor([999.0, 500.0, 250.0, 1.0], device="cuda")
+    with torch.no_grad():
+        want = forward(x, text, mask, t)
+        if dynamic:
+            for a in (x, text, mask, t):
+                torch._dynamo.mark_dynamic(a, 0)
+        got = torch.compile(forward, fullgraph=True)(x, text, mask, t)
+    assert _rel(got, want) <= 1e-4
