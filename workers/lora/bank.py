@@ -14,9 +14,10 @@ Loading without recapture
 ``load(slot, name, adapter)`` writes the slot's part of every tensor in place (``copy_`` and ``zero_``, never a
 new tensor): the addresses that captured graphs and compiled steps read stay, so loading needs no capture and
 no compile. On CUDA it may run on a side ``stream`` while steps replay on another: the host tensors are pinned and
-copied without waiting, and kept until the copy's event has passed (``ready``); rows may name the slot once it
-is ready. A slot that running rows use must not be loaded or evicted: ``choose_slot`` picks a free slot, else the
-least recently used resident one outside ``in_use``, else none (the request waits).
+copied without waiting, and kept until the copy's event has passed (``ready``); a request's ``row`` naming the
+slot before then makes the current stream (the steps') wait for that event. A slot that running rows use must
+not be loaded or evicted: ``choose_slot`` picks a free slot, else the least recently used resident one outside
+``in_use``, else none (the request waits in the queue).
 
 Per-row inputs
 --------------
@@ -153,7 +154,8 @@ class LoraBank:
     def row(self, loras: Sequence[tuple[str, float]]) -> tuple[torch.Tensor, torch.Tensor]:
         """A request's (name, scale) adapters -> its ``lora_slots`` (P,) int64 and ``lora_scales`` (P,) float32
         rows, on the host, unused places slot 0 at scale 0; LoraError for more than ``per_request`` or an adapter
-        not resident here. Marks its slots used."""
+        not loaded here. Marks its slots used. Where a slot's load is still copying on a side stream, the stream
+        current now (the engine's, which its steps follow) waits for that copy: no host wait."""
         if len(loras) > self.per_request:
             raise LoraError(f"{len(loras)} adapters asked; at most {self.per_request} per request")
         slots, scales = torch.zeros(self.per_request, dtype=torch.int64), torch.zeros(self.per_request)
@@ -161,6 +163,8 @@ class LoraBank:
             slot = self.slot_of(name)
             if slot is None:
                 raise LoraError(f"adapter {name!r} is not loaded")
+            if not self.ready(slot):
+                torch.cuda.current_stream(self._device()).wait_event(self._pending[slot][0])
             slots[j], scales[j] = slot, float(scale)
             self.touch(slot)
         return slots, scales

@@ -50,7 +50,8 @@ def test_peft_keys_with_alphas_from_tensors_and_metadata(tmp_path):
     save_file(weights, tmp_path / "metadata.safetensors", metadata={"lora_adapter_metadata": json.dumps(config)})
     save_file({k.replace("transformer.", "base_model.model.", 1): v for k, v in weights.items()},
               tmp_path / "bare.safetensors")
-    by_tensors, by_metadata = read_adapter(tmp_path / "tensors.safetensors"), read_adapter(tmp_path / "metadata.safetensors")
+    by_tensors = read_adapter(tmp_path / "tensors.safetensors")
+    by_metadata = read_adapter(tmp_path / "metadata.safetensors")
     bare = read_adapter(tmp_path / "bare.safetensors")
     assert by_tensors.format == "peft" and set(by_tensors.weights) == set(names)
     for m in names:
@@ -191,8 +192,8 @@ def test_an_sd3_kohya_file_maps_as_diffusers_converts_sd3s_original_weights():
         deltas[f"{module}.weight"] = scale * pair["lora_up.weight"].double() @ pair["lora_down.weight"].double()
     adapter = from_state_dict(state)
     assert adapter.format == "kohya-sd3"
-    converted = {k.removesuffix(".weight"): v for k, v in convert_sd3_transformer_checkpoint_to_diffusers(deltas).items()
-                 if v.ndim == 2}
+    converted = convert_sd3_transformer_checkpoint_to_diffusers(deltas)
+    converted = {k.removesuffix(".weight"): v for k, v in converted.items() if v.ndim == 2}
     assert set(adapter.weights) == set(converted)
     for m, want in converted.items():
         torch.testing.assert_close(_delta(adapter.weights[m]), want)

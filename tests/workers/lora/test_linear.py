@@ -157,3 +157,34 @@ def test_the_graph_runner_feeds_the_rows_slots_and_scales():
     for i in range(3):
         torch.testing.assert_close(got[i:i + 1], out(refs[i], rows_of(inputs, i)), **TOL)
     assert bank.row_slots is None  # set for the step's forward only
+
+
+def test_dynamo_traces_a_lora_step_whole_with_one_graph_for_every_batch():
+    """The step with its per-row inputs set on the bank, traced by dynamo without a graph break (fullgraph) with
+    its inputs' batch marked dynamic as ``graphs.compiled.CompiledStep`` marks it (3, 5, 6 rows: one graph), CFG's
+    doubled batch inside; equal to the step run eagerly. Slots of -1 read as none."""
+    from torch._dynamo.utils import counters
+
+    from workers.lora import Adapter, LoraWeights
+
+    g = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    bank = LoraBank(model, slots=2, max_rank=2, per_request=2)
+    bank.load(1, "a", Adapter({"0": LoraWeights(torch.randn(2, 8, generator=g), torch.randn(16, 2, generator=g), 1.0),
+                               "2": LoraWeights(torch.randn(1, 16, generator=g), torch.randn(8, 1, generator=g), 2.0)},
+                              "peft"))
+    apply_lora(model, bank)
+    step = with_lora(lambda x: {"y": model(torch.cat([x, x]))}, bank)  # (2B, T, 8): both CFG halves
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        for n in (3, 5, 6):
+            x, scales = torch.randn(n, 4, 8, generator=g), torch.rand(n, 2, generator=g)
+            slots = torch.randint(-1, 3, (n, 2), generator=g)
+            for t in (x, slots, scales):
+                torch._dynamo.mark_dynamic(t, 0)
+            torch.testing.assert_close(compiled(lora_slots=slots, lora_scales=scales, x=x)["y"],
+                                       step(lora_slots=slots, lora_scales=scales, x=x)["y"])
+    assert counters["stats"]["unique_graphs"] == 1
+    assert bank.row_slots is None
