@@ -107,6 +107,8 @@ class LoraBank:
         self.names[slot] = None  # until written: no row may name it (slot_of)
         cuda = self._device().type == "cuda"
         staged: list[torch.Tensor] = []
+        if stream is not None:  # after the steps queued so far: the last step of a request that used the slot
+            stream.wait_stream(torch.cuda.current_stream(self._device()))  # may still be reading it
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for target in self.targets:
                 a, b = self.a[target][slot], self.b[target][slot]                      # (R, in), (out, R)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import torch
 from torch import nn
 
 from workers.lora.formats import Adapter, LoraError
@@ -43,7 +44,7 @@ def linear_shapes(transformer: nn.Module) -> dict[str, tuple[int, int]]:
 def validate(adapter: Adapter, transformer: nn.Module, max_rank: int, targets: Iterable[str] | None = None) -> None:
     """Raise ``LoraError`` naming the first module of ``adapter`` (in its order) that ``transformer`` lacks, that is
     not a linear, that ``targets`` (the bank's; None: every linear) leaves out, whose shapes differ from the
-    linear's, or whose rank exceeds ``max_rank``."""
+    linear's, whose rank exceeds ``max_rank``, or whose weights are not finite (a row's NaN would be its image's)."""
     shapes = linear_shapes(transformer)
     kind = type(transformer).__name__
     for module in adapter.weights:
@@ -73,3 +74,5 @@ def check_shapes(adapter: Adapter, shapes: dict[str, tuple[int, int]], max_rank:
         if w.rank > max_rank:
             raise LoraError(f"the adapter's {module!r} has rank {w.rank}; this model's adapters are of rank at most "
                             f"{max_rank}")
+        if not (torch.isfinite(w.a).all() and torch.isfinite(w.b).all()):
+            raise LoraError(f"the adapter's {module!r} holds infinite or NaN values")

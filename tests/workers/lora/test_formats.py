@@ -249,6 +249,7 @@ def test_validation_names_the_first_mismatch():
         (with_("transformer_blocks.0.attn.norm_q", w), "a RMSNorm .* not a linear layer"),
         (with_(first, w._replace(a=torch.zeros(4, 15))), f"{first}.* maps 15 -> "),
         (with_(first, w._replace(b=torch.zeros(9, 4))), r"maps .* -> 9 features"),
+        (with_(first, w._replace(b=w.b.clone().fill_(float("nan")))), "infinite or NaN"),
     ]
     for adapter, message in cases:
         with pytest.raises(LoraError, match=message):
