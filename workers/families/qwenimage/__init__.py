@@ -122,16 +122,23 @@ def calculate_dimensions(area: int, ratio: float) -> tuple[int, int]:
 
 
 def reference_size(setup: EditSetup, width: int, height: int) -> tuple[int, int]:
-    """The (width, height) the edit pipelines resize a width x height reference to (its VAE latents' size)."""
-    return calculate_dimensions(setup.reference_area, width / height)
+    """The (width, height) the edit pipelines resize a width x height reference to (its VAE latents' size).
+    ValueError where a side rounds to nothing (an aspect ratio the pipelines cannot make)."""
+    return _area_size(setup.reference_area, width, height)
 
 
 def vision_size(setup: EditSetup, width: int, height: int) -> tuple[int, int]:
     """The (width, height) of the image the text encoder's processor is given for a width x height reference: the
     reference's own size (QwenImageEditPipeline), or ``vision_area`` at its ratio (the Plus pipeline)."""
-    if not setup.vision_area:
-        return reference_size(setup, width, height)
-    return calculate_dimensions(setup.vision_area, width / height)
+    return _area_size(setup.vision_area or setup.reference_area, width, height)
+
+
+def _area_size(area: int, width: int, height: int) -> tuple[int, int]:
+    w, h = calculate_dimensions(area, width / height)
+    if not (w and h):
+        raise ValueError(f"image: a {width}x{height} reference is too narrow: at about {area} px its shorter side "
+                         "rounds to nothing (the edit pipelines round sides to 32 px)")
+    return w, h
 
 
 def edit_setup(path: Path, index: dict) -> EditSetup | None:

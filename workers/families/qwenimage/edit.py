@@ -40,9 +40,11 @@ from pathlib import Path
 import torch
 
 from graphs import TensorSpec
+from workers.edits import pixels_of
 from workers.families.base import NO_CFG, read_json
 from workers.families.qwenimage import edit_setup, reference_size, vision_size
 from workers.families.textcache import encodings
+from workers.request.images import decode_image, resize
 
 # QwenImageEditPipeline.__init__: prompt_template_encode (the image in it), prompt_template_encode_start_idx
 EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, "
@@ -102,8 +104,6 @@ class Reference:
 
 def reference_of(model, spec) -> Reference | None:
     """``spec``'s reference as the pipelines resize it; None without an image."""
-    from workers.request.images import decode_image
-
     if not spec.image:
         return None
     image = decode_image(spec.image)
@@ -201,14 +201,13 @@ def reference_tokens(model, refs: list[Reference]) -> torch.Tensor:
     """The packed latents (B, n, 64) of references of one size, in the model's dtype: the pipelines' preprocess
     (Lanczos resize, [-1, 1]), the video VAE's posterior mode of one frame, ``(z - mean) / std``
     (``_encode_vae_image``), packed."""
-    from workers.edits import pixels_of
-    from workers.families.qwenimage.runtime import pack
-
     vae = model.vae  # runtime.LatentDecoder
     pixels = torch.stack([pixels_of(r.image, *r.size) for r in refs]).to(model.device, vae.dtype)
     z = vae.autoencoder.encode(pixels[:, :, None]).latent_dist.mode()                    # (B, 16, 1, h, w)
-    z = (z - vae.mean.to(z.dtype)) / vae.std.to(z.dtype)
-    return pack(z[:, :, 0]).to(model.dtype)                                              # (B, hw/4, 64)
+    z = ((z - vae.mean.to(z.dtype)) / vae.std.to(z.dtype))[:, :, 0]                      # (B, 16, h, w)
+    b, c, h, w = z.shape  # packed 2x2 into tokens, as runtime.pack (QwenImageEditPipeline._pack_latents)
+    tokens = z.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+    return tokens.to(model.dtype)                                                        # (B, hw/4, 64)
 
 
 def _encode_texts(model, wanted: dict) -> dict:
@@ -224,8 +223,6 @@ def _encode_texts(model, wanted: dict) -> dict:
 def encode_prompts(model, texts: list[str], refs: list[Reference]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each text read with its reference: (L, D) embeddings, zero past its tokens, and the (L,) mask of its tokens,
     L its variant's ``text_length``: the pipelines' ``_get_qwen_prompt_embeds`` over a batch of (text, image)."""
-    from workers.request.images import resize
-
     encoder = model.text_encoder
     device = next(encoder.parameters()).device
     formatted = [template(model, t) for t in texts]
