@@ -209,3 +209,20 @@ def test_warm_up_captures_a_square_reference_and_a_request_without_an_image_is_r
     with pytest.raises(ValueError, match="mask: model .* takes no mask"):
         engine.add(ItemSpec(id="m", image=square.image, mask=edit_cases.mask_bytes(50, 50), **base))
     assert engine.num_active == 0
+
+
+def test_a_processor_that_cannot_read_the_reference_is_a_model_error(edit_dir, tmp_path):
+    """Loading (the card's checks passed): tokenizer files that make no tokenizer, and a tokenizer without Qwen2.5-VL's
+    image placeholder (Qwen-Image's, which has no vision tokens)."""
+    from workers.loading import ModelError
+    from workers.models.tiny_qwenimage import tokenizer_files
+
+    no_vocab, text_only = tmp_path / "no-vocab", tmp_path / "text-only"
+    shutil.copytree(edit_dir, no_vocab)
+    (no_vocab / "processor" / "vocab.json").unlink()
+    shutil.copytree(edit_dir, text_only)
+    tokenizer_files(text_only / "processor")
+    with pytest.raises(ModelError, match="processor: not Qwen2.5-VL's processor"):
+        load_model(no_vocab)
+    with pytest.raises(ModelError, match=r"processor: its tokenizer has no <\|image_pad\|> token"):
+        load_model(text_only)

@@ -44,6 +44,7 @@ from workers.edits import pixels_of
 from workers.families.base import NO_CFG, read_json
 from workers.families.qwenimage import edit_setup, reference_size, vision_size
 from workers.families.textcache import encodings
+from workers.loading import ModelError
 from workers.request.images import decode_image, resize
 
 # QwenImageEditPipeline.__init__: prompt_template_encode (the image in it), prompt_template_encode_start_idx
@@ -268,7 +269,8 @@ def load_edit(model, path: Path) -> None:
 
 def load_processor(folder: Path):
     """Qwen2.5-VL's processor from the directory's processor/ (local files): its image processor and tokenizer,
-    without the video processor (transformers makes that only with torchvision; edits pass no video)."""
+    without the video processor (transformers makes that only with torchvision; edits pass no video). ModelError
+    when its files do not make one."""
     from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
 
     class ImageTextProcessor(Qwen2VLProcessor):
@@ -277,7 +279,14 @@ def load_processor(folder: Path):
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
 
-    return ImageTextProcessor(image_processor=AutoImageProcessor.from_pretrained(str(folder), local_files_only=True),
-                              tokenizer=AutoTokenizer.from_pretrained(str(folder), local_files_only=True),
-                              video_processor=None)
+    try:
+        images = AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        processor = ImageTextProcessor(image_processor=images, tokenizer=tokenizer, video_processor=None)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ModelError(f"{folder}: not Qwen2.5-VL's processor (its image processor and tokenizer files): "
+                         f"{type(e).__name__}: {e}") from None
+    if tokenizer.convert_tokens_to_ids(processor.image_token) in (None, tokenizer.unk_token_id):
+        raise ModelError(f"{folder}: its tokenizer has no {processor.image_token} token (Qwen2.5-VL's image placeholder)")
+    return processor
 
