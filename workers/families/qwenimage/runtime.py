@@ -159,7 +159,8 @@ class QwenImageRuntime(QwenImage):
         return NO_CFG if spec.guidance <= 1 else ""
 
     def variant_specs(self, model, shape, variant: str) -> dict[str, TensorSpec]:
-        """An edit variant's text inputs (their length its vision tokens' and ``max_tokens``) and reference tokens."""
+        """An edit variant's text inputs (as long as ``edit.text_length``: its vision tokens, the template's, the
+        prompt's ``max_tokens``) and reference tokens."""
         found = edit.parse_variant(variant)
         return {} if found is None else edit.variant_specs(model, found)
 
