@@ -448,8 +448,10 @@ class ModelCard(_Response):
     takes_mask: bool = Field(False, description="inpainting: jobs may send a mask with the image")
     edit: Literal["", "image-to-image", "reference"] = Field(
         "", description="what an input image means: \"image-to-image\" (varied at a strength; inpainted with a "
-                        "mask), \"reference\" (an instruction edit, FLUX.1 Kontext: the prompt says what to change "
-                        "in the image; no strength, no mask), \"\" (the model takes none)")
+                        "mask), \"reference\" (an instruction edit, FLUX.1 Kontext, Qwen-Image-Edit: the prompt says "
+                        "what to change in the image; no strength, no mask), \"\" (the model takes none)")
+    needs_image: bool = Field(False, description="an instruction edit that runs only with an input image "
+                                                 "(Qwen-Image-Edit): a job without one is refused")
     defaults: dict = Field(default_factory=dict)
     samplers: list[str] = Field(default_factory=list, description="the samplers a job may name for this model "
                                                                    "(those that integrate what it predicts)")

@@ -93,6 +93,8 @@ def check_edit(family, model, spec) -> None:
     if not spec.image:
         if spec.mask:
             raise ValueError("mask: a mask needs an image to inpaint (image is empty)")
+        if takes_reference(model) and model.card.needs_image:  # Qwen-Image-Edit: its pipelines need one
+            raise ValueError(f"image: model {model.name!r} edits an input image by its prompt: send one")
         return
     if takes_reference(model):  # an instruction edit (FLUX.1 Kontext): the image is a reference, strength unused
         if spec.mask:

@@ -42,6 +42,7 @@ def model_entry(card: cards.ModelCard, speed: str = "default") -> ModelCard:
                      sizes=[f"{w}x{h}" for w, h in card.made_sizes()], size_multiple=card.size_multiple,
                      size_range=list(card.size_range) if card.size_range[1] else [], class_names=card.class_names(),
                      takes_image=card.takes_image, takes_mask=card.takes_mask, edit=card.edit,
+                     needs_image=card.needs_image,
                      defaults=card.defaults, warnings=list(card.warnings),
                      samplers=[n for n, rule in RULES.items() if card.prediction_type in rule.predictions])
 
@@ -154,6 +155,9 @@ class Catalog:
         they read. Without an image: nothing, and a mask or a strength is refused. An instruction edit's (a card
         whose ``edit`` is "reference"): the image only, a mask or a strength refused."""
         if image is None:
+            if info.needs_image:
+                raise RequestError(f"model {info.name!r} edits an input image by its prompt (GET /v1/models: its "
+                                   "needs_image is true): send image (or image_b64)", "image")
             if mask is not None:
                 raise RequestError("a mask needs an input image to inpaint: send image (or image_b64) too", "mask")
             if strength is not None:
@@ -245,6 +249,9 @@ class Catalog:
     def resolve_images(self, req: ImageGenerationRequest) -> NewJob:
         """An OpenAI images request as a job: the prompt names one class, ``n`` images of it."""
         info = self.model(req.model)
+        if info.needs_image:
+            raise RequestError(f"model {info.name!r} edits an input image by its prompt: use POST /v1/images/edits",
+                               "model")
         if req.n > self.limits.max_images_per_request:
             raise RequestError(f"n must be at most {self.limits.max_images_per_request}, got {req.n}", "n")
         width = height = None

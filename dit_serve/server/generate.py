@@ -182,6 +182,8 @@ def _edit(card, a: GenerateArgs) -> tuple[dict, dict, tuple[int, int] | None]:
     from workers.request import images
 
     if a.image is None:
+        if card.needs_image:
+            raise UsageError(f"--image: model {card.name!r} edits an input image by its prompt: pass --image")
         if a.mask is not None or a.strength is not None:
             raise UsageError(f"{'--mask' if a.mask is not None else '--strength'} applies to edits: pass --image too")
         return {}, {}, None

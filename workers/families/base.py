@@ -147,10 +147,13 @@ class ModelCard:
     edit: str = ""                   # what an input image means: "" (none taken), "image-to-image" (varied at a
                                      # strength; inpainted with a mask: workers.edits), "reference" (an
                                      # instruction edit: the image is a reference the prompt edits, FLUX.1
-                                     # Kontext; no strength, no mask)
+                                     # Kontext, Qwen-Image-Edit; no strength, no mask)
     reference_sizes: tuple[tuple[int, int], ...] = ()  # "reference": the (width, height) a reference image is
                                      # resized to, the one of the nearest aspect ratio (FLUX.1 Kontext's preferred
-                                     # resolutions); empty: its own size, sides rounded down to size_multiple
+                                     # resolutions); empty: the family's rule (Kontext: its own size, sides rounded
+                                     # down to size_multiple)
+    needs_image: bool = False        # "reference": a request without an image is refused, as the model's pipeline
+                                     # needs one (Qwen-Image-Edit); False: it runs as text-to-image (FLUX.1 Kontext)
 
     @property
     def prediction_type(self) -> str:

@@ -33,9 +33,10 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2's, in its or
 VOCAB = 1000  # the trainer's limit; it stops before, once every word of its text is one token
 
 
-def tokenizer_files(path: Path) -> Path:
+def tokenizer_files(path: Path, templates: tuple[str, ...] = (), specials: tuple[str, ...] = SPECIALS) -> Path:
     """vocab.json, merges.txt and tokenizer_config.json of a Qwen2Tokenizer whose BPE is learnt from the
-    pipeline's chat template and WORDS, with Qwen2's special tokens last (<|endoftext|> pads)."""
+    pipeline's chat template (and ``templates``, each with one "{}") and WORDS, with Qwen2's special tokens
+    (``specials``: SPECIALS first) last (<|endoftext|> pads)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -45,18 +46,19 @@ def tokenizer_files(path: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    pieces = re.split("|".join(map(re.escape, SPECIALS)), PROMPT_TEMPLATE.format(" ".join(WORDS)))
+    text = "".join(t.format(" ".join(WORDS)) for t in (PROMPT_TEMPLATE, *templates))
+    pieces = re.split("|".join(map(re.escape, specials)), text)
     tok.train_from_iterator(pieces, trainers.BpeTrainer(vocab_size=VOCAB, show_progress=False,
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     model = json.loads(tok.to_str())["model"]
     vocab = dict(model["vocab"])
-    vocab.update({s: len(vocab) + i for i, s in enumerate(SPECIALS)})
+    vocab.update({s: len(vocab) + i for i, s in enumerate(specials)})
     path.mkdir(parents=True, exist_ok=True)
     (path / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     (path / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in model["merges"]))
     Qwen2Tokenizer(vocab=str(path / "vocab.json"), merges=str(path / "merges.txt"), errors="replace", unk_token=None,
                    bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                   additional_special_tokens=list(SPECIALS[1:]), model_max_length=131072).save_pretrained(path)
+                   additional_special_tokens=list(specials[1:]), model_max_length=131072).save_pretrained(path)
     (path / "tokenizer.json").unlink()  # the published tokenizer/ is vocab.json + merges.txt
     return path
 

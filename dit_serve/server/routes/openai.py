@@ -62,7 +62,8 @@ async def edit_images(request: Request, store: StoreDep, catalog: CatalogDep, ad
     sent = files.get("image", [])
     if len(sent) > 1:
         raise RequestError(f"image: {len(sent)} images were sent; the served models edit one image (an "
-                           "instruction-edit model, FLUX.1 Kontext, takes one reference image): send one", "image")
+                           "instruction-edit model, FLUX.1 Kontext or Qwen-Image-Edit, takes one reference image): send one",
+                           "image")
     image, mask = one_file(files, "image"), one_file(files, "mask", required=False)
     for name, part in (("image", image), ("mask", mask)):
         if part is not None:

@@ -31,10 +31,25 @@ pipeline it makes any other multiple of 16 as asked, from 16 px to twice the nat
 Text. Prompts are read as given, in the pipeline's chat template, up to ``max_tokens`` (512, the
 pipeline's ``max_sequence_length``; ``dit_serve.max_sequence_length`` sets 1 to 1024, the pipeline's
 limit) after the template's first 34 tokens.
+
+Qwen-Image-Edit (``QwenImageEditPipeline``, ``Qwen/Qwen-Image-Edit``; ``QwenImageEditPlusPipeline``,
+``Qwen/Qwen-Image-Edit-2509`` and ``-2511``, with one reference image). Qwen-Image's layout and a ``processor/``
+folder (Qwen2.5-VL's image processor, ``preprocessor_config.json``, beside its tokenizer's files). Its card's
+``edit`` is "reference": a request's image is the reference the prompt edits, read twice (by the Qwen2.5-VL encoder
+in the edit template, and as VAE latent tokens joined to the sequence: ``edit``), with no strength and no mask;
+a request without one is refused (``needs_image``: the pipelines need one). The reference is resized as the
+pipelines do (``reference_size``: the area ``reference_area``, 1024 x 1024, at the image's aspect ratio, sides
+rounded to 32 px), and so is the Plus pipeline's image for the encoder (``vision_area``, 384 x 384); the
+directory's ``dit_serve.reference_area`` / ``vision_area`` set smaller ones (test models). The sizes it lists are
+those the pipeline makes by default for images of the model card's aspect ratios (its output is the reference's
+size); ``max_tokens`` counts the prompt's tokens (the pipelines cut none: a longer prompt is cut there). The transformer of ``-2511``
+(``zero_cond_t``: the reference's tokens modulated at timestep 0) is read; the other pipelines' flags are not.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes, read_json
@@ -56,6 +71,13 @@ ENCODER_TYPE = "qwen2_5_vl"  # text_encoder/config.json's model_type
 VAE_CLASS = "AutoencoderKLQwenImage"
 # transformer flags of other Qwen-Image pipelines (edit, layered), which QwenImagePipeline does not run
 OTHER_VARIANTS = ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope", "guidance_embeds")
+# instruction-edit pipelines with Qwen-Image's layout and a processor/ folder: what they are
+EDIT_PIPELINES = {"QwenImageEditPipeline": "Qwen-Image-Edit", "QwenImageEditPlusPipeline": "Qwen-Image-Edit-Plus"}
+EDIT_VARIANTS = ("zero_cond_t",)  # the flags the edit transformers may set (Qwen-Image-Edit-2511's)
+REFERENCE_AREA = 1024 * 1024  # the edit pipelines' calculate_dimensions target (the Plus pipeline's VAE_IMAGE_SIZE)
+VISION_AREA = 384 * 384  # QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE: its images as the text encoder sees them
+EDIT_RATIOS = ((1, 1), (16, 9), (9, 16), (4, 3), (3, 4), (3, 2), (2, 3))  # the model card's, width : height
+IMAGE_PROCESSORS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
 # Qwen/Qwen-Image: transformer + VAE; Qwen2.5-VL-7B-Instruct, vision tower and LM head included (counted on
 # the meta device: workers.families.qwenimage.builtin)
 PARAMS, ENCODER_PARAMS = 20_430_401_088 + 126_892_531, 8_292_166_656
@@ -76,9 +98,70 @@ WAN21_VAE = PreviewMap(weight=((-0.1299, -0.1692, 0.2932), (0.0671, 0.0406, 0.04
                        bias=(-0.1835, -0.0868, -0.3360))
 
 
+@dataclass(frozen=True)
+class EditSetup:
+    """How an edit directory reads its reference (``edit_setup``): the pipeline, the area its reference is resized
+    to, and the area of the Plus pipeline's image for the text encoder (0: the reference itself, as
+    QwenImageEditPipeline gives the encoder)."""
+
+    pipeline: str
+    reference_area: int = REFERENCE_AREA
+    vision_area: int = 0
+
+    @property
+    def plus(self) -> bool:
+        return self.pipeline == "QwenImageEditPlusPipeline"
+
+
+def calculate_dimensions(area: int, ratio: float) -> tuple[int, int]:
+    """(width, height) of about ``area`` pixels at ``ratio`` = width / height, each side rounded to a multiple of 32:
+    the edit pipelines' ``calculate_dimensions``."""
+    width = math.sqrt(area * ratio)
+    height = width / ratio
+    return round(width / 32) * 32, round(height / 32) * 32
+
+
+def reference_size(setup: EditSetup, width: int, height: int) -> tuple[int, int]:
+    """The (width, height) the edit pipelines resize a width x height reference to (its VAE latents' size).
+    ValueError where a side rounds to nothing (an aspect ratio the pipelines cannot make)."""
+    return _area_size(setup.reference_area, width, height)
+
+
+def vision_size(setup: EditSetup, width: int, height: int) -> tuple[int, int]:
+    """The (width, height) of the image the text encoder's processor is given for a width x height reference: the
+    reference's own size (QwenImageEditPipeline), or ``vision_area`` at its ratio (the Plus pipeline)."""
+    return _area_size(setup.vision_area or setup.reference_area, width, height)
+
+
+def _area_size(area: int, width: int, height: int) -> tuple[int, int]:
+    w, h = calculate_dimensions(area, width / height)
+    if not (w and h):
+        raise ValueError(f"image: a {width}x{height} reference is too narrow: at about {area} px its shorter side "
+                         "rounds to nothing (the edit pipelines round sides to 32 px)")
+    return w, h
+
+
+def edit_setup(path: Path, index: dict) -> EditSetup | None:
+    """The edit setup of a directory's model_index.json; None for QwenImagePipeline's. CardError for an area
+    that is not a positive whole number of pixels."""
+    pipeline = index.get("_class_name", "")
+    if pipeline not in EDIT_PIPELINES:
+        return None
+    extra = index.get("dit_serve", {})
+    areas = {}
+    for key, default in (("reference_area", REFERENCE_AREA), ("vision_area", VISION_AREA)):
+        value = extra.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 32 * 32:
+            raise CardError(f"{path}/model_index.json: dit_serve.{key} must be a number of pixels, at least "
+                            f"{32 * 32}, got {value!r}")
+        areas[key] = value
+    plus = pipeline == "QwenImageEditPlusPipeline"
+    return EditSetup(pipeline, areas["reference_area"], areas["vision_area"] if plus else 0)
+
+
 class QwenImage(Family):
     name = "qwenimage"
-    pipelines = ("QwenImagePipeline",)
+    pipelines = ("QwenImagePipeline", *EDIT_PIPELINES)
     transformers = ("QwenImageTransformer2DModel",)
     builtins = {"qwen-image-1024": Builtin(1024, PARAMS, ENCODER_PARAMS)}
     previews = {16: WAN21_VAE}
@@ -101,7 +184,8 @@ class QwenImage(Family):
 
 
 def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict) -> ModelCard:
-    _check_layout(path, transformer, vae)
+    setup = edit_setup(path, index)
+    _check_layout(path, transformer, vae, setup)
     extra = index.get("dit_serve", {})
     factor = 2 ** len(vae.get("temperal_downsample", [False, True, True]))  # the pipeline's vae_scale_factor
     multiple = factor * 2  # the pipeline packs 2x2 latent cells into one token
@@ -113,19 +197,24 @@ def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict
         raise CardError(f"{path}/model_index.json: dit_serve.max_sequence_length must be 1 to "
                         f"{MAX_SEQUENCE_LENGTH} (QwenImagePipeline's limit), got {max_tokens}")
     tokenizer_json = path / "tokenizer" / "tokenizer.json"
+    sizes = MODEL_CARD_SIZES if setup is None else \
+        tuple(calculate_dimensions(setup.reference_area, w / h) for w, h in EDIT_RATIOS)
     return ModelCard(
         name, "qwenimage", "text", path=str(path), image_size=size, latent_channels=int(vae.get("z_dim", 16)),
         latent_size=size // factor, dtype=extra.get("dtype", "bfloat16"), scheduler={**scheduler, "flow_grid": "flux"},
         defaults={**DEFAULTS, **extra.get("defaults", {})}, max_tokens=max_tokens,
-        sizes=tuple(listed_sizes(path, extra, multiple) or MODEL_CARD_SIZES), size_multiple=multiple,
+        sizes=tuple(listed_sizes(path, extra, multiple) or sizes), size_multiple=multiple,
         size_range=(multiple, 2 * size), rounds_down=True, guidance_mode="cfg",
+        edit="" if setup is None else "reference", needs_image=setup is not None,
         tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() else "")
 
 
-def _check_layout(path: Path, transformer: dict, vae: dict | None) -> None:
+def _check_layout(path: Path, transformer: dict, vae: dict | None, setup: EditSetup | None) -> None:
     for part, (file, what) in PARTS.items():
         if not (path / file).exists():
             raise CardError(f"{path} is a Qwen-Image pipeline without {part}/ ({what}): expected {path / file}")
+    if setup is not None:
+        _check_processor(path, setup)
     encoder = read_json(path / "text_encoder" / "config.json")
     if encoder.get("model_type") != ENCODER_TYPE:
         raise CardError(f"{path}/text_encoder/config.json has model_type {encoder.get('model_type')!r}; a Qwen-Image "
@@ -141,11 +230,26 @@ def _check_layout(path: Path, transformer: dict, vae: dict | None) -> None:
         raise CardError(f"{path}/transformer/config.json: expected patch_size 2, in_channels {4 * z} and out_channels "
                         f"{z} (the VAE's {z} channels packed 2x2), got {transformer.get('patch_size')}, "
                         f"{transformer.get('in_channels')} and {transformer.get('out_channels')}")
-    variants = [k for k in OTHER_VARIANTS if transformer.get(k)]
+    variants = [k for k in OTHER_VARIANTS if transformer.get(k) and not (setup and k in EDIT_VARIANTS)]
     if variants:
+        runs = setup.pipeline if setup else "QwenImagePipeline"
         raise CardError(f"{path}/transformer/config.json sets {', '.join(variants)}: a transformer of another "
-                        "Qwen-Image pipeline (edit, layered), which QwenImagePipeline does not run")
+                        f"Qwen-Image pipeline (edit, layered), which {runs} does not run")
     width = encoder.get("text_config", {}).get("hidden_size", encoder.get("hidden_size"))
     if width is not None and transformer.get("joint_attention_dim", 3584) != width:
         raise CardError(f"{path}: the text encoder's hidden size {width} is not the transformer's joint_attention_dim "
                         f"{transformer.get('joint_attention_dim', 3584)}")
+
+
+def _check_processor(path: Path, setup: EditSetup) -> None:
+    """An edit directory's processor/: Qwen2.5-VL's image processor config and its tokenizer's."""
+    folder = path / "processor"
+    for file in ("preprocessor_config.json", "tokenizer_config.json"):
+        if not (folder / file).is_file():
+            raise CardError(f"{path} is a {EDIT_PIPELINES[setup.pipeline]} pipeline ({setup.pipeline}) without "
+                            f"processor/{file} (the Qwen2.5-VL processor that reads its reference image): expected "
+                            f"{folder / file}")
+    kind = read_json(folder / "preprocessor_config.json").get("image_processor_type")
+    if kind not in IMAGE_PROCESSORS:
+        raise CardError(f"{folder}/preprocessor_config.json has image_processor_type {kind!r}; a "
+                        f"{EDIT_PIPELINES[setup.pipeline]} pipeline's processor is Qwen2.5-VL's (Qwen2VLImageProcessor)")

@@ -30,6 +30,9 @@ which ``__init__`` computes, are made again on the host (``builtin.rebuild_table
 encoder's rotary frequencies, in float32: casting the encoder to bfloat16 would round them (transformers
 makes them in float32, and the pipeline's encoder keeps them so).
 
+Qwen-Image-Edit (a card whose ``edit`` is "reference"): its reference read by the encoder and joined to the
+sequence as latent tokens, each reference size a step variant: ``workers.families.qwenimage.edit``.
+
 Graph safety: the step runs the transformer's modules through ``transformer_forward``: its forward without
 the host-to-device copy it makes at every call (not allowed while a CUDA graph captures). The rotary tables
 (complex, the text's positions after the image's) depend on the shape and the token limit only: made once
@@ -47,7 +50,7 @@ from graphs import TensorSpec
 from samplers import model_input, sampler_step
 from workers.encoders import place_encoder
 from workers.families.base import NO_CFG
-from workers.families.qwenimage import QwenImage, builtin
+from workers.families.qwenimage import QwenImage, builtin, edit
 from workers.families.textcache import encodings
 from workers.loading import assemble, cast, load_checked_encoder, load_component, load_sharded
 
@@ -68,20 +71,28 @@ class QwenImageRuntime(QwenImage):
         import diffusers as d
 
         config = {k: v for k, v in model.card.scheduler.items() if k != "flow_grid"}
-        pipe = d.QwenImagePipeline(scheduler=d.FlowMatchEulerDiscreteScheduler.from_config(config),
-                                   vae=model.vae.autoencoder, text_encoder=model.text_encoder,
-                                   tokenizer=model.tokenizer, transformer=model.transformer)
+        parts = dict(scheduler=d.FlowMatchEulerDiscreteScheduler.from_config(config), vae=model.vae.autoencoder,
+                     text_encoder=model.text_encoder, tokenizer=model.tokenizer, transformer=model.transformer)
+        if _edits(model):  # QwenImageEditPipeline or QwenImageEditPlusPipeline, with the processor
+            pipe = getattr(d, model.edit.pipeline)(processor=model.processor, **parts)
+        else:
+            pipe = d.QwenImagePipeline(**parts)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
     def reference_call(self, model, specs) -> dict:
         """True CFG at the request's guidance against its negative prompt (" " for an empty one, as the model
-        card passes)."""
+        card passes); an edit's reference image (the first request's: the edit pipelines take one image per call)."""
         s = specs[0]
         w, h = (s.width, s.height) if s.width else model.card.native_size
-        return dict(prompt=[x.prompt for x in specs], negative_prompt=[x.negative_prompt or " " for x in specs],
+        call = dict(prompt=[x.prompt for x in specs], negative_prompt=[x.negative_prompt or " " for x in specs],
                     true_cfg_scale=s.guidance, height=h, width=w, num_inference_steps=s.steps,
                     max_sequence_length=model.card.max_tokens)
+        if _edits(model):
+            from workers.request.images import decode_image
+
+            call["image"] = decode_image(s.image)
+        return call
 
     def load(self, card, device, dtype):
         """The transformer and VAE (safetensors, sharded or not), the Qwen2.5-VL text encoder (transformers,
@@ -100,16 +111,24 @@ class QwenImageRuntime(QwenImage):
         encoder = load_checked_encoder(Qwen2_5_VLForConditionalGeneration, path / "text_encoder", device, dtype)
         model.text_encoder = builtin.rebuild_tables(encoder)  # its rotary frequencies in float32 again
         model.tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
+        if _edits(model):  # its setup and the processor that reads the reference with the prompt
+            edit.load_edit(model, path)
         return model
 
     def cond_specs(self, model) -> dict[str, TensorSpec]:
+        """The prompt's and the negative prompt's embeddings and masks; an edit's are its variants' (their length
+        is the reference's: ``variant_specs``)."""
+        if _edits(model):
+            return {}
         length, width = model.card.max_tokens, model.transformer.config.joint_attention_dim
         embeds, mask = TensorSpec((length, width), model.dtype), TensorSpec((length,), model.dtype)
         return {"prompt_embeds": embeds, "prompt_mask": mask, "neg_embeds": embeds, "neg_mask": mask}
 
     def encode(self, model, specs) -> list[dict[str, torch.Tensor]]:
         """Each request's prompt and negative prompt (" " for an empty one), encoded in one batch (cache misses
-        only)."""
+        only); an edit's with its reference, and its reference's tokens (``edit.encode``)."""
+        if _edits(model):
+            return edit.encode(model, specs)
         negatives = [s.negative_prompt or EMPTY_NEGATIVE for s in specs]
         found = _encode_texts(model, sorted({*(s.prompt for s in specs), *negatives}))
         return [{"prompt_embeds": found[s.prompt][0], "prompt_mask": found[s.prompt][1],
@@ -127,11 +146,23 @@ class QwenImageRuntime(QwenImage):
 
     def step_variants(self, model) -> tuple[str, ...]:
         """Its step, and ``NO_CFG``: the step of rows whose scale is at most 1, which the pipeline runs
-        without the negative forward (one forward per image instead of two)."""
+        without the negative forward (one forward per image instead of two). An edit's: those of a square
+        reference (others are captured when one first comes)."""
+        if _edits(model):
+            return edit.square_variants(model)
         return ("", NO_CFG)
 
     def variant_of(self, model, spec) -> str:
+        """``NO_CFG`` at a scale of at most 1; an edit's: its reference's size and vision tokens too."""
+        if _edits(model):
+            return edit.variant_of(model, spec)
         return NO_CFG if spec.guidance <= 1 else ""
+
+    def variant_specs(self, model, shape, variant: str) -> dict[str, TensorSpec]:
+        """An edit variant's text inputs (as long as ``edit.text_length``: its vision tokens, the template's, the
+        prompt's ``max_tokens``) and reference tokens."""
+        found = edit.parse_variant(variant)
+        return {} if found is None else edit.variant_specs(model, found)
 
     def encode_image(self, model, pixels, generators=None):
         """The video VAE's posterior of one frame, sampled with each row's generator, normalised by the config's
@@ -144,22 +175,38 @@ class QwenImageRuntime(QwenImage):
         CFG halves through the transformer in one forward (``transformer_forward``) at timestep t / 1000 (the
         pipeline divides by 1000; the model multiplies back) with the text masks, the true-CFG rescale
         (``true_cfg``), unpack, sampler update. The rotary tables depend on the shape and the token limit only:
-        made here, outside capture."""
+        made here, outside capture. An edit variant's step (``edit``) runs [latent tokens, reference tokens] and
+        keeps the latent tokens' output; its rotary tables and text length are its reference's."""
         transformer, dtype, device = model.transformer, model.dtype, model.device
         _, h, w = shape or model.latent_shape
-        rotary = rotary_tables(transformer, h // 2, w // 2, model.card.max_tokens, device)
+        n = (h // 2) * (w // 2)
+        found = edit.parse_variant(variant)
+        guided = variant != NO_CFG and (found is None or found.cfg)
+        if found is None:
+            rotary, modulate = rotary_tables(transformer, h // 2, w // 2, model.card.max_tokens, device), None
+        else:
+            rotary = rotary_tables(transformer, h // 2, w // 2, edit.text_length(model, found), device,
+                                   reference=(found.rows, found.cols))
+            modulate = edit.modulation_index(transformer, n, found.rows * found.cols, device)
 
-        def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, prompt_mask, neg_embeds, neg_mask):
+        def forward(tokens, text, mask, timestep):
+            out = transformer_forward(transformer, tokens, text, mask, timestep, rotary, modulate)
+            return out if found is None else out[:, :n]  # the latent tokens' output, as the pipelines' [:, :n]
+
+        def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, prompt_mask, neg_embeds=None, neg_mask=None,
+                 reference=None):
             tokens = pack(model_input(x, coeffs).to(dtype))                                 # (B, N, 64)
+            if reference is not None:  # an edit: [latent tokens, reference tokens]
+                tokens = torch.cat([tokens, reference], dim=1)                              # (B, N + n_ref, 64)
             timestep = t.to(dtype) / 1000
-            if variant == NO_CFG:  # rows at a scale of at most 1: the prompt's forward alone, as the pipeline
-                v = transformer_forward(transformer, tokens, prompt_embeds, prompt_mask, timestep, rotary)
+            if not guided:  # rows at a scale of at most 1: the prompt's forward alone, as the pipeline
+                v = forward(tokens, prompt_embeds, prompt_mask, timestep)
                 x_next, denoised = sampler_step(x, unpack(v.float(), h, w), hist, noise, coeffs)
                 return {"x_next": x_next, "hist_next": denoised}
-            out = transformer_forward(transformer, torch.cat([tokens, tokens]),             # (2B, N, 64)
-                                      torch.cat([prompt_embeds, neg_embeds]),               # (2B, L, 3584)
-                                      torch.cat([prompt_mask, neg_mask]),                   # (2B, L)
-                                      torch.cat([timestep, timestep]), rotary)              # (2B, N, 64)
+            out = forward(torch.cat([tokens, tokens]),                                      # (2B, N (+ n_ref), 64)
+                          torch.cat([prompt_embeds, neg_embeds]),                           # (2B, L, 3584)
+                          torch.cat([prompt_mask, neg_mask]),                               # (2B, L)
+                          torch.cat([timestep, timestep]))                                  # (2B, N, 64)
             cond, uncond = out.float().chunk(2)
             v = unpack(true_cfg(cond, uncond, guidance), h, w)                              # (B, 16, h, w)
             x_next, denoised = sampler_step(x, v, hist, noise, coeffs)
@@ -169,22 +216,31 @@ class QwenImageRuntime(QwenImage):
 
 
 def transformer_forward(transformer, tokens: torch.Tensor, text: torch.Tensor, text_mask: torch.Tensor,
-                        timestep: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """QwenImageTransformer2DModel.forward as QwenImagePipeline calls it (no zero_cond_t, guidance embedding,
-    additional t condition or controlnet: the card refuses transformers with them), through the same modules,
-    with ``rotary`` (``rotary_tables``) given. Not its own forward: that makes a device tensor from a host
-    integer at every call (``compute_text_seq_len_from_mask``'s ``torch.as_tensor``, for a length it does not
-    use: a synchronous host-to-device copy, which a stream may not make while a CUDA graph captures it) and
-    looks its rotary tables up again. (B, N, 64) tokens, (B, L, D)
-    text, (B, L) mask (nonzero: a token), (B,) timesteps in [0, 1] -> (B, N, 64)."""
+                        timestep: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                        modulate: torch.Tensor | None = None) -> torch.Tensor:
+    """QwenImageTransformer2DModel.forward as the Qwen-Image pipelines call it (no guidance embedding, additional
+    t condition or controlnet: the card refuses transformers with them), through the same modules, with ``rotary``
+    (``rotary_tables``) given, and ``zero_cond_t``'s modulation index (``edit.modulation_index``, (1, N), where the
+    transformer sets it; it then also embeds timestep 0 for the reference's tokens). Not its own forward: that
+    makes a device tensor from a host integer at every call (``compute_text_seq_len_from_mask``'s
+    ``torch.as_tensor``, for a length it does not use: a synchronous host-to-device copy, which a stream may not
+    make while a CUDA graph captures it; and zero_cond_t's index from img_shapes) and looks its rotary tables up
+    again. (B, N, 64) tokens, (B, L, D) text, (B, L) mask (nonzero: a token), (B,) timesteps in [0, 1] ->
+    (B, N, 64)."""
     hidden = transformer.img_in(tokens)
     timestep = timestep.to(hidden.dtype)
+    index = None
+    if modulate is not None:  # zero_cond_t: rows [t, 0], the reference's tokens modulated by the second
+        timestep = torch.cat([timestep, timestep * 0])                                     # (2B,)
+        index = modulate.expand(tokens.shape[0], -1)                                       # (B, N)
     text = transformer.txt_in(transformer.txt_norm(text))
     mask = text_mask.to(torch.bool)
     temb = transformer.time_text_embed(timestep, hidden)
     for block in transformer.transformer_blocks:
         text, hidden = block(hidden_states=hidden, encoder_hidden_states=text, encoder_hidden_states_mask=mask,
-                             temb=temb, image_rotary_emb=rotary)
+                             temb=temb, image_rotary_emb=rotary, modulate_index=index)
+    if modulate is not None:
+        temb = temb.chunk(2, dim=0)[0]
     return transformer.proj_out(transformer.norm_out(hidden, temb))
 
 
@@ -287,12 +343,20 @@ def unpack(z: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return z.reshape(b, d // 4, h, w)
 
 
-def rotary_tables(transformer, h: int, w: int, text_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(transformer, h: int, w: int, text_tokens: int, device,
+                  reference: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The transformer's (image, text) rotary tables for an h x w token grid and ``text_tokens`` text tokens
     (complex; the text's positions follow the image's largest), as its forward makes them from the pipeline's
-    ``img_shapes``."""
+    ``img_shapes``; an edit's ``reference`` grid (rows, cols) follows the image's (its frame index 1), as the edit
+    pipelines' img_shapes [latents, reference]."""
+    shapes = [(1, h, w)] + ([(1, *reference)] if reference is not None else [])
     with torch.no_grad():
-        return transformer.pos_embed([[(1, h, w)]], device=torch.device(device), max_txt_seq_len=text_tokens)
+        return transformer.pos_embed([shapes], device=torch.device(device), max_txt_seq_len=text_tokens)
+
+
+def _edits(model) -> bool:
+    """Whether ``model`` is an instruction edit (its card's ``edit`` "reference": Qwen-Image-Edit)."""
+    return model.card is not None and model.card.edit == "reference"
 
 
 # -- loading -----------------------------------------------------------------------------------------------
