@@ -186,10 +186,15 @@ class _Bar:
     def __init__(self, job: JobRef, enabled: bool):
         from tqdm.auto import tqdm
 
+        class Bar(tqdm):
+            # no monitor thread: a second thread can take a Ctrl-C's SIGINT while the main thread waits in a
+            # socket read for the job's next event, which then goes on waiting instead of being interrupted
+            monitor_interval = 0
+
         known = isinstance(job, Job)
         self.state = job.state if known else "queued"  # the last state seen (for a timeout's message)
         self.final: Job | None = None  # the ended job, when its end event carried it
-        self.bar = tqdm(total=job.steps_total if known else 0, desc=f"job {_job_id(job)[:8]}", unit="step",
+        self.bar = Bar(total=job.steps_total if known else 0, desc=f"job {_job_id(job)[:8]}", unit="step",
                         disable=not enabled)
 
     def update(self, job: Job | JobEvent) -> None:

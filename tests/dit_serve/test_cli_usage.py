@@ -371,3 +371,20 @@ def test_generate_submit_out_fetch_and_the_archive_write_one_manifest_schema(ser
         assert _keys(manifest) == schema, manifest
     assert generated["job"] is None and submitted["job"] == fetched["job"] == archived["job"] == job
     assert [(e["file"], e["label"], e["prompt"]) for e in fetched["images"]] == [("00000_label4.png", 4, None)]
+
+
+@pytest.mark.parametrize("shown", [False, True])
+def test_the_progress_bar_starts_no_thread_that_could_take_a_ctrl_c(shown):
+    """A SIGINT goes to any thread that does not block it; one taken by a helper thread leaves the main thread
+    waiting in its socket read. The bar (tqdm) must not start its monitor thread."""
+    import threading
+
+    from dit_serve.client import _Bar
+
+    before = set(threading.enumerate())
+    bar = _Bar("0123456789abcdef", shown)
+    try:
+        started = set(threading.enumerate()) - before
+    finally:
+        bar.close()
+    assert not started, started
