@@ -45,7 +45,8 @@ class Backlog:
 
 class Rates:
     """Image-steps per second that one worker does of each model: measured from the workers' step reports,
-    else the configured rate (``[autoscale] rates``), else ``default_rate``.
+    else the configured rate (``[autoscale] rates``), else the estimate from the model's card (``estimated``:
+    ``workers.families.rates``, for GPU workers), else ``default_rate``.
 
     A measurement is steps done over the seconds spent stepping, from a worker's report in which it ran one
     model only (a step of several models cannot be split between them) and held enough items to step at a
@@ -54,8 +55,8 @@ class Rates:
     covers ``min_busy_s`` of stepping."""
 
     def __init__(self, configured: Mapping[str, float] = {}, default: float = 100.0, memory_s: float = 60.0,
-                 min_busy_s: float = 1.0):
-        self.configured, self.default = dict(configured), default
+                 min_busy_s: float = 1.0, estimated: Mapping[str, float] = {}):
+        self.configured, self.default, self.estimated = dict(configured), default, dict(estimated)
         self.memory_s, self.min_busy_s = memory_s, min_busy_s
         self._seen: dict[str, tuple[float, float]] = {}  # model -> decayed (steps, busy seconds)
 
@@ -72,11 +73,19 @@ class Rates:
 
     def rate(self, model: str) -> float:
         measured = self.measured(model)
-        return measured if measured is not None else self.configured.get(model, self.default)
+        if measured is not None:
+            return measured
+        return self.configured.get(model, self.estimated.get(model, self.default))
+
+    def source(self, model: str) -> str:
+        """Where ``rate(model)`` comes from now: measured, configured, model card or default."""
+        if self.measured(model) is not None:
+            return "measured"
+        return "configured" if model in self.configured else "model card" if model in self.estimated else "default"
 
     @staticmethod
-    def from_config(cfg: AutoscaleConfig) -> "Rates":
-        return Rates(cfg.rates, cfg.default_rate)
+    def from_config(cfg: AutoscaleConfig, estimated: Mapping[str, float] = {}) -> "Rates":
+        return Rates(cfg.rates, cfg.default_rate, estimated=estimated)
 
 
 def workers_for(steps: float, rate: float, target_drain_s: float) -> int:

@@ -194,9 +194,11 @@ class AutoscaleConfig(_Section):
     idle_timeout_s: float = Field(300.0, ge=0, description="a worker with nothing leased and no backlog for its "
                                                           "models stops after this long (above the minimums)")
     default_rate: float = Field(100.0, gt=0, description="denoising steps of one image per second that one worker "
-                                                         "does, until measured, for models without a `rates` entry")
+                                                         "does, until measured, for models without a `rates` entry "
+                                                         "or an estimate from their card (GPU workers: "
+                                                         "workers/families/rates.py)")
     rates: dict[str, float] = Field(default_factory=dict, description="per model, the rate until measured "
-                                    "(image-steps per second per worker)")
+                                    "(image-steps per second per worker), over its card's estimate")
     start_cost_s: float = Field(120.0, ge=0, description="a new worker's start (a node, the process, its first "
                                                         "model), until measured")
     switch_cost_s: float = Field(30.0, ge=0, description="an idle worker's switch to another model (unload, "

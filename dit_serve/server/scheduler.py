@@ -126,7 +126,6 @@ class Scheduler:
         # [autoscale]'s per-model tables name models as [workers] models does; the store, by the names they serve as
         self.auto = autoscale.model_copy(update={t: {_name(k): v for k, v in getattr(autoscale, t).items()}
                                                  for t in ("min_workers_per_model", "max_workers_per_model", "rates")})
-        self.rates = Rates.from_config(self.auto)  # image-steps per second of one worker, per model
         self.lease_seconds = lease_seconds
         self.metrics = metrics or Metrics()
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -145,6 +144,8 @@ class Scheduler:
         self._published: list[WorkerRow] | None = None  # the workers as last written to the store
         self._published_at = 0.0
         self._specs = {_name(spec): spec for spec in workers.models}  # served name -> its [workers] models entry
+        # image-steps per second of one worker, per model: the cards' estimates until the workers measure them
+        self.rates = Rates.from_config(self.auto, card_rates(self._specs, self._slot_cfg) if autoscale.enabled else {})
         self.start_s: float | None = None  # a worker's start until ready, measured (an average)
         self.switch_s: dict[str, float] = {}  # per model, an idle worker's switch to it until it serves it, measured
         self.switches: dict[str, int] = {}  # switches to each model
@@ -607,6 +608,27 @@ class Scheduler:
             self.store.put_workers(self.owner, [])
         except Exception:  # the rows age out on their own
             pass
+
+
+def card_rates(specs: dict[str, str], cfg: WorkerConfig) -> dict[str, float]:
+    """Per served model (name -> its ``[workers] models`` entry), the rate its card gives one GPU worker
+    (``workers.families.rates``), where it gives one. None for CPU workers: the figures are a GPU's."""
+    if cfg.resource == "CPU" or cfg.device.startswith("cpu"):
+        return {}
+    from workers.families.rates import estimate
+    from workers.request.cards import read_card
+
+    out = {}
+    for name, spec in specs.items():
+        try:
+            found = estimate(read_card(spec))
+        except Exception:  # an unreadable model: the worker will say what is wrong with it
+            found = None
+        if found is not None:
+            out[name] = found.rate
+            log.info("autoscaling counts %.4g image-steps/s of %s per worker until measured: %s", found.rate, name,
+                     found.source)
+    return out
 
 
 @lru_cache(maxsize=256)

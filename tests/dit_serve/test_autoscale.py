@@ -81,6 +81,35 @@ def test_rates_are_measured_from_busy_seconds_then_configured_then_the_default()
     assert rates.rate("b") == 40.0
 
 
+def test_until_measured_a_model_goes_by_its_configured_rate_else_its_cards_estimate_else_the_default(tmp_path):
+    """GPU workers: a built-in's card gives its family's measured figure scaled to it (workers.families.rates);
+    the tiny digits has none (the default); a configured rate is over the card's; a measurement over both. CPU
+    workers take nothing from the cards (their figures are a GPU's)."""
+    from workers.config import WorkerConfig
+    from workers.families.rates import estimate
+    from workers.request.cards import read_card
+
+    models = ("dit-xl-2-512", "pixart-sigma-1024", "digits")
+    auto = AutoscaleConfig(enabled=True, default_rate=7.0)
+    sched = _scheduler(tmp_path, auto, WorkerConfig(models=models))
+    dit, pixart = (estimate(read_card(m)).rate for m in models[:2])
+    assert dit == pytest.approx(753.75 / 4)  # DiT-XL/2 256's 753.75 on an H100, at 4x the pixels
+    assert [sched.rates.rate(m) for m in models] == [dit, pixart, 7.0]
+    assert [sched.rates.source(m) for m in models] == ["model card", "model card", "default"]
+    configured = _scheduler(tmp_path / "c", auto.model_copy(update={"rates": {"dit-xl-2-512": 50.0}}),
+                            WorkerConfig(models=models))
+    assert configured.rates.rate("dit-xl-2-512") == 50.0 and configured.rates.source("dit-xl-2-512") == "configured"
+    configured.rates.observe("dit-xl-2-512", 300, 2.0)
+    assert configured.rates.rate("dit-xl-2-512") == 150.0 and configured.rates.source("dit-xl-2-512") == "measured"
+    for cpu in (WorkerConfig(models=models, resource="CPU"), WorkerConfig(models=models, device="cpu")):
+        assert _scheduler(tmp_path / "cpu", auto, cpu).rates.rate("dit-xl-2-512") == 7.0
+    assert _scheduler(tmp_path / "off", AutoscaleConfig(), WorkerConfig(models=models)).rates.estimated == {}
+    # the demand of a backlog of DiT-XL/2 512 at its estimate: 50 x 50 steps / (188.4 x 10 s) -> 2 workers
+    d = demand({"dit-xl-2-512": Backlog(queued=50, steps=2500)}, sched.rates,
+               auto.model_copy(update={"target_drain_s": 10}), list(models))
+    assert d.workers["dit-xl-2-512"] == 2 and d.seconds["dit-xl-2-512"] == pytest.approx(2500 / dit)
+
+
 def test_the_store_reports_the_steps_left_per_model(any_store):
     store = any_store
     assert store.backlog() == {}

@@ -86,6 +86,7 @@ class Sana(Family):
     # StableDiffusion3InpaintPipeline's rule (diffusers has none for Sana but Sana Sprint's), the DC-AE's latent
     takes_image = True
     takes_mask = True
+    rate_reference = "pixart-sigma-512"  # none of its own measured: PixArt-Σ's, its predecessor
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:
