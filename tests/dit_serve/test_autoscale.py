@@ -192,12 +192,13 @@ class _FakeRay:
 
         self.nodes: list[dict] = [{"NodeID": "f" * 56, "Alive": True, "Resources": {"CPU": 2.0}}]
         self.requests: list[list[dict]] = []
+        self.selectors: list[list[dict] | None] = []  # each request's bundle_label_selectors (None: not given)
         self.started: list[tuple[dict, object]] = []
         self.killed: list = []
         self.calls: list[tuple[str, object, object]] = []  # (method, actor handle, argument)
         monkeypatch.setattr(ray, "nodes", lambda: self.nodes)
         monkeypatch.setattr(ray, "kill", lambda handle, **_: self.killed.append(handle))
-        monkeypatch.setattr(sdk, "request_resources", lambda bundles=None, num_cpus=None: self.requests.append(bundles))
+        monkeypatch.setattr(sdk, "request_resources", self._request)
         fake = self
 
         class Actor:
@@ -216,8 +217,13 @@ class _FakeRay:
 
         monkeypatch.setattr(sched_mod, "_actor_class", lambda: Actor)
 
-    def add_gpu_node(self, name: str, gpus: int = 1) -> None:
-        self.nodes.append({"NodeID": name * 56, "Alive": True, "Resources": {"CPU": 8.0, "GPU": float(gpus)}})
+    def _request(self, num_cpus=None, bundles=None, bundle_label_selectors=None):
+        self.requests.append(bundles)
+        self.selectors.append(bundle_label_selectors)
+
+    def add_gpu_node(self, name: str, gpus: int = 1, labels: dict | None = None, **resources: float) -> None:
+        self.nodes.append({"NodeID": name * 56, "Alive": True, "Labels": {"ray.io/node-id": name * 56, **(labels or {})},
+                           "Resources": {"CPU": 8.0, "GPU": float(gpus), **resources}})
 
 
 def _scheduler(tmp_path, auto: AutoscaleConfig, workers=None):
@@ -518,3 +524,117 @@ def test_a_draining_scheduler_starts_no_worker(tmp_path, monkeypatch):
     sched.draining = True
     sched.reconcile()
     assert sched.workers == {} and ray.started == []
+
+
+# -- models pinned to nodes ([autoscale.placement]) --------------------------------------------------------
+def _pins(**models):
+    from dit_serve.server.config import ModelPlacement
+
+    return {m: ModelPlacement(**pin) for m, pin in models.items()}
+
+
+def test_a_pinned_model_is_placed_only_where_its_labels_and_resources_are():
+    from dit_serve.server.autoscale import WorkerState, allowed, pin_allows, reservation
+
+    pins = _pins(a={"labels": {"gpu": "h100"}, "resources": {"accelerator_type:H100": 0.001}})
+    assert pin_allows(None, {}, {}) and not pin_allows(pins["a"], {"gpu": "h100"}, {})
+    assert pin_allows(pins["a"], {"gpu": "h100", "zone": "x"}, {"accelerator_type:H100": 1.0})
+    assert not pin_allows(pins["a"], {"gpu": "a100"}, {"accelerator_type:H100": 1.0})
+    h100 = allowed(["a", "b"], pins, {"gpu": "h100"}, {"accelerator_type:H100": 1.0})
+    other = allowed(["a", "b"], pins, {"gpu": "a100"}, {})
+    assert h100 == {"a", "b"} and other == {"b"}
+    assert reservation(["a", "b"], pins) == {"accelerator_type:H100": 0.001} and reservation(["b"], pins) == {}
+    b = {"a": Backlog(queued=4, steps=400)}
+    # free slots in the scheduler's order (the other node first): a's worker starts on the H100 slot
+    p = _place(b, [], free=[other, h100])
+    assert p.start == [["a"]] and p.slots == [1]
+    assert _place(b, [], free=[other, other]).start == []  # no node for it: it waits for the one Ray was asked for
+    # an idle worker on the other node is not switched to a, whatever the switch would gain; one that may is
+    idle_b = WorkerState("w1", ("b",), idle=True, idle_s=5, allows=other)
+    assert _place(b, [idle_b], free=0).switch == []
+    assert _place(b, [idle_b], free=[other, h100]).start == [["a"]]
+    assert _place(b, [WorkerState("w1", ("b",), idle=True, allows=h100)], free=0).switch == [("w1", "a", ["b"])]
+    # a new worker's other models are only those its slot may hold; spare workers load what their slot may
+    two = _place({"a": Backlog(queued=4, steps=400), "b": Backlog(queued=4, steps=400)}, [], free=[other, h100],
+                 fits=lambda ms: True)
+    assert sorted(zip(two.slots, map(tuple, two.start))) == [(0, ("b",)), (1, ("a", "b"))]
+    spare = _place({}, [], free=[other], auto=AutoscaleConfig(enabled=True, min_workers=1))
+    assert spare.start == [["b"]] and spare.slots == [0]
+
+
+def test_ray_is_asked_for_a_pinned_models_workers_with_its_labels_and_resources():
+    from dit_serve.server.autoscale import bundles
+
+    pins = _pins(a={"labels": {"gpu": "h100"}, "resources": {"accelerator_type:H100": 0.001}})
+    d = Demand({"a": 2, "b": 1}, 4)  # 3 for the models, one spare (min_workers 4)
+    assert bundles(d, {"GPU": 1.0}, pins) == [
+        ({"GPU": 1.0, "accelerator_type:H100": 0.001}, {"gpu": "h100"}),
+        ({"GPU": 1.0, "accelerator_type:H100": 0.001}, {"gpu": "h100"}),
+        ({"GPU": 1.0}, {}), ({"GPU": 1.0}, {})]
+    assert bundles(Demand({"a": 0}, 0), {"GPU": 1.0}, pins) == []
+
+
+def test_the_scheduler_starts_a_pinned_models_workers_on_labelled_nodes_only(tmp_path, monkeypatch):
+    """digits-text is pinned to nodes labelled gpu=h100: Ray is asked for its worker with that label selector;
+    node a (no label) gets no worker for it, node b does, and takes Ray's per-node H100 resource; an idle digits
+    worker on node a is never switched to digits-text, one on b may be. With autoscaling off, the worker on node
+    a holds digits only."""
+    from workers.config import WorkerConfig
+
+    ray = _FakeRay(monkeypatch)
+    ray.add_gpu_node("a", gpus=2)
+    auto = AutoscaleConfig(enabled=True, max_workers=2, idle_timeout_s=600, target_drain_s=1, default_rate=100,
+                           placement=_pins(**{"digits-text": {"labels": {"gpu": "h100"},
+                                                              "resources": {"accelerator_type:H100": 0.001}}}))
+    sched = _scheduler(tmp_path, auto, WorkerConfig(max_batch=8))
+    sched.store.create_job("digits-text", PARAMS, [0] * 4, list(range(4)), prompts=["a seven"] * 4)
+    sched.reconcile()
+    assert ray.requests[-1] == [{"GPU": 1.0, "accelerator_type:H100": 0.001}]
+    assert ray.selectors[-1] == [{"gpu": "h100"}] and sched.workers == {}  # node a may not hold it
+    ray.add_gpu_node("b", gpus=1, labels={"gpu": "h100"}, **{"accelerator_type:H100": 1.0})
+    sched.reconcile()
+    (w,) = sched.workers.values()
+    assert w.plan.node_id == "b" * 56 and w.models == [] and w.loading == ["digits-text"]
+    assert ray.started[-1][0]["resources"] == {"accelerator_type:H100": 0.001}
+    assert w.pinned == {"accelerator_type:H100": 0.001}
+    sched.store.create_job("digits", PARAMS, [1] * 4, list(range(4)))
+    sched.reconcile()
+    on_a = [x for x in sched.workers.values() if x.plan.node_id == "a" * 56]
+    assert len(on_a) == 1 and on_a[0].loading == ["digits"] and "resources" not in ray.started[-1][0]
+    _ready(sched, models=())
+    for x in sched.workers.values():  # both idle now: nothing queued for what they serve
+        x.models = ["digits"]
+        x.loading = []
+    for job in sched.store.list_jobs(10, 0)[0]:
+        sched.store.cancel_job(job.id)
+    sched.store.create_job("digits-text", PARAMS, [0] * 40, list(range(40)), prompts=["a seven"] * 40)
+    sched.reconcile()
+    sched.reconcile()
+    switched = [h for m, h, _ in ray.calls if m == "load"]
+    assert switched and all(h is w.handle for h in switched)  # b's worker, never a's
+
+    off = _scheduler(tmp_path / "off", auto.model_copy(update={"enabled": False}), WorkerConfig(max_batch=8))
+    off.reconcile()
+    held = {x.plan.node_id[0]: x.loading for x in off.workers.values()}
+    assert held == {"a": ["digits"], "b": ["digits", "digits-text"]}  # node a: 2 slots, both digits only
+    assert len(off.workers) == 3
+
+
+def test_placement_is_configured_per_served_model_and_checked(tmp_path):
+    path = tmp_path / "a.toml"
+    path.write_text('[autoscale]\nenabled = true\n[autoscale.placement]\n'
+                    '"digits-text" = {labels = {gpu = "h100"}, resources = {"accelerator_type:H100" = 0.001}}\n')
+    pin = load_config(path).autoscale.placement["digits-text"]
+    assert pin.labels == {"gpu": "h100"} and pin.resources == {"accelerator_type:H100": 0.001}
+    for text, words in [
+        ('[autoscale.placement]\nflux = {labels = {gpu = "h100"}}\n', "autoscale.placement names 'flux'"),
+        ('[autoscale.placement]\ndigits = {labels = {gpu = "in(h100,h200)"}}\n', "operators such as in"),
+        ('[autoscale.placement]\ndigits = {resources = {GPU = 1}}\n', "pin a model by a custom resource"),
+        ('[autoscale.placement]\ndigits = {resources = {h100 = 0}}\n', "must be more than 0"),
+        ('[autoscale.placement]\ndigits = {zone = "x"}\n', "Extra inputs are not permitted"),
+        ('[workers]\nresource = "CPU"\n[autoscale.placement]\ndigits = {labels = {gpu = "h100"}}\n',
+         "CPU workers are not placed on nodes"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=words):
+            load_config(path)
