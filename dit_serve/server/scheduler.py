@@ -468,8 +468,11 @@ class Scheduler:
         try:
             value = ray.get(ref)
         except ray.exceptions.RayError as e:
-            self._drop(w, f"{'failed to start' if starting else 'died'}: {type(e).__name__}: {_first_line(e)}",
-                       "crash", failed_start=starting)
+            if _node_left(w, e):  # removed by the autoscaler, preempted, lost: not the worker's doing
+                self._drop(w, f"its node left the cluster ({type(e).__name__})", "infra")
+            else:
+                self._drop(w, f"{'failed to start' if starting else 'died'}: {type(e).__name__}: {_first_line(e)}",
+                           "crash", failed_start=starting)
             return
         if starting:
             w.ready_ref, w.models, self._fill_now = None, list(value["models"]), True
@@ -694,6 +697,21 @@ def _replied(w: _Worker, wake: threading.Event) -> None:
     """A poll's answer arrived (Ray's callback thread): stamp it for the sub-phases and wake the loop."""
     w.reply_at = time.time()
     wake.set()
+
+
+def _node_left(w: _Worker, e: BaseException) -> bool:
+    """Whether ``w`` died with its node: the node was preempted (Ray says so) or is no longer alive. Such a
+    death is an infrastructure failure, as a node seen gone at a reconcile is, not a crash of its items."""
+    import ray
+
+    if getattr(e, "preempted", False):
+        return True
+    if w.plan is None or w.plan.node_id is None:  # CPU workers: placed by Ray, on any node
+        return False
+    try:
+        return not any(n["NodeID"] == w.plan.node_id and n.get("Alive") for n in ray.nodes())
+    except Exception:  # the cluster cannot be asked now: as before, a crash
+        return False
 
 
 def _first_line(e: BaseException) -> str:

@@ -638,3 +638,34 @@ def test_placement_is_configured_per_served_model_and_checked(tmp_path):
         path.write_text(text)
         with pytest.raises(ConfigError, match=words):
             load_config(path)
+
+
+def test_a_worker_that_dies_with_its_node_returns_its_items_uncharged(tmp_path, monkeypatch):
+    """A worker's poll fails: if its node is gone from the cluster (the autoscaler removed it, it was preempted)
+    its items go back as an infrastructure failure (a requeue, no crash); if the node is alive, as a crash."""
+    import ray as ray_mod
+
+    ray = _FakeRay(monkeypatch)
+    ray.add_gpu_node("a")
+    ray.add_gpu_node("b")
+    sched = _scheduler(tmp_path, AutoscaleConfig(enabled=True, max_workers=2, target_drain_s=1, default_rate=100))
+    job = sched.store.create_job("digits", PARAMS, [1] * 16, list(range(16)))
+    sched.reconcile()
+    _ready(sched)
+    for w in sched.workers.values():
+        sched._fill(w, expect=True)
+    on = {w.plan.node_id[0]: w for w in sched.workers.values()}
+    assert len(on["a"].leases) == len(on["b"].leases) == 8
+
+    def died(ref):
+        raise ray_mod.exceptions.ActorDiedError()
+
+    monkeypatch.setattr(ray_mod, "get", died)
+    ray.nodes[1]["Alive"] = False  # node a went; b is alive
+    sched._receive(on["a"], object())
+    sched._receive(on["b"], object())
+    items = {it.index: it for it in sched.store.get_job(job).items}
+    assert all(it.state == "queued" and it.requeues == 1 for it in items.values())
+    assert sorted(it.crashes for it in items.values()) == [0] * 8 + [1] * 8
+    assert sched.metrics.worker_crashes._value.get() == 1 and sched.workers == {}
+    assert sched.metrics.requeued.labels("infra")._value.get() == 8
