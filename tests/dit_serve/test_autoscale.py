@@ -122,6 +122,13 @@ def test_the_store_reports_the_steps_left_per_model(any_store):
                                "digits-text": {"queued": 2, "running": 0, "steps": 20}}
     assert store.commit_result(ls, b"png")
     assert Backlog.of(store.backlog())["digits"] == Backlog(queued=2, running=0, steps=40)
+    # a lease that expired (its scheduler died): the item waits for a worker again, its whole plan left
+    (gone,) = store.lease("dead", ["digits"], 1, ttl=30)
+    gone.step = 12
+    store.heartbeat([gone], ttl=-1.0)
+    assert Backlog.of(store.backlog())["digits"] == Backlog(queued=2, running=0, steps=40)
+    assert len(store.lease("next", ["digits"], 2, ttl=30)) == 2  # it is leasable, as the backlog says
+    assert Backlog.of(store.backlog())["digits"] == Backlog(queued=0, running=2, steps=40)
 
 
 def test_autoscaling_is_off_by_default_and_a_bad_section_says_what_is_wrong(tmp_path):
