@@ -663,7 +663,7 @@ class Scheduler:
 
 def card_rates(specs: dict[str, str], cfg: WorkerConfig) -> dict[str, float]:
     """Per served model (name -> its ``[workers] models`` entry), the rate its card gives one GPU worker
-    (``workers.families.rates``), where it gives one. None for CPU workers: the figures are a GPU's."""
+    (``workers.families.rates``), where it gives one; nothing for CPU workers (the figures are a GPU's)."""
     if cfg.resource == "CPU" or cfg.device.startswith("cpu"):
         return {}
     from workers.families.rates import estimate
