@@ -2,17 +2,24 @@
 
 A synthetic day (seeded): interactive jobs from 08:00 to 20:00, a steady trickle with bursts (``--bursts`` of
 ten minutes at ``--burst-factor`` times the rate), and a large batch at 01:00 (``--night-jobs`` jobs of
-``--night-images`` images of the second model). It is replayed in simulated time through the policy the
-scheduler runs (``dit_serve.server.autoscale``: ``demand`` and ``place``, every ``--reconcile-s``), with each
-model's rate, a new node's start and a model switch as parameters, and beside it through a fixed fleet: one
-worker per GPU (``--gpus``), always on, each serving every model (the service without [autoscale]).
+``--night-images`` images of the last model). It is replayed in simulated time through the policy the
+scheduler runs (``dit_serve.server.autoscale``: ``demand`` and ``place``, every ``--reconcile-s``), and beside
+it through a fixed fleet: one worker per GPU (``--gpus``), always on, each serving every model (the service
+without [autoscale]).
+
+The models' figures are measured ones (``FIGURES``, each citing its report under docs/benchmarks): a worker's
+rate at a full batch (``workers.families.rates.MEASURED``, the figures autoscaling itself starts from), one
+image's speed alone, and a model's load and warm-up on a worker. Where a figure was not measured (FLUX.1-dev's
+load) it is a parameter (``--load-s``), and so is a new node's boot (``--node-boot-s``: a cloud VM's, typically
+2 to 5 minutes). A new worker serves after the node's boot, the worker's start (``WORKER_START_S``) and its first
+model's load and warm-up; a worker switched to a model serves it after that model's load and warm-up.
 
 What a worker does in the simulation: it holds up to ``--inflight`` items of the models it serves (the
 queue's oldest first) and advances them together, each at min(its model's one-image speed, rate / items held)
-image-steps a second: a fuller batch steps more images a second, up to the model's rate. A new worker serves
-after ``--start-s`` (a node's boot and the worker's start), a switched one after ``--switch-s``. A node is
-counted from its launch until ``--node-release-s`` (Ray's node idle timeout) after its worker stopped. Not
-modelled: a model's start on several sizes, requeues after failures, several workers per node.
+image-steps a second: a fuller batch steps more images a second, up to the model's rate. A node is counted
+from its launch until ``--node-release-s`` (Ray's node idle timeout) after its worker stopped. Not modelled: a
+model's start on several sizes, requeues after failures, several workers per node, a worker serving its first
+model while it loads the others.
 
 Reports, for each (target_drain_s, idle_timeout_s, min_workers), with one model per worker (``[autoscale]
 memory_gib = 0``: a worker switches to serve the other) and with the models together on each worker (their
@@ -40,17 +47,56 @@ import harness  # noqa: E402
 
 from dit_serve.server.autoscale import Backlog, Costs, Rates, WorkerState, demand, place  # noqa: E402
 from dit_serve.server.config import AutoscaleConfig  # noqa: E402
+from workers.families.rates import MEASURED  # noqa: E402
 
 DAY_S = 86400.0
 
 
 @dataclass(frozen=True)
+class Figures:
+    """A model as the simulation runs it: measured figures, and where they come from."""
+
+    steps: int              # a job's denoising steps (its card's default)
+    rate: float             # image-steps per second of one worker at a full batch
+    single: float           # image-steps per second of one image alone
+    load_s: float | None    # loading it on a worker; None: not measured (--load-s)
+    warmup_s: float         # capturing (and compiling) its steps once loaded
+    source: str
+
+
+FIGURES = {
+    "dit-xl-2-256": Figures(
+        50, MEASURED["dit-xl-2-256"].rate, 50 / 0.162608, 9.56, 1.95,
+        "rate: an H100's 15.075 images/s of 50 steps, 128 images 64 at a time; alone: an H100's one image of 50 "
+        "steps in 162.6 ms end to end (docs/benchmarks/parity.md, speed default); load 9.56 s and graph warm-up "
+        "1.95 s: an H200's (docs/benchmarks/kernels.md)"),
+    "flux-dev-1024": Figures(
+        28, MEASURED["flux-dev-1024"].rate, MEASURED["flux-dev-1024"].rate, None, 15.68,
+        "rate and alone: an H100's step of one image in 128.6 ms at speed fast (docs/benchmarks/parity.md; the "
+        "step is bound by arithmetic, so a batch steps no image faster); warm-up 15.68 s, its steps compiled by "
+        "blocks: an H200's (docs/benchmarks/kernels_flux1024_tables.md); load: not measured"),
+}
+WORKER_START_S = 15.0  # a worker's process and Ray's start of it: about 15 s on an H200 (docs/reliability.md,
+                       # "Measured": a killed worker back with the tiny digits model)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
-    steps: int         # a job's denoising steps
-    rate: float        # image-steps per second of one worker at a full batch
-    single: float      # image-steps per second of one image alone
+    figures: Figures
     share: float       # of the daytime jobs
+
+    @property
+    def steps(self) -> int:
+        return self.figures.steps
+
+    @property
+    def rate(self) -> float:
+        return self.figures.rate
+
+    @property
+    def single(self) -> float:
+        return self.figures.single
 
 
 @dataclass
@@ -116,6 +162,9 @@ class Sim:
         self.workers: list[Worker] = []
         self.starts = self.switches = 0
         self.rates = Rates({m.name: m.rate for m in models})
+        self.switch_s = {m.name: (args.load_s if m.figures.load_s is None else m.figures.load_s) + m.figures.warmup_s
+                         for m in models}
+        self.start_s = {m: args.node_boot_s + WORKER_START_S + s for m, s in self.switch_s.items()}
         self.fits = (lambda ms: True) if policy is not None and policy.memory_gib > 0 else (lambda ms: len(ms) <= 1)
 
     def run(self) -> dict:
@@ -216,16 +265,17 @@ class Sim:
                 w.idle_since = t
         states = [WorkerState(str(w.key), tuple(w.models), w.idle_since is not None,
                               t - w.idle_since if w.idle_since is not None else 0.0) for w in live]
-        plan = place(d, backlog, states, max(0, cfg.max_workers - len(live)),
-                     Costs(self.args.start_s, {}, self.args.switch_s), cfg, self.models, self.fits)
+        # the costs as the scheduler knows them: a start's on average (it measures one figure), a switch's per model
+        costs = Costs(sum(self.start_s.values()) / len(self.start_s), self.switch_s)
+        plan = place(d, backlog, states, max(0, cfg.max_workers - len(live)), costs, cfg, self.models, self.fits)
         by_key = {str(w.key): w for w in live}
         for key, model, unload in plan.switch:
             w = by_key[key]
             w.models = [m for m in w.models if m not in unload] + [model]
-            w.serves_at, w.idle_since = t + self.args.switch_s, None
+            w.serves_at, w.idle_since = t + self.switch_s[model], None
             self.switches += 1
         for models in plan.start:
-            self.workers.append(Worker(len(self.workers), list(models), t, t + self.args.start_s))
+            self.workers.append(Worker(len(self.workers), list(models), t, t + self.start_s[models[0]]))
             self.starts += 1
         for w in live:
             if w.idle_since is not None and t - w.idle_since >= cfg.idle_timeout_s \
@@ -240,15 +290,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hours", type=float, default=24.0)
     p.add_argument("--gpus", type=int, default=8, help="the cluster's GPUs: the fixed fleet, and max_workers")
-    p.add_argument("--models", nargs="+", default=["dit-xl-2-256:50:1000:400:0.7", "pixart-sigma-1024:20:60:28:0.3"],
-                   help="name:steps:rate:single:share (rates in image-steps per second of one worker)")
+    p.add_argument("--models", nargs="+", default=["dit-xl-2-256:0.7", "flux-dev-1024:0.3"],
+                   help=f"name:share of the daytime jobs, the names among {', '.join(FIGURES)} (their figures: "
+                        "FIGURES); the last one's is the night batch")
     p.add_argument("--jobs-per-hour", type=float, default=30.0, help="daytime jobs outside bursts")
     p.add_argument("--bursts", type=int, default=12, help="ten-minute bursts between 08:00 and 20:00")
     p.add_argument("--burst-factor", type=float, default=10.0)
-    p.add_argument("--night-jobs", type=int, default=40, help="jobs of the batch at 01:00 (the last model's)")
+    p.add_argument("--night-jobs", type=int, default=10, help="jobs of the batch at 01:00 (the last model's)")
     p.add_argument("--night-images", type=int, default=1000)
-    p.add_argument("--start-s", type=float, default=180.0, help="a new node's boot and its worker's start")
-    p.add_argument("--switch-s", type=float, default=40.0, help="an idle worker's switch to another model")
+    p.add_argument("--node-boot-s", type=float, default=180.0, help="a new node's boot until Ray runs on it "
+                                                                    "(not measured here: a cloud VM's)")
+    p.add_argument("--load-s", type=float, default=60.0, help="a model's load where FIGURES has none measured")
     p.add_argument("--node-release-s", type=float, default=60.0, help="Ray's idle timeout of a node after its "
                                                                      "worker stopped")
     p.add_argument("--inflight", type=int, default=64, help="items one worker holds at once")
@@ -263,8 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         args.min_workers = [0]
     models = []
     for text in args.models:
-        name, steps, rate, single, share = text.split(":")
-        models.append(ModelSpec(name, int(steps), float(rate), float(single), float(share)))
+        name, share = text.rsplit(":", 1)
+        if name not in FIGURES:
+            p.error(f"--models: no measured figures for {name!r} (FIGURES has {', '.join(FIGURES)})")
+        models.append(ModelSpec(name, FIGURES[name], float(share)))
     jobs = trace(models, args, args.seed)
 
     fixed = Sim(models, jobs, args, None).run()
@@ -284,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"idle_timeout_s {idle:g}: {r}", flush=True)
 
     params = {k: v for k, v in vars(args).items() if k not in ("out", "smoke")}
+    params["figures"] = {m.name: {**vars(m.figures), "share": m.share} for m in models}
     result = {"environment": harness.environment("cpu"), "params": params, "rows": rows,
               "trace": {"jobs": len(jobs), "night_jobs": sum(j.night for j in jobs),
                         "images": sum(j.images for j in jobs)}}
@@ -295,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _markdown(result: dict, models: list[ModelSpec], args) -> str:
     rows, base = result["rows"], result["rows"][0]["gpu_hours"]
+    sim = Sim(models, [], args, None)  # the costs it ran with
+    figures = [[m.name, m.steps, f"{m.rate:.4g}", f"{m.single:.4g}",
+                f"{m.figures.load_s:g}" if m.figures.load_s is not None else f"{args.load_s:g} (assumed)",
+                f"{m.figures.warmup_s:g}", f"{sim.switch_s[m.name]:g}", f"{sim.start_s[m.name]:g}", f"{m.share:.0%}",
+                m.figures.source] for m in models]
     lines = ["# Autoscaling over a simulated day: GPU-hours against job latency", "",
              "`bench/autoscale_sim.py` replays one synthetic day through the scheduler's autoscaling policy "
              "(`dit_serve.server.autoscale`: `demand` and `place`) in simulated time, and through a fixed fleet "
@@ -303,14 +363,19 @@ def _markdown(result: dict, models: list[ModelSpec], args) -> str:
              f"Trace (seed {args.seed}): {result['trace']['jobs'] - result['trace']['night_jobs']} daytime jobs "
              f"(08:00-20:00, {args.jobs_per_hour:g} an hour, {args.bursts} ten-minute bursts at "
              f"{args.burst_factor:g}x; 1-256 images each), and {args.night_jobs} jobs of {args.night_images} images "
-             f"of {models[-1].name} at 01:00; {result['trace']['images']} images in all. Models "
-             "(steps, rate of one worker at a full batch, one image's speed, share of the daytime jobs): "
-             + "; ".join(f"{m.name} {m.steps} steps, {m.rate:g} image-steps/s, {m.single:g} alone, {m.share:.0%}"
-                         for m in models) + ". "
-             f"A new node serves {args.start_s:g} s after its launch, a switch takes {args.switch_s:g} s, a node "
-             f"goes {args.node_release_s:g} s after its worker stopped; {args.gpus} GPUs at most. Models per worker: "
-             "`one` (`[autoscale] memory_gib = 0`: a worker switches to serve the other model) or `all` (their "
-             "weights fit one GPU together: a new worker loads both).", "",
+             f"of {models[-1].name} at 01:00; {result['trace']['images']} images in all; {args.gpus} GPUs at most.",
+             "",
+             "The models' figures are measured ones, from the reports named beside them (`FIGURES` in the script; "
+             "the rates are `workers/families/rates.py`'s, which autoscaling starts from before its workers measure "
+             "a model). A switch to a model costs its load and warm-up; a new worker serves after the node's boot "
+             f"({args.node_boot_s:g} s, a parameter: a cloud VM's, not measured here), the worker's start "
+             f"({WORKER_START_S:g} s, an H200's, docs/reliability.md) and its first model's load and warm-up. A node "
+             f"goes {args.node_release_s:g} s after its worker stopped (Ray's idle timeout, a parameter). Models per "
+             "worker: `one` (`[autoscale] memory_gib = 0`: a worker switches to serve the other model) or `all` "
+             "(their weights fit one 80 GB GPU together: a new worker loads both).", "",
+             *harness.table(["model", "steps", "image-steps/s, full batch", "image-steps/s, alone", "load s",
+                             "warm-up s", "switch s", "start s", "share of day jobs", "from"], figures),
+             "",
              *harness.table(["system", "models per worker", "min_workers", "target_drain_s", "idle_timeout_s",
                              "GPU-hours", "of always-on", "day p50 (s)", "day p95 (s)", "night batch done (min)",
                              "node starts", "switches"],

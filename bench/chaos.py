@@ -2,7 +2,8 @@
 
 Each subcommand starts `dit-serve serve` as a subprocess (its own session, a fresh data folder, a free
 port), drives it over HTTP, writes docs/benchmarks/chaos_<name>.json (hardware, versions, the command
-line; `_smoke` is added to the name for --smoke) and prints a table. Exit status 1 if a check failed.
+line; `_smoke` is added to the name for --smoke, whose reports go to a temporary folder unless --out names
+one) and prints a table. Exit status 1 if a check failed.
 
   worker-kill  one job of N images (labels 0..9 cycling, item i with seed i); the worker actor process
                (`ray::Worker`, a descendant of this serve) gets SIGKILL K times, each time once a new
@@ -20,11 +21,18 @@ line; `_smoke` is added to the name for --smoke) and prints a table. Exit status
                images from client threads, 429s not retried: status codes, Retry-After on every 429,
                queue depth over time (bounded by [limits] max_queued_items), RSS of serve and its children.
 
+--autoscale (worker-kill, serve-kill; the report's name gets `_autoscale`): the service runs with [autoscale]
+on from no worker (min_workers 0, up to --autoscale-workers: CPU workers on a machine without CUDA, else one per
+GPU): the job is submitted first and its backlog starts the workers; a killed worker is replaced because the
+backlog still asks for it; after the job, the idle workers must stop (scale to zero within --idle-timeout and
+a minute).
+
     python bench/chaos.py worker-kill --images 500 --kills 20 [--model dit-xl-2-256] [--exact]
     python bench/chaos.py serve-kill --images 500 --kills 10
     python bench/chaos.py fuzz --cases 2000
     python bench/chaos.py overload --minutes 10 --factor 2
     python bench/chaos.py all --smoke       # each at a tiny size on a CPU (20 images, 2 kills, 50 cases, 20 s)
+    python bench/chaos.py all --smoke --autoscale   # worker-kill and serve-kill with [autoscale] on
 """
 
 from __future__ import annotations
@@ -232,6 +240,40 @@ def stop_serve(s: Served, timeout: float = 90.0) -> dict:
     return {"exit_code": code, "left_running": [p.title for p in left]}
 
 
+def write_config(path: Path, args, text: str = "") -> Path | None:
+    """The serve's config file: ``text``, and with --autoscale the [autoscale] section; None when empty."""
+    if args.autoscale:
+        import torch
+
+        if not torch.cuda.is_available():  # no GPU node to wait for: the workers are CPU slots
+            text += f'[workers]\nresource = "CPU"\ncpu_workers = {args.autoscale_workers}\n'
+        # the default rate (100 image-steps/s) over 5 s: the job's backlog asks for every worker allowed
+        text += (f"[autoscale]\nenabled = true\nmin_workers = 0\nmax_workers = {args.autoscale_workers}\n"
+                 f"idle_timeout_s = {args.idle_timeout}\ntarget_drain_s = 5\n")
+    if not text:
+        return None
+    path.write_text(text)
+    return path
+
+
+def wait_scaled_to_zero(s: Served, args) -> dict:
+    """After the job, with --autoscale: until no worker is ready or running (/healthz, the worker processes),
+    within the idle timeout and a minute."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < args.idle_timeout + 60:
+        if ((health(s.url) or {}).get("workers") or 0) == 0 and not worker_procs(s.proc.pid):
+            return {"ok": True, "s": round(time.monotonic() - t0, 1)}
+        time.sleep(0.5)
+    return {"ok": False, "s": None}
+
+
+def autoscale_checks(result: dict, scaled: dict | None) -> None:
+    """With --autoscale: the idle workers stopped after the job."""
+    if scaled is not None:
+        result["summary"]["scaled to zero after the job (s)"] = scaled["s"]
+        result["checks"]["idle workers stopped (scale to zero)"] = scaled["ok"]
+
+
 # -- HTTP --------------------------------------------------------------------------------------------
 def health(url: str) -> dict | None:
     try:
@@ -323,13 +365,21 @@ def kill_worker(s: Served, job_id: str, workers: int, rng: random.Random, max_de
 
 
 def run_worker_kill(args, tmp: Path) -> dict:
-    s = start_serve(tmp / "data", tmp / "serve.log", models=[args.model] if args.model else [])
+    config = write_config(tmp / "dit-serve.toml", args)
+    s = start_serve(tmp / "data", tmp / "serve.log", config=config, models=[args.model] if args.model else [])
+    scaled = None
     try:
-        wait_ready(s)
-        workers = len(worker_procs(s.proc.pid))  # one per GPU: all started together, so alive by now
-        wait_ready(s, workers)
-        t0 = time.monotonic()
-        job_id = submit_job(s.url, args, key=f"chaos-{secrets.token_hex(8)}")
+        if args.autoscale:  # no worker until the job's backlog asks for them; kills need one back, not all
+            t0 = time.monotonic()
+            job_id = submit_job(s.url, args, key=f"chaos-{secrets.token_hex(8)}")
+            wait_ready(s)
+            workers = 1
+        else:
+            wait_ready(s)
+            workers = len(worker_procs(s.proc.pid))  # one per GPU: all started together, so alive by now
+            wait_ready(s, workers)
+            t0 = time.monotonic()
+            job_id = submit_job(s.url, args, key=f"chaos-{secrets.token_hex(8)}")
         rng, kills = random.Random(args.seed), []
         while len(kills) < args.kills and (k := kill_worker(s, job_id, workers, rng, args.max_delay)) is not None:
             kills.append({"t_s": round(time.monotonic() - t0, 2), **k})
@@ -337,9 +387,11 @@ def run_worker_kill(args, tmp: Path) -> dict:
         job = wait_job(lambda: s.url, job_id, args.timeout)
         elapsed = time.monotonic() - t0
         commits = metrics(s.url)
+        scaled = wait_scaled_to_zero(s, args) if args.autoscale else None
     finally:
         stopped = stop_serve(s)
     result = kill_result(check_job(job, tmp / "data", args), kills, args.kills, elapsed, stopped)
+    autoscale_checks(result, scaled)
     done_commits = commits.get('dit_serve_items_total{state="done"}', 0)
     result["checks"]["one commit per done item (metrics)"] = done_commits == result["summary"]["done"]
     result["details"]["counters"] = commits
@@ -347,13 +399,13 @@ def run_worker_kill(args, tmp: Path) -> dict:
 
 
 def run_serve_kill(args, tmp: Path) -> dict:
-    config = tmp / "dit-serve.toml"
-    config.write_text(f"[store]\nlease_seconds = {args.lease_seconds}\n")
+    config = write_config(tmp / "dit-serve.toml", args, f"[store]\nlease_seconds = {args.lease_seconds}\n")
     models, data, log = [args.model] if args.model else [], tmp / "data", tmp / "serve.log"
     s = start_serve(data, log, config=config, models=models)
-    rng, kills = random.Random(args.seed), []
+    rng, kills, scaled = random.Random(args.seed), [], None
     try:
-        wait_ready(s)
+        if not args.autoscale:  # with it, the job's backlog starts the workers
+            wait_ready(s)
         t0 = time.monotonic()
         job_id = submit_job(s.url, args, key=f"chaos-{secrets.token_hex(8)}")  # the only submission
         while len(kills) < args.kills and wait_progress(lambda: s.url, job_id) is not None:
@@ -362,13 +414,15 @@ def run_serve_kill(args, tmp: Path) -> dict:
             print(f"chaos: kill {len(kills)}/{args.kills} at {kills[-1]['t_s']} s", file=sys.stderr, flush=True)
             t1 = time.monotonic()
             s = restart(data, log, config, models, port=int(s.url.rsplit(":", 1)[1]))
-            wait_ready(s)
+            wait_ready(s)  # with --autoscale, once the dead process's leases expired and queued its items again
             kills[-1]["restart_s"] = round(time.monotonic() - t1, 2)
         job = wait_job(lambda: s.url, job_id, args.timeout)
         elapsed = time.monotonic() - t0
+        scaled = wait_scaled_to_zero(s, args) if args.autoscale else None
     finally:
         stopped = stop_serve(s)
     result = kill_result(check_job(job, data, args), kills, args.kills, elapsed, stopped)
+    autoscale_checks(result, scaled)
     leaked = [len(k["leaked"]) for k in kills]
     result["summary"]["leaked per kill"] = leaked
     result["checks"]["nothing leaked after SIGKILL"] = not any(leaked)
@@ -778,6 +832,7 @@ def format_table(report: dict) -> str:
 
 
 RUNS = {"worker-kill": run_worker_kill, "serve-kill": run_serve_kill, "fuzz": run_fuzz, "overload": run_overload}
+AUTOSCALED = ("worker-kill", "serve-kill")  # the runs --autoscale applies to
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -803,7 +858,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-s", type=float, default=2.0, help="overload: queue depth sampling period")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill moments, fuzzing and arrivals")
     p.add_argument("--timeout", type=float, default=1800.0, help="longest wait for a job to finish")
-    p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    p.add_argument("--autoscale", action="store_true", help="worker-kill, serve-kill: with [autoscale] on, from no "
+                                                            "worker (the module docstring)")
+    p.add_argument("--autoscale-workers", type=int, default=2, help="--autoscale: [autoscale] max_workers")
+    p.add_argument("--idle-timeout", type=float, default=5.0, help="--autoscale: [autoscale] idle_timeout_s")
+    p.add_argument("--out", type=Path, default=None, help="where the report goes (default docs/benchmarks; "
+                                                          "--smoke: a temporary folder)")
     return p
 
 
@@ -816,17 +876,21 @@ def run_one(name: str, args, info: dict) -> bool:
     with tempfile.TemporaryDirectory(prefix=f"chaos-{name}-") as tmp:
         result = RUNS[name](a, Path(tmp))
     settings = {k: v for k, v in vars(a).items() if k not in ("bench", "out")}
-    report_path = write_report(name, result, a.out, a.smoke, {"hardware": info, "command": shlex.join(
-        ["python", *sys.argv]), "settings": settings})
+    out = a.out or (Path(tempfile.mkdtemp(prefix="chaos-smoke-")) if a.smoke else Path("docs/benchmarks"))
+    report_path = write_report(name + ("-autoscale" if a.autoscale else ""), result, out, a.smoke,
+                               {"hardware": info, "command": shlex.join(["python", *sys.argv]), "settings": settings})
     print(format_table(json.loads(report_path.read_text())), flush=True)
     print(f"  report: {report_path}", flush=True)
     return all(result["checks"].values())
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.autoscale and args.bench not in (*AUTOSCALED, "all"):
+        parser.error(f"--autoscale applies to {' and '.join(AUTOSCALED)} (and `all`, which then runs those)")
     info = hardware()
-    names = list(RUNS) if args.bench == "all" else [args.bench]
+    names = (list(AUTOSCALED) if args.autoscale else list(RUNS)) if args.bench == "all" else [args.bench]
     return 0 if all([run_one(n, args, info) for n in names]) else 1
 
 

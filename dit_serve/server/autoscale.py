@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Collection, Mapping, Sequence
 
-from dit_serve.server.config import AutoscaleConfig
+from dit_serve.server.config import AutoscaleConfig, ModelPlacement
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,8 @@ class Backlog:
 
 class Rates:
     """Image-steps per second that one worker does of each model: measured from the workers' step reports,
-    else the configured rate (``[autoscale] rates``), else ``default_rate``.
+    else the configured rate (``[autoscale] rates``), else the estimate from the model's card (``estimated``:
+    ``workers.families.rates``, for GPU workers), else ``default_rate``.
 
     A measurement is steps done over the seconds spent stepping, from a worker's report in which it ran one
     model only (a step of several models cannot be split between them) and held enough items to step at a
@@ -54,8 +55,8 @@ class Rates:
     covers ``min_busy_s`` of stepping."""
 
     def __init__(self, configured: Mapping[str, float] = {}, default: float = 100.0, memory_s: float = 60.0,
-                 min_busy_s: float = 1.0):
-        self.configured, self.default = dict(configured), default
+                 min_busy_s: float = 1.0, estimated: Mapping[str, float] = {}):
+        self.configured, self.default, self.estimated = dict(configured), default, dict(estimated)
         self.memory_s, self.min_busy_s = memory_s, min_busy_s
         self._seen: dict[str, tuple[float, float]] = {}  # model -> decayed (steps, busy seconds)
 
@@ -72,11 +73,19 @@ class Rates:
 
     def rate(self, model: str) -> float:
         measured = self.measured(model)
-        return measured if measured is not None else self.configured.get(model, self.default)
+        if measured is not None:
+            return measured
+        return self.configured.get(model, self.estimated.get(model, self.default))
+
+    def source(self, model: str) -> str:
+        """Where ``rate(model)`` comes from now: measured, configured, model card or default."""
+        if self.measured(model) is not None:
+            return "measured"
+        return "configured" if model in self.configured else "model card" if model in self.estimated else "default"
 
     @staticmethod
-    def from_config(cfg: AutoscaleConfig) -> "Rates":
-        return Rates(cfg.rates, cfg.default_rate)
+    def from_config(cfg: AutoscaleConfig, estimated: Mapping[str, float] = {}) -> "Rates":
+        return Rates(cfg.rates, cfg.default_rate, estimated=estimated)
 
 
 def workers_for(steps: float, rate: float, target_drain_s: float) -> int:
@@ -146,6 +155,7 @@ class WorkerState:
     models: tuple[str, ...]  # what it serves or loads
     idle: bool = False       # ready, nothing leased, nothing queued for its models, loading nothing
     idle_s: float = 0.0      # for how long
+    allows: frozenset[str] | None = None  # the models it may load (``[autoscale.placement]``); None: any
 
 
 @dataclass(frozen=True)
@@ -163,11 +173,50 @@ class Costs:
 
 @dataclass
 class Placement:
-    """What to do: workers to start (each with its models, the first served first) and idle workers to switch
-    (their key, the model they load, and the models they unload to make room)."""
+    """What to do: workers to start (each with its models, the first served first, on the free slot of the
+    same place in ``slots``) and idle workers to switch (their key, the model they load, and the models they
+    unload to make room)."""
 
     start: list[list[str]] = field(default_factory=list)
     switch: list[tuple[str, str, list[str]]] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # per start, the index of its free slot
+
+
+def pin_allows(pin: ModelPlacement | None, labels: Mapping[str, str], resources: Mapping[str, float]) -> bool:
+    """Whether a worker on a node with ``labels``, with ``resources`` (custom ones) to take, may hold a model
+    pinned by ``pin`` (None: not pinned, anywhere)."""
+    if pin is None:
+        return True
+    return all(labels.get(k) == v for k, v in pin.labels.items()) and \
+        all(resources.get(r, 0.0) >= amount - 1e-9 for r, amount in pin.resources.items())
+
+
+def allowed(models: Sequence[str], pins: Mapping[str, ModelPlacement], labels: Mapping[str, str],
+            resources: Mapping[str, float]) -> frozenset[str]:
+    """Those of ``models`` a worker may hold on a node with ``labels`` and ``resources`` left (``pin_allows``)."""
+    return frozenset(m for m in models if pin_allows(pins.get(m), labels, resources))
+
+
+def reservation(models: Collection[str], pins: Mapping[str, ModelPlacement]) -> dict[str, float]:
+    """The custom resources a worker holding ``models`` takes of its node: of each, the most one of its models'
+    pins names (a pinned resource marks a kind of node; one worker needs it once, whatever it holds)."""
+    out: dict[str, float] = {}
+    for m in models:
+        for r, amount in (pins[m].resources if m in pins else {}).items():
+            out[r] = max(out.get(r, 0.0), amount)
+    return out
+
+
+def bundles(d: Demand, base: Mapping[str, float], pins: Mapping[str, ModelPlacement]) -> list[tuple[dict, dict]]:
+    """What Ray's autoscaler is asked for: one (bundle, label selector) per worker of ``d``. A model's workers ask
+    for ``base`` and its pinned resources, on nodes with its pinned labels; the spare workers (``min_workers``)
+    for ``base`` anywhere."""
+    out = []
+    for m, n in d.workers.items():
+        pin = pins.get(m)
+        bundle = {**base, **(pin.resources if pin else {})}
+        out += [(bundle, dict(pin.labels) if pin else {})] * n
+    return out + [(dict(base), {})] * d.spare
 
 
 def switch_gain(backlog_s: float, serving: int, switch_s: float) -> float:
@@ -182,34 +231,42 @@ def switch_gain(backlog_s: float, serving: int, switch_s: float) -> float:
     return max(0.0, (backlog_s - serving * switch_s) / (serving * (serving + 1)))
 
 
-def place(d: Demand, backlog: Mapping[str, Backlog], workers: list[WorkerState], free_slots: int, costs: Costs,
-          cfg: AutoscaleConfig, models: list[str], fits=lambda models: len(models) <= 1) -> Placement:
+def place(d: Demand, backlog: Mapping[str, Backlog], workers: list[WorkerState],
+          free_slots: int | Sequence[Collection[str]], costs: Costs, cfg: AutoscaleConfig, models: list[str],
+          fits=lambda models: len(models) <= 1) -> Placement:
     """Which workers to start and which idle workers to switch, for the models whose workers (``d.workers``)
     outnumber those serving them, the largest backlog first (only models with queued items, or below their own
     minimum).
 
-    For each worker a model lacks: an idle worker that holds none of it is switched when the switch pays
-    (``switch_gain`` at least ``min_switch_gain_s``, after its cost) and costs no more than starting one; else a
-    new worker starts on a free slot while the total is under ``d.total``; else the model waits (Ray was asked
-    for the nodes). An idle worker whose models would fall below their minimum is not switched. A new worker
-    loads its model and then, while ``fits`` says their weights fit together, the other models with queued
-    items (the largest backlog first), then the rest (it serves the first while it loads the others); spare
-    workers for ``min_workers`` load the models in their order. An idle worker that has room loads the model
-    beside its own instead of unloading them."""
+    For each worker a model lacks: an idle worker that holds none of it, and may (``WorkerState.allows``), is
+    switched when the switch pays (``switch_gain`` at least ``min_switch_gain_s``, after its cost) and costs no
+    more than starting one; else a new worker starts on a free slot that may hold the model while the total is
+    under ``d.total``; else the model waits (Ray was asked for the nodes). An idle worker whose models would
+    fall below their minimum is not switched. A new worker loads its model and then, while ``fits`` says their
+    weights fit together, the other models with queued items (the largest backlog first), then the rest (it
+    serves the first while it loads the others), each one its slot may hold; spare workers for ``min_workers``
+    load the models in their order. An idle worker that has room loads the model beside its own instead of
+    unloading them.
+
+    ``free_slots``: how many free slots there are, each of which may hold any model, or per free slot the
+    models it may hold (``allowed``: the models pinned to nodes, ``[autoscale.placement]``)."""
+    slots = [None] * free_slots if isinstance(free_slots, int) else [frozenset(s) for s in free_slots]
+    may = lambda i, m: slots[i] is None or m in slots[i]  # noqa: E731 (slot i may hold model m)
+    open_slots = list(range(len(slots)))
     serving = {m: sum(m in w.models for w in workers) for m in models}
     floors = cfg.min_workers_per_model
     queued = {m: backlog.get(m, Backlog()).queued for m in models}
     order = sorted(models, key=lambda m: (-d.seconds.get(m, 0.0), models.index(m)))
     idle = sorted((w for w in workers if w.idle), key=lambda w: (-w.idle_s, w.key))
-    out = Placement()
+    out, waiting = Placement(), 0  # waiting: workers models lack that no slot here may hold (Ray was asked)
     # new workers: on free slots, within max_workers, and up to the total beyond the workers that are busy (an
     # idle worker may be switched instead, or time out)
-    starts = max(0, min(free_slots, cfg.max_workers - len(workers), d.total - (len(workers) - len(idle))))
+    starts = max(0, min(len(slots), cfg.max_workers - len(workers), d.total - (len(workers) - len(idle))))
 
-    def extras(first: str) -> list[str]:
+    def extras(first: str, slot: int) -> list[str]:
         chosen = [first]
         for m in [m for m in order if m != first and queued[m]] + [m for m in models if not queued[m]]:
-            if m not in chosen and fits(chosen + [m]):
+            if m not in chosen and may(slot, m) and fits(chosen + [m]):
                 chosen.append(m)
         return chosen
 
@@ -217,11 +274,12 @@ def place(d: Demand, backlog: Mapping[str, Backlog], workers: list[WorkerState],
         lacking = d.workers.get(m, 0) - serving[m]
         if lacking <= 0 or not (queued[m] or serving[m] < floors.get(m, 0)):
             continue
-        for _ in range(lacking):
-            movable = [w for w in idle if m not in w.models
+        for k in range(lacking):
+            movable = [w for w in idle if m not in w.models and (w.allows is None or m in w.allows)
                        and all(serving[x] - 1 >= floors.get(x, 0) or fits(list(w.models) + [m]) for x in w.models)]
             pays = switch_gain(d.seconds.get(m, 0.0), serving[m], costs.switch(m)) >= max(cfg.min_switch_gain_s, 1e-9)
-            if movable and pays and (starts <= 0 or costs.switch(m) <= costs.start_s):
+            slot = next((i for i in open_slots if may(i, m)), None) if starts > 0 else None
+            if movable and pays and (slot is None or costs.switch(m) <= costs.start_s):
                 w = movable[0]
                 idle.remove(w)
                 unload = [] if fits(list(w.models) + [m]) else list(w.models)
@@ -229,18 +287,26 @@ def place(d: Demand, backlog: Mapping[str, Backlog], workers: list[WorkerState],
                 for x in unload:
                     serving[x] -= 1
                 serving[m] += 1
-            elif starts > 0:
-                chosen = extras(m)
+            elif slot is not None:
+                chosen = extras(m, slot)
                 out.start.append(chosen)
+                out.slots.append(slot)
+                open_slots.remove(slot)
                 for x in chosen:
                     serving[x] += 1
                 starts -= 1
             else:
+                waiting += lacking - k
                 break
-    for _ in range(min(starts, d.total - len(workers) - len(out.start))):  # spare workers for min_workers
+    for _ in range(min(starts, d.total - len(workers) - len(out.start) - waiting)):  # spare ones for min_workers
+        slot = next((i for i in open_slots if any(may(i, m) for m in models)), None)
+        if slot is None:
+            break
         chosen: list[str] = []
         for m in models:
-            if fits(chosen + [m]):
+            if may(slot, m) and fits(chosen + [m]):
                 chosen.append(m)
-        out.start.append(chosen or models[:1])
+        out.start.append(chosen or [m for m in models if may(slot, m)][:1])
+        out.slots.append(slot)
+        open_slots.remove(slot)
     return out

@@ -32,6 +32,9 @@ is needed (``dit-serve serve`` alone: local Ray, SQLite under ./dit-serve-data, 
     target_drain_s = 300        # workers per model = ceil(steps left / (rate x target_drain_s))
     idle_timeout_s = 300
 
+    [autoscale.placement]       # models pinned to nodes by Ray node labels or custom resources, e.g.
+                                # "flux-dev-1024" = {labels = {gpu = "h100"}}
+
     [webhooks]                  # jobs with a webhook_url are POSTed to it when they finish
     secret = ""                 # set: deliveries are signed (X-Dit-Serve-Signature: sha256=<hmac>)
     max_attempts = 8            # retried with backoff (2 s, doubling) until a 2xx answer
@@ -44,6 +47,7 @@ Components receive their own section (``StoreConfig``, ``WorkerConfig``...), nev
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -177,6 +181,45 @@ class SchedulerConfig(_Section):
                                                  "strict queue order")
 
 
+LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-_.A-Za-z0-9]{0,61}[A-Za-z0-9])?")
+LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-_.A-Za-z0-9]{0,61}[A-Za-z0-9])?")  # Ray's (Kubernetes') label syntax
+
+
+class ModelPlacement(_Section):
+    """Where a model's workers may run (``[autoscale.placement]``): nodes with these Ray labels, taking these
+    custom resources of them. A worker holding the model starts only on such a node and reserves the resources;
+    an idle worker elsewhere is never switched to it; Ray's autoscaler is asked for bundles that carry both."""
+
+    labels: dict[str, str] = Field(default_factory=dict, description="Ray node labels its node must carry, e.g. "
+                                   "{gpu = \"h100\"} (`ray start --labels`, a KubeRay group's rayStartParams)")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom resources its worker takes of its "
+                                        "node, e.g. {\"accelerator_type:H100\" = 0.001} (Ray's own per-node "
+                                        "resource) or one a node type declares")
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        for key, value in labels.items():
+            if not LABEL_KEY.fullmatch(key):
+                raise ValueError(f"{key!r} is not a Ray label key (letters, digits, '-', '_', '.', an optional "
+                                 "'prefix/')")
+            if not LABEL_VALUE.fullmatch(value):
+                raise ValueError(f"{key} = {value!r}: a label value is letters, digits, '-', '_' and '.', at most "
+                                 "63 (operators such as in(...) are not taken: name one value)")
+        return labels
+
+    @field_validator("resources")
+    @classmethod
+    def _resources(cls, table: dict[str, float]) -> dict[str, float]:
+        for name, value in table.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name!r}: pin a model by a custom resource or a label; a worker's {name} is "
+                                 "[autoscale] bundle's")
+            if not value > 0:
+                raise ValueError(f"{name!r} = {value}: must be more than 0")
+        return table
+
+
 class AutoscaleConfig(_Section):
     """How many workers run, and which models each holds (``dit_serve.server.autoscale``). Off by default: one
     worker per GPU (or the CPU workers), each with every configured model, as the cluster gives them."""
@@ -194,9 +237,11 @@ class AutoscaleConfig(_Section):
     idle_timeout_s: float = Field(300.0, ge=0, description="a worker with nothing leased and no backlog for its "
                                                           "models stops after this long (above the minimums)")
     default_rate: float = Field(100.0, gt=0, description="denoising steps of one image per second that one worker "
-                                                         "does, until measured, for models without a `rates` entry")
+                                                         "does, until measured, for models without a `rates` entry "
+                                                         "or an estimate from their card (GPU workers: "
+                                                         "workers/families/rates.py)")
     rates: dict[str, float] = Field(default_factory=dict, description="per model, the rate until measured "
-                                    "(image-steps per second per worker)")
+                                    "(image-steps per second per worker), over its card's estimate")
     start_cost_s: float = Field(120.0, ge=0, description="a new worker's start (a node, the process, its first "
                                                         "model), until measured")
     switch_cost_s: float = Field(30.0, ge=0, description="an idle worker's switch to another model (unload, "
@@ -211,6 +256,9 @@ class AutoscaleConfig(_Section):
                                                       "nodes the cluster has")
     bundle: dict[str, float] = Field(default_factory=dict, description="what one worker asks Ray for; empty: one "
                                      "unit of [workers] resource (GPU when it is auto), or its num_cpus CPUs")
+    placement: dict[str, ModelPlacement] = Field(default_factory=dict, description="per model, the nodes its "
+                                                 "workers may run on (labels, custom resources); unnamed models "
+                                                 "run anywhere. Honoured with autoscaling off too")
 
     @field_validator("min_workers_per_model")
     @classmethod
@@ -261,10 +309,13 @@ class Config(_Section):
     @model_validator(mode="after")
     def _autoscale_models(self) -> "Config":
         a = self.autoscale
-        for table in ("min_workers_per_model", "max_workers_per_model", "rates"):
+        for table in ("min_workers_per_model", "max_workers_per_model", "rates", "placement"):
             if unknown := sorted(set(getattr(a, table)) - set(self.workers.models)):
                 raise ValueError(f"autoscale.{table} names {', '.join(map(repr, unknown))}, not among the served "
                                  f"models ({', '.join(self.workers.models)})")
+        if a.placement and self.workers.resource == "CPU":
+            raise ValueError("autoscale.placement pins models to nodes, and CPU workers are not placed on nodes (Ray "
+                             "places them): name the nodes' resource as [workers] resource, or drop the pins")
         return self
 
     def worker_config(self) -> WorkerConfig:

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from dit_serve.server.autoscale import Backlog, Costs, Demand, Rates, WorkerState, demand, place
+from dit_serve.server.autoscale import (Backlog, Costs, Demand, Rates, WorkerState, allowed, bundles, demand, place,
+                                        reservation)
 from dit_serve.server.config import AutoscaleConfig, SchedulerConfig
 from dit_serve.server.metrics import Metrics
 from dit_serve.server.store import Lease, Store, WorkerRow, lease_shape
@@ -104,6 +105,7 @@ class _Worker:
     asked_at: float = field(default_factory=time.monotonic)  # when it was started (its start's cost)
     switching: tuple[str, float] | None = None  # (model, monotonic time) it was told to load, until it serves it
     dropping: set[str] = field(default_factory=set)  # models it was told to unload: a late report may still list them
+    pinned: dict[str, float] = field(default_factory=dict)  # custom resources it took for pinned models (placement)
 
     @property
     def name(self) -> str:
@@ -125,8 +127,8 @@ class Scheduler:
         self.store, self.cfg, self.sched = store, workers, config
         # [autoscale]'s per-model tables name models as [workers] models does; the store, by the names they serve as
         self.auto = autoscale.model_copy(update={t: {_name(k): v for k, v in getattr(autoscale, t).items()}
-                                                 for t in ("min_workers_per_model", "max_workers_per_model", "rates")})
-        self.rates = Rates.from_config(self.auto)  # image-steps per second of one worker, per model
+                                                 for t in ("min_workers_per_model", "max_workers_per_model", "rates",
+                                                           "placement")})
         self.lease_seconds = lease_seconds
         self.metrics = metrics or Metrics()
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -140,11 +142,14 @@ class Scheduler:
         # autoscaling ([autoscale]): the workers the backlog asks for, and what Ray's autoscaler was asked for
         self.demand = Demand()
         self.asked: int | None = None  # workers' bundles last requested (None: never)
+        self._asked: list[tuple[dict, dict]] | None = None  # those bundles, with their label selectors
         self._slot_cfg = workers.model_copy(update={"resource": "GPU"}) \
             if autoscale.enabled and workers.resource == "auto" else workers  # no GPU node yet at scale from zero
         self._published: list[WorkerRow] | None = None  # the workers as last written to the store
         self._published_at = 0.0
         self._specs = {_name(spec): spec for spec in workers.models}  # served name -> its [workers] models entry
+        # image-steps per second of one worker, per model: the cards' estimates until the workers measure them
+        self.rates = Rates.from_config(self.auto, card_rates(self._specs, self._slot_cfg) if autoscale.enabled else {})
         self.start_s: float | None = None  # a worker's start until ready, measured (an average)
         self.switch_s: dict[str, float] = {}  # per model, an idle worker's switch to it until it serves it, measured
         self.switches: dict[str, int] = {}  # switches to each model
@@ -193,12 +198,18 @@ class Scheduler:
         if self.auto.enabled:
             self._autoscale(ray.nodes())
         else:
-            wanted = plan_slots(ray.nodes(), self.cfg)
+            nodes = ray.nodes()
+            wanted = plan_slots(nodes, self.cfg)
             for key in [k for k in self.workers if k not in wanted]:
                 self._drop(self.workers[key], "its node left the cluster", "infra")
+            room = self._room(nodes)
             for key, plan in wanted.items():
                 if key not in self.workers and self._backoff.get(key, (0, 0.0))[1] <= time.monotonic():
-                    self._start(key, plan)
+                    models = None  # every model, unless some are pinned to other nodes
+                    if self.auto.placement:
+                        models = [m for m in self._specs if m in self._allowed(plan.node_id, room)]
+                    if models != []:
+                        self._start(key, plan, models, room)
         self.metrics.workers.set(self.num_ready)
         for m in self._specs:
             self.metrics.serving.labels(m).set(sum(w.ready and m in w.models for w in self.workers.values()))
@@ -234,7 +245,7 @@ class Scheduler:
                 holding[m] = holding.get(m, 0) + 1
         self.demand = demand(backlog, self.rates, self.auto, [_name(m) for m in self.cfg.models], holding,
                              self.cfg.inflight())
-        self._ask(self.demand.total)
+        self._ask(bundles(self.demand, self.auto.worker_bundle(self.cfg), self.auto.placement))
         now = time.monotonic()
         for m in self._specs:
             self.metrics.desired.labels(m).set(self.demand.workers.get(m, 0))
@@ -252,18 +263,41 @@ class Scheduler:
         for w in self.workers.values():
             used[w.plan.node_id] = used.get(w.plan.node_id, 0) + 1
         free.sort(key=lambda k: (-used.get(slots[k].node_id, 0), k))
+        room = self._room(nodes)
+        pinned = bool(self.auto.placement)  # else every slot and worker may hold every model
         states = [WorkerState(w.key, tuple(dict.fromkeys(w.models + w.loading)), w.idle_since is not None,
-                              now - w.idle_since if w.idle_since is not None else 0.0) for w in self.workers.values()]
+                              now - w.idle_since if w.idle_since is not None else 0.0,
+                              self._allowed(w.plan.node_id, room, w.pinned) if pinned else None)
+                  for w in self.workers.values()]
         costs = Costs(self.auto.start_cost_s if self.start_s is None else self.start_s, dict(self.switch_s),
                       self.auto.switch_cost_s)
-        placement = place(self.demand, backlog, states, len(free), costs, self.auto, list(self._specs), self._fits)
+        may_hold = [self._allowed(slots[k].node_id, room) for k in free] if pinned else len(free)
+        placement = place(self.demand, backlog, states, may_hold, costs, self.auto, list(self._specs), self._fits)
         for key, model, unload in placement.switch:
             self._switch(self.workers[key], model, unload)
-        for models, key in zip(placement.start, free):
-            self._start(key, slots[key], models)
+        for models, i in zip(placement.start, placement.slots):
+            self._start(free[i], slots[free[i]], models, room)
         for w in list(self.workers.values()):  # idle ones stop (not a crash): their resources go back to Ray
             if w.idle_since is not None and now - w.idle_since >= self.auto.idle_timeout_s and self._may_stop(w):
                 self._retire(w, f"idle for {now - w.idle_since:.0f} s")
+
+    def _room(self, nodes: list[dict]) -> dict[str, tuple[dict, dict]]:
+        """Per alive node: its labels, and its resources less the custom ones this scheduler's workers took there
+        for pinned models (``[autoscale.placement]``)."""
+        room = {n["NodeID"]: (n.get("Labels") or {}, dict(n.get("Resources") or {})) for n in nodes if n.get("Alive")}
+        for w in self.workers.values():
+            if w.plan.node_id in room:
+                for r, amount in w.pinned.items():
+                    room[w.plan.node_id][1][r] = room[w.plan.node_id][1].get(r, 0.0) - amount
+        return room
+
+    def _allowed(self, node_id: str | None, room: dict[str, tuple[dict, dict]],
+                 held: dict[str, float] | None = None) -> frozenset[str]:
+        """The models a worker on ``node_id`` may hold: a new one, with the node's room; a running one, with the
+        resources it ``held`` (it takes no more once started). A slot of no particular node (CPU workers, which
+        Ray places) holds only models pinned nowhere."""
+        labels, free = room.get(node_id, ({}, {})) if node_id is not None else ({}, {})
+        return allowed(list(self._specs), self.auto.placement, labels, free if held is None else held)
 
     def _fits(self, models: list[str]) -> bool:
         """Whether ``models``' weights fit one worker together (``[autoscale] memory_gib``, 85% of it: the rest is
@@ -317,37 +351,52 @@ class Scheduler:
         except Exception:  # already gone
             pass
 
-    def _ask(self, n: int) -> None:
-        """Ask Ray's autoscaler for ``n`` workers' resources (``request_resources``: the cluster is kept big
-        enough for them, idle nodes beyond go); again only when ``n`` changed."""
-        if not self.auto.request_resources or n == self.asked:
+    def _ask(self, wanted: list[tuple[dict, dict]]) -> None:
+        """Ask Ray's autoscaler for the workers' resources (``request_resources``: the cluster is kept big enough
+        for them, idle nodes beyond go): one bundle per worker, with the label selector of a pinned model's
+        (``autoscale.bundles``); again only when they changed."""
+        if not self.auto.request_resources or wanted == self._asked:
             return
         from ray.autoscaler import sdk
 
+        n, shown = len(wanted), sorted({str(b) + (f" on {s}" if s else "") for b, s in wanted})
+        selectors = {"bundle_label_selectors": [s for _, s in wanted]} if any(s for _, s in wanted) else {}
         try:
-            sdk.request_resources(bundles=[self.auto.worker_bundle(self.cfg)] * n)
+            sdk.request_resources(bundles=[b for b, _ in wanted], **selectors)
         except Exception as e:  # a cluster without an autoscaler: the workers fit the nodes it has
             log.warning("could not ask Ray's autoscaler for %d workers: %s: %s", n, type(e).__name__, e)
             return
-        log.info("asked Ray's autoscaler for %d worker%s (%s each)", n, "" if n == 1 else "s",
-                 self.auto.worker_bundle(self.cfg))
-        self.asked = n
+        log.info("asked Ray's autoscaler for %d worker%s (%s)", n, "" if n == 1 else "s", ", ".join(shown) or "none")
+        self.asked, self._asked = n, wanted
         self.metrics.requested.set(n)
 
-    def _start(self, key: str, plan: SlotPlan, models: list[str] | None = None) -> None:
+    def _start(self, key: str, plan: SlotPlan, models: list[str] | None = None,
+               room: dict[str, tuple[dict, dict]] | None = None) -> None:
+        """Start a worker on ``plan``'s slot with ``models`` (None: every model); it takes the custom resources its
+        pinned models name (``reservation``) of ``room``, and does not start where they are no longer free."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        pinned = reservation(models if models is not None else list(self._specs), self.auto.placement)
+        if pinned and room is not None and plan.node_id in room:
+            free = room[plan.node_id][1]
+            if any(free.get(r, 0.0) < amount - 1e-9 for r, amount in pinned.items()):
+                return  # another worker took them this turn: placed again at the next reconcile
+            for r, amount in pinned.items():
+                free[r] -= amount
         opts: dict[str, Any] = {"num_cpus": self.cfg.num_cpus}
         if plan.resource == "GPU":
             opts["num_gpus"] = 1
         elif plan.resource != "CPU":
             opts["resources"] = {plan.resource: 1}
+        if pinned:
+            opts["resources"] = {**opts.get("resources", {}), **pinned}
         if plan.node_id is not None:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(plan.node_id, soft=False)
         cfg = self.cfg if models is None else self.cfg.model_copy(
             update={"models": tuple(self._specs.get(m, m) for m in models)})  # autoscaling's placement
         handle = _actor_class().options(**opts).remote(cfg)
-        self.workers[key] = _Worker(key, plan, handle, handle.info.remote(), loading=[_name(m) for m in cfg.models])
+        self.workers[key] = _Worker(key, plan, handle, handle.info.remote(), loading=[_name(m) for m in cfg.models],
+                                    pinned=pinned)
         log.info("starting worker %s (%s%s)", key, plan.resource, f" on node {plan.node_id[:12]}" if plan.node_id else "")
 
     def _drop(self, w: _Worker, reason: str, kind: str = "crash", failed_start: bool = False) -> None:
@@ -419,8 +468,11 @@ class Scheduler:
         try:
             value = ray.get(ref)
         except ray.exceptions.RayError as e:
-            self._drop(w, f"{'failed to start' if starting else 'died'}: {type(e).__name__}: {_first_line(e)}",
-                       "crash", failed_start=starting)
+            if _node_left(w, e):  # removed by the autoscaler, preempted, lost: not the worker's doing
+                self._drop(w, f"its node left the cluster ({type(e).__name__})", "infra")
+            else:
+                self._drop(w, f"{'failed to start' if starting else 'died'}: {type(e).__name__}: {_first_line(e)}",
+                           "crash", failed_start=starting)
             return
         if starting:
             w.ready_ref, w.models, self._fill_now = None, list(value["models"]), True
@@ -602,11 +654,32 @@ class Scheduler:
                 pass
         self.workers.clear()
         if self.asked:  # the service stops: its nodes are no longer wanted
-            self._ask(0)
+            self._ask([])
         try:
             self.store.put_workers(self.owner, [])
         except Exception:  # the rows age out on their own
             pass
+
+
+def card_rates(specs: dict[str, str], cfg: WorkerConfig) -> dict[str, float]:
+    """Per served model (name -> its ``[workers] models`` entry), the rate its card gives one GPU worker
+    (``workers.families.rates``), where it gives one; nothing for CPU workers (the figures are a GPU's)."""
+    if cfg.resource == "CPU" or cfg.device.startswith("cpu"):
+        return {}
+    from workers.families.rates import estimate
+    from workers.request.cards import read_card
+
+    out = {}
+    for name, spec in specs.items():
+        try:
+            found = estimate(read_card(spec))
+        except Exception:  # an unreadable model: the worker will say what is wrong with it
+            found = None
+        if found is not None:
+            out[name] = found.rate
+            log.info("autoscaling counts %.4g image-steps/s of %s per worker until measured: %s", found.rate, name,
+                     found.source)
+    return out
 
 
 @lru_cache(maxsize=256)
@@ -624,6 +697,21 @@ def _replied(w: _Worker, wake: threading.Event) -> None:
     """A poll's answer arrived (Ray's callback thread): stamp it for the sub-phases and wake the loop."""
     w.reply_at = time.time()
     wake.set()
+
+
+def _node_left(w: _Worker, e: BaseException) -> bool:
+    """Whether ``w`` died with its node: the node was preempted (Ray says so) or is no longer alive. Such a
+    death is an infrastructure failure, as a node seen gone at a reconcile is, not a crash of its items."""
+    import ray
+
+    if getattr(e, "preempted", False):
+        return True
+    if w.plan is None or w.plan.node_id is None:  # CPU workers: placed by Ray, on any node
+        return False
+    try:
+        return not any(n["NodeID"] == w.plan.node_id and n.get("Alive") for n in ray.nodes())
+    except Exception:  # the cluster cannot be asked now: as before, a crash
+        return False
 
 
 def _first_line(e: BaseException) -> str:

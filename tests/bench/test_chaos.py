@@ -166,3 +166,26 @@ def test_memory_is_flat_only_when_the_second_half_trend_is():
     assert chaos.memory_slope(flat) <= chaos.FLAT_MIB_PER_MIN  # warm-up growth in the first half only
     creeping = [{"t_s": float(t), "rss_mb": 1000.0 + t * 0.05} for t in range(0, 601, 10)]  # 3 MiB/min
     assert abs(chaos.memory_slope(creeping) - 3.0) < 1e-6
+
+
+def test_autoscale_runs_the_kill_benches_from_no_worker(tmp_path):
+    """--autoscale: the serve's config turns [autoscale] on from no worker (CPU workers without CUDA), beside what
+    the bench writes itself; the benches it does not apply to refuse it."""
+    import pytest
+    import torch
+
+    from dit_serve.server.config import load_config
+
+    args = chaos.build_parser().parse_args(["serve-kill", "--autoscale", "--autoscale-workers", "3",
+                                            "--idle-timeout", "4"])
+    cfg = load_config(chaos.write_config(tmp_path / "a.toml", args, "[store]\nlease_seconds = 10\n"))
+    a = cfg.autoscale
+    assert (a.enabled, a.min_workers, a.max_workers, a.idle_timeout_s) == (True, 0, 3, 4.0)
+    assert cfg.store.lease_seconds == 10
+    if not torch.cuda.is_available():
+        assert (cfg.workers.resource, cfg.workers.cpu_workers) == ("CPU", 3)
+    assert chaos.write_config(tmp_path / "b.toml", chaos.build_parser().parse_args(["worker-kill"])) is None
+    for bench in ("fuzz", "overload"):
+        with pytest.raises(SystemExit) as e:
+            chaos.main([bench, "--autoscale"])
+        assert e.value.code == 2

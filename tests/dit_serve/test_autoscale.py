@@ -81,6 +81,35 @@ def test_rates_are_measured_from_busy_seconds_then_configured_then_the_default()
     assert rates.rate("b") == 40.0
 
 
+def test_until_measured_a_model_goes_by_its_configured_rate_else_its_cards_estimate_else_the_default(tmp_path):
+    """GPU workers: a built-in's card gives its family's measured figure scaled to it (workers.families.rates);
+    the tiny digits has none (the default); a configured rate is over the card's; a measurement over both. CPU
+    workers take nothing from the cards (their figures are a GPU's)."""
+    from workers.config import WorkerConfig
+    from workers.families.rates import estimate
+    from workers.request.cards import read_card
+
+    models = ("dit-xl-2-512", "pixart-sigma-1024", "digits")
+    auto = AutoscaleConfig(enabled=True, default_rate=7.0)
+    sched = _scheduler(tmp_path, auto, WorkerConfig(models=models))
+    dit, pixart = (estimate(read_card(m)).rate for m in models[:2])
+    assert dit == pytest.approx(753.75 / 4)  # DiT-XL/2 256's 753.75 on an H100, at 4x the pixels
+    assert [sched.rates.rate(m) for m in models] == [dit, pixart, 7.0]
+    assert [sched.rates.source(m) for m in models] == ["model card", "model card", "default"]
+    configured = _scheduler(tmp_path / "c", auto.model_copy(update={"rates": {"dit-xl-2-512": 50.0}}),
+                            WorkerConfig(models=models))
+    assert configured.rates.rate("dit-xl-2-512") == 50.0 and configured.rates.source("dit-xl-2-512") == "configured"
+    configured.rates.observe("dit-xl-2-512", 300, 2.0)
+    assert configured.rates.rate("dit-xl-2-512") == 150.0 and configured.rates.source("dit-xl-2-512") == "measured"
+    for cpu in (WorkerConfig(models=models, resource="CPU"), WorkerConfig(models=models, device="cpu")):
+        assert _scheduler(tmp_path / "cpu", auto, cpu).rates.rate("dit-xl-2-512") == 7.0
+    assert _scheduler(tmp_path / "off", AutoscaleConfig(), WorkerConfig(models=models)).rates.estimated == {}
+    # the demand of a backlog of DiT-XL/2 512 at its estimate: 50 x 50 steps / (188.4 x 10 s) -> 2 workers
+    d = demand({"dit-xl-2-512": Backlog(queued=50, steps=2500)}, sched.rates,
+               auto.model_copy(update={"target_drain_s": 10}), list(models))
+    assert d.workers["dit-xl-2-512"] == 2 and d.seconds["dit-xl-2-512"] == pytest.approx(2500 / dit)
+
+
 def test_the_store_reports_the_steps_left_per_model(any_store):
     store = any_store
     assert store.backlog() == {}
@@ -93,6 +122,13 @@ def test_the_store_reports_the_steps_left_per_model(any_store):
                                "digits-text": {"queued": 2, "running": 0, "steps": 20}}
     assert store.commit_result(ls, b"png")
     assert Backlog.of(store.backlog())["digits"] == Backlog(queued=2, running=0, steps=40)
+    # a lease that expired (its scheduler died): the item waits for a worker again, its whole plan left
+    (gone,) = store.lease("dead", ["digits"], 1, ttl=30)
+    gone.step = 12
+    store.heartbeat([gone], ttl=-1.0)
+    assert Backlog.of(store.backlog())["digits"] == Backlog(queued=2, running=0, steps=40)
+    assert len(store.lease("next", ["digits"], 2, ttl=30)) == 2  # it is leasable, as the backlog says
+    assert Backlog.of(store.backlog())["digits"] == Backlog(queued=0, running=2, steps=40)
 
 
 def test_autoscaling_is_off_by_default_and_a_bad_section_says_what_is_wrong(tmp_path):
@@ -163,12 +199,13 @@ class _FakeRay:
 
         self.nodes: list[dict] = [{"NodeID": "f" * 56, "Alive": True, "Resources": {"CPU": 2.0}}]
         self.requests: list[list[dict]] = []
+        self.selectors: list[list[dict] | None] = []  # each request's bundle_label_selectors (None: not given)
         self.started: list[tuple[dict, object]] = []
         self.killed: list = []
         self.calls: list[tuple[str, object, object]] = []  # (method, actor handle, argument)
         monkeypatch.setattr(ray, "nodes", lambda: self.nodes)
         monkeypatch.setattr(ray, "kill", lambda handle, **_: self.killed.append(handle))
-        monkeypatch.setattr(sdk, "request_resources", lambda bundles=None, num_cpus=None: self.requests.append(bundles))
+        monkeypatch.setattr(sdk, "request_resources", self._request)
         fake = self
 
         class Actor:
@@ -187,8 +224,13 @@ class _FakeRay:
 
         monkeypatch.setattr(sched_mod, "_actor_class", lambda: Actor)
 
-    def add_gpu_node(self, name: str, gpus: int = 1) -> None:
-        self.nodes.append({"NodeID": name * 56, "Alive": True, "Resources": {"CPU": 8.0, "GPU": float(gpus)}})
+    def _request(self, num_cpus=None, bundles=None, bundle_label_selectors=None):
+        self.requests.append(bundles)
+        self.selectors.append(bundle_label_selectors)
+
+    def add_gpu_node(self, name: str, gpus: int = 1, labels: dict | None = None, **resources: float) -> None:
+        self.nodes.append({"NodeID": name * 56, "Alive": True, "Labels": {"ray.io/node-id": name * 56, **(labels or {})},
+                           "Resources": {"CPU": 8.0, "GPU": float(gpus), **resources}})
 
 
 def _scheduler(tmp_path, auto: AutoscaleConfig, workers=None):
@@ -489,3 +531,148 @@ def test_a_draining_scheduler_starts_no_worker(tmp_path, monkeypatch):
     sched.draining = True
     sched.reconcile()
     assert sched.workers == {} and ray.started == []
+
+
+# -- models pinned to nodes ([autoscale.placement]) --------------------------------------------------------
+def _pins(**models):
+    from dit_serve.server.config import ModelPlacement
+
+    return {m: ModelPlacement(**pin) for m, pin in models.items()}
+
+
+def test_a_pinned_model_is_placed_only_where_its_labels_and_resources_are():
+    from dit_serve.server.autoscale import WorkerState, allowed, pin_allows, reservation
+
+    pins = _pins(a={"labels": {"gpu": "h100"}, "resources": {"accelerator_type:H100": 0.001}})
+    assert pin_allows(None, {}, {}) and not pin_allows(pins["a"], {"gpu": "h100"}, {})
+    assert pin_allows(pins["a"], {"gpu": "h100", "zone": "x"}, {"accelerator_type:H100": 1.0})
+    assert not pin_allows(pins["a"], {"gpu": "a100"}, {"accelerator_type:H100": 1.0})
+    h100 = allowed(["a", "b"], pins, {"gpu": "h100"}, {"accelerator_type:H100": 1.0})
+    other = allowed(["a", "b"], pins, {"gpu": "a100"}, {})
+    assert h100 == {"a", "b"} and other == {"b"}
+    assert reservation(["a", "b"], pins) == {"accelerator_type:H100": 0.001} and reservation(["b"], pins) == {}
+    b = {"a": Backlog(queued=4, steps=400)}
+    # free slots in the scheduler's order (the other node first): a's worker starts on the H100 slot
+    p = _place(b, [], free=[other, h100])
+    assert p.start == [["a"]] and p.slots == [1]
+    assert _place(b, [], free=[other, other]).start == []  # no node for it: it waits for the one Ray was asked for
+    # an idle worker on the other node is not switched to a, whatever the switch would gain; one that may is
+    idle_b = WorkerState("w1", ("b",), idle=True, idle_s=5, allows=other)
+    assert _place(b, [idle_b], free=0).switch == []
+    assert _place(b, [idle_b], free=[other, h100]).start == [["a"]]
+    assert _place(b, [WorkerState("w1", ("b",), idle=True, allows=h100)], free=0).switch == [("w1", "a", ["b"])]
+    # a new worker's other models are only those its slot may hold; spare workers load what their slot may
+    two = _place({"a": Backlog(queued=4, steps=400), "b": Backlog(queued=4, steps=400)}, [], free=[other, h100],
+                 fits=lambda ms: True)
+    assert sorted(zip(two.slots, map(tuple, two.start))) == [(0, ("b",)), (1, ("a", "b"))]
+    spare = _place({}, [], free=[other], auto=AutoscaleConfig(enabled=True, min_workers=1))
+    assert spare.start == [["b"]] and spare.slots == [0]
+
+
+def test_ray_is_asked_for_a_pinned_models_workers_with_its_labels_and_resources():
+    from dit_serve.server.autoscale import bundles
+
+    pins = _pins(a={"labels": {"gpu": "h100"}, "resources": {"accelerator_type:H100": 0.001}})
+    d = Demand({"a": 2, "b": 1}, 4)  # 3 for the models, one spare (min_workers 4)
+    assert bundles(d, {"GPU": 1.0}, pins) == [
+        ({"GPU": 1.0, "accelerator_type:H100": 0.001}, {"gpu": "h100"}),
+        ({"GPU": 1.0, "accelerator_type:H100": 0.001}, {"gpu": "h100"}),
+        ({"GPU": 1.0}, {}), ({"GPU": 1.0}, {})]
+    assert bundles(Demand({"a": 0}, 0), {"GPU": 1.0}, pins) == []
+
+
+def test_the_scheduler_starts_a_pinned_models_workers_on_labelled_nodes_only(tmp_path, monkeypatch):
+    """digits-text is pinned to nodes labelled gpu=h100: Ray is asked for its worker with that label selector;
+    node a (no label) gets no worker for it, node b does, and takes Ray's per-node H100 resource; an idle digits
+    worker on node a is never switched to digits-text, one on b may be. With autoscaling off, the worker on node
+    a holds digits only."""
+    from workers.config import WorkerConfig
+
+    ray = _FakeRay(monkeypatch)
+    ray.add_gpu_node("a", gpus=2)
+    auto = AutoscaleConfig(enabled=True, max_workers=2, idle_timeout_s=600, target_drain_s=1, default_rate=100,
+                           placement=_pins(**{"digits-text": {"labels": {"gpu": "h100"},
+                                                              "resources": {"accelerator_type:H100": 0.001}}}))
+    sched = _scheduler(tmp_path, auto, WorkerConfig(max_batch=8))
+    sched.store.create_job("digits-text", PARAMS, [0] * 4, list(range(4)), prompts=["a seven"] * 4)
+    sched.reconcile()
+    assert ray.requests[-1] == [{"GPU": 1.0, "accelerator_type:H100": 0.001}]
+    assert ray.selectors[-1] == [{"gpu": "h100"}] and sched.workers == {}  # node a may not hold it
+    ray.add_gpu_node("b", gpus=1, labels={"gpu": "h100"}, **{"accelerator_type:H100": 1.0})
+    sched.reconcile()
+    (w,) = sched.workers.values()
+    assert w.plan.node_id == "b" * 56 and w.models == [] and w.loading == ["digits-text"]
+    assert ray.started[-1][0]["resources"] == {"accelerator_type:H100": 0.001}
+    assert w.pinned == {"accelerator_type:H100": 0.001}
+    sched.store.create_job("digits", PARAMS, [1] * 4, list(range(4)))
+    sched.reconcile()
+    on_a = [x for x in sched.workers.values() if x.plan.node_id == "a" * 56]
+    assert len(on_a) == 1 and on_a[0].loading == ["digits"] and "resources" not in ray.started[-1][0]
+    _ready(sched, models=())
+    for x in sched.workers.values():  # both idle now: nothing queued for what they serve
+        x.models = ["digits"]
+        x.loading = []
+    for job in sched.store.list_jobs(10, 0)[0]:
+        sched.store.cancel_job(job.id)
+    sched.store.create_job("digits-text", PARAMS, [0] * 40, list(range(40)), prompts=["a seven"] * 40)
+    sched.reconcile()
+    sched.reconcile()
+    switched = [h for m, h, _ in ray.calls if m == "load"]
+    assert switched and all(h is w.handle for h in switched)  # b's worker, never a's
+
+    off = _scheduler(tmp_path / "off", auto.model_copy(update={"enabled": False}), WorkerConfig(max_batch=8))
+    off.reconcile()
+    held = {x.plan.node_id[0]: x.loading for x in off.workers.values()}
+    assert held == {"a": ["digits"], "b": ["digits", "digits-text"]}  # node a: 2 slots, both digits only
+    assert len(off.workers) == 3
+
+
+def test_placement_is_configured_per_served_model_and_checked(tmp_path):
+    path = tmp_path / "a.toml"
+    path.write_text('[autoscale]\nenabled = true\n[autoscale.placement]\n'
+                    '"digits-text" = {labels = {gpu = "h100"}, resources = {"accelerator_type:H100" = 0.001}}\n')
+    pin = load_config(path).autoscale.placement["digits-text"]
+    assert pin.labels == {"gpu": "h100"} and pin.resources == {"accelerator_type:H100": 0.001}
+    for text, words in [
+        ('[autoscale.placement]\nflux = {labels = {gpu = "h100"}}\n', "autoscale.placement names 'flux'"),
+        ('[autoscale.placement]\ndigits = {labels = {gpu = "in(h100,h200)"}}\n', "operators such as in"),
+        ('[autoscale.placement]\ndigits = {resources = {GPU = 1}}\n', "pin a model by a custom resource"),
+        ('[autoscale.placement]\ndigits = {resources = {h100 = 0}}\n', "must be more than 0"),
+        ('[autoscale.placement]\ndigits = {zone = "x"}\n', "Extra inputs are not permitted"),
+        ('[workers]\nresource = "CPU"\n[autoscale.placement]\ndigits = {labels = {gpu = "h100"}}\n',
+         "CPU workers are not placed on nodes"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=words):
+            load_config(path)
+
+
+def test_a_worker_that_dies_with_its_node_returns_its_items_uncharged(tmp_path, monkeypatch):
+    """A worker's poll fails: if its node is gone from the cluster (the autoscaler removed it, it was preempted)
+    its items go back as an infrastructure failure (a requeue, no crash); if the node is alive, as a crash."""
+    import ray as ray_mod
+
+    ray = _FakeRay(monkeypatch)
+    ray.add_gpu_node("a")
+    ray.add_gpu_node("b")
+    sched = _scheduler(tmp_path, AutoscaleConfig(enabled=True, max_workers=2, target_drain_s=1, default_rate=100))
+    job = sched.store.create_job("digits", PARAMS, [1] * 16, list(range(16)))
+    sched.reconcile()
+    _ready(sched)
+    for w in sched.workers.values():
+        sched._fill(w, expect=True)
+    on = {w.plan.node_id[0]: w for w in sched.workers.values()}
+    assert len(on["a"].leases) == len(on["b"].leases) == 8
+
+    def died(ref):
+        raise ray_mod.exceptions.ActorDiedError()
+
+    monkeypatch.setattr(ray_mod, "get", died)
+    ray.nodes[1]["Alive"] = False  # node a went; b is alive
+    sched._receive(on["a"], object())
+    sched._receive(on["b"], object())
+    items = {it.index: it for it in sched.store.get_job(job).items}
+    assert all(it.state == "queued" and it.requeues == 1 for it in items.values())
+    assert sorted(it.crashes for it in items.values()) == [0] * 8 + [1] * 8
+    assert sched.metrics.worker_crashes._value.get() == 1 and sched.workers == {}
+    assert sched.metrics.requeued.labels("infra")._value.get() == 8

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -44,25 +45,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cluster_config(gcs_address: str) -> dict:
+def _cluster_config(gcs_address: str, max_nodes: int = 2) -> dict:
     return {
-        "cluster_name": "dit-serve-fake", "max_workers": 2, "upscaling_speed": 1.0,
+        "cluster_name": "dit-serve-fake", "max_workers": max_nodes, "upscaling_speed": 1.0,
         "idle_timeout_minutes": 0.1,  # a node without work goes after 6 s
         "provider": {"type": "external", "module": PROVIDER, "gcs_address": gcs_address, "use_node_id_as_ip": True,
-                     "disable_node_updaters": True, "disable_launch_config_check": True},
+                     "disable_node_updaters": True, "disable_launch_config_check": True,
+                     "launch_multiple": True},  # the nodes of one launch together (else one an update)
         "available_node_types": {
             "ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "max_workers": 0},
             "ray.worker.dit": {"resources": {"CPU": 1, RESOURCE: 1}, "node_config": {}, "min_workers": 0,
-                               "max_workers": 2}},
+                               "max_workers": max_nodes}},
         "head_node_type": "ray.head.default", "auth": {}, "docker": {}, "file_mounts": {},
         "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": [],
         "initialization_commands": [], "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [],
         "head_start_ray_commands": [], "worker_start_ray_commands": []}
 
 
+@dataclass
+class FakeCluster:
+    address: str
+    config: Path  # the autoscaler's config: it reads the file again at every update
+
+    def set_max_nodes(self, n: int) -> None:
+        """Let the autoscaler keep at most ``n`` worker nodes: beyond them, it terminates nodes through its
+        provider at its next update, busy or not (``max_workers_per_type``)."""
+        self.config.write_text(yaml.safe_dump(_cluster_config(self.address, n)))
+
+
 @pytest.fixture
 def fake_cluster():
-    """The head node with the autoscaler (an update a second), joined by this process; its address."""
+    """The head node with the autoscaler (an update a second), joined by this process."""
     tmp = Path(tempfile.mkdtemp(prefix="dsf-", dir="/tmp"))  # short: Ray's socket paths live under it
     port = _free_port()
     host = "127.0.0.1"
@@ -89,7 +102,7 @@ def fake_cluster():
             except Exception:
                 assert head.poll() is None and time.monotonic() < deadline, (tmp / "head.log").read_text()[-3000:]
                 time.sleep(1.0)
-        yield f"{host}:{port}"
+        yield FakeCluster(f"{host}:{port}", config)
     finally:
         ray.shutdown()
         reaper.kill(reaper.with_descendants(root))  # by process id: this cluster's processes only
@@ -112,7 +125,9 @@ def _worker_nodes() -> set[str]:
 def test_the_real_autoscaler_launches_nodes_for_the_backlog_and_terminates_them_when_idle(fake_cluster, digits_model,
                                                                                           tmp_path):
     """min_workers 0: no worker node until a job comes; the scheduler's request makes the autoscaler launch
-    nodes, workers start on them, every item finishes once (one PNG each, one attempt each), the request goes
+    nodes and workers start on them. Mid-job the autoscaler is allowed one node only, and terminates one of the
+    two, busy, through its provider: the items its worker held go back to the queue uncharged (a requeue, no
+    crash) and finish on the other. Every item finishes once (one PNG each, one commit each), the request goes
     to 0, the idle workers stop and the autoscaler terminates their nodes; a second job scales from zero
     again."""
     cfg = service_config(tmp_path, digits_model,
@@ -123,14 +138,27 @@ def test_the_real_autoscaler_launches_nodes_for_the_backlog_and_terminates_them_
         time.sleep(2.0)
         assert _worker_nodes() == set() and svc.scheduler.workers == {}
         done = 0
-        for round_, (labels, per_label, want_nodes) in enumerate([(list(range(8)), 2, 2), ([3], 4, 1)]):
-            job = client.submit(labels=labels, num_per_label=per_label, steps=50, seed=round_)
+        # round 0: 16 items of 200 steps, 8 on each of two workers (seconds of stepping: the node goes meanwhile)
+        for round_, (labels, per_label, steps, want_nodes) in enumerate([(list(range(8)), 2, 200, 2),
+                                                                          ([3], 4, 50, 1)]):
+            job = client.submit(labels=labels, num_per_label=per_label, steps=steps, seed=round_)
             launched = _wait_for(lambda: len(_worker_nodes()) >= want_nodes and _worker_nodes(), 120,
                                  f"{want_nodes} worker node(s) launched")
             _wait_for(lambda: any(w.ready for w in svc.scheduler.workers.values()), 120, "a worker ready")
             assert {w.plan.node_id for w in svc.scheduler.workers.values()} <= launched
+            if round_ == 0:
+                _wait_for(lambda: sum(bool(w.leases) for w in list(svc.scheduler.workers.values())) == 2, 60,
+                          "both workers holding items")
+                fake_cluster.set_max_nodes(1)  # the autoscaler terminates one busy node
+                _wait_for(lambda: len(_worker_nodes()) == 1, 60, "one node terminated")
             job = client.wait(job, progress=False, timeout=180)
-            assert job.state == "done" and all(it.state == "done" and it.attempts == 1 for it in job.items)
+            assert job.state == "done" and all(it.state == "done" and it.crashes == 0 for it in job.items)
+            assert all(it.attempts == 1 + it.requeues for it in job.items)
+            if round_ == 0:  # the terminated node's worker held items: they ran again, once
+                assert 1 <= sum(it.requeues for it in job.items) <= 8
+                assert svc.metrics.requeued.labels("infra")._value.get() == sum(it.requeues for it in job.items)
+            else:
+                assert all(it.attempts == 1 for it in job.items)
             pngs = sorted(p.name for p in (tmp_path / "images" / job.id).iterdir())
             assert pngs == [f"{i:05d}.png" for i in range(job.num_items)]
             done += job.num_items

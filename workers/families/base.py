@@ -253,6 +253,9 @@ class Family:
     fp8_attention: ClassVar[bool] = False         # `fastest` runs its attention in FP8 too (cuDNN, Hopper)
     takes_image: ClassVar[bool] = False           # image-to-image: requests with an input image (workers.edits)
     takes_mask: ClassVar[bool] = False            # inpainting: requests with an image and a mask
+    rate_reference: ClassVar[str] = ""            # the built-in whose measured step rate estimates its models'
+                                                  # until workers measure them (workers.families.rates): its own,
+                                                  # or a kin family's where it has none measured; "": no estimate
 
     # -- the torch-free part: cards, built-ins, previews -----------------------------------------------
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,

@@ -145,15 +145,13 @@ class LeasesMixin(StoreBase):
     def backlog(self) -> dict[str, dict[str, int]]:
         """Per model, the work waiting for workers: ``queued`` and ``running`` items, and ``steps``, the denoising
         steps left (a queued item's whole plan, a running item's rest, by the progress its heartbeats wrote).
-        What autoscaling sizes the workers by (``dit_serve.server.autoscale``)."""
+        A running item whose lease expired (its scheduler died) counts as queued, with its whole plan: it waits
+        for a worker to lease it again, and no worker holds it. What autoscaling sizes the workers by
+        (``dit_serve.server.autoscale``)."""
         with self._tx(write=False) as conn:
-            rows = conn.execute(_BACKLOG).all()
-        out: dict[str, dict[str, int]] = {}
-        for model, state, n, steps in rows:
-            entry = out.setdefault(model, {"queued": 0, "running": 0, "steps": 0})
-            entry[state] += int(n)
-            entry["steps"] += int(steps or 0)
-        return out
+            rows = conn.execute(_BACKLOG, {"now": time.time()}).all()
+        return {model: {"queued": int(n) - int(running or 0), "running": int(running or 0), "steps": int(steps or 0)}
+                for model, running, n, steps in rows}
 
     def has_suspects(self, models: list[str]) -> bool:
         """Whether items that crashed workers repeatedly wait to be run in isolation."""
@@ -238,9 +236,11 @@ _LEASABLE = and_(items.c.model.in_(bindparam("models", expanding=True)), items.c
                      and_(items.c.state == "running", items.c.lease_expires < bindparam("now"))))
 _ANY_LEASABLE = select(items.c.idx).where(_LEASABLE).limit(1)
 _LEASE_LEVEL = select(func.max(items.c.crashes)).where(_LEASABLE, items.c.crashes >= 2)
-_BACKLOG = (select(items.c.model, items.c.state, func.count(),
-                   func.sum(items.c.total_steps - case((items.c.state == "running", items.c.step), else_=0)))
-            .where(items.c.state.in_(("queued", "running"))).group_by(items.c.model, items.c.state))
+# grouped by the model alone: PostgreSQL takes a parameter repeated in GROUP BY for another expression
+_LIVE_LEASE = and_(items.c.state == "running", items.c.lease_expires >= bindparam("now"))
+_BACKLOG = (select(items.c.model, func.sum(case((_LIVE_LEASE, 1), else_=0)), func.count(),
+                   func.sum(items.c.total_steps - case((_LIVE_LEASE, items.c.step), else_=0)))
+            .where(items.c.state.in_(("queued", "running"))).group_by(items.c.model))
 
 
 def _lease_rows(condition):

@@ -33,6 +33,7 @@ class DiT(Family):
     # StableDiffusionInpaintPipeline's rule (diffusers has none for DiT); a pixel-space model on its pixels
     takes_image = True
     takes_mask = True
+    rate_reference = "dit-xl-2-256"  # its measured rate (workers.families.rates)
     break_attention = True  # under `breakable`, each block's self-attention is an eager break (workers.speed.patches)
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,

@@ -85,6 +85,7 @@ class Flux(Family):
     # image-to-image and inpainting (workers.edits), as FluxImg2ImgPipeline and FluxInpaintPipeline
     takes_image = True
     takes_mask = True
+    rate_reference = "flux-dev-1024"  # its measured rate (workers.families.rates)
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:

@@ -110,6 +110,7 @@ class Flux2(Family):
     # the VAE's mode as FLUX.2's pipelines encode, the mask bilinear as Flux2KleinInpaintPipeline's
     takes_image = True
     takes_mask = True
+    rate_reference = "flux-dev-1024"  # none of its own measured: FLUX.1-dev's, its predecessor
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:

@@ -38,6 +38,7 @@ class PixArt(Family):
     # StableDiffusionInpaintPipeline's rule for a 4-channel model (diffusers has none for PixArt)
     takes_image = True
     takes_mask = True
+    rate_reference = "pixart-sigma-512"  # its measured rate (workers.families.rates)
     break_attention = True  # self-attention (attn1: no mask) through workers.speed.patches: fused q, k, v, the kernel
     compile_scope = "blocks"  # PixArt-Σ 512 end to end 160 ms compiled by blocks (docs/benchmarks/pixart_inductor-blocks.md)
     encoder_graphs = True  # under the graph backends T5 replays from CUDA graphs (runtime.real_length_encode)

@@ -170,6 +170,7 @@ class QwenImage(Family):
     # QwenImageInpaintPipeline
     takes_image = True
     takes_mask = True
+    rate_reference = "flux-dev-1024"  # none of its own measured: FLUX.1-dev's, an MMDiT at 1024 too
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:

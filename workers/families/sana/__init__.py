@@ -89,6 +89,7 @@ class Sana(Family):
     # Inductor's compile of the step on CUDA ends far from eager (0.39 of the largest value on the tiny model,
     # float32, where a CPU compile is within 1e-6): until that is found, `fast` runs the step uncompiled there
     uncompiled_on = {"cuda": "Sana's step compiled by Inductor on CUDA does not yet equal eager; run uncompiled"}
+    rate_reference = "pixart-sigma-512"  # none of its own measured: PixArt-Σ's, its predecessor
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:

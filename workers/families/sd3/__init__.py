@@ -61,6 +61,7 @@ class SD3(Family):
     # StableDiffusion3InpaintPipeline
     takes_image = True
     takes_mask = True
+    rate_reference = "flux-dev-1024"  # none of its own measured in bf16: FLUX.1-dev's, an MMDiT at 1024 too
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:

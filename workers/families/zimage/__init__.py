@@ -81,6 +81,7 @@ class ZImage(Family):
     # image-to-image and inpainting (workers.edits), as ZImageImg2ImgPipeline and ZImageInpaintPipeline
     takes_image = True
     takes_mask = True
+    rate_reference = "flux-dev-1024"  # none of its own measured: FLUX.1-dev's, a DiT at 1024 on the same VAE
 
     def read_card(self, name: str, path: Path, transformer: dict, vae: dict | None, index: dict,
                   scheduler: dict) -> ModelCard:
