@@ -371,3 +371,10 @@ def test_generate_submit_out_fetch_and_the_archive_write_one_manifest_schema(ser
         assert _keys(manifest) == schema, manifest
     assert generated["job"] is None and submitted["job"] == fetched["job"] == archived["job"] == job
     assert [(e["file"], e["label"], e["prompt"]) for e in fetched["images"]] == [("00000_label4.png", 4, None)]
+
+
+@pytest.mark.parametrize("lora, words", [("ink:strong", "is not a number"), (":0.5", "not NAME[:SCALE]"),
+                                         ("ink:nan", "finite")])
+def test_a_bad_lora_is_one_line(lora, words):
+    err = one_line(cli("submit", "--url", f"http://127.0.0.1:{free_port()}", "--labels", "1", "--lora", lora))
+    assert "--lora" in err and words in err

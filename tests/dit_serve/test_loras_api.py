@@ -196,3 +196,53 @@ def test_metrics_count_adapters(http):
     text = http.get("/metrics").text
     line = next(ln for ln in text.splitlines() if ln.startswith("dit_serve_loras_registered "))
     assert float(line.split()[1]) >= 2
+
+
+def test_the_sdk_registers_lists_applies_and_deletes_adapters(svc, tmp_path):
+    from dit_serve import client as sdk
+
+    path = tmp_path / "sdk-style.safetensors"
+    path.write_bytes(peft(rank=3))
+    with sdk.Client(svc.url, api_key=KEY) as c:
+        lora = c.upload_lora(path, "sdk-style", "digits", shared=False)
+        assert (lora.name, lora.rank, lora.shared) == ("sdk-style", 3, False)
+        assert "sdk-style" in {a.name for a in c.loras().data}
+        job = c.submit([1], loras=[("sdk-style", 0.5), {"name": "house", "scale": -1}])
+        assert [(u.name, u.scale) for u in job.params.loras] == [("sdk-style", 0.5), ("house", -1.0)]
+        with pytest.raises(sdk.ApiError, match="no adapter 'gone'"):
+            c.submit([1], loras=["gone"])
+        with pytest.raises(sdk.InvalidRequest):
+            c.submit([1], loras=[("x", float("nan"))])
+        assert c.delete_lora("sdk-style").name == "sdk-style"
+        c.cancel(job)
+
+
+def test_the_async_sdk_lists_adapters(svc):
+    import asyncio
+
+    from dit_serve import client as sdk
+
+    async def run():
+        async with sdk.AsyncClient(svc.url, api_key=KEY) as c:
+            return await c.loras()
+
+    assert "house" in {a.name for a in asyncio.run(run()).data}
+
+
+def test_the_cli_uploads_lists_and_applies_adapters(svc, tmp_path):
+    from .test_cli_usage import cli
+
+    env = {"DIT_SERVE_URL": svc.url, "DIT_SERVE_API_KEY": KEY}
+    path = tmp_path / "cli-style.safetensors"
+    path.write_bytes(peft())
+    up = cli("loras", "upload", str(path), "--model", "digits", env=env)
+    assert up.returncode == 0 and up.stdout.startswith("cli-style\tdigits\tpeft rank 2"), up.stderr
+    listed = cli("loras", env=env)
+    assert listed.returncode == 0 and "cli-style\t" in listed.stdout and "house\t(any model)" in listed.stdout
+    sub = cli("submit", "--labels", "2", "--lora", "cli-style:0.25", "--lora", "house", env=env)
+    assert sub.returncode == 0, sub.stderr
+    job = svc.store.get_job(sub.stdout.strip())
+    assert [(u.name, u.scale) for u in job.params.loras] == [("cli-style", 0.25), ("house", 1.0)]
+    bad = cli("submit", "--labels", "2", "--lora", "nope", env=env)
+    assert bad.returncode != 0 and "no adapter 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+    assert cli("loras", "delete", "cli-style", env=env).returncode == 0
