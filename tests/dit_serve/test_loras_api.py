@@ -246,3 +246,22 @@ def test_the_cli_uploads_lists_and_applies_adapters(svc, tmp_path):
     bad = cli("submit", "--labels", "2", "--lora", "nope", env=env)
     assert bad.returncode != 0 and "no adapter 'nope'" in bad.stderr and "Traceback" not in bad.stderr
     assert cli("loras", "delete", "cli-style", env=env).returncode == 0
+
+
+def test_a_version_8_store_gains_the_adapter_table(tmp_path):
+    """Schema 8 -> 9 in place: the ``loras`` table is created, and adapters register after it."""
+    from sqlalchemy import inspect, text
+
+    from dit_serve.server.store import SCHEMA_VERSION, Store
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    store = Store(url, tmp_path)
+    with store.engine.begin() as conn:
+        conn.execute(text("DROP TABLE loras"))
+        conn.execute(text("UPDATE dit_serve_schema SET version = 8"))
+    store.close()
+    store = Store(url, tmp_path)
+    assert "loras" in inspect(store.engine).get_table_names() and SCHEMA_VERSION == 9
+    store.put_lora("x", b"bytes", "default", False, "digits", "dit", "peft", 2, 1)
+    assert [a.name for a in store.list_loras("default")] == ["x"] and store.list_loras("bob") == []
+    store.close()
