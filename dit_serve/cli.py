@@ -8,6 +8,8 @@
     dit-serve list [--limit N]               jobs, newest first
     dit-serve fetch JOB --out DIR            write a job's PNGs, grid.png and manifest.json
     dit-serve cancel JOB [--delete]          stop a job (and delete it with its images)
+    dit-serve loras [upload|delete]          adapters (LoRA): list, register a .safetensors, delete;
+                                             submit --lora NAME[:SCALE] (repeatable) applies one
     dit-serve keys create|list|revoke        tenants' API keys, in the service's store
     dit-serve generate ...                   run locally, no service
     dit-serve demo                           the main job: service + SDK + images, then shut down
@@ -46,6 +48,22 @@ class _Parser(argparse.ArgumentParser):
 
 def _labels(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def _lora(text: str) -> tuple[str, float]:
+    """``NAME[:SCALE]`` -> (name, scale); scale 1 when omitted."""
+    name, sep, scale = text.rpartition(":") if ":" in text else (text, "", "")
+    if not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME[:SCALE]")
+    if not sep:
+        return name, 1.0
+    try:
+        value = float(scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the scale {scale!r} is not a number (NAME[:SCALE])") from None
+    if value != value or abs(value) == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the scale must be a finite number")
+    return name, value
 
 
 def _add_conditioning(p) -> None:
@@ -102,9 +120,11 @@ def _add_sampling(p) -> None:
     p.add_argument("--eta", type=float, help="DDIM's eta, 0..1: 0 is deterministic (the default), 1 DDPM-like")
 
 
-def _add_service(p) -> None:
-    p.add_argument("--url", help="the service's base URL (default: $DIT_SERVE_URL, else http://127.0.0.1:8000)")
-    p.add_argument("--api-key", help="the service's API key (default: $DIT_SERVE_API_KEY)")
+def _add_service(p, inner: bool = False) -> None:
+    """--url and --api-key; ``inner``: on a subcommand's own parser, where an absent option leaves the outer's."""
+    keep = {"default": argparse.SUPPRESS} if inner else {}
+    p.add_argument("--url", help="the service's base URL (default: $DIT_SERVE_URL, else http://127.0.0.1:8000)", **keep)
+    p.add_argument("--api-key", help="the service's API key (default: $DIT_SERVE_API_KEY)", **keep)
 
 
 def _add_serve(sub) -> None:
@@ -131,6 +151,8 @@ def _add_client(sub) -> None:
     p.add_argument("--priority", type=int, help="-100..100 (default 0): higher runs first")
     p.add_argument("--preview-every", type=int, metavar="N", help="a preview of each running image every N steps "
                                                                   "(models with a preview map)")
+    p.add_argument("--lora", action="append", type=_lora, dest="loras", metavar="NAME[:SCALE]",
+                   help="apply a registered adapter at SCALE (default 1; repeatable; dit-serve loras lists them)")
     p.add_argument("--webhook-url", help="POSTed the finished job as JSON")
     p.add_argument("--wait", action="store_true", help="wait for the job with a progress bar")
     p.add_argument("--out", type=Path, help="wait, then write the images here (an empty or new folder)")
@@ -153,6 +175,21 @@ def _add_client(sub) -> None:
     p.add_argument("--out", type=Path, required=True, help="the folder to write into (an empty or new one)")
     p.add_argument("--force", action="store_true", help="write into --out even when it holds files")
     p.add_argument("--wait", action="store_true", help="wait for the job to finish first")
+
+
+def _add_loras(sub) -> None:
+    loras = sub.add_parser("loras", help="adapters (LoRA) jobs may apply: list (the default), upload, delete")
+    _add_service(loras)
+    actions = loras.add_subparsers(dest="action", parser_class=_Parser)
+    up = actions.add_parser("upload", help="register a .safetensors adapter for a model")
+    up.add_argument("file", type=Path, help="the adapter (diffusers/PEFT or kohya keys; safetensors only)")
+    up.add_argument("--name", help="what jobs call it (default: the file's stem)")
+    up.add_argument("--model", help="the model it is for (default: the service's first)")
+    up.add_argument("--shared", action="store_true", help="admin key: every tenant may use it")
+    _add_service(up, inner=True)
+    rm = actions.add_parser("delete", help="delete an adapter you registered")
+    rm.add_argument("name")
+    _add_service(rm, inner=True)
 
 
 def _add_keys(sub) -> None:
@@ -181,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_client(sub)
     _add_generate(sub)
+    _add_loras(sub)
     _add_keys(sub)
     demo = sub.add_parser("demo", help="the main job: start the service, submit digits through the SDK, "
                                        "write PNGs + grid.png, shut down")
@@ -192,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS = {"generate": commands.generate, "demo": commands.demo, "serve": commands.serve,
             "submit": commands.submit, "status": commands.status, "fetch": commands.fetch,
-            "cancel": commands.cancel, "list": commands.list_jobs, "keys": commands.keys}
+            "cancel": commands.cancel, "list": commands.list_jobs, "keys": commands.keys,
+            "loras": commands.loras}
 
 
 def server_modules(args) -> tuple[str, ...]:

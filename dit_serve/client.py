@@ -43,7 +43,8 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import httpx
 from pydantic import TypeAdapter
 
-from dit_serve.schemas import UPLOAD_ID, EndEvent, Job, JobEvent, JobList, ModelList, PreviewEvent, ProgressEvent, Upload
+from dit_serve.schemas import (UPLOAD_ID, EndEvent, Job, JobEvent, JobList, Lora, LoraList, ModelList, PreviewEvent,
+                               ProgressEvent, Upload)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV = "DIT_SERVE_URL"
@@ -128,6 +129,40 @@ def _job_body(labels, **fields) -> dict[str, Any]:
         if isinstance(value, float) and not math.isfinite(value):
             raise InvalidRequest(f"{name} must be a finite number, got {value}", name)
     return {k: v for k, v in body.items() if v is not None}
+
+
+def _loras(loras) -> list[dict] | None:
+    """``submit``'s ``loras`` as the API takes them: ("name", scale) pairs, {"name", "scale"} maps, or names."""
+    if loras is None:
+        return None
+    out = []
+    for entry in loras:
+        if isinstance(entry, str):
+            out.append({"name": entry})
+        elif isinstance(entry, dict):
+            out.append(dict(entry))
+        elif isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str):
+            out.append({"name": entry[0], "scale": entry[1]})
+        else:
+            raise InvalidRequest(f"an adapter is a name, a (name, scale) pair or a {{'name', 'scale'}} map, not "
+                                 f"{repr(entry)[:60]}", "loras")
+        scale = out[-1].get("scale")
+        if isinstance(scale, float) and not math.isfinite(scale):
+            raise InvalidRequest(f"adapter {out[-1].get('name')!r}: scale must be a finite number", "loras")
+    return out
+
+
+def _lora_file(path: str | Path) -> tuple[str, bytes]:
+    path = Path(path)
+    try:
+        return path.name, path.read_bytes()
+    except OSError as e:
+        raise InvalidRequest(f"cannot read {path}: {e.strerror or e}", "file") from None
+
+
+def _lora_form(name: str, model: str | None, shared: bool | None) -> dict:
+    form = {"name": name, "model": model, "shared": None if shared is None else str(bool(shared)).lower()}
+    return {k: (None, v) for k, v in form.items() if v is not None}
 
 
 def _image_source(value: Any, field: str) -> tuple[str | None, bytes | None, str]:
@@ -305,7 +340,7 @@ class Client:
                guidance: float | None = None, eta: float | None = None, priority: int | None = None,
                webhook_url: str | None = None, idempotency_key: str | None = None, width: int | None = None,
                height: int | None = None, exact_size: bool | None = None, preview_every: int | None = None,
-               image: Any = None, mask: Any = None, strength: float | None = None) -> Job:
+               image: Any = None, mask: Any = None, strength: float | None = None, loras: Any = None) -> Job:
         """Queue a job: each label ``num_per_label`` times (class models), or each prompt ``num_per_prompt``
         times (text models, with an optional ``negative_prompt``); returns once the service stored it. Jobs of a
         higher ``priority`` (-100..100, default 0) run first. ``webhook_url`` is POSTed the finished job.
@@ -316,13 +351,14 @@ class Client:
         Edits (models whose card says ``takes_image``): ``image`` (a file path, bytes of a PNG, JPEG or WebP
         file, a PIL image, or an upload's id) is varied at ``strength`` in (0, 1]; with ``mask`` (the same kinds;
         white = repaint) it is inpainted. Files up to ``INLINE_MAX_BYTES`` go inline, larger ones are uploaded.
-        The same ``idempotency_key`` (default: a fresh one) on a later call returns this job rather
-        than a new one."""
+        ``loras``: adapters applied to every image, as ("name", scale) pairs or {"name": ..., "scale": ...} maps
+        (``loras()`` lists those you may name). The same ``idempotency_key`` (default: a fresh one) on a later call
+        returns this job rather than a new one."""
         body = _job_body(labels, prompts=prompts, negative_prompt=negative_prompt, num_per_prompt=num_per_prompt,
                          model=model, num_per_label=num_per_label, seed=seed, seeds=seeds, sampler=sampler,
                          steps=steps, guidance=guidance, eta=eta, priority=priority, webhook_url=webhook_url,
                          width=width, height=height, exact_size=exact_size, preview_every=preview_every,
-                         strength=strength)
+                         strength=strength, loras=_loras(loras))
         sources = _sources(image, mask)
         uploaded = {f: self.upload(data, name).id for f, (data, name) in _to_upload(sources, INLINE_MAX_BYTES).items()}
         body.update(_edit_fields(sources, uploaded))
@@ -341,6 +377,20 @@ class Client:
 
     def delete_upload(self, upload_id: str) -> Upload:
         return Upload.model_validate(self._call("DELETE", f"/v1/uploads/{upload_id}").json())
+
+    def loras(self) -> LoraList:
+        """The adapters (LoRA) your jobs may name: your own and the shared ones."""
+        return LoraList.model_validate(self._call("GET", "/v1/loras").json())
+
+    def upload_lora(self, path: str | Path, name: str, model: str | None = None, shared: bool | None = None) -> Lora:
+        """Register a safetensors adapter file as ``name`` for ``model`` (the service's first when None); the
+        service checks it first (format, size, rank, family). ``shared`` (admin key): every tenant may use it."""
+        filename, data = _lora_file(path)
+        files = {"file": (filename, data), **_lora_form(name, model, shared)}
+        return Lora.model_validate(self._call("POST", "/v1/loras", files=files).json())
+
+    def delete_lora(self, name: str) -> Lora:
+        return Lora.model_validate(self._call("DELETE", f"/v1/loras/{name}").json())
 
     def get(self, job: JobRef, items: bool = True) -> Job:
         return Job.model_validate(self._call("GET", f"/v1/jobs/{_job_id(job)}", params={"items": items}).json())
@@ -504,12 +554,12 @@ class AsyncClient:
                      guidance: float | None = None, eta: float | None = None, priority: int | None = None,
                      webhook_url: str | None = None, idempotency_key: str | None = None, width: int | None = None,
                height: int | None = None, exact_size: bool | None = None, preview_every: int | None = None,
-                     image: Any = None, mask: Any = None, strength: float | None = None) -> Job:
+                     image: Any = None, mask: Any = None, strength: float | None = None, loras: Any = None) -> Job:
         body = _job_body(labels, prompts=prompts, negative_prompt=negative_prompt, num_per_prompt=num_per_prompt,
                          model=model, num_per_label=num_per_label, seed=seed, seeds=seeds, sampler=sampler,
                          steps=steps, guidance=guidance, eta=eta, priority=priority, webhook_url=webhook_url,
                          width=width, height=height, exact_size=exact_size, preview_every=preview_every,
-                         strength=strength)
+                         strength=strength, loras=_loras(loras))
         sources = _sources(image, mask)
         uploaded = {f: (await self.upload(data, name)).id
                     for f, (data, name) in _to_upload(sources, INLINE_MAX_BYTES).items()}
@@ -526,6 +576,18 @@ class AsyncClient:
 
     async def delete_upload(self, upload_id: str) -> Upload:
         return Upload.model_validate((await self._call("DELETE", f"/v1/uploads/{upload_id}")).json())
+
+    async def loras(self) -> LoraList:
+        return LoraList.model_validate((await self._call("GET", "/v1/loras")).json())
+
+    async def upload_lora(self, path: str | Path, name: str, model: str | None = None,
+                          shared: bool | None = None) -> Lora:
+        filename, data = _lora_file(path)
+        files = {"file": (filename, data), **_lora_form(name, model, shared)}
+        return Lora.model_validate((await self._call("POST", "/v1/loras", files=files)).json())
+
+    async def delete_lora(self, name: str) -> Lora:
+        return Lora.model_validate((await self._call("DELETE", f"/v1/loras/{name}")).json())
 
     async def get(self, job: JobRef, items: bool = True) -> Job:
         r = await self._call("GET", f"/v1/jobs/{_job_id(job)}", params={"items": items})

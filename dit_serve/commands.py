@@ -253,7 +253,7 @@ def submit(args) -> int:
                             priority=args.priority, webhook_url=args.webhook_url, width=args.width,
                             height=args.height, exact_size=args.exact_size or None,
                             preview_every=args.preview_every, image=args.image, mask=args.mask,
-                            strength=args.strength)
+                            strength=args.strength, loras=args.loras)
         try:  # from the moment the job exists: an interrupt says how to stop it, however early it comes
             print(job.id, flush=True)
             if args.wait or args.out:
@@ -266,6 +266,27 @@ def submit(args) -> int:
         if args.out:
             return _write(client, job, args.out, force=True)  # checked above, before the job existed
     return 0 if job.state != "failed" else EXIT_FAILURE
+
+
+def loras(args) -> int:
+    """``dit-serve loras``: list (the default), ``upload FILE``, ``delete NAME``."""
+    with _client(args) as client:
+        if args.action == "upload":
+            lora = client.upload_lora(args.file, args.name or args.file.stem, args.model, args.shared or None)
+            print(_lora_line(lora))
+        elif args.action == "delete":
+            print(_lora_line(client.delete_lora(args.name)) + " (deleted)")
+        else:
+            listed = client.loras().data
+            for lora in listed:
+                print(_lora_line(lora))
+            print(f"{len(listed)} adapters", file=sys.stderr)
+    return 0
+
+
+def _lora_line(lora) -> str:
+    whose = "shared" if lora.shared else lora.owner
+    return f"{lora.name}\t{lora.model or '(any ' + (lora.family or 'model') + ')'}\t{lora.format} rank {lora.rank}\t{whose}"
 
 
 def status(args) -> int:

@@ -10,9 +10,10 @@ so nothing a request contains can be stored in a form that cannot be read back.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 State = Literal["queued", "running", "done", "failed", "cancelled"]
 TERMINAL_STATES = ("done", "failed", "cancelled")
@@ -30,6 +31,9 @@ MAX_PROMPT = 32000
 # text; the service's own limit on the decoded bytes is lower ([limits] max_inline_image_bytes, 413 past it).
 MAX_INLINE_CHARS = 64 << 20
 UPLOAD_ID = r"^upl_[0-9a-f]{24}$"  # an id POST /v1/uploads answers
+LORA_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # an adapter's name (POST /v1/loras; a lora_dir file's stem)
+MAX_LORA_SCALE = 4.0  # a request's adapter scale is in [-4, 4]
+MAX_LORAS = 16  # the schema's bound on a request's adapters; [workers] lora_per_request is the service's
 
 
 def clip(text: str, n: int = 100) -> str:
@@ -68,6 +72,26 @@ class _Request(BaseModel):
 
 class _Response(BaseModel):
     model_config = ConfigDict(extra="ignore")  # a newer server may add fields; older clients still parse
+
+
+class LoraRef(_Request):
+    """An adapter a request applies (``GET /v1/loras`` lists those the caller may name), at ``scale``."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=LORA_NAME, description="a registered adapter's name")
+    scale: float = Field(1.0, json_schema_extra={"minimum": -MAX_LORA_SCALE, "maximum": MAX_LORA_SCALE},
+                         description="how much of the adapter: its term times this, in [-4, 4]")
+
+    @model_validator(mode="after")
+    def _check_scale(self) -> "LoraRef":  # here, not as a field bound: the message names the adapter
+        if not -MAX_LORA_SCALE <= self.scale <= MAX_LORA_SCALE:
+            raise ValueError(f"adapter {self.name!r}: scale {self.scale:g} is outside [-{MAX_LORA_SCALE:g}, "
+                             f"{MAX_LORA_SCALE:g}]")
+        return self
+
+
+Loras = Field(None, min_length=1, max_length=MAX_LORAS,
+              description="adapters (LoRA) applied to every image: [{\"name\": ..., \"scale\": 0.8}]; at most "
+                          "[workers] lora_per_request of them, each registered for the job's model (GET /v1/loras)")
 
 
 class JobRequest(_Request):
@@ -127,6 +151,7 @@ class JobRequest(_Request):
                                    description="edits: how much of the schedule runs, in (0, 1]: 1 repaints "
                                                "from pure noise, 0.3 stays close to the input; default 0.6 for "
                                                "image-to-image, 1.0 for inpainting")
+    loras: list[LoraRef] | None = Loras
 
     @property
     def num_items(self) -> int:
@@ -160,6 +185,14 @@ class InputImage(_Response):
     height: int
 
 
+class LoraUse(_Response):
+    """An adapter a job applies, as the job records it: its name, scale and the SHA-256 of its file then."""
+
+    name: str
+    scale: float
+    sha256: str
+
+
 class JobParams(_Response):
     """The sampling parameters a job runs with, after the model's defaults are filled in."""
 
@@ -180,6 +213,8 @@ class JobParams(_Response):
                                                        "GET /v1/jobs/{id}/inputs/image serves it")
     mask: InputImage | None = Field(None, description="inpainting: the mask, white = repaint (null: none)")
     strength: float | None = Field(None, description="edits: the part of the schedule run, in (0, 1]")
+    loras: list[LoraUse] = Field(default_factory=list, description="adapters applied to every image (name, "
+                                                                    "scale, the file's SHA-256)")
     warnings: list[str] = Field(default_factory=list, description="what the service changed in the request, e.g. "
                                                                    "prompts cut at the model's token limit, and how "
                                                                    "the model is served (its card's warnings)")
@@ -362,6 +397,7 @@ class ImageGenerationRequest(_Request):
     steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     guidance: float | None = Field(None, ge=0, le=MAX_GUIDANCE)
     priority: int = Field(0, ge=-100, le=100, description="as for jobs: higher runs first")
+    loras: list[LoraRef] | None = Loras
 
 
 class ImageEditRequest(_Request):
@@ -393,6 +429,42 @@ class ImageEditRequest(_Request):
     strength: float | None = Field(None, gt=0, le=1, description="how much of the schedule runs, in (0, 1]; "
                                                                  "default 1.0 with a mask, 0.6 without")
     priority: int = Field(0, ge=-100, le=100, description="as for jobs: higher runs first")
+    loras: list[LoraRef] | None = Field(None, min_length=1, max_length=MAX_LORAS,
+                                        description="adapters, as for jobs; in a form, the list as JSON text")
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _loras_text(cls, v):  # a form field is text: the list as JSON
+        if isinstance(v, str):
+            try:
+                return json.loads(v)
+            except ValueError:
+                raise ValueError("loras is a JSON list of {\"name\": ..., \"scale\": ...}") from None
+        return v
+
+
+class Lora(_Response):
+    """A registered adapter (POST /v1/loras, or a file of [workers] lora_dir)."""
+
+    name: str
+    object: Literal["lora"] = "lora"
+    model: str = Field(description="the model it was checked against; jobs of that model may name it (\"\": "
+                                   "any served model of its family)")
+    family: str = Field(description="that model's family (\"\": any)")
+    format: str = Field(description="peft (diffusers' keys), kohya-flux or kohya-sd3")
+    rank: int
+    modules: int = Field(description="linear layers it adapts")
+    sha256: str
+    bytes: int
+    owner: str = Field(description="the tenant that registered it")
+    shared: bool = Field(description="every tenant may use it (registered with the admin key, or from lora_dir)")
+    source: Literal["upload", "dir"] = "upload"
+    created_at: float
+
+
+class LoraList(_Response):
+    object: Literal["list"] = "list"
+    data: list[Lora]
 
 
 class Upload(_Response):

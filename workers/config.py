@@ -84,6 +84,15 @@ class WorkerConfig(BaseModel):
     compile_cache: str = Field("", max_length=500, description="the compiled kernels' directory (Inductor's, and "
                                                                "FlashAttention-4's under it), kept across restarts; "
                                                                "'': <data_dir>/compile-cache under the service")
+    lora_slots: int = Field(0, ge=0, le=1024, description="adapters held on the device at once per model; 0: LoRA "
+                            "off (no bank, no step inputs, zero cost)")
+    lora_max_rank: int = Field(64, ge=1, le=1024, description="the largest adapter rank the bank holds (smaller "
+                               "ranks are zero-padded)")
+    lora_per_request: int = Field(4, ge=1, le=16, description="adapters one request may apply")
+    lora_dir: str = Field("", max_length=500, description="every *.safetensors in it becomes an adapter named by "
+                          "its stem (its model: a <stem>.json sidecar's \"model\", or the file's metadata key "
+                          "\"dit_serve.model\"; else any served model of a matching family)")
+    lora_max_bytes: int = Field(512 << 20, ge=1, description="the largest adapter file accepted")
     precision: dict[str, Precision] = Field(
         default_factory=dict, description="per model, over the speed: 'fp8' runs its transformer blocks' linears "
         "as FP8 matrix products (compute capability 8.9+: Ada, Hopper; refused on others); 'fp8+attention' also "

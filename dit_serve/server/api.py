@@ -29,34 +29,38 @@ from dit_serve.server.config import LimitsConfig, ServerConfig
 from dit_serve.server.events import StreamLimits, Streams
 from dit_serve.server.http_limits import LimitsMiddleware
 from dit_serve.server.keys import KeyRing
+from dit_serve.server.loras import LoraPolicy
 from dit_serve.server.metrics import Metrics
-from dit_serve.server.routes import ERRORS, docs, jobs, models, openai, ops, uploads, workers
+from dit_serve.server.routes import ERRORS, docs, jobs, loras, models, openai, ops, uploads, workers
 from dit_serve.server.routes.admission import Admission
 from dit_serve.server.routes.jobs import EVENT_ID
 from dit_serve.server.store import Store
 
 log = logging.getLogger(__name__)
 # in this order; the page at / and its assets need no key (they hold no data; the page calls /v1 with one)
-ROUTERS = (jobs.router, openai.router, uploads.router, models.router, workers.router, web.router, ops.router)
+ROUTERS = (jobs.router, openai.router, uploads.router, loras.router, models.router, workers.router, web.router, ops.router)
 
 
 def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Metrics,
                workers_ready: Callable[[], int | None] = lambda: None, allow_hosts: tuple[str, ...] = (),
-               stream_limits: StreamLimits = StreamLimits(), upload_ttl_s: float = 0.0) -> FastAPI:
-    """``upload_ttl_s``: uploads are deleted this long after they were made (0: kept until deleted)."""
+               stream_limits: StreamLimits = StreamLimits(), upload_ttl_s: float = 0.0,
+               lora_policy: LoraPolicy = LoraPolicy()) -> FastAPI:
+    """``upload_ttl_s``: uploads are deleted this long after they were made (0: kept until deleted);
+    ``lora_policy``: the adapters jobs may apply (``[workers] lora_*``)."""
     local_docs = docs.assets_dir() is not None  # else FastAPI's pages, with their assets from a CDN
     app = FastAPI(title="dit-serve", version=__version__, responses=ERRORS,
                   description="Batch image generation with diffusion transformers.",
                   docs_url=None if local_docs else "/docs", redoc_url=None if local_docs else "/redoc")
     _add_error_handlers(app)
     app.add_middleware(LimitsMiddleware, max_body_bytes=server.max_body_bytes, read_timeout_s=server.read_timeout_s,
-                       route_limits=edit_body_limits(server.max_body_bytes, catalog.limits))
+                       route_limits=edit_body_limits(server.max_body_bytes, catalog.limits, lora_policy.max_bytes))
     if server.access_log:  # added last: outermost, it logs the status the client got
         app.add_middleware(AccessLogMiddleware)
     state = app.state  # what the routes' dependencies read (dit_serve.server.routes.deps)
     state.store, state.catalog, state.server, state.metrics = store, catalog, server, metrics
     state.workers_ready = workers_ready
     state.upload_ttl_s = upload_ttl_s
+    state.lora_policy = lora_policy
     state.key_ring = KeyRing(store, [k.get_secret_value() for k in server.api_keys])
     state.admission = Admission(store, catalog.limits, metrics, allow_hosts)
     state.event_streams = Streams(stream_limits)
@@ -71,12 +75,12 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
     return app
 
 
-def edit_body_limits(max_body_bytes: int, limits: LimitsConfig) -> dict[str, int]:
+def edit_body_limits(max_body_bytes: int, limits: LimitsConfig, max_lora_bytes: int = 0) -> dict[str, int]:
     """The routes whose bodies carry images, and the body each may send: an upload one file, an OpenAI edit an
     image and a mask, a job an image and a mask inline (base64: 4/3 of the bytes) besides the usual JSON; each
     with room for the form's or the JSON's other fields."""
     room = 64 << 10
-    return {"/v1/uploads": limits.max_image_bytes + room, "/v1/images/edits": 2 * limits.max_image_bytes + room,
+    return {"/v1/uploads": limits.max_image_bytes + room, "/v1/loras": max_lora_bytes + room, "/v1/images/edits": 2 * limits.max_image_bytes + room,
             "/v1/jobs": max_body_bytes + 2 * (-(-limits.max_inline_image_bytes // 3) * 4 + 512)}
 
 

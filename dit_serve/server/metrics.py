@@ -41,6 +41,9 @@ class Metrics:
         self.rows = Gauge("dit_serve_engine_rows", "sample-steps a worker's engine ran: real, or padding that "
                           "filled a graph bucket", ["worker", "kind"], registry=r)
         self.workers = Gauge("dit_serve_workers", "worker actors ready", registry=r)
+        self.loras_registered = Gauge("dit_serve_loras_registered", "adapters (LoRA) in the registry", registry=r)
+        self.lora_pushes = Counter("dit_serve_lora_pushes", "adapters sent to a worker before items that name them",
+                                   registry=r)
         self.requeued = Counter("dit_serve_items_requeued", "items sent back to the queue without being charged, "
                                 "by cause (crash: their worker died or its step raised; infra: a node left)",
                                 ["reason"], registry=r)

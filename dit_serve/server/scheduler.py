@@ -106,6 +106,12 @@ class _Worker:
     switching: tuple[str, float] | None = None  # (model, monotonic time) it was told to load, until it serves it
     dropping: set[str] = field(default_factory=set)  # models it was told to unload: a late report may still list them
     pinned: dict[str, float] = field(default_factory=dict)  # custom resources it took for pinned models (placement)
+    loras: set[str] = field(default_factory=set)  # adapters it reports registered (its poll's ``loras``)
+    pushed: dict[str, str] = field(default_factory=dict)  # adapters this scheduler sent it: name -> the file's sha256
+
+    def holds(self, name: str, sha256: str) -> bool:
+        """Whether it has adapter ``name`` as registered now (sent by us at that hash, or its own and never sent)."""
+        return self.pushed.get(name) == sha256 or (name in self.loras and name not in self.pushed)
 
     @property
     def name(self) -> str:
@@ -519,6 +525,8 @@ class Scheduler:
             if models != w.models:
                 w.models, self._fill_now = list(models), True
                 log.info("%s serves %s now", w.name, ", ".join(w.models) or "no model")
+        if "loras" in report:
+            w.loras = set(report["loras"])
         self._measure(w, report)
         for key, (done, _total) in report["progress"].items():
             if key in w.leases:
@@ -631,13 +639,53 @@ class Scheduler:
         # more may be queued: the lease got all it asked for, or it may have held items back for a fuller
         # group while the worker runs others (admission rule 4): the next finished items ask again
         w.queue_left = len(leases) == room or bool(prefer)
-        if leases:
-            w.handle.submit.remote([ls.spec for ls in leases])
+        for target, batch in self._route_loras(w, leases):
+            target.handle.submit.remote([ls.spec for ls in batch])
             sent = time.time()
-            for ls in leases:
+            for ls in batch:
                 ls.returned_at, ls.sent_at = returned, sent
-            w.leases.update({ls.key: ls for ls in leases})
+            target.leases.update({ls.key: ls for ls in batch})
+        if leases:
             self.store.changes.notify(sorted({ls.job_id for ls in leases}))  # after the sending: see Store.lease
+
+    # -- adapters ----------------------------------------------------------------------------------
+    def _route_loras(self, w: _Worker, leases: list[Lease]) -> list[tuple[_Worker, list[Lease]]]:
+        """Where the leased items go: an item naming adapters ``w`` lacks goes to another ready worker of its model
+        with room that holds them all, if there is one; else to ``w``. Before a worker gets an item, it has the
+        item's adapters: each one it lacks is sent to it (``add_lora``, ahead of ``submit`` in the actor's call
+        order) once. An item whose adapter was deleted (or changed) since its job was submitted fails, saying so."""
+        out: dict[str, tuple[_Worker, list[Lease]]] = {}
+        room = {v.key: self.cfg.inflight() - len(v.leases) for v in self.workers.values() if v.ready and v is not w}
+        for ls in leases:
+            target = w
+            if ls.params.loras and not all(w.holds(u.name, u.sha256) for u in ls.params.loras):
+                target = next((v for v in self.workers.values() if room.get(v.key, 0) > 0 and ls.model in v.models
+                               and all(v.holds(u.name, u.sha256) for u in ls.params.loras)), w)
+                if target is not w:
+                    room[target.key] -= 1
+            if (why := self._push_loras(target, ls)) is not None:
+                if self.store.fail_item(ls, why):
+                    self.metrics.item_finished("failed")
+                continue
+            out.setdefault(target.key, (target, []))[1].append(ls)
+        return list(out.values())
+
+    def _push_loras(self, w: _Worker, ls: Lease) -> str | None:
+        """Send ``w`` the adapters of ``ls`` it lacks; the reason the item cannot run, or None."""
+        for use in ls.params.loras:
+            if w.holds(use.name, use.sha256):
+                continue
+            found = self.store.lora_data(use.name)
+            if found is None or found[0].sha256 != use.sha256:
+                return (f"adapter {use.name!r} was {'deleted' if found is None else 'replaced'} after the job was "
+                        "submitted")
+            lora, data = found
+            if use.name in w.pushed or use.name in w.loras:  # another file under that name: the old one goes
+                w.handle.remove_lora.remote(use.name)
+            w.handle.add_lora.remote(use.name, data, lora.model or None)
+            w.pushed[use.name] = use.sha256
+            self.metrics.lora_pushes.inc()
+        return None
 
     def shutdown(self) -> None:
         """Give every lease back (not counted as an attempt) and stop the workers."""

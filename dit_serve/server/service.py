@@ -32,6 +32,7 @@ from pathlib import Path
 
 from dit_serve.server.api import create_app
 from dit_serve.server.catalog import Catalog
+from dit_serve.server.loras import LoraPolicy, register_dir
 from dit_serve.server.config import Config
 from dit_serve.server.metrics import Metrics
 from dit_serve.server.reaper import release_local_ray, watch_local_ray
@@ -177,6 +178,8 @@ class Service:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         catalog = build_catalog(self.config)
         self.store = open_store(self.config)
+        if self.config.workers.lora_dir and self.config.workers.lora_slots:
+            register_dir(self.store, self.config.workers.lora_dir, LoraPolicy.of(self.config.workers), catalog.models)
         self._spawn("heap-trim", heap.trim_every, 60.0, self._stop)
         if "api" in self.roles and self.store.engine.dialect.name == "postgresql":
             self._spawn("changes", self.store.listen, self._stop)  # other processes' writes wake our waiters
@@ -232,7 +235,8 @@ class Service:
 
         app = create_app(self.store, catalog, self.config.server, self.metrics,
                          lambda: self.scheduler.num_ready if self.scheduler else None, self.config.webhooks.allow_hosts,
-                         upload_ttl_s=self.config.store.upload_retention_hours * 3600)
+                         upload_ttl_s=self.config.store.upload_retention_hours * 3600,
+                         lora_policy=LoraPolicy.of(self.config.workers))
         app.router.lifespan_context = self._lifespan
         self._sock = _bind(self.config.server.host, self.config.server.port)
         self.port = self._sock.getsockname()[1]

@@ -388,3 +388,10 @@ def test_the_progress_bar_starts_no_thread_that_could_take_a_ctrl_c(shown):
     finally:
         bar.close()
     assert not started, started
+
+
+@pytest.mark.parametrize("lora, words", [("ink:strong", "is not a number"), (":0.5", "not NAME[:SCALE]"),
+                                         ("ink:nan", "finite")])
+def test_a_bad_lora_is_one_line(lora, words):
+    err = one_line(cli("submit", "--url", f"http://127.0.0.1:{free_port()}", "--labels", "1", "--lora", lora))
+    assert "--lora" in err and words in err

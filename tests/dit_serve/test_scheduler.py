@@ -155,3 +155,59 @@ def test_a_worker_gets_a_models_items_once_it_reports_serving_it_and_one_that_fa
     sched._apply_report(w, {**report, "load_failed": "loading model x failed: OSError: gone"})
     assert "w" not in sched.workers and sched._backoff["w"][0] == 1
     assert len(store.lease("other", ["digits", "digits-text"], 4, ttl=30)) == 2  # both items back in the queue
+
+
+def test_a_worker_gets_an_items_adapters_before_the_item_and_workers_holding_them_are_preferred(tmp_path):
+    """Adapters reach a worker once (``add_lora`` ahead of ``submit``, in the actor's call order); a worker whose
+    poll reports an adapter gets items naming it instead of one that lacks it; an item whose adapter was deleted
+    after its job was submitted fails with the reason."""
+    from types import SimpleNamespace
+
+    from dit_serve.schemas import JobParams, LoraUse
+    from dit_serve.server.config import SchedulerConfig
+    from dit_serve.server.scheduler import Scheduler, _Worker
+    from dit_serve.server.store import Store
+
+    store = Store(f"sqlite:///{tmp_path}/s.db", tmp_path)
+    lora = store.put_lora("ink", b"adapter bytes", "default", True, "digits", "dit", "peft", 2, 1)
+    calls: list[tuple] = []
+
+    def handle(name):
+        return SimpleNamespace(**{m: SimpleNamespace(remote=lambda *a, m=m: calls.append((name, m, *a)))
+                                  for m in ("submit", "add_lora", "remove_lora")})
+
+    def job(loras):
+        params = JobParams(sampler="ddim", steps=5, guidance=1.0, loras=[LoraUse(name=n, scale=0.5, sha256=lora.sha256)
+                                                                         for n in loras])
+        return store.submit("digits", params, [1], [0])
+
+    sched = Scheduler(store, WorkerConfig(max_batch=4, max_inflight=4), SchedulerConfig(group_shapes=False), 30.0)
+    a = _Worker("a", None, handle("a"), None, models=["digits"])
+    b = _Worker("b", None, handle("b"), None, models=["digits"])
+    sched.workers.update(a=a, b=b)
+    job(["ink"]), job([]), job(["ink"])
+    sched._fill(a, expect=True)
+    assert [c[:3] for c in calls] == [("a", "add_lora", "ink"), ("a", "submit", calls[1][2])]
+    assert calls[0][3:] == (b"adapter bytes", "digits") and [s.loras for s in calls[1][2]] == \
+        [(("ink", 0.5),), (), (("ink", 0.5),)]
+    calls.clear()
+    job(["ink"])  # a holds it now (sent once): no second add_lora
+    sched._fill(a, expect=True)
+    assert [c[1] for c in calls] == ["submit"]
+    calls.clear()
+    b.leases, a.leases = {}, {}
+    sched._apply_report(b, {"progress": {}, "finished": [], "failed": [], "loras": ["ink"]})
+    c = _Worker("c", None, handle("c"), None, models=["digits"])
+    sched.workers["c"] = c
+    del sched.workers["a"]
+    job(["ink"])
+    sched._fill(c, expect=True)  # c lacks it, b reports it: the item goes to b, nothing is sent to c
+    assert [c_[:2] for c_ in calls] == [("b", "submit")] and len(b.leases) == 1
+    calls.clear()
+    doomed = job(["ink"])
+    store.delete_lora("ink")
+    del sched.workers["b"]
+    sched._fill(c, expect=True)
+    assert calls == []
+    failed = store.get_job(doomed[0] if isinstance(doomed, tuple) else doomed)
+    assert failed.state == "failed" and "adapter 'ink' was deleted" in failed.items[0].error

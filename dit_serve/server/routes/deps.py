@@ -20,6 +20,7 @@ from dit_serve.server.catalog import Catalog, RequestError
 from dit_serve.server.config import LimitsConfig, ServerConfig
 from dit_serve.server.events import Streams
 from dit_serve.server.keys import AuthError, KeyRing, Principal
+from dit_serve.server.loras import LoraPolicy
 from dit_serve.server.metrics import Metrics
 from dit_serve.server.routes.admission import Admission
 from dit_serve.server.store import Store
@@ -49,6 +50,10 @@ async def _metrics(request: Request) -> Metrics:
 
 async def _admission(request: Request) -> Admission:
     return request.app.state.admission
+
+
+async def _lora_policy(request: Request) -> LoraPolicy:
+    return request.app.state.lora_policy
 
 
 async def _streams(request: Request) -> Streams:
@@ -83,6 +88,7 @@ ServerDep = Annotated[ServerConfig, Depends(_server)]
 MetricsDep = Annotated[Metrics, Depends(_metrics)]
 AdmissionDep = Annotated[Admission, Depends(_admission)]
 StreamsDep = Annotated[Streams, Depends(_streams)]
+LoraPolicyDep = Annotated[LoraPolicy, Depends(_lora_policy)]
 WorkersReadyDep = Annotated[Callable[[], int | None], Depends(_workers_ready)]
 Caller = Annotated[Principal, Depends(authorize)]
 

@@ -16,8 +16,10 @@ from dit_serve.server.catalog import RequestError
 from dit_serve.server.events import END_EVENT_ITEMS, Cursor, EventResponse, JobEvents
 from dit_serve.server.inputs import JobInputs, format_of
 from dit_serve.server.keys import Principal
+from dit_serve.server.loras import resolve_loras
 from dit_serve.server.routes import errors
-from dit_serve.server.routes.deps import AdmissionDep, Caller, CatalogDep, StoreDep, StreamsDep, v1_router
+from dit_serve.server.routes.deps import (AdmissionDep, Caller, CatalogDep, LoraPolicyDep, StoreDep, StreamsDep,
+                                         v1_router)
 from dit_serve.server.store import Store, dump_manifest
 
 MAX_OFFSET = 10**12
@@ -52,15 +54,18 @@ def job_or_404(store: Store, job_id: str, who: Principal, with_items: bool = Tru
 
 @router.post("/jobs", status_code=202, response_model=Job, responses=errors(403, 409, 429))
 def submit_job(req: JobRequest, store: StoreDep, catalog: CatalogDep, admission: AdmissionDep,
-               who: Caller, idempotency_key: str | None = IdempotencyKey) -> Job:
+               lora_policy: LoraPolicyDep, who: Caller, idempotency_key: str | None = IdempotencyKey) -> Job:
     """Queue a job; 202 once it is committed to the store (429 with Retry-After when the queue is full).
-    Edits send ``image`` (an upload's id or a data URL; or ``image_b64``), ``mask`` and ``strength``."""
+    Edits send ``image`` (an upload's id or a data URL; or ``image_b64``), ``mask`` and ``strength``; adapters
+    ``loras`` ([{"name", "scale"}], GET /v1/loras)."""
     def upload(upload_id: str) -> bytes | None:
         found = store.get_upload(upload_id, tenant=who.scope, data=True)
         return None if found is None else found[1]
 
     inputs = JobInputs(req, upload, catalog.limits.max_inline_image_bytes)
-    job_id, created, job = admission.submit(catalog.resolve_job(req, idempotency_key, inputs), who, idempotency_key)
+    new = catalog.resolve_job(req, idempotency_key, inputs)
+    new = resolve_loras(new, req.loras, store, who.scope, catalog.models[new.model], lora_policy)
+    job_id, created, job = admission.submit(new, who, idempotency_key)
     headers = {"Location": f"/v1/jobs/{job_id}"} | ({} if created else {"Idempotent-Replayed": "true"})
     # a new job as written, not read back, and serialised here: this answer is on every image's path,
     # and the scheduler leasing the job meanwhile needs the interpreter that a re-validation would hold

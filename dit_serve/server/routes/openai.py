@@ -18,9 +18,11 @@ from dit_serve.schemas import ImageData, ImageEditRequest, ImageGenerationReques
 from dit_serve.server.catalog import RequestError
 from dit_serve.server.config import LimitsConfig
 from dit_serve.server.inputs import Input, check_size, mask_from_alpha
+from dit_serve.server.loras import resolve_loras
 from dit_serve.server.routes import errors, form_body
 from dit_serve.server.routes.forms import one_file, read_form, validate_fields
-from dit_serve.server.routes.deps import AdmissionDep, Caller, CatalogDep, LimitsDep, ServerDep, StoreDep, v1_router
+from dit_serve.server.routes.deps import (AdmissionDep, Caller, CatalogDep, LimitsDep, LoraPolicyDep, ServerDep,
+                                         StoreDep, v1_router)
 from dit_serve.server.store import Store
 
 router = v1_router("openai")
@@ -30,10 +32,12 @@ router = v1_router("openai")
              responses=errors(403, 429, 504))
 async def generate_images(req: ImageGenerationRequest, request: Request, store: StoreDep, catalog: CatalogDep,
                           admission: AdmissionDep, limits: LimitsDep, server: ServerDep,
-                          who: Caller) -> Response | ImagesResponse:
+                          lora_policy: LoraPolicyDep, who: Caller) -> Response | ImagesResponse:
     """OpenAI-compatible: runs a job of ``n`` images of the class the prompt names and waits for it.
     A client that hangs up before it finishes gets its job cancelled (``[server] cancel_on_disconnect``)."""
     new = catalog.resolve_images(req)
+    new = await run_in_threadpool(resolve_loras, new, req.loras, store, who.scope, catalog.models[new.model],
+                                  lora_policy)
     job_id, _, _ = await run_in_threadpool(admission.submit, new, who)
     job = await _wait(store, job_id, limits, request, server.cancel_on_disconnect)
     if job is None:  # the client went away
@@ -49,12 +53,16 @@ EDIT_FORM = form_body(ImageEditRequest.model_json_schema(), ["image", "prompt"],
              "is refused, as no served model takes reference images)",
     "mask": "where to edit: an image of the input's size whose fully transparent pixels are repainted "
             "(OpenAI's rule), for models that inpaint; without it the whole image is varied (image-to-image)"})
+EDIT_FORM["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"]["loras"] = {
+    "type": "string", "contentMediaType": "application/json",
+    "description": "adapters, as for jobs: the list as JSON text, [{\"name\": ..., \"scale\": 0.8}]"}
 
 
 @router.post("/images/edits", response_model=ImagesResponse, response_model_exclude_none=True,
              responses=errors(403, 429, 504), openapi_extra=EDIT_FORM)
 async def edit_images(request: Request, store: StoreDep, catalog: CatalogDep, admission: AdmissionDep,
-                      limits: LimitsDep, server: ServerDep, who: Caller) -> Response | ImagesResponse:
+                      limits: LimitsDep, server: ServerDep, lora_policy: LoraPolicyDep,
+                      who: Caller) -> Response | ImagesResponse:
     """OpenAI-compatible image edits (multipart/form-data): ``n`` images made from ``image``, inpainted where the
     ``mask`` is transparent (models that inpaint), else image-to-image at ``strength``; waits as generations do."""
     files, fields = await read_form(request, ("image", "mask"))
@@ -70,6 +78,8 @@ async def edit_images(request: Request, store: StoreDep, catalog: CatalogDep, ad
             check_size(len(part.data), name, limits.max_image_bytes)
     read_mask = None if mask is None else (lambda: Input.of(mask_from_alpha(mask.data), "mask", mask=True))
     new = await run_in_threadpool(catalog.resolve_edit, req, lambda: Input.of(image.data, "image"), read_mask)
+    new = await run_in_threadpool(resolve_loras, new, req.loras, store, who.scope, catalog.models[new.model],
+                                  lora_policy)
     job_id, _, _ = await run_in_threadpool(admission.submit, new, who)
     job = await _wait(store, job_id, limits, request, server.cancel_on_disconnect)
     if job is None:  # the client went away

@@ -27,4 +27,5 @@ def prometheus(store: StoreDep, metrics: MetricsDep) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST
 
     metrics.queue_depth.set(store.counts().get("queued", 0))
+    metrics.loras_registered.set(store.count_loras())
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

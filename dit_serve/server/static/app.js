@@ -8,6 +8,7 @@ const SAMPLERS = ["ddpm", "ddim", "euler", "euler_a", "dpmpp_2m", "flow_euler"];
 const MAX_CELLS = 2000;       // a bigger job shows its first items; "Download all" has every image
 const ITEM_REFRESH_MAX = 256; // jobs up to this size re-read their items (each one's step) once a second
 const models = new Map();     // id -> card, from GET /v1/models
+let adapters = [];             // GET /v1/loras: the adapters this key may name
 let view = null;              // the shown view: { leave() }
 
 function el(tag, props = {}, ...children) {
@@ -202,6 +203,11 @@ function jobRequest() {
     if (m.takes_mask && edit.painted) body.mask = maskDataUrl();
     body.strength = number("f-strength");
   }
+  const loras = $("f-loras").value.split(",").map((t) => t.trim()).filter(Boolean).map((t) => {
+    const at = t.lastIndexOf(":");
+    return at > 0 ? { name: t.slice(0, at), scale: Number(t.slice(at + 1)) } : { name: t };
+  });
+  if (loras.length) body.loras = loras;
   if (m.conditioning === "text") {
     body.prompts = $("f-prompts").value.split("\n").map((p) => p.trim()).filter(Boolean);
     body.num_per_prompt = number("f-count");
@@ -212,6 +218,15 @@ function jobRequest() {
     body.num_per_label = number("f-count");
   }
   return body;
+}
+
+// The adapters the chosen model may apply: its own and those for any model of its family.
+function listAdapters() {
+  const m = card();
+  const usable = adapters.filter((a) => (a.model ? a.model === m.id : !a.family || a.family === m.family));
+  $("lora-names").replaceChildren(...usable.map((a) => el("option", { value: a.name })));
+  $("lora-list").textContent = usable.length ? `Adapters: ${usable.map((a) => `${a.name} (rank ${a.rank})`).join(", ")}`
+                                             : "No adapters for this model.";
 }
 
 async function submitJob(e) {
@@ -562,6 +577,9 @@ async function start() {
   for (const m of list.data) models.set(m.id, m);
   $("f-model").replaceChildren(...list.data.map((m) =>
     el("option", { value: m.id, textContent: m.speed && m.speed !== "default" ? `${m.id} (${m.speed})` : m.id })));
+  adapters = (await api("/v1/loras").catch(() => ({ data: [] }))).data;
+  $("f-model").addEventListener("change", listAdapters);
+  listAdapters();
   applyModel();
   window.addEventListener("hashchange", route);
   route();

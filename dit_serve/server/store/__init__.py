@@ -24,6 +24,7 @@ engine, the migration, transactions, change notifications):
 - ``store.outbox``, ``OutboxMixin``: webhooks due, claimed, recorded;
 - ``store.retention``, ``RetentionMixin``: finished jobs past retention, stale temp files;
 - ``store.uploads``, ``UploadsMixin``: edits' uploaded images (quota, retention) and the inputs a job keeps;
+- ``store.loras``, ``LorasMixin``: the adapter registry (LoRA files and who may use them);
 - ``store.workers``, ``WorkersMixin``: the workers each scheduler runs and the models they serve.
 
 The schema and its migrations are ``store.tables``; ``store.changes`` wakes waiters on a job's changes.
@@ -34,23 +35,24 @@ from __future__ import annotations
 from dit_serve.server.store.base import StoreBase, StoreError, _driver_url  # noqa: F401 (tests read it here)
 from dit_serve.server.store.changes import CHANNEL, Changes
 from dit_serve.server.store.job import IdempotencyConflict, JobsMixin, QueueFull, dump_manifest, job_state
+from dit_serve.server.store.loras import LoraNameTaken, LorasMixin
 from dit_serve.server.store.leases import Lease, LeasesMixin, lease_shape, requeue_backoff
 from dit_serve.server.store.outbox import OutboxMixin
 from dit_serve.server.store.results import ResultsMixin
 from dit_serve.server.store.retention import RetentionMixin
 from dit_serve.server.store.tables import (DEFAULT_TENANT, MIGRATIONS, SCHEMA_VERSION, api_keys, items, jobs, meta,
-                                           schema, tenants, uploads, workers)
+                                           loras, schema, tenants, uploads, workers)
 from dit_serve.server.store.uploads import InputMissing, UploadQuotaFull, UploadsMixin
 from dit_serve.server.store.workers import WorkerRow, WorkersMixin
 
-__all__ = ["CHANNEL", "DEFAULT_TENANT", "MIGRATIONS", "SCHEMA_VERSION", "Changes", "IdempotencyConflict", "Lease",
+__all__ = ["CHANNEL", "DEFAULT_TENANT", "MIGRATIONS", "SCHEMA_VERSION", "Changes", "IdempotencyConflict", "Lease", "LoraNameTaken",
            "QueueFull", "Store", "StoreError", "WorkerRow", "api_keys", "dump_manifest", "items", "job_state", "jobs",
-           "lease_shape", "meta", "requeue_backoff", "schema", "tenants", "InputMissing", "UploadQuotaFull", "uploads",
+           "lease_shape", "loras", "meta", "requeue_backoff", "schema", "tenants", "InputMissing", "UploadQuotaFull", "uploads",
            "workers"]
 
 
-class Store(JobsMixin, LeasesMixin, ResultsMixin, OutboxMixin, RetentionMixin, UploadsMixin, WorkersMixin,
-            StoreBase):
+class Store(JobsMixin, LeasesMixin, ResultsMixin, OutboxMixin, RetentionMixin, UploadsMixin, LorasMixin,
+            WorkersMixin, StoreBase):
     """Jobs, items, leases and results. Thread-safe: each call uses its own pooled connection.
 
     ``max_requeues`` bounds the infrastructure failures an item survives; ``poison_crashes`` the crashes

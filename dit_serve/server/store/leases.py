@@ -57,7 +57,8 @@ class Lease:
                         eta=p.eta, label=self.label, model=self.model, prompt=self.prompt or "",
                         negative_prompt=p.negative_prompt, width=p.width, height=p.height,
                         out_width=p.output_width, out_height=p.output_height, preview_every=p.preview_every,
-                        image=self.image, mask=self.mask, strength=p.strength or 1.0)
+                        image=self.image, mask=self.mask, strength=p.strength or 1.0,
+                        loras=tuple((u.name, u.scale) for u in p.loras))
 
 
 def requeue_backoff(requeues: int) -> float:

@@ -32,7 +32,7 @@ class RetentionMixin(StoreBase):
         only old ones, since another scheduler may be writing a fresh one. Returns how many."""
         cutoff, n = time.time() - older_than_s, 0
         temps = [*(self.data_dir / "images").glob("*/.*.tmp"), *(self.data_dir / "previews").glob("*/.*.tmp"),
-                 *(self.data_dir / "uploads").glob(".*.tmp")]
+                 *(self.data_dir / "uploads").glob(".*.tmp"), *(self.data_dir / "loras").glob(".*.tmp")]
         for tmp in temps:
             try:
                 if tmp.stat().st_mtime < cutoff:

@@ -115,12 +115,30 @@ workers = Table(
     Column("updated_at", Float, nullable=False),
 )
 
+# adapters (POST /v1/loras, [workers] lora_dir): the file is loras/<name>.safetensors under the data dir. One name
+# space: workers register adapters by name. A tenant's own, or shared (uploaded with the admin key, or from lora_dir)
+loras = Table(
+    "loras", meta,
+    Column("name", String(64), primary_key=True),
+    Column("tenant", String(64), nullable=False),   # who registered it
+    Column("shared", Boolean, nullable=False, default=False),  # every tenant sees it
+    Column("model", String(200), nullable=False),   # the model it was checked against ("": any of its family)
+    Column("family", String(50), nullable=False),   # that model's family ("": any)
+    Column("format", String(16), nullable=False),   # peft | kohya-flux | kohya-sd3
+    Column("rank", Integer, nullable=False),
+    Column("modules", Integer, nullable=False),     # linears it targets
+    Column("sha256", String(64), nullable=False),
+    Column("bytes", BigInteger, nullable=False),
+    Column("source", String(10), nullable=False),   # upload | dir
+    Column("created_at", Float, nullable=False),
+    Index("loras_tenant", "tenant"),
+)
 
 # The schema's version, stored in the database. Version 1 is the first layout (it had no version
 # table); 2 added the idempotency columns, 3 job priorities, 4 webhooks, 5 tenants, API keys and failure
-# accounting, 6 prompts, 7 uploads, 8 the workers table. MIGRATIONS[v] brings v to v + 1 in place; "table:NAME"
+# accounting, 6 prompts, 7 uploads, 8 the workers table, 9 adapters. MIGRATIONS[v] brings v to v + 1 in place; "table:NAME"
 # creates that table.
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 schema = Table("dit_serve_schema", meta, Column("version", Integer, primary_key=True))
 MIGRATIONS = {
     1: ["ALTER TABLE jobs ADD COLUMN idempotency_key VARCHAR(200)",
@@ -150,4 +168,5 @@ MIGRATIONS = {
     5: ["ALTER TABLE items ADD COLUMN prompt TEXT"],
     6: ["table:uploads"],
     7: ["table:workers"],
+    8: ["table:loras"],
 }
