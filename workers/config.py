@@ -89,6 +89,16 @@ class WorkerConfig(BaseModel):
         "as FP8 matrix products (compute capability 8.9+: Ada, Hopper; refused on others); 'fp8+attention' also "
         "SD3's and FLUX.1's joint attention (Hopper, with the cuDNN frontend); 'bf16': the model's dtype")
 
+    # per-request LoRA (workers.lora): a fixed-shape adapter bank per served model; 0 slots: off, nothing added
+    lora_slots: int = Field(0, ge=0, le=1024, description="adapters resident per model at once (the bank's slots); "
+                                                          "0: LoRA off (no bank, no per-row step inputs)")
+    lora_max_rank: int = Field(64, ge=1, le=1024, description="the largest adapter rank the bank holds (smaller "
+                                                              "ranks are zero-padded)")
+    lora_per_request: int = Field(4, ge=1, le=16, description="adapters one request may name")
+    lora_dir: str = Field("", max_length=500, description="a folder whose *.safetensors files are registered at "
+                                                          "start-up, each named by its file stem")
+    lora_max_bytes: int = Field(512 * 2**20, ge=1, description="the largest adapter file accepted")
+
     @field_validator("warm_sizes")
     @classmethod
     def _sizes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
