@@ -546,6 +546,8 @@ class Engine:
             if group.active:
                 finished += self._step_group(group, on_progress)
         self.steps_run += 1
+        if self.lora is not None:
+            self._collect_loras()
         return finished
 
     def _step_group(self, group: _Group, on_progress: ProgressFn | None) -> list[ImageResult]:
@@ -620,7 +622,6 @@ class Engine:
         if ready:
             self._waiting = [r for r in self._waiting if all(r is not q for q in ready)]
             self._admit_many(ready)
-        self._collect_loras()
 
     def _collect_loras(self) -> None:
         if self.lora.removing:
