@@ -169,21 +169,3 @@ def unreached(transformer: nn.Module, run: Callable[[], object]) -> list[str]:
     return [m.name for m in wraps if m.name not in called]
 
 
-
-def reached(transformer: nn.Module, run: Callable[[], object]) -> list[str]:
-    """The linears of ``transformer`` (``validate.linear_shapes``) that ``run()`` (a forward, eager, before
-    ``apply_lora``) calls and no speed rewrite computes without calling: the targets a bank of a sped-up model
-    can serve. A linear some rewrite bypasses (hoisted, fused, its product taken from its weight) is left out,
-    so an adapter targeting it is refused at registration instead of being silently half applied."""
-    from workers.lora.validate import linear_shapes
-
-    names = list(linear_shapes(transformer))
-    called: set[str] = set()
-    hooks = [transformer.get_submodule(n).register_forward_pre_hook(lambda mod, args, n=n: called.add(n))
-             for n in names]
-    try:
-        run()
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return [n for n in names if n in called and _bypassed(transformer.get_submodule(n)) is None]
