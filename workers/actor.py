@@ -12,6 +12,10 @@ never touch the engine, so the engine stays single-threaded:
   arena and weights go; a load waits for the unloads sent before it, so their memory is free). An item of a
   model this worker does not serve at the moment but knows (one it unloaded or is loading) is handed back
   unrun (``returned`` in the next poll: the scheduler requeues it uncounted), never failed.
+- ``add_lora(name, data, model)`` / ``remove_lora(name)`` register and unregister an adapter (``workers.lora``,
+  with ``lora_slots`` > 0): done by the step loop between steps (the engine validates it there; a ValueError naming
+  the mismatch comes back to the caller); an item naming an adapter not resident waits in the engine until a slot is
+  free. The adapters of ``lora_dir`` are registered at start-up. The poll lists the registered names (``loras``).
 - ``poll(wait_s)`` hands over what happened since the last poll: per-item progress, finished items
   as PNG bytes, the latest preview of running items that asked for them (key, step, PNG bytes; encoded
   by the poll, only the latest of each item, never by the step loop),
@@ -40,7 +44,7 @@ import queue
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 from workers.config import WorkerConfig
@@ -106,6 +110,7 @@ class Worker:
         log.info("worker ready: %s on %s (%s), warm-up %.1f s%s", first.name, self.device, self.backend,
                  time.perf_counter() - t0, f"; loading {len(jobs) - 1} more model(s) while it serves"
                  if len(jobs) > 1 else "")
+        self._loras = self._lora_dir(config.lora_dir)  # the adapters registered, as the last step loop saw them
         self._specs = {first.name: config.models[0]}  # loaded model name -> its entry in config.models
         self._ready = [first.name]  # the models it serves now (the engine's, as the step loop added them)
         self._loading = [spec for spec, _, _ in jobs[1:]]  # what it has yet to serve
@@ -284,6 +289,54 @@ class Worker:
             self._inbox.put(("cancel", item_id))
         return [True] * len(ids)
 
+    def add_lora(self, name: str, data: bytes, model: str | None = None, timeout: float = 120.0) -> dict:
+        """Register the adapter ``data`` (safetensors bytes) as ``name`` for ``model`` (None: the model its metadata
+        names, else every served model it fits); done by the step loop between steps. Its ``Engine.loras`` entry;
+        ValueError naming the mismatch."""
+        return self._on_loop("lora_add", (name, data, model), timeout)
+
+    def remove_lora(self, name: str, timeout: float = 120.0) -> bool:
+        """Unregister ``name`` (it leaves its slot once no item uses it); False if it was not registered."""
+        return self._on_loop("lora_remove", name, timeout)
+
+    def _on_loop(self, kind: str, payload, timeout: float):
+        done: Future = Future()
+        self._inbox.put((kind, (payload, done)))
+        return done.result(timeout)
+
+    def _lora_dir(self, folder: str) -> list[str]:
+        """Register every ``*.safetensors`` of ``folder`` (named by its stem); one that does not fit is logged."""
+        from pathlib import Path
+
+        if folder and self.engine.lora is not None:
+            for path in sorted(Path(folder).glob("*.safetensors")):
+                try:
+                    self.engine.add_lora(path.stem, path)
+                except ValueError as e:
+                    log.warning("adapter %s not registered: %s", path.name, e)
+        elif folder:
+            log.warning("lora_dir %s ignored: lora_slots is 0", folder)
+        return sorted(self.engine.loras())
+
+    def _lora(self, kind: str, payload) -> None:
+        """The step loop: an adapter registered or removed, its result handed to the waiting caller."""
+        args, done = payload
+        try:
+            if kind == "lora_add":
+                result = self.engine.add_lora(*args)
+            else:
+                try:
+                    self.engine.remove_lora(args)
+                    result = True
+                except KeyError:
+                    result = False
+        except Exception as e:
+            done.set_exception(e)
+        else:
+            done.set_result(result)
+        with self._lock:
+            self._loras = sorted(self.engine.loras())
+
     def poll(self, wait_s: float = 0.0) -> dict:
         """What happened since the last poll. With ``wait_s``, a long poll: it answers as soon as an item
         finished, failed or crashed, or after ``wait_s`` (progress and previews ride along). The scheduler
@@ -300,6 +353,7 @@ class Worker:
             report = {"progress": dict(self._progress), "finished": self._finished, "failed": self._failed,
                       "returned": self._returned,
                       "timings": self._timings, "models": sorted(self._ready), "loading": list(self._loading),
+                      "loras": list(self._loras),
                       **({"load_failed": self._load_failed} if self._load_failed else {}),
                       "crashed": self._crashed, "step_seconds": self._step_seconds, "busy_s": self._busy_s,
                       "window_s": now - self._since, "stats": self.engine.stats(), "answered": time.time()}
@@ -344,6 +398,10 @@ class Worker:
                 self._add(adds)
                 adds = []
                 self._unload(payload)
+            elif kind in ("lora_add", "lora_remove"):
+                self._add(adds)
+                adds = []
+                self._lora(kind, payload)
             else:
                 self._add(adds)
                 adds = []

@@ -84,6 +84,7 @@ class WorkerConfig(BaseModel):
     compile_cache: str = Field("", max_length=500, description="the compiled kernels' directory (Inductor's, and "
                                                                "FlashAttention-4's under it), kept across restarts; "
                                                                "'': <data_dir>/compile-cache under the service")
+    # per-request LoRA (workers.lora): a fixed-shape adapter bank per served model; 0 slots: off, nothing added
     lora_slots: int = Field(0, ge=0, le=1024, description="adapters held on the device at once per model; 0: LoRA "
                             "off (no bank, no step inputs, zero cost)")
     lora_max_rank: int = Field(64, ge=1, le=1024, description="the largest adapter rank the bank holds (smaller "

@@ -33,12 +33,26 @@ selects, and joins its group at that step with a cut plan: the same graphs as te
 its family's step variant (``Family.variant_specs``), grouped by the reference's size. An inpainting request's rows run the
 engine's ``INPAINT`` variant of the family's step (its own groups and graphs), which blends the image back outside
 the mask after every step, inside the captured step.
+
+LoRA (``WorkerConfig.lora_slots`` > 0; ``workers.lora``): each model gets, after the speed layer, a fixed-shape
+adapter bank (``LoraBank``) over the linears its sped-up step still calls (``workers.lora.reached``, measured on one
+forward of the warm-up example): where a speed rewrite computes a linear without calling it (SD3's and FLUX.1's
+hoisted modulation under the graph backends, fused FP8 products, an epilogue's own product), that linear is left out
+of the bank, so an adapter targeting it is refused at registration (naming it) rather than applied in part; the
+rewrites stay, so rows without adapters run exactly as without LoRA. Serving such adapters means turning the rewrite
+off for that model (``SpeedConfig``). Its linears are wrapped (``apply_lora``), and every group's step is
+``with_lora(step)`` with two more per-row inputs (``lora_specs``: the rows' slots and scales), made at admission from
+the request's ``ItemSpec.loras`` (``LoraBank.row``). A request whose adapters are registered but not resident waits in
+the engine's queue (``num_active`` counts it, ``progress`` shows it at step 0) until ``step`` loads them between
+steps into free or least recently used idle slots (in place: no recapture, no recompile), then joins its group.
+With ``lora_slots`` 0 none of this exists: no bank, no wrap, no extra inputs.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
@@ -54,6 +68,8 @@ from workers.edits import EDIT_INPUTS, Start, check_edit, edit_specs, family_var
 from workers.encoders import EncoderGraphs, padded_length
 from workers.families import compile_regions, family_of, preview_map_of
 from workers.kernels.attention import CHOOSER
+from workers.lora import apply_lora, lora_specs, reached, with_lora
+from workers.lora.serving import Loras
 from workers.loading import LoadedModel
 from workers.previews import to_rgb
 from workers.request.admission import spec_shape
@@ -117,6 +133,7 @@ class _Active:
     step: int = 0
     edit: dict[str, torch.Tensor] = field(default_factory=dict)  # an inpainting row's (workers.edits.EDIT_INPUTS):
     # mask, image_latents, image_noise on the device, and blend (S, 2), a row per step
+    slots: tuple[int, ...] = ()  # the bank slots its adapters are in (a host copy of cond["lora_slots"])
 
 
 @dataclass
@@ -198,6 +215,9 @@ class Engine:
         self._warm = False
         self.steps_run = 0
         self.attention: dict[str, str] = {}  # model -> the attention kernel its steps run, where a family says
+        self.lora = Loras(config.lora_slots, config.lora_max_rank, config.lora_per_request, config.lora_max_bytes) \
+            if config.lora_slots else None
+        self._waiting: list[ItemSpec] = []  # admitted requests whose adapters are not resident yet (FIFO)
         for m in models:  # encoder graphs an earlier engine made are not this one's
             m.text_graphs = None
         for m in models:
@@ -232,7 +252,11 @@ class Engine:
         for key in mine:
             del self.groups[key]
         self._keys = {k: v for k, v in self._keys.items() if k[0] != name}
+        if any(self._model_of(r) == name for r in self._waiting):
+            raise ValueError(f"model {name!r} still has requests waiting for adapters: cancel them before removing it")
         model = self.models.pop(name)
+        if self.lora is not None:
+            self.lora.remove_model(name)
         self.speed.pop(name, None)
         self.attention.pop(name, None)
         model.text_graphs = None
@@ -245,10 +269,24 @@ class Engine:
         if applied.attention is not None:
             self.attention[m.name] = applied.attention
             log.info("%s: %s", m.name, applied.attention)
+        if self.lora is not None:
+            self._add_bank(m)
         for variant in family.step_variants(m):  # warmed by warmup or add_model, with its sizes
             self._group(m, tuple(m.latent_shape), variant, capture=False)
         if graphs and family.encoder_graphs:
             self._graph_encoder(m)
+
+    def _add_bank(self, m: LoadedModel) -> None:
+        """``m``'s adapter bank over the linears its sped-up step calls (module docstring), its linears wrapped."""
+        shape = tuple(m.latent_shape)
+        step = family_of(m).make_step(m, shape)
+        example = self.warmup_example(m, shape) or _zeros(step_specs(m, shape)[0], m.device)
+        with torch.no_grad():
+            targets = reached(m.transformer, lambda: step(**example))
+        bank = self.lora.add_model(m.name, m.transformer, targets)
+        apply_lora(m.transformer, bank)
+        log.info("%s: adapter bank of %d slots, rank %d, over %d of its linears (%.1f MB)", m.name, bank.slots,
+                 bank.max_rank, len(bank.targets), bank.nbytes / 1e6)
 
     def backend_for(self, model: LoadedModel) -> str:
         """The graph backend of ``model``'s groups (``backend_for``)."""
@@ -275,6 +313,9 @@ class Engine:
         step = family_of(model).make_step(model, shape, **({"variant": base} if base else {}))
         if inpaints:  # the family's step, then the blend (workers.edits.inpainting)
             step = inpainting(step)
+        if self.lora is not None and model.name in self.lora.banks:  # the rows' adapters (module docstring)
+            step = with_lora(step, self.lora.banks[model.name])
+            inputs = {**inputs, **lora_specs(self.config.lora_per_request)}
         speed, compiled = self.speed[model.name], None
         if speed.compile != "off":
             declined = family_of(model).uncompiled_on.get(device.type)
@@ -365,7 +406,12 @@ class Engine:
         if model.card is None:
             return None
         try:
-            return self._example(model, shape, variant)
+            example = self._example(model, shape, variant)
+            if self.lora is not None and model.name in self.lora.banks:  # no adapter: slot 0 at scale 0
+                p = self.config.lora_per_request
+                example.update(lora_slots=torch.zeros((1, p), dtype=torch.int64, device=model.device),
+                               lora_scales=torch.zeros((1, p), device=model.device))
+            return example
         except Exception as e:  # the timings lose realism; serving must not fail on it
             log.warning("%s: warm-up runs on zeros (its example failed: %s: %s)", model.name, type(e).__name__, e)
             return None
@@ -402,8 +448,20 @@ class Engine:
         self.add_many([req])
 
     def add_many(self, reqs: list[ItemSpec]) -> None:
-        """Admit requests (their conditioning encoded together, per model); they join at the next step.
-        Nothing is admitted if any of them is invalid (KeyError, ValueError)."""
+        """Admit requests (their conditioning encoded together, per model); they join at the next step, or,
+        naming adapters not resident, wait in the engine's queue until ``step`` loads them. Nothing is admitted
+        if any of them is invalid (KeyError, ValueError: an unknown adapter too)."""
+        for req in reqs:
+            self._key(req)
+            self._check_loras(req)
+        if self.lora is not None:
+            waiting = [r for r in reqs if r.loras and self.lora.missing(r.loras, self._model_of(r))]
+            self._waiting += waiting
+            reqs = [r for r in reqs if all(r is not w for w in waiting)]
+        if reqs:
+            self._admit_many(reqs)
+
+    def _admit_many(self, reqs: list[ItemSpec]) -> None:
         by_group: dict[GraphKey, list[ItemSpec]] = {}
         for req in reqs:
             by_group.setdefault(self._key(req), []).append(req)
@@ -428,6 +486,8 @@ class Engine:
             group = self.groups[key]
             family = family_of(group.model)
             conds = family.encode(group.model, group_reqs)
+            if self.lora is not None and group.model.name in self.lora.banks:  # the rows' slots and scales
+                conds = [{**c, **self.lora.row(r.loras, group.model.name)} for r, c in zip(group_reqs, conds)]
             tables = step_tables(group.model, [b.plan for b in begun[key]], group_reqs, conds)
             admitted += [(group, r, b, c, tb) for r, b, c, tb in zip(group_reqs, begun[key], conds, tables)]
         for group, req, start, cond, tables in admitted:
@@ -445,10 +505,15 @@ class Engine:
         return _Active(req, plan, _upload(begun.x, device), torch.zeros(begun.x.shape, device=device), begun.gen,
                        _upload(rows, device), _upload(guidance, device),
                        {k: _upload(v, device) for k, v in cond.items()}, tables,
-                       edit={k: _upload(v, device) for k, v in begun.edit.items()})
+                       edit={k: _upload(v, device) for k, v in begun.edit.items()},
+                       slots=tuple(int(s) for s in cond["lora_slots"] if s) if "lora_slots" in cond else ())
 
     def cancel(self, request_id: str) -> bool:
         """Drop a request at this step boundary; True if it was active (or finished and not yet handed out)."""
+        for i, r in enumerate(self._waiting):
+            if r.id == request_id:
+                del self._waiting[i]
+                return True
         for group in self.groups.values():
             for i, a in enumerate(group.active):
                 if a.req.id == request_id:
@@ -458,7 +523,8 @@ class Engine:
 
     @property
     def num_active(self) -> int:
-        return sum(len(g.active) for g in self.groups.values())
+        """Requests admitted and not finished: in their groups, or waiting for their adapters."""
+        return sum(len(g.active) for g in self.groups.values()) + len(self._waiting)
 
     def in_flight_shapes(self) -> set[tuple[str, int, int]]:
         """The shapes of the active requests (``workers.request.admission.spec_shape``)."""
@@ -466,16 +532,22 @@ class Engine:
 
     def progress(self) -> dict[str, tuple[int, int]]:
         """Steps done and planned per active request."""
-        return {a.req.id: (a.step, a.plan.num_steps) for g in self.groups.values() for a in g.active}
+        waiting = {r.id: (0, r.steps) for r in self._waiting}
+        return {**waiting, **{a.req.id: (a.step, a.plan.num_steps) for g in self.groups.values() for a in g.active}}
 
     # -- the step loop ---------------------------------------------------------------------------
     def step(self, on_progress: ProgressFn | None = None) -> list[ImageResult]:
-        """Advance every active request one denoising step; return the ones that finished."""
+        """Advance every active request one denoising step; return the ones that finished. Waiting requests whose
+        adapters can be loaded now are loaded and join first."""
+        if self.lora is not None:
+            self._admit_waiting()
         finished: list[ImageResult] = []
         for group in self.groups.values():
             if group.active:
                 finished += self._step_group(group, on_progress)
         self.steps_run += 1
+        if self.lora is not None:
+            self._collect_loras()
         return finished
 
     def _step_group(self, group: _Group, on_progress: ProgressFn | None) -> list[ImageResult]:
@@ -505,6 +577,60 @@ class Engine:
             return []
         group.active = [a for a in active if a.step < a.plan.num_steps]
         return self._finish(group, done)
+
+    # -- adapters -------------------------------------------------------------------------------------------
+    def add_lora(self, name: str, data: bytes | Path, model: str | None = None) -> dict:
+        """Register an adapter (safetensors bytes or file) as ``name`` for ``model`` (None: the model its metadata
+        names, else every served model it fits), in host memory; it is loaded into a slot when a request needs it.
+        ValueError naming the mismatch (``workers.lora.serving``); its ``loras()`` entry."""
+        if self.lora is None:
+            raise ValueError("this engine serves no adapters (lora_slots is 0)")
+        return self.lora.register(name, data, model)
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister ``name``: new requests cannot name it; it leaves its slot once no request uses it. KeyError
+        if it is not registered."""
+        if self.lora is None:
+            raise KeyError(f"adapter {name!r} is not registered here (lora_slots is 0)")
+        self.lora.remove(name)
+        self._collect_loras()
+
+    def loras(self) -> dict[str, dict]:
+        """{name: {"model", "models", "resident", "slot"}} of the registered adapters."""
+        return {} if self.lora is None else self.lora.describe()
+
+    def _check_loras(self, req: ItemSpec) -> None:
+        if not req.loras:
+            return
+        if self.lora is None:
+            raise ValueError(f"loras: this worker serves no adapters (asked for {', '.join(n for n, _ in req.loras)})")
+        self.lora.check(req.loras, self._model_of(req))
+
+    def _admit_waiting(self) -> None:
+        """Between steps: load what the waiting requests need into slots no running row uses, in their order (a
+        request that cannot get a slot keeps later ones of its model from taking one), and admit those ready."""
+        in_use: dict[str, set[int]] = {}
+        for g in self.groups.values():
+            in_use.setdefault(g.model.name, set()).update(s for a in g.active for s in a.slots)
+        ready, blocked = [], set()
+        for req in self._waiting:
+            model = self._model_of(req)
+            if model not in blocked and self.lora.make_resident(req.loras, model, in_use.setdefault(model, set())):
+                ready.append(req)
+            else:
+                blocked.add(model)
+        if ready:
+            self._waiting = [r for r in self._waiting if all(r is not q for q in ready)]
+            self._admit_many(ready)
+
+    def _collect_loras(self) -> None:
+        if self.lora.removing:
+            named = {n for r in self._waiting for n, _ in r.loras}
+            named |= {n for g in self.groups.values() for a in g.active for n, _ in a.req.loras}
+            self.lora.collect(named)
+
+    def _model_of(self, req: ItemSpec) -> str:
+        return req.model or next(iter(self.models))
 
     def _preview(self, group: _Group, active: list[_Active], denoised: torch.Tensor) -> None:
         """Start the previews due at this step (rows of ``denoised``, (B, C, H, W)) on their way to the host."""
@@ -580,9 +706,15 @@ class Engine:
     def stats(self) -> dict:
         return {"steps": self.steps_run, "real_rows": self.real_rows, "padded_rows": self.padded_rows,
                 "previews": self.previews_made, "attention": self.attention,
+                **({"lora": self.lora.stats(len(self._waiting))} if self.lora is not None else {}),
                 "groups": {f"{k.model}:{'x'.join(map(str, k.latent_shape))}:{k.dtype}:{k.backend}"
                            f"{':' + k.variant if k.variant else ''}":
                            _group_stats(g) for k, g in self.groups.items()}}
+
+
+def _zeros(specs: Mapping[str, TensorSpec], device) -> dict[str, torch.Tensor]:
+    """One row of zeros of every input of ``specs``."""
+    return {k: torch.zeros((1, *spec.shape_per_sample), dtype=spec.dtype, device=device) for k, spec in specs.items()}
 
 
 def _group_stats(group: _Group) -> dict:

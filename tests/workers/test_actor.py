@@ -389,3 +389,41 @@ def test_a_worker_switches_model_and_hands_back_the_items_it_no_longer_serves():
             assert time.monotonic() < deadline + 30
     finally:
         w.stop()
+
+
+def test_adapters_are_registered_listed_used_and_removed_through_the_worker(tmp_path):
+    """``add_lora`` / ``remove_lora`` on the step loop, the poll's ``loras``, ``lora_dir`` at start-up; an item with an
+    adapter finishes and differs from one without, an item naming an unknown adapter fails naming it."""
+    import torch
+    from safetensors.torch import save, save_file
+
+    from workers.loading import load_model
+    from workers.lora.validate import linear_shapes
+
+    if not (DIGITS_DIR / "model_index.json").exists():
+        pytest.skip("the shipped digits model (workers/models/digits) is missing")
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for name, (fin, fout) in list(linear_shapes(load_model("digits").transformer).items())[::2]:
+        state |= {f"transformer.{name}.lora_A.weight": torch.randn(2, fin, generator=g) / fin ** 0.5,
+                  f"transformer.{name}.lora_B.weight": torch.randn(fout, 2, generator=g)}
+    save_file(state, tmp_path / "thick.safetensors")
+    w = Worker(WorkerConfig(models=("digits",), max_batch=4, torch_threads=1, lora_slots=1, lora_max_rank=2,
+                            lora_dir=str(tmp_path)))
+    try:
+        assert w.poll()["loras"] == ["thick"]
+        assert w.add_lora("thin", save(state), "digits")["model"] == "digits"
+        with pytest.raises(ValueError, match="safetensors"):
+            w.add_lora("bad", b"\x80not an adapter", "digits")
+        assert w.poll()["loras"] == ["thick", "thin"]
+        items = [_item(60, seed=1, steps=4), _item(61, seed=1, steps=4, loras=(("thick", 1.0),)),
+                 _item(62, seed=1, steps=4, loras=(("thin", -1.0),)), _item(63, steps=4, loras=(("nope", 1.0),))]
+        w.submit(items)
+        finished, failed, reports = _drain(w, {it.id for it in items})
+        assert set(failed) == {"job/63"} and "'nope'" in failed["job/63"]
+        assert len({finished[f"job/6{i}"] for i in range(3)}) == 3  # one slot: "thin" waited for "thick" to leave
+        assert reports[-1]["stats"]["lora"]["evictions"] >= 1
+        assert w.remove_lora("thin") is True and w.remove_lora("thin") is False
+        assert w.poll()["loras"] == ["thick"]
+    finally:
+        w.stop()

@@ -168,3 +168,4 @@ def unreached(transformer: nn.Module, run: Callable[[], object]) -> list[str]:
             hook.remove()
     return [m.name for m in wraps if m.name not in called]
 
+

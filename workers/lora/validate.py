@@ -8,13 +8,13 @@ against the model it serves, before or after the wrap.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from workers.lora.formats import Adapter, LoraError
-from workers.lora.linear import LoraLinear
+from workers.lora.linear import LoraLinear, _bypassed
 from workers.speed.fp8 import Fp8Linear
 
 LINEARS = (nn.Linear, Fp8Linear)
@@ -76,3 +76,20 @@ def check_shapes(adapter: Adapter, shapes: dict[str, tuple[int, int]], max_rank:
                             f"{max_rank}")
         if not (torch.isfinite(w.a).all() and torch.isfinite(w.b).all()):
             raise LoraError(f"the adapter's {module!r} holds infinite or NaN values")
+
+
+def reached(transformer: nn.Module, run: Callable[[], object]) -> list[str]:
+    """The linears of ``transformer`` (``validate.linear_shapes``) that ``run()`` (a forward, eager, before
+    ``apply_lora``) calls and no speed rewrite computes without calling: the targets a bank of a sped-up model
+    can serve. A linear some rewrite bypasses (hoisted, fused, its product taken from its weight) is left out,
+    so an adapter targeting it is refused at registration instead of being silently half applied."""
+    names = list(linear_shapes(transformer))
+    called: set[str] = set()
+    hooks = [transformer.get_submodule(n).register_forward_pre_hook(lambda mod, args, n=n: called.add(n))
+             for n in names]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [n for n in names if n in called and _bypassed(transformer.get_submodule(n)) is None]

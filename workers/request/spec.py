@@ -26,7 +26,8 @@ class ItemSpec:
     size, white = repaint, black = keep (diffusers' ``mask_image``): inpainting. ``strength`` without an image
     means nothing. The bytes stay out of the repr (logs).
 
-    ``loras``: the adapters (registered by name on the worker) and their scales, at most ``lora_per_request``."""
+    ``loras``: the adapters (registered names) and their scales the image is made with, at most the worker's
+    ``lora_per_request``; empty: none (``workers.lora``)."""
 
     id: str
     seed: int

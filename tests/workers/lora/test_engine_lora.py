@@ -1,0 +1,193 @@
+"""Per-request LoRA through the engine (``Engine.generate``), on tiny FLUX.1 and SD3 models on the CPU, float32.
+
+A row with adapters equals the engine without LoRA on the same model with those adapters merged into its weights
+(``W + sum_j c_j alpha_j / r_j B_j A_j``: what diffusers' ``fuse_lora`` makes of loaded adapters); a batch mixing
+rows with A, B, A + B and none gives each row what it gives alone; a row without adapters is bit-identical to an
+engine without LoRA. Under ``backend="graphs"`` (on a CPU the runner's eager path, with the graph backends' speed
+rewrites applied) the bank leaves out the linears the rewrites bypass (the hoisted modulation), and an adapter on
+one is refused at registration.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from workers.config import WorkerConfig
+from workers.engine import Engine
+from workers.loading import load_model
+from workers.lora.validate import linear_shapes
+from workers.request.spec import ItemSpec
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+LORA = dict(backend="eager", max_batch=4, lora_slots=2, lora_max_rank=4, lora_per_request=2)
+
+
+def _make(family: str, path):
+    if family == "flux":
+        from workers.models.tiny_flux import make_tiny_flux
+
+        return make_tiny_flux(path)
+    from workers.models.tiny_sd3 import make_tiny_sd3
+
+    return make_tiny_sd3(path, t5=False)
+
+
+@pytest.fixture(scope="module", params=["flux", "sd3"])
+def model_dir(request, tmp_path_factory):
+    return _make(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def adapter_file(transformer, seed: int, every: int = 3, skip=("norm",), rank: int = 3) -> bytes:
+    """A PEFT adapter (safetensors bytes) on every ``every``-th linear of ``transformer`` not under ``skip``, rank
+    ``rank``, alpha 2 r; its {module: (a, b, alpha / r)} too."""
+    g = torch.Generator().manual_seed(seed)
+    state, weights = {}, {}
+    names = [n for n in linear_shapes(transformer) if not any(s in n for s in skip)][::every]
+    for name in names:
+        fin, fout = linear_shapes(transformer)[name]
+        a, b = torch.randn(rank, fin, generator=g) * 0.5 / fin ** 0.5, torch.randn(fout, rank, generator=g) * 0.5
+        state |= {f"transformer.{name}.lora_A.weight": a, f"transformer.{name}.lora_B.weight": b,
+                  f"transformer.{name}.alpha": torch.tensor(2.0 * rank)}
+        weights[name] = (a, b, 2.0)
+    return save(state), weights
+
+
+def merge(model, loras) -> None:
+    """Merge ``loras`` ((weights, scale) pairs) into ``model``'s transformer, in place."""
+    with torch.no_grad():
+        for weights, scale in loras:
+            for name, (a, b, s) in weights.items():
+                model.transformer.get_submodule(name).weight += scale * s * (b.double() @ a.double()).float()
+
+
+def req(i: int, loras=(), **kw) -> ItemSpec:
+    return ItemSpec(id=f"r{i}", seed=100 + i, sampler="flow_euler", steps=3, guidance=3.5, prompt="a red fox",
+                    loras=tuple(loras), **kw)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    """An engine with adapters A and B registered, and their weights."""
+    engine = Engine(load_model(model_dir), WorkerConfig(**LORA))
+    engine.warmup()
+    files = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        data, weights = adapter_file(engine.models[next(iter(engine.models))].transformer, seed)
+        engine.add_lora(name, data)
+        files[name] = (data, weights)
+    return engine, files
+
+
+def test_mixed_rows_get_what_they_get_alone_and_equal_merged_weights(model_dir, served):
+    engine, files = served
+    rows = [[("a", 0.8)], [("b", -0.6)], [("a", 0.5), ("b", 1.2)], []]
+    batch = engine.generate([req(i, r) for i, r in enumerate(rows)])
+    for i, r in enumerate(rows):
+        alone = engine.generate([req(i, r)])[0]
+        torch.testing.assert_close(batch[i].latents, alone.latents, **TOL)
+    plain = Engine(load_model(model_dir), WorkerConfig(backend="eager", max_batch=4))
+    plain.warmup()  # both warmed, as a worker's are: a fresh SD3 model's first forward moves later ones by ~1e-6
+    none_alone = engine.generate([req(3)])[0].latents
+    assert torch.equal(none_alone, plain.generate([req(3)])[0].latents)  # no adapter: bit for bit
+    merged = load_model(model_dir)
+    merge(merged, [(files["a"][1], 0.5), (files["b"][1], 1.2)])
+    want = Engine(merged, WorkerConfig(backend="eager", max_batch=4)).generate([req(2)])[0].latents
+    torch.testing.assert_close(batch[2].latents, want, **TOL)
+    assert (batch[2].latents - batch[3].latents).abs().max() > 1e-3  # the adapters change the image
+    stats = engine.stats()["lora"]
+    assert stats["loads"] == 2 and stats["evictions"] == 0 and stats["rows"]["a"] >= 2
+    assert sorted(stats["resident"][next(iter(engine.models))]) == ["a", "b"]
+
+
+def test_an_unknown_adapter_fails_its_item_naming_it(served):
+    engine, _ = served
+    with pytest.raises(ValueError, match="'nope'"):
+        engine.add(req(9, [("nope", 1.0)]))
+    with pytest.raises(ValueError, match="at most 2"):
+        engine.add(req(9, [("a", 1.0), ("b", 1.0), ("a", 0.5)]))
+    assert engine.num_active == 0
+
+
+def test_more_adapters_than_slots_wait_in_the_queue_and_all_finish(model_dir):
+    engine = Engine(load_model(model_dir), WorkerConfig(**{**LORA, "lora_slots": 1}))
+    transformer = engine.models[next(iter(engine.models))].transformer
+    for name, seed in (("a", 1), ("b", 2), ("c", 3)):
+        engine.add_lora(name, adapter_file(transformer, seed)[0])
+    reqs = [req(0, [("a", 1.0)]), req(1, [("b", 1.0)]), req(2, [("c", 1.0)]), req(3, [("a", 0.5)])]
+    for r in reqs:
+        engine.add(r)
+    assert engine.num_active == 4 and engine.progress()["r1"] == (0, 3)  # waiting requests count
+    done = {}
+    while engine.num_active:
+        done |= {r.request.id: r for r in engine.step()}
+    assert sorted(done) == ["r0", "r1", "r2", "r3"]
+    alone = Engine(load_model(model_dir), WorkerConfig(**LORA))
+    alone.add_lora("b", adapter_file(transformer, 2)[0])
+    torch.testing.assert_close(done["r1"].latents, alone.generate([req(1, [("b", 1.0)])])[0].latents, **TOL)
+    stats = engine.stats()["lora"]
+    assert stats["loads"] >= 3 and stats["evictions"] >= 2 and stats["waiting"] == 0
+
+
+def test_loading_between_steps_changes_no_running_row_and_makes_no_group(model_dir):
+    engine = Engine(load_model(model_dir), WorkerConfig(**LORA))
+    transformer = engine.models[next(iter(engine.models))].transformer
+    engine.add_lora("a", adapter_file(transformer, 1)[0])
+    engine.add_lora("b", adapter_file(transformer, 2)[0])
+    want = engine.generate([req(0, [("a", 0.7)]), req(1)])
+    groups = len(engine.groups)
+    engine.add_many([req(0, [("a", 0.7)]), req(1)])
+    engine.step()
+    engine.add(req(2, [("b", 1.0)]))  # waits: b is not resident; loaded at the next step, beside running rows
+    assert engine.loras()["b"]["resident"] is False
+    done = {}
+    while engine.num_active:
+        done |= {r.request.id: r for r in engine.step()}
+    assert engine.loras()["b"]["resident"] is True
+    for i in (0, 1):
+        torch.testing.assert_close(done[f"r{i}"].latents, want[i].latents, **TOL)
+    assert len(engine.groups) == groups
+
+
+def test_removing_an_adapter_waits_for_its_requests(served):
+    engine, files = served
+    engine.add_lora("c", files["a"][0])
+    engine.add(req(5, [("c", 1.0)]))
+    engine.remove_lora("c")
+    assert "c" not in engine.loras()
+    with pytest.raises(ValueError, match="'c'"):
+        engine.add(req(6, [("c", 1.0)]))
+    while engine.num_active:
+        engine.step()
+    assert "c" not in engine.lora.adapters
+
+
+def test_without_slots_nothing_changes(model_dir):
+    engine = Engine(load_model(model_dir), WorkerConfig(backend="eager", max_batch=4))
+    assert engine.lora is None and "lora" not in engine.stats() and engine.loras() == {}
+    group = next(iter(engine.groups.values()))
+    assert "lora_slots" not in group.runner.stats().get("inputs", {}) and engine.lora is None
+    with pytest.raises(ValueError, match="no adapters"):
+        engine.add(req(0, [("a", 1.0)]))
+
+
+def test_graph_backends_rewrites_leave_bypassed_linears_out_of_the_bank(model_dir):
+    """backend "graphs" on a CPU: the speed rewrites apply (SD3's and FLUX.1's modulation hoisted out of the step),
+    the runner runs eagerly; the bank holds only the linears the step still calls, an adapter on a hoisted one is
+    refused naming it, and one on the others equals merged weights."""
+    engine = Engine(load_model(model_dir), WorkerConfig(**{**LORA, "backend": "graphs"}))
+    model = engine.models[next(iter(engine.models))]
+    bank = engine.lora.banks[model.name]
+    hoisted = [n for n in linear_shapes(model.transformer) if n not in bank.targets]
+    assert any("norm1" in n for n in hoisted)
+    data, weights = adapter_file(model.transformer, 4, every=1, skip=())
+    with pytest.raises(ValueError, match="norm.*adapter bank does not hold"):
+        engine.add_lora("all", data)
+    data, weights = adapter_file(model.transformer, 4, every=2, skip=tuple(hoisted))
+    engine.add_lora("a", data)
+    got = engine.generate([req(0, [("a", 0.9)])])[0].latents
+    merged = load_model(model_dir)
+    merge(merged, [(weights, 0.9)])
+    want = Engine(merged, WorkerConfig(backend="graphs", max_batch=4)).generate([req(0)])[0].latents
+    torch.testing.assert_close(got, want, **TOL)
