@@ -159,8 +159,11 @@ def test_ctrl_c_while_waiting_says_the_job_keeps_running_and_how_to_cancel(api):
     url, http, env = api
     # faulthandler: should Ctrl-C ever go unheeded, SIGABRT makes the CLI print where each thread was
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1", **env}
+    # SIGINT at its default in the child: a test run started in the background by a non-interactive shell has it
+    # ignored, which its children inherit (a Python started so leaves Ctrl-C ignored, as a shell's background job)
     proc = subprocess.Popen([sys.executable, "-m", "dit_serve.cli", "submit", "--labels", "3", "--wait"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ, cwd=ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         job = proc.stdout.readline().strip()
         assert job, proc.stderr.read()
