@@ -37,7 +37,7 @@ def test_every_v1_operation_in_the_schema_needs_a_key(make_app):
     operations = [(method, re.sub(r"\{(\w+)\}", lambda m: SAMPLES[m[1]], path))
                   for path, ops in http.get("/openapi.json").json()["paths"].items() for method in ops]
     v1 = [(method, path) for method, path in operations if path.startswith("/v1/")]
-    assert len(v1) == 18  # jobs 10, openai 2, uploads 3, models 2, workers 1
+    assert len(v1) == 22  # jobs 10, openai 2, uploads 3, models 2, workers 1, loras 4
     for method, path in v1:
         for headers in ({}, {"Authorization": "Bearer wrong-key-0"}):
             r = http.request(method, path, headers=headers)

@@ -25,7 +25,8 @@ def _sdxl_dir(tmp_path):
 def test_the_supported_pipelines_are_the_families_own():
     assert supported_pipelines() == ["DiTPipeline", "PixArtSigmaPipeline", "PixArtAlphaPipeline",
                                      "StableDiffusion3Pipeline", "FluxPipeline", "FluxKontextPipeline",
-                                     "Flux2KleinPipeline", "Flux2Pipeline", "QwenImagePipeline", "ZImagePipeline",
+                                     "Flux2KleinPipeline", "Flux2Pipeline", "QwenImagePipeline", "QwenImageEditPipeline",
+                                     "QwenImageEditPlusPipeline", "ZImagePipeline",
                                      "SanaPipeline"]
 
 
