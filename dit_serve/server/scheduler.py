@@ -401,8 +401,10 @@ class Scheduler:
         cfg = self.cfg if models is None else self.cfg.model_copy(
             update={"models": tuple(self._specs.get(m, m) for m in models)})  # autoscaling's placement
         handle = _actor_class().options(**opts).remote(cfg)
-        self.workers[key] = _Worker(key, plan, handle, handle.info.remote(), loading=[_name(m) for m in cfg.models],
-                                    pinned=pinned)
+        ready = handle.info.remote()
+        if hasattr(ready, "future"):  # an ObjectRef: ready (or failed), the loop sees it at once, not after a tick
+            ready.future().add_done_callback(lambda _: self.store.work.set())
+        self.workers[key] = _Worker(key, plan, handle, ready, loading=[_name(m) for m in cfg.models], pinned=pinned)
         log.info("starting worker %s (%s%s)", key, plan.resource, f" on node {plan.node_id[:12]}" if plan.node_id else "")
 
     def _drop(self, w: _Worker, reason: str, kind: str = "crash", failed_start: bool = False) -> None:

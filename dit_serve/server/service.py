@@ -293,6 +293,8 @@ class Service:
                 streams.close()
             self._server.should_exit = True
         self._stop.set()
+        if self.store is not None:
+            self.store.work.set()  # the scheduler's loop waits on it: it sees the stop now, not after a tick
         for t in self._threads:
             t.join(timeout=30)
         self._threads.clear()
