@@ -343,9 +343,55 @@ def main(argv: list[str] | None = None) -> int:
               "trace": {"jobs": len(jobs), "night_jobs": sum(j.night for j in jobs),
                         "images": sum(j.images for j in jobs)}}
     md = _markdown(result, models, args)
-    for path in harness.write_report(harness.out_dir(args.out, args.smoke), "autoscale_sim", result, md):
+    out = harness.out_dir(args.out, args.smoke)
+    for path in harness.write_report(out, "autoscale_sim", result, md):
         print(f"wrote {path}")
+    (out / "autoscale_sim.svg").write_text(_svg(rows))
+    print(f"wrote {out / 'autoscale_sim.svg'}")
     return 0
+
+
+def _svg(rows: list[dict], width: int = 720, height: int = 420) -> str:
+    """The rows as a scatter plot, GPU-hours (x) against the daytime p95 job latency (y), one point per setting
+    (black: the fixed fleet; blue: one model per worker; orange: all models per worker), labelled with its
+    target_drain_s / idle_timeout_s / min_workers. A plain SVG: no plotting library."""
+    left, right, top, bottom = 70, 20, 30, 50
+    xs, ys = [r["gpu_hours"] for r in rows], [r["day_p95_s"] for r in rows]
+    x_max, y_max = max(xs) * 1.08, max(ys) * 1.12
+
+    def at(x: float, y: float) -> tuple[float, float]:
+        return (left + x / x_max * (width - left - right), height - bottom - y / y_max * (height - top - bottom))
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+             'font-size="11">', f'<rect width="{width}" height="{height}" fill="white"/>',
+             f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="13">GPU-hours over the day against '
+             'daytime p95 job latency</text>']
+    x0, y0 = at(0, 0)
+    x1, y1 = at(x_max, y_max)
+    parts += [f'<line x1="{x0}" y1="{y0}" x2="{x1}" y2="{y0}" stroke="black"/>',
+              f'<line x1="{x0}" y1="{y0}" x2="{x0}" y2="{y1}" stroke="black"/>',
+              f'<text x="{(x0 + x1) / 2}" y="{height - 12}" text-anchor="middle">GPU-hours</text>',
+              f'<text x="16" y="{(y0 + y1) / 2}" text-anchor="middle" transform="rotate(-90 16 {(y0 + y1) / 2})">'
+              'daytime p95 (s)</text>']
+    for i in range(6):
+        gx, gy = x_max * i / 5, y_max * i / 5
+        px, _ = at(gx, 0)
+        _, py = at(0, gy)
+        parts += [f'<text x="{px}" y="{y0 + 15}" text-anchor="middle">{gx:.0f}</text>',
+                  f'<text x="{x0 - 6}" y="{py + 4}" text-anchor="end">{gy:.0f}</text>']
+    colours = {"one": "#1f77b4", "all": "#ff7f0e"}
+    for r in rows:
+        px, py = at(r["gpu_hours"], r["day_p95_s"])
+        fixed = r["system"] != "autoscale"
+        colour = "black" if fixed else colours[r["models_per_worker"]]
+        label = r["system"] if fixed else (f"{r['target_drain_s']:g}/{r['idle_timeout_s']:g}/{r['min_workers']}")
+        parts += [f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4" fill="{colour}"/>',
+                  f'<text x="{px + 6:.1f}" y="{py - 5:.1f}" fill="{colour}" font-size="9">{label}</text>']
+    parts += [f'<text x="{width - right}" y="{top + 12}" text-anchor="end" fill="#1f77b4">one model per worker</text>',
+              f'<text x="{width - right}" y="{top + 26}" text-anchor="end" fill="#ff7f0e">all models per worker</text>',
+              f'<text x="{width - right}" y="{top + 40}" text-anchor="end">labels: target_drain_s / idle_timeout_s '
+              '/ min_workers</text>', "</svg>"]
+    return "\n".join(parts) + "\n"
 
 
 def _markdown(result: dict, models: list[ModelSpec], args) -> str:
@@ -384,6 +430,7 @@ def _markdown(result: dict, models: list[ModelSpec], args) -> str:
                               None if r["idle_timeout_s"] is None else f"{r['idle_timeout_s']:g}", r["gpu_hours"],
                               f"{r['gpu_hours'] / base:.0%}", r["day_p50_s"], r["day_p95_s"], r["night_done_min"],
                               r["node_starts"], r["switches"]] for r in rows]),
+             "", "![GPU-hours against daytime p95, one point per setting](autoscale_sim.svg)",
              "", f"{harness.hardware_line(result['environment'])}"]
     return "\n".join(lines)
 

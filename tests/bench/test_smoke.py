@@ -63,6 +63,10 @@ def test_the_autoscaling_simulation_replays_a_trace_through_the_policy_beside_a_
     assert all(a["gpu_hours"] < fixed["gpu_hours"] and a["node_starts"] > 0 and a["day_p95_s"] > 0 for a in auto)
     assert auto[0]["switches"] > 0 and fixed["switches"] == 0 and fixed["gpu_hours"] == 8 * 10.0
     assert "| fixed: 8 workers, always on |" in (tmp_path / "autoscale_sim.md").read_text()
+    import xml.etree.ElementTree as ET
+
+    svg = ET.parse(tmp_path / "autoscale_sim.svg").getroot()  # the plot: well-formed, one point per row
+    assert len(svg.findall("{http://www.w3.org/2000/svg}circle")) == len(r["rows"])
     from workers.families.rates import MEASURED  # the rates autoscaling starts from, each with its report
 
     for name, figures in r["params"]["figures"].items():
