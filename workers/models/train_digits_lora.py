@@ -1,7 +1,7 @@
 """Train the shipped ``thick`` adapter of ``digits-text``: a rank-4 LoRA under which the model draws thicker digits.
 
-Reproducible recipe (seeded, offline, on the CPU in about a minute): the shipped ``digits-text`` transformer and
-text encoder are frozen; PEFT's ``LoraConfig`` (rank 4, alpha 4, B initialised to zero) is injected into every
+Reproducible recipe (seeded, offline, one to two minutes on a 2-core CPU): the shipped ``digits-text``
+transformer and text encoder are frozen; PEFT's ``LoraConfig`` (rank 4, alpha 4, B initialised to zero) is injected into every
 block's self-attention (``attn1.to_q/to_k/to_v/to_out.0``) and feed-forward (``ff.net.0.proj``, ``ff.net.2``)
 linears, and only those factors are trained, on the base model's own objective (epsilon prediction, DDPM linear
 betas 1e-4..0.02 over 1000 steps, 10% of prompts replaced by "" for classifier-free guidance, the same prompt
@@ -11,9 +11,11 @@ its neighbour). On the real held-out digits that thickening raises the mean ink 
 [0, 1]) and the oracle still reads 91% of them (99% undilated).
 
 The factors are saved in diffusers/PEFT's key format (``transformer.<module>.lora_A.weight`` (r, in),
-``.lora_B.weight`` (out, r), ``.alpha``), float16, as ``digits-text/loras/thick.safetensors`` (about 75 KB),
-and the effect is measured through the engine, with and without the adapter in one batch (same prompts,
-same seeds), and written to ``digits-text/loras/README.md``.
+``.lora_B.weight`` (out, r), ``.alpha``), float16, as ``digits-text-thick.safetensors`` beside the model (82 KB;
+outside its directory, which stays a plain diffusers pipeline), and the effect is measured through the engine,
+with and without the adapter in one batch (same prompts, same seeds), and written to ``digits-text-thick.md``.
+On 200 training-style prompts the mean ink goes from 0.32 to 0.44 (+0.114), every image gains ink, and the oracle reads
+98.5% of the images with it (100% without).
 
     python -m workers.models.train_digits_lora
 """
@@ -89,10 +91,10 @@ def train(steps: int, batch: int, lr: float, seed: int, device: str, model_dir: 
           drop: float = 0.1, per_digit: int = 500) -> tuple[dict[str, torch.Tensor], dict]:
     """The LoRA factors after ``steps`` of epsilon prediction on the thickened digits; (file state, info).
     As ``train_digits_text.train``, with the base frozen, no EMA and the images thickened."""
+    torch.manual_seed(seed)  # before add_lora: PEFT draws A's initial values from the global generator
     transformer, encoder, tokenizer = load_frozen(model_dir, device)
     params = add_lora(transformer)
     transformer.train()
-    torch.manual_seed(seed)
     x_train, y_train, _, _ = load_split()
     x = torch.as_tensor(thicken(x_train), dtype=torch.float32).view(-1, 1, 8, 8).to(device)  # (N, 1, 8, 8)
     y = torch.as_tensor(y_train, dtype=torch.long).to(device)                                 # (N,)
@@ -160,12 +162,13 @@ def measure(adapter: Path, per_digit: int, seed: int = 0) -> dict:
             "oracle_thick": round(oracle_accuracy(thick, labels), 4)}
 
 
-CARD = """# Adapters of digits-text
-
-## thick.safetensors
+CARD = """# digits-text-thick: a LoRA of digits-text that draws thicker digits
 
 A rank-{rank} LoRA (alpha {alpha}, float16, {size_kb:.0f} KB, diffusers/PEFT keys) on every block's self-attention
-and feed-forward linears ({target_list}), trained with the base model frozen on its own objective and prompts, on
+and feed-forward linears:
+{target_list}.
+
+Trained with the base model frozen on its own objective and prompts, on
 digits thickened by a {fy}x{fx} grey dilation: {steps} steps, batch {batch}, AdamW lr {lr} (cosine), seed {seed},
 {train_seconds} s on {device}; final loss {final_loss}.
 `python -m workers.models.train_digits_lora` rebuilds it.
@@ -191,12 +194,12 @@ def write_card(out: Path, info: dict, figures: dict, per_digit: int) -> None:
                        sample_steps=base.DEFAULTS["steps"], guidance=base.DEFAULTS["guidance"],
                        oracle_plain_pct=100 * figures["oracle_plain"], oracle_thick_pct=100 * figures["oracle_thick"],
                        rows_thicker_pct=100 * figures["rows_thicker"])
-    (out.parent / "README.md").write_text(text)
+    out.with_suffix(".md").write_text(text)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=MODEL_DIR / "loras" / "thick.safetensors")
+    p.add_argument("--out", type=Path, default=MODEL_DIR.parent / "digits-text-thick.safetensors")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
