@@ -1,9 +1,9 @@
 """Train the shipped ``thick`` adapter of ``digits-text``: a rank-4 LoRA under which the model draws thicker digits.
 
 Reproducible recipe (seeded, offline, one to two minutes on a 2-core CPU): the shipped ``digits-text``
-transformer and text encoder are frozen; PEFT's ``LoraConfig`` (rank 4, alpha 4, B initialised to zero) is injected into every
-block's self-attention (``attn1.to_q/to_k/to_v/to_out.0``) and feed-forward (``ff.net.0.proj``, ``ff.net.2``)
-linears, and only those factors are trained, on the base model's own objective (epsilon prediction, DDPM linear
+transformer and text encoder are frozen; PEFT's ``LoraConfig`` (rank 4, alpha 4, B initialised to zero) is
+injected into every block's self-attention (``attn1.to_q/to_k/to_v/to_out.0``) and feed-forward
+(``ff.net.0.proj``, ``ff.net.2``) linears, and only those factors are trained, on the base model's own objective (epsilon prediction, DDPM linear
 betas 1e-4..0.02 over 1000 steps, 10% of prompts replaced by "" for classifier-free guidance, the same prompt
 grammar), with one change to the data: every training digit is thickened by a grey dilation over a horizontal
 pair of pixels (``scipy.ndimage.grey_dilation``, footprint 1x2; each pixel becomes the brighter of itself and
@@ -146,8 +146,9 @@ def measure(adapter: Path, per_digit: int, seed: int = 0) -> dict:
 
     prompts, labels = base.oracle_prompts(per_digit, held_out=False, seed=seed)
     n = len(prompts)
-    engine = Engine(load_model(str(MODEL_DIR)), WorkerConfig(backend="eager", max_batch=1 << (2 * n - 1).bit_length(), lora_slots=1,
-                                                             lora_max_rank=RANK, lora_per_request=1))
+    cfg = WorkerConfig(backend="eager", max_batch=1 << (2 * n - 1).bit_length(),  # a power of two >= 2 n
+                       lora_slots=1, lora_max_rank=RANK, lora_per_request=1)
+    engine = Engine(load_model(str(MODEL_DIR)), cfg)
     engine.add_lora("thick", adapter.read_bytes())
     reqs = [ItemSpec(id=f"{k}{i}", seed=seed + i, sampler=base.DEFAULTS["sampler"], steps=base.DEFAULTS["steps"],
                      guidance=base.DEFAULTS["guidance"], prompt=p, loras=(("thick", 1.0),) if k == "t" else ())
@@ -156,7 +157,8 @@ def measure(adapter: Path, per_digit: int, seed: int = 0) -> dict:
     images = np.stack([r.image.astype(np.float32).reshape(8, 8) / 127.5 - 1.0 for r in out])  # (2n, 8, 8)
     thick, plain = images[:n], images[n:]
     gain = ink(thick) - ink(plain)
-    return {"images": n, "ink_plain": round(float(ink(plain).mean()), 4), "ink_thick": round(float(ink(thick).mean()), 4),
+    return {"images": n, "ink_plain": round(float(ink(plain).mean()), 4),
+            "ink_thick": round(float(ink(thick).mean()), 4),
             "ink_gain_min": round(float(gain.min()), 4), "rows_thicker": round(float(np.mean(gain > 0)), 4),
             "oracle_plain": round(oracle_accuracy(plain, labels), 4),
             "oracle_thick": round(oracle_accuracy(thick, labels), 4)}
