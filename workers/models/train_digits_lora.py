@@ -3,8 +3,8 @@
 Reproducible recipe (seeded, offline, one to two minutes on a 2-core CPU): the shipped ``digits-text``
 transformer and text encoder are frozen; PEFT's ``LoraConfig`` (rank 4, alpha 4, B initialised to zero) is
 injected into every block's self-attention (``attn1.to_q/to_k/to_v/to_out.0``) and feed-forward
-(``ff.net.0.proj``, ``ff.net.2``) linears, and only those factors are trained, on the base model's own objective (epsilon prediction, DDPM linear
-betas 1e-4..0.02 over 1000 steps, 10% of prompts replaced by "" for classifier-free guidance, the same prompt
+(``ff.net.0.proj``, ``ff.net.2``) linears, and only those factors are trained, on the base model's own
+objective (epsilon prediction, DDPM linear betas 1e-4..0.02 over 1000 steps, 10% of prompts replaced by "" for classifier-free guidance, the same prompt
 grammar), with one change to the data: every training digit is thickened by a grey dilation over a horizontal
 pair of pixels (``scipy.ndimage.grey_dilation``, footprint 1x2; each pixel becomes the brighter of itself and
 its neighbour). On the real held-out digits that thickening raises the mean ink from 0.305 to 0.437 (pixels in
