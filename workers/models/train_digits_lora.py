@@ -1,14 +1,14 @@
 """Train the shipped ``thick`` adapter of ``digits-text``: a rank-4 LoRA under which the model draws thicker digits.
 
-Reproducible recipe (seeded, offline, one to two minutes on a 2-core CPU): the shipped ``digits-text``
-transformer and text encoder are frozen; PEFT's ``LoraConfig`` (rank 4, alpha 4, B initialised to zero) is
-injected into every block's self-attention (``attn1.to_q/to_k/to_v/to_out.0``) and feed-forward
-(``ff.net.0.proj``, ``ff.net.2``) linears, and only those factors are trained, on the base model's own
-objective (epsilon prediction, DDPM linear betas 1e-4..0.02 over 1000 steps, 10% of prompts replaced by "" for classifier-free guidance, the same prompt
-grammar), with one change to the data: every training digit is thickened by a grey dilation over a horizontal
-pair of pixels (``scipy.ndimage.grey_dilation``, footprint 1x2; each pixel becomes the brighter of itself and
-its neighbour). On the real held-out digits that thickening raises the mean ink from 0.305 to 0.437 (pixels in
-[0, 1]) and the oracle still reads 91% of them (99% undilated).
+Reproducible recipe (seeded, offline, one to two minutes on a 2-core CPU): the shipped ``digits-text`` transformer
+and text encoder are frozen; PEFT's ``LoraConfig`` (rank 4, alpha 4, B initialised to zero) is injected into every
+block's self-attention (``attn1.to_q/to_k/to_v/to_out.0``) and feed-forward (``ff.net.0.proj``, ``ff.net.2``)
+linears, and only those factors are trained, on the base model's own objective (epsilon prediction, DDPM linear
+betas 1e-4..0.02 over 1000 steps, 10% of prompts replaced by "" for classifier-free guidance, the same prompt
+grammar), with one change to the data: every training digit is thickened by a grey dilation over a horizontal pair
+of pixels (``scipy.ndimage.grey_dilation``, footprint 1x2; each pixel becomes the brighter of itself and its
+neighbour). On the real held-out digits that thickening raises the mean ink from 0.305 to 0.437 (pixels in [0, 1])
+and the oracle still reads 91% of them (99% undilated).
 
 The factors are saved in diffusers/PEFT's key format (``transformer.<module>.lora_A.weight`` (r, in),
 ``.lora_B.weight`` (out, r), ``.alpha``), float16, as ``digits-text-thick.safetensors`` beside the model (82 KB;
