@@ -56,6 +56,7 @@ class Loras:
         self.transformers: dict[str, object] = {}
         self.adapters: dict[str, Registered] = {}
         self.removing: set[str] = set()
+        self.refused: dict[str, str] = {}  # name -> why its last registration failed (a request naming it says so)
         self.rows: Counter[str] = Counter()  # requests admitted per adapter
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -83,8 +84,13 @@ class Loras:
             raise LoraError(f"an adapter needs a name of 1 to 200 characters (got {name!r})")
         if name in self.adapters and name not in self.removing and self._resident_anywhere(name):
             raise LoraError(f"an adapter named {name!r} is registered and loaded already: remove it first")
-        adapter, meta_model = _read(data, self.max_bytes)
-        models = self._models_for(adapter, model or meta_model or None)
+        try:
+            adapter, meta_model = _read(data, self.max_bytes)
+            models = self._models_for(adapter, model or meta_model or None)
+        except LoraError as e:
+            self.refused[name] = str(e)
+            raise
+        self.refused.pop(name, None)
         self.removing.discard(name)
         self.adapters[name] = Registered(adapter, models)
         return self.describe()[name]
@@ -137,7 +143,8 @@ class Loras:
         for name, _ in loras:
             reg = self.adapters.get(name)
             if reg is None or name in self.removing:
-                raise LoraError(f"loras: adapter {name!r} is not registered here")
+                why = f": it was refused ({self.refused[name]})" if reg is None and name in self.refused else ""
+                raise LoraError(f"loras: adapter {name!r} is not registered here{why}")
             if model not in reg.models:
                 raise LoraError(f"loras: adapter {name!r} is for {', '.join(reg.models)}, not model {model!r}")
 

@@ -110,6 +110,15 @@ def test_an_unknown_adapter_fails_its_item_naming_it(served):
     assert engine.num_active == 0
 
 
+def test_an_item_naming_an_adapter_the_worker_refused_says_why(served):
+    engine, _ = served
+    with pytest.raises(ValueError, match="rank") as refused:
+        engine.add_lora("wide", adapter_file(engine.models[next(iter(engine.models))].transformer, 5, rank=8)[0])
+    with pytest.raises(ValueError, match=r"'wide' is not registered here: it was refused \(.*rank"):
+        engine.add(req(9, [("wide", 1.0)]))
+    assert str(refused.value) in str(engine.lora.refused["wide"]) and engine.num_active == 0
+
+
 def test_more_adapters_than_slots_wait_in_the_queue_and_all_finish(model_dir):
     engine = Engine(load_model(model_dir), WorkerConfig(**{**LORA, "lora_slots": 1}))
     transformer = engine.models[next(iter(engine.models))].transformer
