@@ -75,6 +75,9 @@ function applyModel() {
   chosenLabels.length = 0;
   renderLabels();
   $("edit-field").hidden = !m.takes_image;
+  $("image-note").textContent = m.edit === "reference"
+    ? `(${m.needs_image ? "required" : "optional"}: the image the prompt's instruction edits)`
+    : m.takes_mask ? "(optional: vary it, or paint over it where to repaint)" : "(optional: vary it)";
   showMaskEditor();
 }
 
