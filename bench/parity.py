@@ -5,7 +5,10 @@ Run it once per checkout on one GPU, the checkout's packages first on the path, 
 
     PYTHONPATH=/path/to/old/checkout python bench/parity.py --label before --out /tmp/parity
     PYTHONPATH=$PWD python bench/parity.py --label after --out /tmp/parity
-    python bench/parity.py --compare /tmp/parity/parity_before.json /tmp/parity/parity_after.json
+    python bench/parity.py --compare /tmp/parity/parity_before.json /tmp/parity/parity_after.json --out docs/benchmarks
+
+A checkout's run writes ``parity_<label>.json`` under ``--out`` (default: a temporary folder); the comparison prints
+the table and, with ``--out``, writes the one current report there: ``parity.json``, both runs with their samples.
 
 Figures (built-in models with random weights made on the GPU, bf16 unless named):
 
@@ -183,7 +186,8 @@ def compare(before: Path, after: Path) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--label", default="checkout", help="the report's name: parity_<label>.json")
-    p.add_argument("--out", type=Path, default=None, help="folder of the report (default: docs/benchmarks)")
+    p.add_argument("--out", type=Path, default=None, help="folder of a run's report (default: a temporary one); "
+                   "with --compare, where parity.json goes")
     p.add_argument("--runs", type=int, default=7, help="single-image runs per figure")
     p.add_argument("--steps", type=int, default=12, help="FLUX.1 steps timed per speed")
     p.add_argument("--smoke", action="store_true", help="the shipped tiny models on a CPU")
@@ -191,10 +195,14 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.compare:
         print(compare(*args.compare))
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            runs = {"before": json.loads(args.compare[0].read_text()), "after": json.loads(args.compare[1].read_text())}
+            (args.out / "parity.json").write_text(json.dumps(runs, indent=1) + "\n")
         return
     torch.manual_seed(0)
     result = run(args)
-    out = harness.out_dir(args.out, args.smoke)
+    out = harness.out_dir(args.out, True)  # a run's own report is an input of --compare, not a current report
     out.mkdir(parents=True, exist_ok=True)
     (out / f"parity_{args.label}.json").write_text(json.dumps(result, indent=1))
     print(out / f"parity_{args.label}.json")

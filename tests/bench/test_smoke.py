@@ -51,6 +51,10 @@ def test_parity_measures_a_checkout_and_compares_two_reports(tmp_path, capsys):
     parity.main(["--compare", str(tmp_path / "parity_a.json"), str(tmp_path / "parity_a.json")])
     out = capsys.readouterr().out
     assert "| dit one image |" in out and "| 1.000 |" in out
+    parity.main(["--compare", str(tmp_path / "parity_a.json"), str(tmp_path / "parity_a.json"), "--out",
+                 str(tmp_path / "report")])
+    both = json.loads((tmp_path / "report" / "parity.json").read_text())
+    assert both["before"]["figures"] == both["after"]["figures"] == r["figures"]
 
 
 def test_the_autoscaling_simulation_replays_a_trace_through_the_policy_beside_a_fixed_fleet(tmp_path):
