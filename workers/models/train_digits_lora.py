@@ -108,21 +108,8 @@ def train(steps: int, batch: int, lr: float, seed: int, device: str, model_dir: 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     gen = torch.Generator(device=device).manual_seed(seed)
     t0 = time.time()
-    for step in range(steps):  # as train_digits_text.train's loop
-        idx = torch.randint(0, len(x), (batch,), device=device, generator=gen)
-        x0, labels = x[idx], y[idx]                                                     # (B, 1, 8, 8), (B,)
-        j = torch.randint(0, per_digit, (batch,), device=device, generator=gen)
-        uncond = torch.rand(batch, device=device, generator=gen) < drop                 # (B,)
-        b_mask = torch.where(uncond[:, None], empty_mask, mask[labels, j])              # (B, L)
-        b_text = torch.where(uncond[:, None, None], empty_text, text[labels, j])        # (B, L, D)
-        keep = int(b_mask.sum(1).max())
-        t = torch.randint(0, 1000, (batch,), device=device, generator=gen)
-        eps = torch.randn(x0.shape, device=device, generator=gen)
-        a = abar[t].view(-1, 1, 1, 1)
-        xt = a.sqrt() * x0 + (1 - a).sqrt() * eps  # q(x_t | x_0)
-        pred = transformer(xt, encoder_hidden_states=b_text[:, :keep], timestep=t,
-                           encoder_attention_mask=b_mask[:, :keep]).sample              # (B, 1, 8, 8)
-        loss = torch.nn.functional.mse_loss(pred, eps)
+    for step in range(steps):  # train_digits_text's loss, the LoRA's parameters alone trained
+        loss = base.denoising_loss(transformer, x, y, (text, mask), (empty_text, empty_mask), abar, batch, drop, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

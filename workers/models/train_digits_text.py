@@ -241,6 +241,29 @@ def embed(encoder, tokenizer, prompts: list[str], device: str) -> tuple[torch.Te
     return torch.cat(chunks), mask
 
 
+
+def denoising_loss(model, x, y, prompts, empty, abar, batch: int, drop: float, gen: torch.Generator) -> torch.Tensor:
+    """One batch's epsilon-prediction loss: ``batch`` images of ``x`` (N, 1, 8, 8) with labels ``y``, each under one
+    of its digit's pooled prompt embeddings ``prompts`` ((10, P, L, D) text, (10, P, L) mask), replaced by ``empty``
+    ((1, L, D), (1, L): "") with probability ``drop``, noised to a random step of ``abar``; draws from ``gen``."""
+    text, mask = prompts
+    empty_text, empty_mask = empty
+    device, per_digit = x.device, text.shape[1]
+    idx = torch.randint(0, len(x), (batch,), device=device, generator=gen)
+    x0, labels = x[idx], y[idx]                                                     # (B, 1, 8, 8), (B,)
+    j = torch.randint(0, per_digit, (batch,), device=device, generator=gen)
+    uncond = torch.rand(batch, device=device, generator=gen) < drop                 # (B,)
+    b_mask = torch.where(uncond[:, None], empty_mask, mask[labels, j])              # (B, L)
+    b_text = torch.where(uncond[:, None, None], empty_text, text[labels, j])        # (B, L, D)
+    keep = int(b_mask.sum(1).max())  # padding is masked in cross-attention: cutting it changes nothing
+    t = torch.randint(0, 1000, (batch,), device=device, generator=gen)
+    eps = torch.randn(x0.shape, device=device, generator=gen)
+    a = abar[t].view(-1, 1, 1, 1)
+    xt = a.sqrt() * x0 + (1 - a).sqrt() * eps  # q(x_t | x_0)
+    pred = model(xt, encoder_hidden_states=b_text[:, :keep], timestep=t,
+                 encoder_attention_mask=b_mask[:, :keep]).sample                   # (B, 1, 8, 8)
+    return torch.nn.functional.mse_loss(pred, eps)
+
 def train(steps: int, batch: int, lr: float, seed: int, device: str, encoder, tokenizer,
           drop: float = 0.1, per_digit: int = 500) -> tuple[torch.nn.Module, dict]:
     """Stage 2: the PixArt transformer learns epsilon prediction under the frozen encoder's embeddings
@@ -266,20 +289,7 @@ def train(steps: int, batch: int, lr: float, seed: int, device: str, encoder, to
     ema_params, model_params = list(ema.parameters()), list(model.parameters())
     t0 = time.time()
     for step in range(steps):
-        idx = torch.randint(0, len(x), (batch,), device=device, generator=gen)
-        x0, labels = x[idx], y[idx]                                                     # (B, 1, 8, 8), (B,)
-        j = torch.randint(0, per_digit, (batch,), device=device, generator=gen)
-        uncond = torch.rand(batch, device=device, generator=gen) < drop                 # (B,)
-        b_mask = torch.where(uncond[:, None], empty_mask, mask[labels, j])              # (B, L)
-        b_text = torch.where(uncond[:, None, None], empty_text, text[labels, j])        # (B, L, D)
-        keep = int(b_mask.sum(1).max())  # padding is masked in cross-attention: cutting it changes nothing
-        t = torch.randint(0, 1000, (batch,), device=device, generator=gen)
-        eps = torch.randn(x0.shape, device=device, generator=gen)
-        a = abar[t].view(-1, 1, 1, 1)
-        xt = a.sqrt() * x0 + (1 - a).sqrt() * eps  # q(x_t | x_0)
-        pred = model(xt, encoder_hidden_states=b_text[:, :keep], timestep=t,
-                     encoder_attention_mask=b_mask[:, :keep]).sample                   # (B, 1, 8, 8)
-        loss = torch.nn.functional.mse_loss(pred, eps)
+        loss = denoising_loss(model, x, y, (text, mask), (empty_text, empty_mask), abar, batch, drop, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
