@@ -402,8 +402,7 @@ class Scheduler:
             update={"models": tuple(self._specs.get(m, m) for m in models)})  # autoscaling's placement
         handle = _actor_class().options(**opts).remote(cfg)
         ready = handle.info.remote()
-        if hasattr(ready, "future"):  # an ObjectRef: ready (or failed), the loop sees it at once, not after a tick
-            ready.future().add_done_callback(lambda _: self.store.work.set())
+        ready.future().add_done_callback(lambda _: self.store.work.set())  # ready (or failed): seen at once
         self.workers[key] = _Worker(key, plan, handle, ready, loading=[_name(m) for m in cfg.models], pinned=pinned)
         log.info("starting worker %s (%s%s)", key, plan.resource, f" on node {plan.node_id[:12]}" if plan.node_id else "")
 

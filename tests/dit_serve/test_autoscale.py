@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 
 from dit_serve.schemas import JobParams
@@ -214,7 +216,7 @@ class _FakeRay:
                 from types import SimpleNamespace
 
                 def remote(cfg):
-                    handle = SimpleNamespace(opts=opts, cfg=cfg, info=SimpleNamespace(remote=lambda: object()))
+                    handle = SimpleNamespace(opts=opts, cfg=cfg, info=SimpleNamespace(remote=lambda: SimpleNamespace(future=Future)))
                     for method in ("load", "unload", "submit"):
                         setattr(handle, method, SimpleNamespace(
                             remote=lambda arg, method=method, handle=handle: fake.calls.append((method, handle, arg))))

@@ -36,6 +36,7 @@ def test_custom_resource_per_unit():
 def test_a_started_worker_gets_the_engine_switches_of_the_config(tmp_path, monkeypatch):
     """``[workers]`` reaches the actors the scheduler starts as it is (one config, no copy), with the compiled
     kernels' cache under the data directory unless the config names one."""
+    from concurrent.futures import Future
     from types import SimpleNamespace
 
     from dit_serve.server import scheduler as sched_mod
@@ -48,7 +49,7 @@ def test_a_started_worker_gets_the_engine_switches_of_the_config(tmp_path, monke
         @staticmethod
         def options(**opts):
             return SimpleNamespace(remote=lambda spec: specs.append(spec) or SimpleNamespace(
-                info=SimpleNamespace(remote=lambda: "ready-ref")))
+                info=SimpleNamespace(remote=lambda: SimpleNamespace(future=Future))))  # a ref never resolved
 
     monkeypatch.setattr(sched_mod, "_actor_class", lambda: FakeActor)
     from dit_serve.server.config import Config
