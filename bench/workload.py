@@ -162,12 +162,14 @@ def job_items(models, targets, j: Job, steps: int | None) -> list:
     return [item(models[m], f"{j.id}:{k}", j.id * 1000 + k, j.cond, size, steps) for k in range(j.n)]
 
 
-def run_engine(engine, models, targets, jobs: list[Job], inflight: int, stop_s: float, steps=None) -> None:
+def run_engine(engine, models, targets, jobs: list[Job], inflight: int, stop_s: float, steps=None,
+               items=None) -> None:
     """Step-level batching: arrived images join at any step boundary, the queue's head first, then images of
     the shapes in flight (``workers.request.admission``, as the service leases), while fewer than ``inflight`` are in
-    flight."""
+    flight. ``items(job)``: a job's requests (default ``job_items``)."""
     from workers.request import admission
 
+    items = items or (lambda j: job_items(models, targets, j, steps))
     pending, queue, start, by_id = list(jobs), [], time.perf_counter(), {j.id: j for j in jobs}
     while pending or queue or engine.num_active:
         now = time.perf_counter() - start
@@ -176,7 +178,7 @@ def run_engine(engine, models, targets, jobs: list[Job], inflight: int, stop_s: 
                 engine.cancel(rid)
             return
         while pending and pending[0].arrival <= now:
-            queue += job_items(models, targets, pending.pop(0), steps)
+            queue += items(pending.pop(0))
         room = max(0, inflight - engine.num_active)
         if room and queue and (started := admission.take(queue, room, engine.in_flight_shapes(), capacity=inflight)):
             engine.add_many(started)
@@ -192,9 +194,12 @@ def run_engine(engine, models, targets, jobs: list[Job], inflight: int, stop_s: 
 
 
 def run_static(pipes, models, targets, jobs: list[Job], inflight: int, stop_s: float, steps=None,
-               wait_s: float = 0.1) -> None:
+               wait_s: float = 0.1, key=None, before=None, call=None) -> None:
     """Static batching: once the first queued request has waited ``wait_s`` (or the call is full), one
-    pipeline call of it and the queued requests of its target that fit in ``inflight`` images."""
+    pipeline call of it and the queued requests of its batch key (``key(job)``, default its target) that fit in
+    ``inflight`` images. ``before(pipe, batch)`` runs before each call (e.g. to set its adapters); ``call(batch)``
+    replaces the call (default: ``call_pipeline`` of the target's pipeline over the batch's ``job_items``)."""
+    key = key or (lambda j: j.target)
     pending, start = list(jobs), time.perf_counter()
     while pending:
         now = time.perf_counter() - start
@@ -207,14 +212,19 @@ def run_static(pipes, models, targets, jobs: list[Job], inflight: int, stop_s: f
             now = time.perf_counter() - start
             batch, total = [pending[0]], pending[0].n
             for j in pending[1:]:
-                if j.arrival <= now and j.target == batch[0].target and total + j.n <= inflight:
+                if j.arrival <= now and key(j) == key(batch[0]) and total + j.n <= inflight:
                     batch.append(j)
                     total += j.n
             if total >= inflight or now >= batch[0].arrival + wait_s:
                 break
             time.sleep(0.002)
         m = targets[batch[0].target][0]
-        call_pipeline(pipes[m], models[m], [x for j in batch for x in job_items(models, targets, j, steps)])
+        if before is not None:
+            before(pipes[m], batch)
+        if call is not None:
+            call(batch)
+        else:
+            call_pipeline(pipes[m], models[m], [x for j in batch for x in job_items(models, targets, j, steps)])
         harness.sync()
         for j in batch:
             pending.remove(j)

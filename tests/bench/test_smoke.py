@@ -75,3 +75,25 @@ def test_the_autoscaling_simulation_replays_a_trace_through_the_policy_beside_a_
 
     for name, figures in r["params"]["figures"].items():
         assert figures["rate"] == MEASURED[name].rate and "docs/benchmarks/" in figures["source"]
+
+
+def test_lora_times_a_step_across_adapters_and_a_load_between_steps(tmp_path):
+    import lora
+
+    assert lora.main(["--smoke", "--family", "sd3", "--sections", "step", "load", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "lora_tiny-sd3.json").read_text())
+    s, ld = r["step"]["default"], r["load"]["default"]
+    assert s["without_adapters"]["n"] == s["across_adapters"]["n"] == 3 and s["ratio"] > 0 and s["bank_mib"] > 0
+    assert ld["load_call_ms"]["n"] >= 3 and ld["load_alone_ms"]["median"] > 0
+    assert "One step of 4 images" in (tmp_path / "lora_tiny-sd3.md").read_text()
+
+
+def test_edits_times_image_to_image_against_its_pipeline_and_the_inpainting_blend(tmp_path):
+    import edits
+
+    argv = ["--smoke", "--sections", "e2e", "blend", "--out", str(tmp_path)]
+    assert edits.main(argv) == 0
+    r = json.loads((tmp_path / "edits_tiny-flux.json").read_text())
+    e2e = r["e2e"]["64x64"]
+    assert e2e["diffusers"]["n"] == e2e["default"]["n"] == 2  # --smoke: two runs each
+    assert set(r["blend"]["default"]) == {"1", "2"} and r["blend"]["default"]["2"]["inpaint_step_ms"]["median"] > 0

@@ -1,0 +1,359 @@
+"""Per-request LoRA: what adapters cost a step, what loading one costs the running rows, and a workload where
+every request names one of several adapters, against the best a diffusers user can do.
+
+For a model (a built-in with random weights made on the GPU, or a model directory; FLUX.1, SD3 and PixArt have
+PEFT targets here) and ``--adapters`` random adapters of rank ``--rank`` on the attention projections (the
+targets a LoRA trainer picks by default: to_q, to_k, to_v, to_out.0, and the context stream's add_*_proj and
+to_add_out), written as diffusers / PEFT safetensors files:
+
+  step    one step of --images images, the rows spread over the adapters (row i: adapter i mod N), against the
+          same preset's engine without adapters (``lora_slots`` 0) and with the bank but every row at slot 0;
+          median ms, the ratio, and the bank's memory.
+  load    the step of --images rows with adapters, timed with an adapter loaded into a free slot (on the bank's
+          side stream) before every step, against the same steps with no load; and the load's own time (the host
+          call, and until its copy is done).
+  mixed   seeded Poisson arrivals of 1-4 image requests, each naming one of the adapters (uniformly): our
+          engine (step-level batching, adapters per row) with and without the adapters named, and diffusers'
+          pipeline with every adapter loaded (``load_lora_adapter``), ``set_adapters`` before each call, static
+          batches of queued requests of one adapter, and the same pipeline with no adapter as the reference:
+          the max sustained images/s (a backlog, queued at t=0) and images/s, p50/p99 at each offered load.
+
+Writes docs/benchmarks/lora_<model>.{json,md}.
+
+    python bench/lora.py --model flux-dev-1024 --images 16 --systems fast
+    python bench/lora.py --model pixart-sigma-512 --sections step load mixed --loads 4 8
+    python bench/lora.py --smoke [--family sd3]     # a tiny random model on a CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+import step as step_bench  # noqa: E402
+import workload  # noqa: E402
+
+SECTIONS = ("step", "load", "mixed")
+LORA_FAMILIES = ("flux", "sd3", "pixart")
+TARGET = re.compile(r"(^|\.)(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$")
+
+
+# -- adapters ----------------------------------------------------------------------------------------
+def adapter_files(model, count: int, rank: int, folder: Path) -> list[Path]:
+    """``count`` random rank-``rank`` adapters on the attention projections of ``model``'s transformer, as
+    diffusers / PEFT files (``transformer.<module>.lora_A.weight`` / ``lora_B.weight``, lora_alpha = rank in the
+    metadata as diffusers writes it); B's scale makes each adapter move a row's output by about 1% of the base."""
+    from safetensors.torch import save_file
+
+    from workers.lora.validate import linear_shapes
+
+    targets = {n: s for n, s in linear_shapes(model.transformer).items() if TARGET.search(n)}
+    config = json.dumps({f"transformer.{k}": v for k, v in  # prefixed, as diffusers' save_lora_adapter writes it
+                         {"r": rank, "lora_alpha": rank, "target_modules": sorted(targets)}.items()})
+    out = []
+    for k in range(count):
+        g = torch.Generator().manual_seed(1000 + k)
+        state = {}
+        for name, (fin, fout) in targets.items():
+            state[f"transformer.{name}.lora_A.weight"] = (torch.randn(rank, fin, generator=g) / fin ** 0.5).to(torch.bfloat16)
+            state[f"transformer.{name}.lora_B.weight"] = (torch.randn(fout, rank, generator=g) * 0.01 / rank ** 0.5).to(torch.bfloat16)
+        path = folder / f"adapter{k}.safetensors"
+        save_file(state, str(path), metadata={"format": "pt", "lora_adapter_metadata": config})
+        out.append(path)
+    return out
+
+
+def load_adapters(transformer, files: list[Path], rank: int) -> None:
+    """Every adapter into a diffusers transformer as ``a0``, ``a1``, ...: by its ``load_lora_adapter`` (what the
+    pipelines' ``load_lora_weights`` calls), or, for a model diffusers gives no LoRA loader (PixArt), by PEFT's own
+    injection, which makes the same layers."""
+    if hasattr(transformer, "load_lora_adapter"):
+        for i, f in enumerate(files):
+            transformer.load_lora_adapter(str(f), adapter_name=f"a{i}", prefix="transformer", use_safetensors=True)
+        return
+    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    for i, f in enumerate(files):
+        state = {k.removeprefix("transformer."): v for k, v in load_file(str(f)).items()}
+        modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
+        inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=modules), transformer,
+                                adapter_name=f"a{i}")
+        set_peft_model_state_dict(transformer, state, adapter_name=f"a{i}")
+
+
+def lora_engine(preset: str, model, files: list[Path], args, max_batch: int):
+    """The preset's engine over ``model`` with a bank of len(files) slots of rank --rank and every adapter
+    registered (none resident yet), or the reason the preset cannot run here."""
+    config, precision = harness.engine_config(preset, model.card.family, max_batch=max_batch,
+                                              lora_slots=len(files), lora_max_rank=args.rank, lora_per_request=1)
+    if (why := harness.unavailable(precision, model.device.type)) is not None:
+        return None, why
+    engine, warm_s = harness.build_engine(model, config)
+    for i, f in enumerate(files):
+        engine.add_lora(f"a{i}", f.read_bytes(), model=model.name)
+    return engine, warm_s
+
+
+def resident(engine, model, names: list[str]) -> None:
+    """Load ``names`` into the bank now (each into its own slot) and wait for the copies."""
+    in_use: set[int] = set()
+    for name in names:
+        assert engine.lora.make_resident([(name, 1.0)], model.name, in_use), "the bank has too few slots"
+    harness.sync()
+
+
+def runner_and_inputs(engine, model, images: int, slots: list[int] | None):
+    """The card's default request's runner, and --images rows of its step's inputs (``step.step_inputs``) with
+    rows' adapter slots ``slots`` (None: slot 0, no adapter, where the engine has a bank)."""
+    from types import SimpleNamespace
+
+    from workers.families import family_of
+
+    variant = family_of(model).variant_of(model, SimpleNamespace(guidance=float(model.card.defaults["guidance"])))
+    runner = next(g.runner for k, g in engine.groups.items() if k.variant == variant)
+    inputs = step_bench.step_inputs(engine, model, images)
+    if slots is not None:
+        inputs["lora_slots"] = torch.tensor(slots, device=model.device)[:, None]
+        inputs["lora_scales"] = torch.ones(images, 1, device=model.device)
+    return runner, inputs
+
+
+# -- sections ----------------------------------------------------------------------------------------
+def step_section(preset: str, model, files, args, block: dict) -> None:
+    """One step of --images rows: without a bank, with the bank at slot 0, and across the adapters."""
+    iters = 3 if args.smoke else 20
+    plain, warm_s = harness.build_engine(model, harness.engine_config(preset, model.card.family, max_batch=args.images)[0])
+    runner, inputs = runner_and_inputs(plain, model, args.images, None)
+    with torch.no_grad():
+        base = harness.stats(harness.wall_ms(lambda: runner.run(**inputs), iters))
+    del plain, runner
+    harness.free()
+    engine, why = lora_engine(preset, model, files, args, args.images)
+    if engine is None:
+        block[preset] = {"skipped": why}
+        return
+    names = [f"a{i}" for i in range(len(files))]
+    resident(engine, model, names)
+    slots = [engine.lora.banks[model.name].slot_of(names[i % len(names)]) for i in range(args.images)]
+    out = {"without_adapters": base}
+    for label, rows in (("bank_slot_0", None), ("across_adapters", slots)):
+        runner, inputs = runner_and_inputs(engine, model, args.images, rows)
+        with torch.no_grad():
+            out[label] = harness.stats(harness.wall_ms(lambda: runner.run(**inputs), iters))
+    out["ratio"] = round(out["across_adapters"]["median"] / base["median"], 4)
+    out["bank_mib"] = round(engine.lora.banks[model.name].nbytes / 2**20, 1)
+    block[preset] = out
+    del engine
+    harness.free()
+
+
+def load_section(preset: str, model, files, args, block: dict) -> None:
+    """Step times of --images rows with adapters, with an adapter loaded before each step and without."""
+    engine, why = lora_engine(preset, model, files, args, args.images)
+    if engine is None:
+        block[preset] = {"skipped": why}
+        return
+    bank, names = engine.lora.banks[model.name], [f"a{i}" for i in range(len(files))]
+    running = names[: len(names) // 2]  # the rows' adapters; the others rotate through the remaining slots
+    resident(engine, model, running)
+    slots = [bank.slot_of(running[i % len(running)]) for i in range(args.images)]
+    runner, inputs = runner_and_inputs(engine, model, args.images, slots)
+    held = {bank.slot_of(n) for n in running}
+    spare = names[len(running):]
+    calls, spin = [], iter(range(10**6))
+
+    def load() -> int:
+        """Load the next spare adapter (evicted first if resident) into a slot no row uses; its slot."""
+        name = spare[next(spin) % len(spare)]
+        if bank.slot_of(name) is not None:
+            bank.evict(bank.slot_of(name))
+        t0 = time.perf_counter()
+        assert engine.lora.make_resident([(name, 1.0)], model.name, set(held))
+        calls.append((time.perf_counter() - t0) * 1e3)
+        return bank.slot_of(name)
+
+    def load_until_ready():
+        slot = load()
+        while not bank.ready(slot):  # the side stream's copy done
+            time.sleep(0)
+
+    iters = 3 if args.smoke else 20
+    with torch.no_grad():
+        steady = harness.stats(harness.wall_ms(lambda: runner.run(**inputs), iters))
+        with_loads = harness.stats(harness.wall_ms(lambda: (load(), runner.run(**inputs)), iters))
+        alone = harness.stats(harness.wall_ms(load_until_ready, iters))
+    block[preset] = {"step_ms": steady, "step_with_a_load_ms": with_loads,
+                     "load_call_ms": harness.stats(calls), "load_alone_ms": alone,
+                     "adapter_mib": round(sum(f.stat().st_size for f in files) / len(files) / 2**20, 1)}
+    del engine
+    harness.free()
+
+
+def mixed_section(system: str, model, files, args, block: dict) -> None:
+    """The mixed-adapter workload (module docstring) for one system: a preset, or ``diffusers``."""
+    targets = [(0, tuple(model.card.native_size))]
+    adapter_of = lambda j: j.cond % len(files)  # noqa: E731  (the job's adapter, uniform over the adapters)
+
+    def items(j, with_lora: bool):
+        specs = workload.job_items([model], targets, j, args.steps)
+        return [dataclasses.replace(s, loras=((f"a{adapter_of(j)}", 1.0),)) for s in specs] if with_lora else specs
+
+    runs = [(None, workload.backlog(1, args.largest), args.backlog_stop_s)]
+    runs += [(load, workload.make_jobs(load, int(load * 1000) + 7, 1, args.largest, args.window_s),
+              args.window_s + args.drain_s) for load in args.loads]
+    if system == "diffusers":
+        from diffusers.utils.peft_utils import set_adapter_layers, set_weights_and_activate_adapters
+
+        pipe = workload.pipeline(model)
+        load_adapters(pipe.transformer, files, args.rank)
+
+        def set_adapter(p, batch):  # what the pipelines' set_adapters does to the transformer
+            set_weights_and_activate_adapters(p.transformer, [f"a{adapter_of(batch[0])}"], [1.0])
+
+        def adapters(jobs, stop):
+            workload.run_static([pipe], [model], targets, jobs, args.inflight, stop, args.steps,
+                                key=adapter_of, before=set_adapter)
+
+        def plain(jobs, stop):
+            set_adapter_layers(pipe.transformer, enabled=False)
+            try:
+                workload.run_static([pipe], [model], targets, jobs, args.inflight, stop, args.steps)
+            finally:
+                set_adapter_layers(pipe.transformer, enabled=True)
+
+        modes = {"no adapters": plain, "adapters": adapters}
+    else:  # without a bank, then with one (built second: an engine wraps its model's linears around its bank)
+        config, precision = harness.engine_config(system, model.card.family, max_batch=args.inflight)
+        if (why := harness.unavailable(precision, model.device.type)) is not None:
+            block[system] = {"skipped": why}
+            return
+        engines = {"no adapters": lambda: harness.build_engine(model, config)[0],
+                   "adapters": lambda: lora_engine(system, model, files, args, args.inflight)[0]}
+        modes = {label: (lambda jobs, stop, label=label: workload.run_engine(
+                     built[label], [model], targets, jobs, args.inflight, stop, args.steps,
+                     items=lambda j: items(j, label == "adapters")))
+                 for label in engines}
+    out = block[system] = {}
+    built: dict = {}
+    for label, run in modes.items():
+        if system != "diffusers":
+            built.clear()
+            harness.free()
+            built[label] = engines[label]()
+        res = out[label] = {"loads": []}
+        for load, jobs, stop in runs:
+            jobs = [dataclasses.replace(j, done=0, finished=None) for j in jobs]
+            model.cache.clear()
+            run(jobs, stop)
+            row = workload.summarise(load, jobs, stop, None if load is None else args.window_s)
+            if load is None:
+                res["backlog"], res["max_images_per_s"] = row, row["images_per_s"]
+            else:
+                res["loads"].append(row)
+            print(system, label, load, row, flush=True)
+    out["with_over_without"] = round(out["adapters"]["max_images_per_s"] / out["no adapters"]["max_images_per_s"], 3)
+
+
+# -- the report --------------------------------------------------------------------------------------
+def markdown(result: dict) -> str:
+    lines = [f"# Per-request LoRA: {result['model']}, {result['adapters']} adapters of rank {result['rank']}", "",
+             harness.hardware_line(result["env"])]
+    if s := result.get("step"):
+        lines += ["", f"## One step of {result['images']} images (median ms)", ""]
+        lines += harness.table(["preset", "no bank", "bank, no adapter", "across the adapters", "ratio", "bank MiB"],
+                               [[p, b["without_adapters"]["median"], b["bank_slot_0"]["median"],
+                                 b["across_adapters"]["median"], b["ratio"], b["bank_mib"]]
+                                for p, b in s.items() if "ratio" in b])
+    if ld := result.get("load"):
+        lines += ["", f"## Loading an adapter between steps of {result['images']} rows (median ms)", ""]
+        lines += harness.table(["preset", "step", "a load, then the step", "load call (host)", "load until copied",
+                                "adapter MiB"],
+                               [[p, b["step_ms"]["median"], b["step_with_a_load_ms"]["median"],
+                                 b["load_call_ms"]["median"], b["load_alone_ms"]["median"], b["adapter_mib"]]
+                                for p, b in ld.items() if "step_ms" in b])
+    if m := result.get("mixed"):
+        loads = result["loads"]
+        lines += ["", "## Requests of 1-4 images, each naming one adapter: images/s (p50 / p99 ms)", ""]
+        rows = []
+        for system, b in m.items():
+            for label in ("no adapters", "adapters"):
+                if label in b:
+                    cells = [f"{r['images_per_s']:.2f} ({r['p50_ms']:.0f} / {r['p99_ms']:.0f})" for r in b[label]["loads"]]
+                    rows.append([system, label, b[label]["max_images_per_s"], *cells])
+        lines += harness.table(["system", "requests", "max sustained", *(f"at {x} images/s" for x in loads)], rows)
+        ratios = {s: b["with_over_without"] for s, b in m.items() if "with_over_without" in b}
+        lines += ["", "With adapters over without (max sustained): " + ", ".join(f"{s} {r}" for s, r in ratios.items())]
+    for section in SECTIONS:
+        lines += [f"\n{s} skipped ({section}): {b['skipped']}" for s, b in result.get(section, {}).items()
+                  if isinstance(b, dict) and "skipped" in b]
+    lines += [f"\n- {part} failed: `{err.splitlines()[0][:300]}`" for part, err in result.get("errors", {}).items()]
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="pixart-sigma-512", help="a built-in or a model directory (FLUX.1, SD3, PixArt)")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--systems", nargs="+", choices=harness.PRESETS, default=["fast"], help="our presets")
+    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True, help="mixed: diffusers too")
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=64)
+    p.add_argument("--images", type=int, default=16, help="step / load: rows of the step")
+    p.add_argument("--loads", type=float, nargs="*", default=[2.0], help="mixed: offered images/s")
+    p.add_argument("--largest", type=int, default=4, help="mixed: the largest request")
+    p.add_argument("--inflight", type=int, default=16, help="mixed: images in flight (engine) or per call (diffusers)")
+    p.add_argument("--window-s", type=float, default=10.0)
+    p.add_argument("--drain-s", type=float, default=5.0)
+    p.add_argument("--backlog-stop-s", type=float, default=180.0)
+    p.add_argument("--steps", type=int, help="steps per image (default: the card's)")
+    p.add_argument("--out", type=Path, help="report folder (default docs/benchmarks; a temp folder with --smoke)")
+    p.add_argument("--smoke", action="store_true", help="a tiny random model on a CPU (--family picks which)")
+    p.add_argument("--family", choices=LORA_FAMILIES, default="pixart", help="--smoke's model family")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model = harness.tiny_model(args.family)
+        args.adapters, args.rank, args.images, args.loads, args.inflight = 3, 4, 4, [8.0], 4
+        args.window_s, args.drain_s, args.backlog_stop_s, args.steps, args.systems = 0.5, 2.0, 60.0, 2, ["default"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    name = Path(str(args.model)).name
+    result = {"model": name, "adapters": args.adapters, "rank": args.rank, "images": args.images, "loads": args.loads,
+              "settings": {k: str(v) for k, v in vars(args).items() if k != "out"},
+              "env": harness.environment(harness.device_and_dtype(args.smoke)[0]), "errors": {}}
+    folder = Path(tempfile.mkdtemp(prefix="bench-lora-"))
+    models = workload.Models([args.model], args.smoke)
+    files = adapter_files(models.get("bf16", engine=False)[0], args.adapters, args.rank, folder)
+    sections = {"step": step_section, "load": load_section, "mixed": mixed_section}
+    for section in args.sections:
+        block = result.setdefault(section, {})
+        systems = (["diffusers"] if section == "mixed" and args.baseline else []) + args.systems
+        for system in systems:
+            def run(system=system, section=section):
+                # a fresh model each time: an engine rewrites its model in place, and wraps its linears around
+                # its own adapter bank
+                precision = "bf16" if system == "diffusers" else harness.engine_config(system, models.family())[1]
+                models.loaded, models.precision = [], None
+                sections[section](system, models.get(precision)[0], files, args, block)
+            harness.attempt(result, f"{section}/{system}", run)
+            harness.free()
+    paths = harness.write_report(harness.out_dir(args.out, args.smoke), f"lora_{name}", result, markdown(result))
+    print(markdown(result) + f"\nwrote {paths[0]}")
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
