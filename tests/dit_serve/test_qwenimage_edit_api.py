@@ -10,8 +10,9 @@ tests/workers/families/test_qwenimage_edit.py.
 Qwen-Image-Edit-Plus (a tiny Qwen-Image-Edit-2509 directory beside it: its card's ``max_images`` 3) takes several
 reference images: a job's ``image`` (or ``image_b64``) as a list, stored once per job as image, image2, ...,
 recorded in its params and manifest (``extra_images``: each one's upload id and SHA-256), carried to the worker as
-``ItemSpec.extra_images`` and run in the engine; the same through OpenAI's edits (several ``image[]`` files). More
-images than a card takes is a 400 naming ``image``, with nothing stored."""
+``ItemSpec.extra_images`` and run in the engine; the same through OpenAI's edits (several ``image[]`` files), the SDK
+(``image=[...]``), the CLI (repeated ``--image``) and the local generate command. More images than a card takes is a
+400 naming ``image`` (a usage error naming ``--image``), with nothing stored."""
 
 from __future__ import annotations
 
@@ -258,3 +259,47 @@ def test_images_edits_takes_several_images_as_the_plus_references(svc, http):
     err = _error(http.post("/v1/images/edits", files=two, data={"model": NAME, "prompt": "x"}), 400)
     assert err["param"] == "image" and "one input image" in err["message"]
 
+
+def test_the_sdk_and_the_cli_send_several_images(svc, tmp_path, monkeypatch):
+    import hashlib
+
+    from dit_serve import client as sdk
+
+    from .test_cli_usage import cli
+
+    a, b = png((30, 30), (7, 8, 9)), png((30, 20), (9, 8, 7))
+    (tmp_path / "a.png").write_bytes(a)
+    (tmp_path / "b.png").write_bytes(b)
+    with sdk.Client(svc.url) as c:
+        job = c.submit(prompts=["1 in 2"], model=PLUS, image=[tmp_path / "a.png", Image.open(io.BytesIO(b))])
+        assert job.params.image.sha256 == hashlib.sha256(a).hexdigest() and len(job.params.extra_images) == 1
+        monkeypatch.setattr(sdk, "INLINE_MAX_BYTES", 10)  # anything larger goes as an upload first
+        job = c.submit(prompts=["1 in 2"], model=PLUS, image=[a, b])
+        assert job.params.image.id.startswith("upl_") and job.params.extra_images[0].id.startswith("upl_")
+        assert job.params.extra_images[0].sha256 == hashlib.sha256(b).hexdigest()
+    done = cli("submit", "--model", PLUS, "--prompt", "1 in 2", "--image", str(tmp_path / "a.png"),
+               "--image", str(tmp_path / "b.png"), env={"DIT_SERVE_URL": svc.url})
+    assert done.returncode == 0, done.stderr
+    with httpx.Client(base_url=svc.url) as h:
+        params = h.get(f"/v1/jobs/{done.stdout.strip()}").json()["params"]
+    assert [params["image"]["sha256"], params["extra_images"][0]["sha256"]] == \
+        [hashlib.sha256(a).hexdigest(), hashlib.sha256(b).hexdigest()]
+
+
+def test_the_local_generate_command_refuses_more_images_than_the_card_takes(model_dir, plus_dir, tmp_path):
+    from dit_serve.errors import UsageError
+    from dit_serve.server.generate import GenerateArgs, _edit
+    from workers.request.cards import read_card
+
+    for i in range(4):
+        (tmp_path / f"{i}.png").write_bytes(png((20 + i, 20)))
+    paths = [tmp_path / f"{i}.png" for i in range(4)]
+    with pytest.raises(UsageError, match="--image: model .* takes one input image; 2 were given"):
+        _edit(read_card(model_dir), GenerateArgs(model=str(model_dir), prompts=("x",), image=paths[0],
+                                                 extra_images=(paths[1],)))
+    with pytest.raises(UsageError, match="takes at most 3 input images; 4 were given"):
+        _edit(read_card(plus_dir), GenerateArgs(model=str(plus_dir), prompts=("x",), image=paths[0],
+                                                extra_images=tuple(paths[1:])))
+    spec, refs, size = _edit(read_card(plus_dir), GenerateArgs(model=str(plus_dir), prompts=("x",), image=paths[0],
+                                                               extra_images=(paths[1],)))
+    assert spec["extra_images"] == (paths[1].read_bytes(),) and len(refs["extra_images"]) == 1 and size == (21, 20)
