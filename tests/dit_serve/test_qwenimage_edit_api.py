@@ -227,6 +227,16 @@ def test_more_images_than_the_card_takes_is_a_400_naming_image(http, model, fiel
     assert http.get("/v1/jobs").json()["total"] == before
 
 
+def test_the_bodies_that_carry_images_have_room_for_every_reference(svc):
+    """An image and a mask, or a served model's max_images references (3 here), inline or as files."""
+    from dit_serve.server.api import edit_body_limits
+
+    limits = svc.config.limits
+    one, three = edit_body_limits(1 << 20, limits), edit_body_limits(1 << 20, limits, max_images=3)
+    assert three["/v1/images/edits"] - one["/v1/images/edits"] == limits.max_image_bytes
+    assert three["/v1/jobs"] - one["/v1/jobs"] >= limits.max_inline_image_bytes * 4 // 3
+
+
 def test_a_bad_image_of_a_list_is_a_400_naming_it(http):
     err = _error(http.post("/v1/jobs", json={"model": PLUS, "prompts": ["x"],
                                              "image_b64": [base64.b64encode(png()).decode(), "bm90IGFuIGltYWdl"]}), 400)
