@@ -422,9 +422,10 @@ class ImageGenerationRequest(_Request):
 
 class ImageEditRequest(_Request):
     """The text fields of OpenAI's ``POST /v1/images/edits`` (multipart/form-data; the files are ``image``, one or
-    several (``image[]``: a model's reference images, at most its ``max_images``), and ``mask``). As for generations: ``prompt`` is the prompt of a text model or names the class of a class model;
-    ``quality``, ``user``, ``input_fidelity`` and the like are accepted and ignored; ``seed``, ``steps``,
-    ``guidance``, ``strength`` and ``priority`` are extensions (the OpenAI SDK's ``extra_body``)."""
+    several (``image[]``: a model's reference images, at most its ``max_images``), and ``mask``). As for
+    generations: ``prompt`` is the prompt of a text model or names the class of a class model; ``quality``,
+    ``user``, ``input_fidelity`` and the like are accepted and ignored; ``seed``, ``steps``, ``guidance``,
+    ``strength`` and ``priority`` are extensions (the OpenAI SDK's ``extra_body``)."""
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT)
     model: str | None = Field(None, min_length=1, max_length=MAX_NAME)

@@ -205,7 +205,8 @@ def _plus_specs() -> list[ItemSpec]:
     tokens), p with true CFG against a negative prompt, q against " "; r three in another order (another layout) at
     another generation size without CFG."""
     two = dict(sampler="flow_euler", steps=3, prompt="1 sits in 2")
-    return [ItemSpec(id="p", seed=1, guidance=4.0, negative_prompt="blurry", image=edit_cases.image_bytes(70, 50, seed=1),
+    return [ItemSpec(id="p", seed=1, guidance=4.0, negative_prompt="blurry",
+                     image=edit_cases.image_bytes(70, 50, seed=1),
                      extra_images=(edit_cases.image_bytes(40, 60, seed=2),), **two),
             ItemSpec(id="q", seed=2, guidance=2.5, image=edit_cases.image_bytes(70, 50, seed=5),
                      extra_images=(edit_cases.image_bytes(40, 60, seed=6),), **two),

@@ -35,19 +35,18 @@ limit) after the template's first 34 tokens.
 Qwen-Image-Edit (``QwenImageEditPipeline``, ``Qwen/Qwen-Image-Edit``, one reference image;
 ``QwenImageEditPlusPipeline``, ``Qwen/Qwen-Image-Edit-2509`` and ``-2511``, one to ``max_images`` reference images:
 ``MAX_IMAGES``, 3, the published model cards' "1 to 3 input images", or the directory's ``dit_serve.max_images``).
-Qwen-Image's layout and a ``processor/``
-folder (Qwen2.5-VL's image processor, ``preprocessor_config.json``, beside its tokenizer's files). Its card's
-``edit`` is "reference": a request's image is the reference the prompt edits, read twice (by the Qwen2.5-VL encoder
-in the edit template, and as VAE latent tokens joined to the sequence: ``edit``), with no strength and no mask;
-a request without one is refused (``needs_image``: the pipelines need one). The reference is resized as the
-pipelines do (``reference_size``: the area ``reference_area``, 1024 x 1024, at the image's aspect ratio, sides
-rounded to 32 px), and so is the Plus pipeline's image for the encoder (``vision_area``, 384 x 384), each of a Plus
-request's images at its own ratio; the
-directory's ``dit_serve.reference_area`` / ``vision_area`` set smaller ones (test models). The sizes it lists are
-those the pipeline makes by default for images of the model card's aspect ratios (its output is the reference's
-size; of a Plus request with several images, the last one's, as the Plus pipeline sizes its output);
-``max_tokens`` counts the prompt's tokens (the pipelines cut none: a longer prompt is cut there). The transformer of ``-2511``
-(``zero_cond_t``: the reference's tokens modulated at timestep 0) is read; the other pipelines' flags are not.
+Qwen-Image's layout and a ``processor/`` folder (Qwen2.5-VL's image processor, ``preprocessor_config.json``, beside
+its tokenizer's files). Its card's ``edit`` is "reference": a request's image is the reference the prompt edits,
+read twice (by the Qwen2.5-VL encoder in the edit template, and as VAE latent tokens joined to the sequence:
+``edit``), with no strength and no mask; a request without one is refused (``needs_image``: the pipelines need one).
+The reference is resized as the pipelines do (``reference_size``: the area ``reference_area``, 1024 x 1024, at the
+image's aspect ratio, sides rounded to 32 px), and so is the Plus pipeline's image for the encoder (``vision_area``,
+384 x 384), each of a Plus request's images at its own ratio; the directory's ``dit_serve.reference_area`` /
+``vision_area`` set smaller ones (test models). The sizes it lists are those the pipeline makes by default for
+images of the model card's aspect ratios (its output is the reference's size; of a Plus request with several images,
+the last one's, as the Plus pipeline sizes its output); ``max_tokens`` counts the prompt's tokens (the pipelines cut
+none: a longer prompt is cut there). The transformer of ``-2511`` (``zero_cond_t``: the reference's tokens modulated
+at timestep 0) is read; the other pipelines' flags are not.
 """
 
 from __future__ import annotations
