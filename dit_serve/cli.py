@@ -3,7 +3,8 @@
     dit-serve serve [--config FILE]          the service (local Ray, SQLite, digits on the CPU by default)
     dit-serve submit --labels 3,7 [--out D]  queue a job (and wait for it and write its images);
                                              text models: --prompt "a handwritten seven" (repeatable);
-                                             edits: --image IN.png [--mask M.png] [--strength S]
+                                             edits: --image IN.png [--mask M.png] [--strength S];
+                                             several references: --image A.png --image B.png
     dit-serve status JOB                     a job's state and progress
     dit-serve list [--limit N]               jobs, newest first
     dit-serve fetch JOB --out DIR            write a job's PNGs, grid.png and manifest.json
@@ -84,8 +85,10 @@ def _add_conditioning(p) -> None:
 
 def _add_edit(p) -> None:
     """An input image to vary (image-to-image) or, with a mask, to inpaint (models whose card says so)."""
-    p.add_argument("--image", type=Path, help="edits: a PNG, JPEG or WebP image to start from (image-to-image; "
-                                              "the models that take one: GET /v1/models, takes_image)")
+    p.add_argument("--image", type=Path, action="append",
+                   help="edits: a PNG, JPEG or WebP image to start from (image-to-image; the models that take one: "
+                        "GET /v1/models, takes_image); repeated: an instruction edit's reference images in order, "
+                        "for models that take several (max_images: Qwen-Image-Edit-Plus 3)")
     p.add_argument("--mask", type=Path, help="inpainting: an image of --image's size, white = repaint, "
                                              "black = keep")
     p.add_argument("--strength", type=float, help="edits: how much of the schedule runs, in (0, 1] (default 0.6; "

@@ -7,6 +7,8 @@
         job = c.wait(job)                    # a tqdm bar over the job's denoising steps
         images = c.images(job)               # PIL images, in item order
         edit = c.submit(labels=[8], image="three.png", mask="left.png", strength=1.0)  # inpainting
+        both = c.submit(prompts=["the cat of image 1 on the sofa of image 2"], model="Qwen-Image-Edit-2509",
+                        image=["cat.png", "sofa.png"])  # an instruction edit with several reference images
 
 ``wait`` follows the job's Server-Sent Events (``events``, ``GET /v1/jobs/{id}/events``): it returns as
 soon as the job ends and shows progress as it comes; a dropped stream resumes with ``Last-Event-ID``,
@@ -188,13 +190,19 @@ def _image_source(value: Any, field: str) -> tuple[str | None, bytes | None, str
 
 
 def _edit_fields(sources: dict[str, tuple[str | None, bytes | None, str]], uploaded: dict[str, str]) -> dict:
-    """The job body's image and mask fields: an id or data URL as given, an uploaded file's id, else base64."""
-    out = {}
+    """The job body's image and mask fields: an id or data URL as given, an uploaded file's id, else base64; a list
+    of images (sources ``image[i]``) as one list in ``image``, each inline one as a data URL."""
+    out, listed = {}, []
     for field, (given, data, _) in sources.items():
-        if given is not None or field in uploaded:
-            out[field] = given if given is not None else uploaded[field]
+        value = given if given is not None else uploaded.get(field)
+        if field.startswith("image["):
+            listed.append(value or f"data:application/octet-stream;base64,{base64.b64encode(data).decode('ascii')}")
+        elif value is not None:
+            out[field] = value
         elif data is not None:
             out[f"{field}_b64"] = base64.b64encode(data).decode("ascii")
+    if listed:
+        out["image"] = listed
     return out
 
 
@@ -204,7 +212,11 @@ def _to_upload(sources: dict, inline_max: int) -> dict[str, tuple[bytes, str]]:
 
 
 def _sources(image: Any, mask: Any) -> dict:
-    return {f: _image_source(v, f) for f, v in (("image", image), ("mask", mask)) if v is not None}
+    """What ``submit`` sends of ``image`` (one, or a list: a model's reference images, each named ``image[i]``) and
+    ``mask``."""
+    images = [("image", image)] if not isinstance(image, (list, tuple)) else \
+        [(f"image[{i}]", v) for i, v in enumerate(image)]
+    return {f: _image_source(v, f) for f, v in (*images, ("mask", mask)) if v is not None}
 
 
 def _pil(png: bytes):
@@ -350,7 +362,9 @@ class Client:
         without either the service draws a random seed (recorded in the job).
         Edits (models whose card says ``takes_image``): ``image`` (a file path, bytes of a PNG, JPEG or WebP
         file, a PIL image, or an upload's id) is varied at ``strength`` in (0, 1]; with ``mask`` (the same kinds;
-        white = repaint) it is inpainted. Files up to ``INLINE_MAX_BYTES`` go inline, larger ones are uploaded.
+        white = repaint) it is inpainted. An instruction edit's model may take several reference images: ``image``
+        a list of them, in order (at most its card's ``max_images``: Qwen-Image-Edit-Plus 3). Files up to
+        ``INLINE_MAX_BYTES`` go inline, larger ones are uploaded.
         ``loras``: adapters applied to every image, as ("name", scale) pairs or {"name": ..., "scale": ...} maps
         (``loras()`` lists those you may name). The same ``idempotency_key`` (default: a fresh one) on a later call
         returns this job rather than a new one."""

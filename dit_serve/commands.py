@@ -211,8 +211,8 @@ def generate(args) -> int:
                      num_per_prompt=args.num_per_prompt or 1, width=args.width, height=args.height,
                      exact_size=args.exact_size, sampler=args.sampler, steps=args.steps, guidance=args.guidance,
                      seed=seed_of(args), eta=args.eta or 0.0, out=args.out, device=args.device,
-                     backend=args.backend, precision=args.precision, image=args.image, mask=args.mask,
-                     strength=args.strength)
+                     backend=args.backend, precision=args.precision, image=(args.image or [None])[0],
+                     extra_images=tuple(args.image or ())[1:], mask=args.mask, strength=args.strength)
     manifest = run_generate(a, progress=sys.stderr.isatty())
     for warning in Manifest.model_validate_json(manifest.read_text()).params.warnings:
         print(f"dit-serve: warning: {warning}", file=sys.stderr)
@@ -242,6 +242,11 @@ def _client(args):
     return Client(service_url(args), api_key=args.api_key)
 
 
+def _images(paths: list[Path] | None):
+    """``--image`` as ``submit`` takes it: one path, or the list of a model's reference images."""
+    return paths[0] if paths and len(paths) == 1 else paths
+
+
 def submit(args) -> int:
     if args.out is not None:
         _check_out(args.out, args.force)  # before the job exists: a folder that cannot take it stops here
@@ -252,7 +257,7 @@ def submit(args) -> int:
                             sampler=args.sampler, steps=args.steps, guidance=args.guidance, eta=args.eta,
                             priority=args.priority, webhook_url=args.webhook_url, width=args.width,
                             height=args.height, exact_size=args.exact_size or None,
-                            preview_every=args.preview_every, image=args.image, mask=args.mask,
+                            preview_every=args.preview_every, image=_images(args.image), mask=args.mask,
                             strength=args.strength, loras=args.loras)
         try:  # from the moment the job exists: an interrupt says how to stop it, however early it comes
             print(job.id, flush=True)

@@ -30,10 +30,22 @@ MAX_PROMPT = 32000
 # An edit's input image sent inline (base64 or a data URL) in a JSON body: the schema's static bound on the
 # text; the service's own limit on the decoded bytes is lower ([limits] max_inline_image_bytes, 413 past it).
 MAX_INLINE_CHARS = 64 << 20
+# the schema's bound on an edit's input images (an instruction edit's references); a model's card says how many it
+# takes (GET /v1/models: max_images, 1 for most; Qwen-Image-Edit-Plus 3)
+MAX_INPUT_IMAGES = 8
 UPLOAD_ID = r"^upl_[0-9a-f]{24}$"  # an id POST /v1/uploads answers
 LORA_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # an adapter's name (POST /v1/loras; a lora_dir file's stem)
 MAX_LORA_SCALE = 4.0  # a request's adapter scale is in [-4, 4]
 MAX_LORAS = 16  # the schema's bound on a request's adapters; [workers] lora_per_request is the service's
+
+
+def input_name(index: int) -> str:
+    """The name a job's ``index``-th input image (from 0) is stored and served under (GET
+    /v1/jobs/{id}/inputs/{name}): image, image2, image3, ..."""
+    return "image" if index == 0 else f"image{index + 1}"
+
+
+INPUT_NAME = rf"^(image[2-{MAX_INPUT_IMAGES}]?|mask)$"  # every name input_name gives, and the mask's
 
 
 def clip(text: str, n: int = 100) -> str:
@@ -94,6 +106,10 @@ Loras = Field(None, min_length=1, max_length=MAX_LORAS,
                           "[workers] lora_per_request of them, each registered for the job's model (GET /v1/loras)")
 
 
+InlineImage = Annotated[str, Field(min_length=1, max_length=MAX_INLINE_CHARS)]
+InlineImages = Annotated[list[InlineImage], Field(min_length=1, max_length=MAX_INPUT_IMAGES)]
+
+
 class JobRequest(_Request):
     """N images of one model with shared sampling parameters: ``labels`` (class models) each repeated
     ``num_per_label`` times, or ``prompts`` (text models) each repeated ``num_per_prompt`` times, in
@@ -134,13 +150,13 @@ class JobRequest(_Request):
     webhook_url: str | None = Field(None, max_length=2000, pattern=r"^https?://[^\s]+$",
                                     description="POSTed the finished job (JSON) once it is done, failed or "
                                                 "cancelled; retried with backoff until it answers 2xx")
-    image: str | None = Field(None, min_length=1, max_length=MAX_INLINE_CHARS,
-                              description="edits (models whose card says takes_image): the input image, as an "
-                                          "upload's id (POST /v1/uploads, 'upl_...') or a data URL "
-                                          "('data:image/png;base64,...'); PNG, JPEG or WebP. Image-to-image, or "
-                                          "inpainting with `mask`")
-    image_b64: str | None = Field(None, min_length=1, max_length=MAX_INLINE_CHARS,
-                                  description="the input image as base64 (instead of `image`)")
+    image: InlineImage | InlineImages | None = Field(
+        None, description="edits (models whose card says takes_image): the input image, as an upload's id (POST "
+                    "/v1/uploads, 'upl_...') or a data URL ('data:image/png;base64,...'); PNG, JPEG or WebP. "
+                    "Image-to-image, or inpainting with `mask`. A list: an instruction edit's reference images in "
+                    "order, image 1 first, for models that take several (GET /v1/models: max_images)")
+    image_b64: InlineImage | InlineImages | None = Field(
+        None, description="the input image as base64, or a list of them (instead of `image`)")
     mask: str | None = Field(None, min_length=1, max_length=MAX_INLINE_CHARS,
                              description="inpainting (models whose card says takes_mask): an upload's id or a data "
                                          "URL of an image of the input image's size; white = repaint, black = "
@@ -211,6 +227,10 @@ class JobParams(_Response):
     preview_every: int = Field(0, description="a preview every N steps (0: none)")
     image: InputImage | None = Field(None, description="edits: the input image (null: text-to-image); "
                                                        "GET /v1/jobs/{id}/inputs/image serves it")
+    extra_images: list[InputImage] = Field(default_factory=list,
+                                           description="an instruction edit's further reference images, images 2, 3, "
+                                                       "... in order (`image` is image 1); GET "
+                                                       "/v1/jobs/{id}/inputs/image2 (image3, ...) serves them")
     mask: InputImage | None = Field(None, description="inpainting: the mask, white = repaint (null: none)")
     strength: float | None = Field(None, description="edits: the part of the schedule run, in (0, 1]")
     loras: list[LoraUse] = Field(default_factory=list, description="adapters applied to every image (name, "
@@ -401,10 +421,11 @@ class ImageGenerationRequest(_Request):
 
 
 class ImageEditRequest(_Request):
-    """The text fields of OpenAI's ``POST /v1/images/edits`` (multipart/form-data; the files are ``image`` and
-    ``mask``). As for generations: ``prompt`` is the prompt of a text model or names the class of a class model;
-    ``quality``, ``user``, ``input_fidelity`` and the like are accepted and ignored; ``seed``, ``steps``,
-    ``guidance``, ``strength`` and ``priority`` are extensions (the OpenAI SDK's ``extra_body``)."""
+    """The text fields of OpenAI's ``POST /v1/images/edits`` (multipart/form-data; the files are ``image``, one or
+    several (``image[]``: a model's reference images, at most its ``max_images``), and ``mask``). As for
+    generations: ``prompt`` is the prompt of a text model or names the class of a class model; ``quality``,
+    ``user``, ``input_fidelity`` and the like are accepted and ignored; ``seed``, ``steps``, ``guidance``,
+    ``strength`` and ``priority`` are extensions (the OpenAI SDK's ``extra_body``)."""
 
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT)
     model: str | None = Field(None, min_length=1, max_length=MAX_NAME)
@@ -524,6 +545,9 @@ class ModelCard(_Response):
                         "what to change in the image; no strength, no mask), \"\" (the model takes none)")
     needs_image: bool = Field(False, description="an instruction edit that runs only with an input image "
                                                  "(Qwen-Image-Edit): a job without one is refused")
+    max_images: int = Field(1, description="the most input images a job may send: an instruction edit's reference "
+                                           "images (Qwen-Image-Edit-Plus: 3, e.g. \"the person of image 1 in the "
+                                           "scene of image 2\"); 1 for the others")
     defaults: dict = Field(default_factory=dict)
     samplers: list[str] = Field(default_factory=list, description="the samplers a job may name for this model "
                                                                    "(those that integrate what it predicts)")

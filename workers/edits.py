@@ -89,7 +89,15 @@ def inpainting(step):
 # -- admission ---------------------------------------------------------------------------------------------------
 def check_edit(family, model, spec) -> None:
     """ValueError when ``spec``'s edit fields do not fit: a mask without an image, a strength outside (0, 1], an
-    image or a mask for a model whose family does not take one."""
+    image or a mask for a model whose family does not take one, more reference images than the card's
+    ``max_images``."""
+    if spec.extra_images:
+        if not spec.image:
+            raise ValueError("image: further reference images need a first one (image is empty)")
+        most = getattr(getattr(model, "card", None), "max_images", 1)
+        if len(spec.references) > most:
+            raise ValueError(f"image: model {model.name!r} takes at most {most} input image"
+                             f"{'s' if most > 1 else ''}, got {len(spec.references)}")
     if not spec.image:
         if spec.mask:
             raise ValueError("mask: a mask needs an image to inpaint (image is empty)")

@@ -53,7 +53,8 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
                   docs_url=None if local_docs else "/docs", redoc_url=None if local_docs else "/redoc")
     _add_error_handlers(app)
     app.add_middleware(LimitsMiddleware, max_body_bytes=server.max_body_bytes, read_timeout_s=server.read_timeout_s,
-                       route_limits=edit_body_limits(server.max_body_bytes, catalog.limits, lora_policy.max_bytes))
+                       route_limits=edit_body_limits(server.max_body_bytes, catalog.limits, lora_policy.max_bytes,
+                                                     max((m.max_images for m in catalog.models.values()), default=1)))
     if server.access_log:  # added last: outermost, it logs the status the client got
         app.add_middleware(AccessLogMiddleware)
     state = app.state  # what the routes' dependencies read (dit_serve.server.routes.deps)
@@ -75,13 +76,16 @@ def create_app(store: Store, catalog: Catalog, server: ServerConfig, metrics: Me
     return app
 
 
-def edit_body_limits(max_body_bytes: int, limits: LimitsConfig, max_lora_bytes: int = 0) -> dict[str, int]:
+def edit_body_limits(max_body_bytes: int, limits: LimitsConfig, max_lora_bytes: int = 0,
+                     max_images: int = 1) -> dict[str, int]:
     """The routes whose bodies carry images, and the body each may send: an upload one file, an OpenAI edit an
-    image and a mask, a job an image and a mask inline (base64: 4/3 of the bytes) besides the usual JSON; each
-    with room for the form's or the JSON's other fields."""
-    room = 64 << 10
-    return {"/v1/uploads": limits.max_image_bytes + room, "/v1/loras": max_lora_bytes + room, "/v1/images/edits": 2 * limits.max_image_bytes + room,
-            "/v1/jobs": max_body_bytes + 2 * (-(-limits.max_inline_image_bytes // 3) * 4 + 512)}
+    image and a mask (or a served model's ``max_images`` reference images, which take no mask), a job as many
+    inline (base64: 4/3 of the bytes) besides the usual JSON; each with room for the form's or the JSON's other
+    fields."""
+    room, files = 64 << 10, max(2, max_images)
+    return {"/v1/uploads": limits.max_image_bytes + room, "/v1/loras": max_lora_bytes + room,
+            "/v1/images/edits": files * limits.max_image_bytes + room,
+            "/v1/jobs": max_body_bytes + files * (-(-limits.max_inline_image_bytes // 3) * 4 + 512)}
 
 
 def _add_event_models(app: FastAPI) -> None:

@@ -16,7 +16,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Callable
 
-from dit_serve.schemas import ImageEditRequest, ImageGenerationRequest, JobParams, JobRequest, ModelCard, clip
+from dit_serve.schemas import (ImageEditRequest, ImageGenerationRequest, JobParams, JobRequest, ModelCard, clip,
+                               input_name)
 from dit_serve.server.config import LimitsConfig
 from samplers.rules import RULES, Grid, SettingError, check_plan
 from workers.families import preview_map_of
@@ -42,7 +43,7 @@ def model_entry(card: cards.ModelCard, speed: str = "default") -> ModelCard:
                      sizes=[f"{w}x{h}" for w, h in card.made_sizes()], size_multiple=card.size_multiple,
                      size_range=list(card.size_range) if card.size_range[1] else [], class_names=card.class_names(),
                      takes_image=card.takes_image, takes_mask=card.takes_mask, edit=card.edit,
-                     needs_image=card.needs_image,
+                     needs_image=card.needs_image, max_images=card.max_images,
                      defaults=card.defaults, warnings=list(card.warnings),
                      samplers=[n for n, rule in RULES.items() if card.prediction_type in rule.predictions])
 
@@ -70,7 +71,8 @@ class NewJob:
     priority: int = 0
     webhook_url: str | None = None
     prompts: list[str] | None = None  # per item, text models
-    inputs: dict[str, bytes] | None = None  # edits: {"image": ..., "mask": ...} as stored, once for the job
+    inputs: dict[str, bytes] | None = None  # edits: {"image": ..., "image2": ..., "mask": ...} as stored, once for
+                                            # the job (dit_serve.server.store.uploads.input_name)
 
 
 # an edit's strength when the request gives none: the img2img pipelines' (FluxImg2ImgPipeline,
@@ -110,13 +112,13 @@ class Catalog:
                     ) -> NewJob:
         """Check a job against the model and the limits; fill in the model's defaults (and a seed, drawn
         from ``idempotency_key`` when there is one: a retried submission is the same request). ``inputs``: the
-        request's image and mask, read once the card allows them (an edit; without it a request that sends
+        request's images and mask, read once the card allows them (an edit; without it a request that sends
         them is refused)."""
         info = self.model(req.model)
         if inputs is None and any(getattr(req, f) is not None for f in ("image", "image_b64", "mask", "mask_b64")):
             raise RequestError("this endpoint takes no input image", "image")
-        edit, stored, image = self.edit(info, inputs and inputs.reader("image"), inputs and inputs.reader("mask"),
-                                        req.strength)
+        edit, stored, image = self.edit(info, inputs.readers("image") if inputs else [],
+                                        inputs and inputs.reader("mask"), req.strength)
         text = info.conditioning == "text"
         if text and req.prompts is None:
             raise RequestError(f"model {info.name!r} draws from text: send prompts, not labels", "labels")
@@ -128,7 +130,7 @@ class Catalog:
             raise RequestError(f"the job has {req.num_items} items ({per}); the limit is "
                                f"{self.limits.max_items_per_job}", "prompts" if text else "labels")
         width, height = req.width, req.height
-        if image is not None and width is None and height is None:  # the listed size nearest the image's ratio
+        if image is not None and width is None and height is None:  # the listed size nearest the (last) image's ratio
             width, height = nearest_bin(image.width, image.height, info.made_sizes())
         params = self.params(info, req.sampler, req.steps, req.guidance, req.eta, req.negative_prompt,
                              size=_size(info, width, height, req.exact_size), **edit)
@@ -148,13 +150,15 @@ class Catalog:
         seeds = req.seeds if req.seeds is not None else [seed + i for i in range(len(labels))]
         return NewJob(info.name, params, labels, seeds, req.priority, req.webhook_url, prompts, stored or None)
 
-    def edit(self, info: cards.ModelCard, image: Reader | None, mask: Reader | None, strength: float | None
+    def edit(self, info: cards.ModelCard, images: list[Reader], mask: Reader | None, strength: float | None
              ) -> tuple[dict, dict[str, bytes], "Input | None"]:
-        """An edit's image, mask and strength checked against the model's card: (JobParams' fields, the bytes to
-        store, the image). The readers are called (files read, decoded, checked) only once the card allows what
-        they read. Without an image: nothing, and a mask or a strength is refused. An instruction edit's (a card
-        whose ``edit`` is "reference"): the image only, a mask or a strength refused."""
-        if image is None:
+        """An edit's images, mask and strength checked against the model's card: (JobParams' fields, the bytes to
+        store, the image whose aspect ratio sizes the output by default: the last one, as QwenImageEditPlusPipeline
+        sizes its output by its list's last image). The readers are called (files read, decoded, checked) only once
+        the card allows what they read. Without an image: nothing, and a mask or a strength is refused. More images
+        than the card's ``max_images``: refused. An instruction edit's (a card whose ``edit`` is "reference"): the
+        images only, a mask or a strength refused."""
+        if not images:
             if info.needs_image:
                 raise RequestError(f"model {info.name!r} edits an input image by its prompt (GET /v1/models: its "
                                    "needs_image is true): send image (or image_b64)", "image")
@@ -167,13 +171,20 @@ class Catalog:
         if not info.takes_image:
             raise RequestError(f"model {info.name!r} does not take an input image (GET /v1/models: its takes_image "
                                "is false)", "image")
-        if info.edit == "reference":  # an instruction edit (FLUX.1 Kontext): the image is the prompt's reference
+        if len(images) > info.max_images:
+            most = "one input image" if info.max_images == 1 else f"at most {info.max_images} input images"
+            raise RequestError(f"model {info.name!r} takes {most} (GET /v1/models: its max_images is "
+                               f"{info.max_images}); {len(images)} were sent", "image")
+        if info.edit == "reference":  # an instruction edit (FLUX.1 Kontext): the images are the prompt's references
             for name, sent in (("mask", mask is not None), ("strength", strength is not None)):
                 if sent:
                     raise RequestError(f"model {info.name!r} edits a reference image by its prompt (an instruction "
                                        f"edit, GET /v1/models: its edit is \"reference\"): it takes no {name}", name)
-            source = image()
-            return {"image": source.ref(), "mask": None, "strength": None}, {"image": source.data}, source
+            sources = [read() for read in images]
+            fields = {"image": sources[0].ref(), "extra_images": [s.ref() for s in sources[1:]], "mask": None,
+                      "strength": None}
+            return fields, {input_name(i): s.data for i, s in enumerate(sources)}, sources[-1]
+        image = images[0]
         if mask is not None and not info.takes_mask:
             raise RequestError(f"model {info.name!r} does not inpaint (GET /v1/models: its takes_mask is false): "
                                "send no mask for image-to-image", "mask")
@@ -195,9 +206,10 @@ class Catalog:
         stored = {"image": source.data, **({"mask": painted.data} if painted is not None else {})}
         return fields, stored, source
 
-    def resolve_edit(self, req: ImageEditRequest, image: Reader, mask: Reader | None) -> NewJob:
-        """An OpenAI edit as a job of ``n`` images: the prompt as for generations; ``size`` the images' size
-        ('auto': the model's listed size nearest the input's aspect ratio)."""
+    def resolve_edit(self, req: ImageEditRequest, images: list[Reader], mask: Reader | None) -> NewJob:
+        """An OpenAI edit as a job of ``n`` images made from ``images`` (one, or a model's several references): the
+        prompt as for generations; ``size`` the images' size ('auto': the model's listed size nearest the (last)
+        input's aspect ratio)."""
         info = self.model(req.model)
         if req.n > self.limits.max_images_per_request:
             raise RequestError(f"n must be at most {self.limits.max_images_per_request}, got {req.n}", "n")
@@ -209,7 +221,7 @@ class Catalog:
                 raise RequestError(str(e), "size") from None
         if info.conditioning != "text":
             self._class_label(info, req.prompt)  # before the files are read
-        edit, stored, source = self.edit(info, image, mask, req.strength)
+        edit, stored, source = self.edit(info, images, mask, req.strength)
         if width is None:
             width, height = nearest_bin(source.width, source.height, info.made_sizes())
         params = self.params(info, None, req.steps, req.guidance, 0.0, size=self._openai_size(info, width, height,

@@ -50,6 +50,7 @@ class GenerateArgs:
     precision: str = "bf16"
     image: Path | None = None  # edits: an input image (image-to-image), and a mask (inpainting)
     mask: Path | None = None
+    extra_images: tuple[Path, ...] = ()  # an instruction edit's further reference images (images 2, 3, ...)
     strength: float | None = None
 
 
@@ -173,9 +174,10 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
 
 
 def _edit(card, a: GenerateArgs) -> tuple[dict, dict, tuple[int, int] | None]:
-    """An edit's ItemSpec fields (image, mask, strength), the manifest's record of them (JobParams' image, mask,
-    strength) and the image's size; nothing for text-to-image. The service's checks (``workers.request.images``,
-    the card's takes_image and takes_mask), as UsageErrors naming the option."""
+    """An edit's ItemSpec fields (image, extra_images, mask, strength), the manifest's record of them (JobParams'
+    image, extra_images, mask, strength) and the size of the image that sizes the output (the last reference, as
+    the service); nothing for text-to-image. The service's checks (``workers.request.images``, the card's
+    takes_image, takes_mask and max_images), as UsageErrors naming the option."""
     import hashlib
 
     from dit_serve.schemas import InputImage
@@ -189,6 +191,9 @@ def _edit(card, a: GenerateArgs) -> tuple[dict, dict, tuple[int, int] | None]:
         return {}, {}, None
     if not card.takes_image:
         raise UsageError(f"--image: model {card.name!r} does not take an input image")
+    if 1 + len(a.extra_images) > card.max_images:
+        most = "one input image" if card.max_images == 1 else f"at most {card.max_images} input images"
+        raise UsageError(f"--image: model {card.name!r} takes {most}; {1 + len(a.extra_images)} were given")
     if card.edit == "reference" and (a.mask is not None or a.strength is not None):
         raise UsageError(f"{'--mask' if a.mask is not None else '--strength'}: model {card.name!r} edits a reference "
                          "image by its prompt (an instruction edit): it takes no mask and no strength")
@@ -199,15 +204,18 @@ def _edit(card, a: GenerateArgs) -> tuple[dict, dict, tuple[int, int] | None]:
             images.check_strength(a.strength)
         except ValueError as e:
             raise UsageError(f"--{e}") from None
-    files = {name: path for name, path in (("image", a.image), ("mask", a.mask)) if path is not None}
+    files = {name: path for name, path in (("image", a.image), ("mask", a.mask),
+                                           *((f"image{i}", p) for i, p in enumerate(a.extra_images, 2)))
+             if path is not None}
     data, decoded = {}, {}
     for name, path in files.items():
+        option = "--mask" if name == "mask" else "--image"
         try:
             data[name] = path.read_bytes()
         except OSError as e:
-            raise UsageError(f"--{name}: cannot read {str(path)!r}: {e.strerror or e}") from None
+            raise UsageError(f"{option}: cannot read {str(path)!r}: {e.strerror or e}") from None
         try:
-            decoded[name] = (images.decode_mask if name == "mask" else images.decode_image)(data[name], f"--{name}")
+            decoded[name] = (images.decode_mask if name == "mask" else images.decode_image)(data[name], option)
         except images.ImageError as e:
             raise UsageError(str(e)) from None
     if "mask" in decoded:
@@ -215,10 +223,12 @@ def _edit(card, a: GenerateArgs) -> tuple[dict, dict, tuple[int, int] | None]:
             images.check_mask_size(decoded["image"], decoded["mask"])
         except images.ImageError as e:
             raise UsageError(f"--{e}") from None
-    if card.edit == "reference":  # the image is the step's reference: no strength
-        refs = {"image": InputImage(sha256=hashlib.sha256(data["image"]).hexdigest(), width=decoded["image"].width,
-                                    height=decoded["image"].height)}
-        return {"image": data["image"]}, {**refs, "strength": None}, decoded["image"].size
+    if card.edit == "reference":  # the images are the step's references: no strength
+        names = ["image", *(f"image{i}" for i in range(2, len(a.extra_images) + 2))]
+        refs = [InputImage(sha256=hashlib.sha256(data[n]).hexdigest(), width=decoded[n].width,
+                           height=decoded[n].height) for n in names]
+        spec = {"image": data["image"], "extra_images": tuple(data[n] for n in names[1:])}
+        return spec, {"image": refs[0], "extra_images": refs[1:], "strength": None}, decoded[names[-1]].size
     strength = a.strength if a.strength is not None else (1.0 if "mask" in data else 0.6)
     refs = {name: InputImage(sha256=hashlib.sha256(b).hexdigest(), width=decoded[name].width,
                              height=decoded[name].height) for name, b in data.items()}

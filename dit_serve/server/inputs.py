@@ -89,8 +89,9 @@ def inline(value: str, field: str, limit: int, data_url: bool) -> bytes:
 
 
 class JobInputs:
-    """A ``POST /v1/jobs`` request's image and mask, read (an upload from the store, inline text decoded) and
-    checked only when the catalog asks for them, after the model's card allowed them."""
+    """A ``POST /v1/jobs`` request's images and mask, read (an upload from the store, inline text decoded) and
+    checked only when the catalog asks for them, after the model's card allowed them. ``image`` (or ``image_b64``)
+    may be a list: an instruction edit's reference images, each read as one image is (its field ``image[i]``)."""
 
     def __init__(self, req: JobRequest, get_upload: Callable[[str], bytes | None], inline_limit: int):
         self.req, self.get_upload, self.inline_limit = req, get_upload, inline_limit
@@ -103,20 +104,30 @@ class JobInputs:
 
     def reader(self, name: str) -> Callable[[], Input] | None:
         """A function that reads and checks ``name`` (image or mask); None when the request has none."""
-        return (lambda: self.read(name)) if self.given(name) else None
+        found = self.readers(name)
+        return found[0] if found else None
 
-    def read(self, name: str) -> Input:
+    def readers(self, name: str) -> list[Callable[[], Input]]:
+        """A function per image sent as ``name`` (one, or each of a list, in order) that reads and checks it."""
         value, raw = getattr(self.req, name), getattr(self.req, f"{name}_b64")
-        if raw is not None:
-            return Input.of(inline(raw, f"{name}_b64", self.inline_limit, data_url=False), f"{name}_b64",
-                            mask=name == "mask")
+        field, given = (name, value) if raw is None else (f"{name}_b64", raw)
+        if given is None:
+            return []
+        if isinstance(given, str):
+            return [lambda: self.read(field, given, mask=name == "mask")]
+        return [lambda f=f"{field}[{i}]", v=v: self.read(f, v) for i, v in enumerate(given)]
+
+    def read(self, field: str, value: str, mask: bool = False) -> Input:
+        """The image sent as ``field``: base64 (an ``_b64`` field), else an upload's id or a data URL."""
+        if field.split("[")[0].endswith("_b64"):
+            return Input.of(inline(value, field, self.inline_limit, data_url=False), field, mask=mask)
         if re.match(UPLOAD_ID, value):
             data = self.get_upload(value)
             if data is None:
-                raise RequestError(f"{name}: no upload {value!r} (uploads are deleted once retention's time has "
-                                   "passed, and a tenant sees its own only): upload the file again", name)
-            return Input.of(data, name, mask=name == "mask", upload_id=value)
-        return Input.of(inline(value, name, self.inline_limit, data_url=True), name, mask=name == "mask")
+                raise RequestError(f"{field}: no upload {value!r} (uploads are deleted once retention's time has "
+                                   "passed, and a tenant sees its own only): upload the file again", field)
+            return Input.of(data, field, mask=mask, upload_id=value)
+        return Input.of(inline(value, field, self.inline_limit, data_url=True), field, mask=mask)
 
 
 def mask_from_alpha(data: bytes, field: str = "mask") -> bytes:

@@ -148,11 +148,13 @@ def test_generate_edits_a_local_image_and_records_its_hash(tmp_path, capsys):
     assert params["strength"] == 1.0 and params["image"]["id"] is None
     assert (np.asarray(Image.open(tmp_path / "out" / "00000.png"))[:, 4:] == 70).all()
     capsys.readouterr()
-    for extra, message in ((["--mask", str(tmp_path / "wide.png")], "--mask: 9x8 differs from the image's 8x8"),
-                           (["--strength", "0"], "--strength must be a number in (0, 1]"),
-                           (["--image", str(tmp_path / "nope.png")], "--image: cannot read")):
-        args = ["generate", "--model", "digits-text", "--prompt", "an eight", "--image", str(tmp_path / "in.png"),
-                *extra, "--out", str(tmp_path / "bad")]
+    # --image repeats (an instruction edit's reference images): a second one is a second image, refused here
+    image = ["--image", str(tmp_path / "in.png")]
+    for extra, message in (([*image, "--mask", str(tmp_path / "wide.png")], "--mask: 9x8 differs from the image's 8x8"),
+                           ([*image, "--strength", "0"], "--strength must be a number in (0, 1]"),
+                           (["--image", str(tmp_path / "nope.png")], "--image: cannot read"),
+                           ([*image, *image], "--image: model 'digits-text' takes one input image; 2 were given")):
+        args = ["generate", "--model", "digits-text", "--prompt", "an eight", *extra, "--out", str(tmp_path / "bad")]
         assert _exit_code(args) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err

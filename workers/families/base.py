@@ -154,6 +154,8 @@ class ModelCard:
                                      # down to size_multiple)
     needs_image: bool = False        # "reference": a request without an image is refused, as the model's pipeline
                                      # needs one (Qwen-Image-Edit); False: it runs as text-to-image (FLUX.1 Kontext)
+    max_images: int = 1              # "reference": the most reference images a request may send (Qwen-Image-Edit-
+                                     # Plus reads several: "the person of image 1 in the scene of image 2")
 
     @property
     def prediction_type(self) -> str:

@@ -24,7 +24,9 @@ class ItemSpec:
     resized to the generation size, is encoded by the model's VAE and noised to the step ``strength`` in (0, 1]
     selects (1: the whole schedule, from pure noise; 0.3: its last 30%). ``mask``: an encoded image of the image's
     size, white = repaint, black = keep (diffusers' ``mask_image``): inpainting. ``strength`` without an image
-    means nothing. The bytes stay out of the repr (logs).
+    means nothing. ``extra_images``: an instruction edit's further reference images (images 2, 3, ... of
+    QwenImageEditPlusPipeline's list; ``image`` is image 1), at most the card's ``max_images`` in all
+    (``references``). The bytes stay out of the repr (logs).
 
     ``loras``: the adapters (registered names) and their scales the image is made with, at most the worker's
     ``lora_per_request``; empty: none (``workers.lora``)."""
@@ -47,4 +49,10 @@ class ItemSpec:
     image: bytes = field(default=b"", repr=False)
     mask: bytes = field(default=b"", repr=False)
     strength: float = 1.0
+    extra_images: tuple[bytes, ...] = field(default=(), repr=False)
     loras: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def references(self) -> tuple[bytes, ...]:
+        """Every input image in order (``image``, then ``extra_images``); empty without an image."""
+        return (self.image, *self.extra_images) if self.image else ()

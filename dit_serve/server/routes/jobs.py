@@ -11,7 +11,7 @@ from fastapi import Header, Path, Query, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, StreamingResponse
 
-from dit_serve.schemas import MAX_ITEMS, Job, JobList, JobRequest, clip, event_schema
+from dit_serve.schemas import INPUT_NAME, MAX_ITEMS, Job, JobList, JobRequest, clip, event_schema
 from dit_serve.server.catalog import RequestError
 from dit_serve.server.events import END_EVENT_ITEMS, Cursor, EventResponse, JobEvents
 from dit_serve.server.inputs import JobInputs, format_of
@@ -56,7 +56,8 @@ def job_or_404(store: Store, job_id: str, who: Principal, with_items: bool = Tru
 def submit_job(req: JobRequest, store: StoreDep, catalog: CatalogDep, admission: AdmissionDep,
                lora_policy: LoraPolicyDep, who: Caller, idempotency_key: str | None = IdempotencyKey) -> Job:
     """Queue a job; 202 once it is committed to the store (429 with Retry-After when the queue is full).
-    Edits send ``image`` (an upload's id or a data URL; or ``image_b64``), ``mask`` and ``strength``; adapters
+    Edits send ``image`` (an upload's id or a data URL; or ``image_b64``; a list of them for a model's several
+    reference images, GET /v1/models: max_images), ``mask`` and ``strength``; adapters
     ``loras`` ([{"name", "scale"}], GET /v1/loras)."""
     def upload(upload_id: str) -> bytes | None:
         found = store.get_upload(upload_id, tenant=who.scope, data=True)
@@ -181,8 +182,9 @@ def _no_image(job: Job, index: int) -> RequestError:
 @router.get("/jobs/{job_id}/inputs/{name}", response_class=Response,
             responses={200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}}, **errors(404)})
 def get_input(store: StoreDep, who: Caller, job_id: str = JobId,
-              name: str = Path(pattern="^(image|mask)$", description="image or mask")):
-    """An edit's input image or mask, as the job stored it (``params.image``, ``params.mask``: its SHA-256)."""
+              name: str = Path(pattern=INPUT_NAME, description="image, image2, image3, ... or mask")):
+    """An edit's input image or mask, as the job stored it (``params.image``, ``params.mask``: its SHA-256); an
+    instruction edit's further references as image2, image3, ... (``params.extra_images``)."""
     job_or_404(store, job_id, who, with_items=False)
     data = store.job_input(job_id, name)
     if data is None:

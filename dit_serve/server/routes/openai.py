@@ -49,8 +49,9 @@ async def generate_images(req: ImageGenerationRequest, request: Request, store: 
 
 
 EDIT_FORM = form_body(ImageEditRequest.model_json_schema(), ["image", "prompt"], {
-    "image": "the image to edit: one PNG, JPEG or WebP file (OpenAI's SDK sends several as image[]: more than one "
-             "is refused, as no served model takes reference images)",
+    "image": "the image to edit: a PNG, JPEG or WebP file; several (OpenAI's SDK sends them as image[]) for a model "
+             "that takes several reference images, in order, at most its max_images (GET /v1/models; "
+             "Qwen-Image-Edit-Plus: 3)",
     "mask": "where to edit: an image of the input's size whose fully transparent pixels are repainted "
             "(OpenAI's rule), for models that inpaint; without it the whole image is varied (image-to-image)"})
 EDIT_FORM["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"]["loras"] = {
@@ -64,20 +65,20 @@ async def edit_images(request: Request, store: StoreDep, catalog: CatalogDep, ad
                       limits: LimitsDep, server: ServerDep, lora_policy: LoraPolicyDep,
                       who: Caller) -> Response | ImagesResponse:
     """OpenAI-compatible image edits (multipart/form-data): ``n`` images made from ``image``, inpainted where the
-    ``mask`` is transparent (models that inpaint), else image-to-image at ``strength``; waits as generations do."""
+    ``mask`` is transparent (models that inpaint), else image-to-image at ``strength``; several ``image`` files
+    are a model's reference images (at most its ``max_images``); waits as generations do."""
     files, fields = await read_form(request, ("image", "mask"))
     req = validate_fields(ImageEditRequest, fields)
-    sent = files.get("image", [])
-    if len(sent) > 1:
-        raise RequestError(f"image: {len(sent)} images were sent; the served models edit one image (an "
-                           "instruction-edit model, FLUX.1 Kontext or Qwen-Image-Edit, takes one reference image): send one",
-                           "image")
-    image, mask = one_file(files, "image"), one_file(files, "mask", required=False)
-    for name, part in (("image", image), ("mask", mask)):
+    sent, mask = files.get("image", []), one_file(files, "mask", required=False)
+    if not sent:
+        one_file(files, "image")  # its 400: image is required
+    names = ["image"] if len(sent) == 1 else [f"image[{i}]" for i in range(len(sent))]
+    for name, part in [*zip(names, sent), ("mask", mask)]:
         if part is not None:
             check_size(len(part.data), name, limits.max_image_bytes)
+    images = [lambda part=part, name=name: Input.of(part.data, name) for name, part in zip(names, sent)]
     read_mask = None if mask is None else (lambda: Input.of(mask_from_alpha(mask.data), "mask", mask=True))
-    new = await run_in_threadpool(catalog.resolve_edit, req, lambda: Input.of(image.data, "image"), read_mask)
+    new = await run_in_threadpool(catalog.resolve_edit, req, images, read_mask)
     new = await run_in_threadpool(resolve_loras, new, req.loras, store, who.scope, catalog.models[new.model],
                                   lora_policy)
     job_id, _, _ = await run_in_threadpool(admission.submit, new, who)

@@ -384,14 +384,17 @@ function jobView(jobId) {
     return names[item.label] ?? `class ${item.label}`;
   }
 
-  // an edit's input (and mask) first, the results beside them
+  // an edit's input (its further reference images, image2, image3, ..., and its mask) first, the results beside them
   function inputCells() {
     const p = job.params ?? {};
-    return ["image", "mask"].filter((name) => p[name]).map((name) => {
+    const extra = (p.image ? p.extra_images ?? [] : []).map((_, i) => `image${i + 2}`);
+    const caption = (name) => name === "mask" ? "mask"
+      : name === "image" ? `input${extra.length ? " 1" : ""}${p.strength ? `, strength ${p.strength}` : ""}`
+      : `input ${name.slice("image".length)}`;
+    return ["image", ...extra, "mask"].filter((name) => name.startsWith("image") ? p.image : p.mask).map((name) => {
       const cell = el("li", { className: "cell input" },
         el("div", { className: "frame" }, el("img", { alt: `the job's input ${name}` })),
-        el("div", { className: "cap" }, el("span", { className: "what",
-          textContent: name === "image" ? `input${p.strength ? `, strength ${p.strength}` : ""}` : "mask" })));
+        el("div", { className: "cap" }, el("span", { className: "what", textContent: caption(name) })));
       cell.dataset.input = name;
       api(`/v1/jobs/${encodeURIComponent(jobId)}/inputs/${name}`, { signal: ctrl.signal, raw: true })
         .then(async (r) => setCellImage(cell, URL.createObjectURL(await r.blob())))

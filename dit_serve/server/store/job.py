@@ -56,9 +56,9 @@ class JobsMixin(StoreBase):
         the queued and running items would exceed ``max_active`` (all tenants) or ``tenant_max_active``,
         or would pass ``max_active - reserve`` while the tenant then holds more than ``reserve`` items.
         With ``view``, a third element: the new job as ``get_job`` would read it right after (None for an
-        earlier submission's), made from what was written rather than read back. ``inputs``: an edit's image
-        and mask bytes ({"image": ..., "mask": ...}), stored once for the job (``inputs/<job>/<name>``, renamed
-        into place inside the transaction; ``params`` names their SHA-256)."""
+        earlier submission's), made from what was written rather than read back. ``inputs``: an edit's images
+        and mask bytes ({"image": ..., "image2": ..., "mask": ...}), stored once for the job
+        (``inputs/<job>/<name>``, renamed into place inside the transaction; ``params`` names their SHA-256)."""
         stored = params.model_dump_json()
         if JobParams.model_validate_json(stored) != params:  # a row this store writes is one it can read
             raise ValueError(f"job parameters do not survive storage: {stored[:200]}")

@@ -44,6 +44,7 @@ class Lease:
     returned_at: float = 0.0  # when the lease's transaction had returned to the scheduler (sub-phases)
     image: bytes = field(default=b"", repr=False)  # an edit's input image and mask, as the job stored them
     mask: bytes = field(default=b"", repr=False)   # (one bytes object per job and lease: sent to a worker once)
+    extra_images: tuple[bytes, ...] = field(default=(), repr=False)  # an instruction edit's images 2, 3, ...
 
     @property
     def key(self) -> str:
@@ -57,7 +58,7 @@ class Lease:
                         eta=p.eta, label=self.label, model=self.model, prompt=self.prompt or "",
                         negative_prompt=p.negative_prompt, width=p.width, height=p.height,
                         out_width=p.output_width, out_height=p.output_height, preview_every=p.preview_every,
-                        image=self.image, mask=self.mask, strength=p.strength or 1.0,
+                        image=self.image, mask=self.mask, strength=p.strength or 1.0, extra_images=self.extra_images,
                         loras=tuple((u.name, u.scale) for u in p.loras))
 
 
@@ -109,7 +110,8 @@ class LeasesMixin(StoreBase):
             for r in rows:
                 try:
                     params = _params(r.params)
-                    image, mask = read_inputs(self.data_dir, r.job_id, params) if params.image else (b"", b"")
+                    image, extra, mask = read_inputs(self.data_dir, r.job_id, params) if params.image else \
+                        (b"", (), b"")
                 except InputMissing as e:
                     _set(conn, [(r.job_id, r.idx)], state="failed", finished_at=now, **NO_LEASE, error=str(e)[:2000])
                     continue
@@ -119,7 +121,8 @@ class LeasesMixin(StoreBase):
                     continue
                 leases.append(Lease(r.job_id, r.idx, r.model, r.label, r.seed, params, token, prompt=r.prompt,
                                     requeues=r.requeues, crashes=r.crashes, suspect=level is not None,
-                                    created_at=r.created_at, leased_at=now, image=image, mask=mask))
+                                    created_at=r.created_at, leased_at=now, image=image, mask=mask,
+                                    extra_images=extra))
             if level is not None and len(leases) == 1:
                 leases[0].solo = True
             if leases:

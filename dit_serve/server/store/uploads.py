@@ -1,6 +1,7 @@
 """Edits' input files: uploads (``POST /v1/uploads``: a row each, the file ``uploads/<id>`` under the data dir,
-counted in its tenant's quota, deleted by retention) and a job's own copy of its inputs (``inputs/<job>/image``
-and ``inputs/<job>/mask``: written once per job by ``JobsMixin.submit``, staged before its transaction and
+counted in its tenant's quota, deleted by retention) and a job's own copy of its inputs (``inputs/<job>/image``,
+an instruction edit's further references ``inputs/<job>/image2``, ``image3``, ..., and ``inputs/<job>/mask``:
+written once per job by ``JobsMixin.submit``, staged before its transaction and
 renamed into place inside it, read when its items are leased, deleted with the job).
 
 The bytes are only ever stored, hashed and handed to Pillow's PNG, JPEG and WebP decoders
@@ -11,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -19,11 +21,10 @@ from pathlib import Path
 
 from sqlalchemy import bindparam, func, select, text
 
-from dit_serve.schemas import JobParams, Upload
+from dit_serve.schemas import INPUT_NAME, JobParams, Upload, input_name
 from dit_serve.server.store.base import StoreBase
 from dit_serve.server.store.tables import uploads
 
-INPUT_NAMES = ("image", "mask")  # a job's input files, inputs/<job>/<name>
 
 
 class UploadQuotaFull(RuntimeError):
@@ -120,9 +121,9 @@ class UploadsMixin(StoreBase):
 
     # -- a job's own inputs -------------------------------------------------------------------------
     def job_input(self, job_id: str, name: str) -> bytes | None:
-        """A job's stored input (``image`` or ``mask``), or None when it has none. The caller checks the job
-        is the caller's."""
-        if name not in INPUT_NAMES:
+        """A job's stored input (``image``, ``image2``, ... or ``mask``), or None when it has none. The caller
+        checks the job is the caller's."""
+        if not re.match(INPUT_NAME, name):
             return None
         try:
             return (self.data_dir / "inputs" / job_id / name).read_bytes()
@@ -135,7 +136,7 @@ class UploadsMixin(StoreBase):
         staging = self.data_dir / "inputs" / f".staging-{job_id}"
         try:
             for name, data in inputs.items():
-                if name not in INPUT_NAMES:
+                if not re.match(INPUT_NAME, name):
                     raise ValueError(f"unknown job input {name!r}")
                 os.replace(_stage(staging / name, data), staging / name)
         except BaseException:
@@ -167,17 +168,17 @@ def _stage(final: Path, data: bytes) -> str:
     return tmp
 
 
-def read_inputs(data_dir: Path, job_id: str, params: JobParams) -> tuple[bytes, bytes]:
-    """(image, mask) bytes of a job with an edit's inputs, checked against their stored SHA-256 (b"" where the
-    job has none); ``InputMissing`` when one is gone or changed."""
-    out = []
-    for name in INPUT_NAMES:
-        ref = getattr(params, name)
-        out.append(b"" if ref is None else _read_input(str(data_dir / "inputs" / job_id / name), ref.sha256))
-    return out[0], out[1]
+def read_inputs(data_dir: Path, job_id: str, params: JobParams) -> tuple[bytes, tuple[bytes, ...], bytes]:
+    """(image, the further reference images, mask) bytes of a job with an edit's inputs, checked against their
+    stored SHA-256 (b"" where the job has none); ``InputMissing`` when one is gone or changed."""
+    def read(name: str, ref) -> bytes:
+        return b"" if ref is None else _read_input(str(data_dir / "inputs" / job_id / name), ref.sha256)
+
+    extra = tuple(read(input_name(i), ref) for i, ref in enumerate(params.extra_images, 1))
+    return read("image", params.image), extra, read("mask", params.mask)
 
 
-@functools.lru_cache(maxsize=4)  # a job's items are leased a few at a time: its inputs are read once, and the
+@functools.lru_cache(maxsize=16)  # a job's items are leased a few at a time: its inputs are read once, and the
 def _read_input(path: str, sha256: str) -> bytes:  # specs of one lease share the bytes (pickled once to a worker)
     try:
         data = Path(path).read_bytes()

@@ -3,7 +3,10 @@ random directories in the real layouts (``make_tiny_qwenimage_edit``: processor/
 vision tower), the same initial latents, float32 on the CPU, final latents within 1e-5 of the largest (``TOL``;
 the errors seen are 0.6e-7 to 4.5e-7 of it: both sides run the same float32 modules, what differs is the batch, of
 the text encoder and VAE at admission and of the step, and the sampler's arithmetic). Reference images of two sizes run in one engine,
-with true CFG against a negative prompt and at guidance 1 (no CFG), each reference size in its own groups.
+with true CFG against a negative prompt and at guidance 1 (no CFG), each reference size in its own groups. The Plus
+pipeline's list of references: requests of two and three images of different sizes (the Plus directories take up to
+3, ``max_images``) equal QwenImageEditPlusPipeline given the same list, within the same ``TOL`` (errors seen: 1.0e-7
+to 3.8e-7 of the largest); requests whose references have the same sizes share a group and run as one batch.
 
 The pipelines resize a reference to 1024 x 1024 px of area (the Plus pipeline's encoder image to 384 x 384): the
 tiny directories ask for smaller areas (``dit_serve.reference_area`` / ``vision_area``), and the reference runs
@@ -83,6 +86,13 @@ def _assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert ours.shape == ref.shape, (what, tuple(ours.shape), tuple(ref.shape))
     err = (ours - ref).abs().max().item()
     assert err <= TOL * max(1.0, ref.abs().max().item()), (what, err)
+
+
+@pytest.fixture(scope="module")
+def plus_2509_dir(tmp_path_factory):
+    """Qwen-Image-Edit-2509's layout and transformer (no zero_cond_t)."""
+    return make_tiny_qwenimage_edit(tmp_path_factory.mktemp("qwen-edit-2509") / "Qwen-Image-Edit-2509", seed=5,
+                                    plus=True)
 
 
 def _specs() -> list[ItemSpec]:
@@ -175,7 +185,7 @@ def test_references_of_two_sizes_with_and_without_cfg_in_one_engine_equal_the_pi
     used = sorted((g[1], g[4]) for g in groups)  # (latent shape, variant) of the groups that ran
     assert ("16x8x8", "edit-6x8-vl15") in used and ("16x8x12", "edit-8x4-vl10-no-cfg") in used
     inputs = step_specs(edit_model, (16, 8, 8), "edit-6x8-vl15")[0]
-    length = 15 + edit_model.template_tokens + edit_model.card.max_tokens  # vision, template, prompt tokens
+    length = 15 + edit_model.template_tokens[1] + edit_model.card.max_tokens  # vision, template, prompt tokens
     assert inputs["reference"].shape_per_sample == (48, 64) and inputs["prompt_embeds"].shape_per_sample[0] == length
     assert "neg_embeds" not in step_specs(edit_model, (16, 8, 12), "edit-8x4-vl10-no-cfg")[0]
 
@@ -188,6 +198,77 @@ def test_the_plus_pipeline_with_a_zero_cond_t_transformer_equals_its_pipeline(pl
     specs = _specs()[:2]
     for spec, r in zip(specs, Engine(model, WorkerConfig(backend="eager", max_batch=4)).generate(specs)):
         _assert_close(r.latents, _reference(model, spec), spec.id)
+
+
+def _plus_specs() -> list[ItemSpec]:
+    """Several references: p and q two of the same sizes (one layout: 128x96 then 64x128 px, 6 x 8 then 8 x 4
+    tokens), p with true CFG against a negative prompt, q against " "; r three in another order (another layout) at
+    another generation size without CFG."""
+    two = dict(sampler="flow_euler", steps=3, prompt="1 sits in 2")
+    return [ItemSpec(id="p", seed=1, guidance=4.0, negative_prompt="blurry",
+                     image=edit_cases.image_bytes(70, 50, seed=1),
+                     extra_images=(edit_cases.image_bytes(40, 60, seed=2),), **two),
+            ItemSpec(id="q", seed=2, guidance=2.5, image=edit_cases.image_bytes(70, 50, seed=5),
+                     extra_images=(edit_cases.image_bytes(40, 60, seed=6),), **two),
+            ItemSpec(id="r", seed=3, sampler="flow_euler", steps=2, guidance=1.0, prompt="all on a beach",
+                     image=edit_cases.image_bytes(40, 60, seed=7), width=96, height=64,
+                     extra_images=(edit_cases.image_bytes(50, 50, seed=8), edit_cases.image_bytes(70, 50, seed=9)))]
+
+
+@pytest.mark.parametrize("which", ["2509", "2511"])
+def test_several_references_of_different_sizes_equal_the_plus_pipeline(plus_2509_dir, plus_dir, which):
+    """Two and three reference images through our engine (their latent tokens joined in order, img_shapes listing
+    each, "Picture 1: ... Picture 2: ..." in the template) equal QwenImageEditPlusPipeline given the same images, the
+    same initial latents and true CFG against a negative prompt; with Qwen-Image-Edit-2511's zero_cond_t
+    transformer too (every reference's tokens modulated at t = 0). p and q (the same reference sizes) run as one
+    batch of two in one group; r's layout is a group of its own."""
+    model = load_model(plus_2509_dir if which == "2509" else plus_dir)
+    assert model.card.max_images == 3 and model.template_tokens[2] > model.template_tokens[1]
+    engine = Engine(model, WorkerConfig(backend="eager", max_batch=4))
+    specs = _plus_specs()
+    for spec, r in zip(specs, engine.generate(specs)):
+        _assert_close(r.latents, _reference(model, spec), spec.id)
+    runs = {tuple(k.split(":")[i] for i in (1, 4)): {b: s["eager_fallbacks"] for b, s in g["buckets"].items()}
+            for k, g in engine.stats()["groups"].items()}  # (latent shape, variant) -> runs per bucket (eager)
+    ran = {k: {b: n for b, n in r.items() if n} for k, r in runs.items() if any(r.values())}
+    assert ran == {("16x8x8", "edit-6x8+8x4-vl8"): {2: 3},  # p and q: one batch of two for their 3 steps
+                   ("16x8x12", "edit-8x4+6x6+6x8-vl12-no-cfg"): {1: 2}}  # r alone, 2 steps
+    inputs = step_specs(model, (16, 8, 8), "edit-6x8+8x4-vl8")[0]
+    assert inputs["reference"].shape_per_sample == (48 + 32, 64)
+    assert inputs["prompt_embeds"].shape_per_sample[0] == 8 + model.template_tokens[2] + model.card.max_tokens
+
+
+def test_more_images_than_the_card_takes_are_refused(edit_model, plus_dir):
+    """QwenImageEditPipeline reads one reference; the Plus directories take up to 3."""
+    image = edit_cases.image_bytes(50, 50, seed=5)
+    base = dict(seed=1, sampler="flow_euler", steps=2, guidance=4.0, prompt="x", image=image)
+    with pytest.raises(ValueError, match="image: model .* takes at most 1 input image, got 2"):
+        Engine(edit_model, WorkerConfig(backend="eager", max_batch=2)).add(
+            ItemSpec(id="two", extra_images=(image,), **base))
+    plus = Engine(load_model(plus_dir), WorkerConfig(backend="eager", max_batch=2))
+    with pytest.raises(ValueError, match="image: model .* takes at most 3 input images, got 4"):
+        plus.add(ItemSpec(id="four", extra_images=(image,) * 3, **base))
+    with pytest.raises(ValueError, match="need a first one"):
+        plus.add(ItemSpec(id="none", **{**base, "image": b""}, extra_images=(image,)))
+    assert plus.num_active == 0
+
+
+def test_the_max_images_of_a_directory(plus_dir, edit_dir, tmp_path):
+    """``dit_serve.max_images`` sets a Plus directory's; QwenImageEditPipeline's is 1."""
+    def copy(src, name, most):
+        path = tmp_path / name
+        shutil.copytree(src, path)
+        data = json.loads((path / "model_index.json").read_text())
+        data["dit_serve"]["max_images"] = most
+        (path / "model_index.json").write_text(json.dumps(data))
+        return path
+
+    assert (read_card(plus_dir).max_images, read_card(edit_dir).max_images) == (3, 1)
+    assert read_card(copy(plus_dir, "two", 2)).max_images == 2
+    for src, name, most, message in ((plus_dir, "zero", 0, "must be 1 to 8"), (plus_dir, "many", 9, "must be 1 to 8"),
+                                     (edit_dir, "edit", 2, "must be 1 .QwenImageEditPipeline reads one")):
+        with pytest.raises(CardError, match=f"dit_serve.max_images {message}"):
+            read_card(copy(src, name, most))
 
 
 def test_warm_up_captures_a_square_reference_and_a_request_without_an_image_is_refused(edit_model, caplog):

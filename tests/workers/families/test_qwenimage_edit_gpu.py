@@ -2,16 +2,18 @@
 
 Tiny random Qwen-Image-Edit directories (``make_tiny_qwenimage_edit``: QwenImageEditPipeline's layout, and the Plus
 pipeline's with Qwen-Image-Edit-2511's zero_cond_t transformer; small reference areas), float32 on CUDA. The step's
-sequence is [latent tokens, reference tokens] and its text holds the reference's vision tokens, so each reference
-size is its own step variant (``edit-RxC-vlN``, and ``-no-cfg`` for rows at guidance <= 1) with its own graphs:
+sequence is [latent tokens, reference tokens] and its text holds the references' vision tokens, so each reference
+layout (every reference's size, in order: the Plus pipeline takes several) is its own step variant (``edit-RxC-vlN``,
+``edit-R1xC1+R2xC2-vlN`` for two references, and ``-no-cfg`` for rows at guidance <= 1) with its own graphs:
 
-- per reference size and per bucket (1, 2, 4), a ``full`` GraphRunner over the family's edit step (true CFG) replays
-  what an eager runner computes on the same inputs (text and reference tokens from the family's encode), within
-  1e-5 of the largest value; the Plus directory's zero_cond_t modulation index is inside the captured step;
+- per reference layout and per bucket (1, 2, 4), a ``full`` GraphRunner over the family's edit step (true CFG)
+  replays what an eager runner computes on the same inputs (text and reference tokens from the family's encode),
+  within 1e-5 of the largest value; the Plus directory's zero_cond_t modulation index is inside the captured step,
+  for one reference and for two of different sizes;
 - the engine under ``backend="graphs"`` gives every request (three reference sizes, one of them the square one
-  warm-up captured, rows with and without CFG, at two generation sizes, max_batch 4) the final latents
-  ``backend="eager"`` gives, within 1e-5, every group in whole-step graphs (no eager fallback), all of them in the
-  device's one pool.
+  warm-up captured, and on the Plus directory requests of two references of different sizes, rows with and
+  without CFG, at two generation sizes, max_batch 4) the final latents ``backend="eager"`` gives, within 1e-5,
+  every group in whole-step graphs (no eager fallback), all of them in the device's one pool.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 PROMPTS = ("make it red", "a blue sky", "add a hat", "the big blue house", "a photo of a cat")
 # reference images (width, height) -> their variant in each directory: 96 x 96 px of area at the image's ratio,
 # sides rounded to 32 px, one token per 16 x 16 px; the encoder's vision tokens (the Plus pipeline's image 64 x 64
-# px of area)
+# px of area); TWO: a Plus request's two references, their grids joined in order and their vision tokens summed
+TWO = ((70, 50), (40, 60))
 REFERENCES = {"edit": {(70, 50): "edit-6x8-vl15", (40, 60): "edit-8x4-vl10", (100, 36): "edit-4x10-vl12"},
-              "plus": {(70, 50): "edit-6x8-vl4", (40, 60): "edit-8x4-vl4", (100, 36): "edit-4x10-vl8"}}
+              "plus": {(70, 50): "edit-6x8-vl4", (40, 60): "edit-8x4-vl4", (100, 36): "edit-4x10-vl8",
+                       TWO: "edit-6x8+8x4-vl8"}}
 SQUARE = (50, 50)  # 96 x 96: the variant warm-up captures
 
 
@@ -48,19 +52,24 @@ def models(tmp_path_factory):
                                device="cuda", dtype=torch.float32)}
 
 
-def _specs(n: int, reference: tuple[int, int], steps: int | None = None, first: int = 0, guided: bool = True):
+def _specs(n: int, reference: tuple, steps: int | None = None, first: int = 0, guided: bool = True):
+    """n requests with a reference of size ``reference`` (width, height), or with several (``TWO``)."""
     from workers.request.spec import ItemSpec
 
+    sizes = reference if isinstance(reference[0], tuple) else (reference,)
     return [ItemSpec(id=f"{reference}-{first + i}", seed=first + i, sampler="flow_euler",
                      steps=steps or 3 + (first + i) % 3, prompt=PROMPTS[(first + i) % 5],
                      guidance=1.5 + (first + i) % 3 if guided else (1.0, 0.0)[(first + i) % 2],
                      negative_prompt="blurry" if (first + i) % 2 else "",
-                     image=edit_cases.image_bytes(*reference, seed=first + i)) for i in range(n)]
+                     image=edit_cases.image_bytes(*sizes[0], seed=first + i),
+                     extra_images=tuple(edit_cases.image_bytes(*size, seed=10 * j + first + i)
+                                        for j, size in enumerate(sizes[1:], 1))) for i in range(n)]
 
 
 def _live(model, family, plan, b: int, shape, reference) -> dict[str, torch.Tensor]:
     """The edit step's inputs for b rows at step 1 of ``plan``: b prompts with their negative prompts (guidance 1.5
-    to 3.5), b reference images of one size encoded by the family (text with the vision tokens, reference tokens)."""
+    to 3.5), b requests' references of one layout encoded by the family (text with the vision tokens, reference
+    tokens)."""
     from samplers import gather_rows
 
     specs = _specs(b, reference, plan.num_steps)
@@ -73,8 +82,9 @@ def _live(model, family, plan, b: int, shape, reference) -> dict[str, torch.Tens
                 **{k: torch.stack([c[k] for c in enc]).to(dev) for k in enc[0]})
 
 
-@pytest.mark.parametrize("kind, reference", [("edit", r) for r in REFERENCES["edit"]] + [("plus", (70, 50))])
-def test_every_bucket_of_every_reference_size_replays_what_eager_computes(models, kind, reference):
+@pytest.mark.parametrize("kind, reference", [("edit", r) for r in REFERENCES["edit"]] + [("plus", (70, 50)),
+                                                                                         ("plus", TWO)])
+def test_every_bucket_of_every_reference_layout_replays_what_eager_computes(models, kind, reference):
     from graphs import GraphRunner
     from samplers import make_plan
     from workers.engine import step_specs
@@ -116,7 +126,9 @@ def test_the_graph_engine_with_three_reference_sizes_with_and_without_cfg_equals
     refs = list(REFERENCES[kind])[:2]
     specs = [*_specs(5, refs[0]), *_specs(4, refs[0], first=5, guided=False), *_specs(6, refs[1], first=9),
              *_specs(5, SQUARE, first=15), *_specs(3, SQUARE, first=20, guided=False)]
-    # every third at another generation size: a group per (generation size, reference size, CFG or not)
+    if kind == "plus":  # two references of different sizes, with and without CFG: two more layouts' variants
+        specs += [*_specs(4, TWO, first=23), *_specs(3, TWO, first=27, guided=False)]
+    # every third at another generation size: a group per (generation size, reference layout, CFG or not)
     specs = [replace(s, width=96, height=64) if i % 3 == 0 else s for i, s in enumerate(specs)]
     graphs = Engine(model, WorkerConfig(backend="graphs", max_batch=4))
     graphs.warmup()
@@ -129,7 +141,8 @@ def test_the_graph_engine_with_three_reference_sizes_with_and_without_cfg_equals
     family = family_of(model)
     used = {(s.width, family.variant_of(model, s)) for s in specs}
     groups = graphs.stats()["groups"]
-    assert len(groups) == len(used) == 10, groups.keys()  # the square variants' native groups among them
+    # the square variants' native groups among them; the Plus directory's two-reference variants at both sizes
+    assert len(groups) == len(used) == (14 if kind == "plus" else 10), groups.keys()
     for name, group in groups.items():
         assert group["backend"] == "full" and fallbacks(group) == 0, name
         assert sum(s["replays"] for s in group["buckets"].values()) > 0, name

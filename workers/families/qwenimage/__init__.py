@@ -32,18 +32,21 @@ Text. Prompts are read as given, in the pipeline's chat template, up to ``max_to
 pipeline's ``max_sequence_length``; ``dit_serve.max_sequence_length`` sets 1 to 1024, the pipeline's
 limit) after the template's first 34 tokens.
 
-Qwen-Image-Edit (``QwenImageEditPipeline``, ``Qwen/Qwen-Image-Edit``; ``QwenImageEditPlusPipeline``,
-``Qwen/Qwen-Image-Edit-2509`` and ``-2511``, with one reference image). Qwen-Image's layout and a ``processor/``
-folder (Qwen2.5-VL's image processor, ``preprocessor_config.json``, beside its tokenizer's files). Its card's
-``edit`` is "reference": a request's image is the reference the prompt edits, read twice (by the Qwen2.5-VL encoder
-in the edit template, and as VAE latent tokens joined to the sequence: ``edit``), with no strength and no mask;
-a request without one is refused (``needs_image``: the pipelines need one). The reference is resized as the
-pipelines do (``reference_size``: the area ``reference_area``, 1024 x 1024, at the image's aspect ratio, sides
-rounded to 32 px), and so is the Plus pipeline's image for the encoder (``vision_area``, 384 x 384); the
-directory's ``dit_serve.reference_area`` / ``vision_area`` set smaller ones (test models). The sizes it lists are
-those the pipeline makes by default for images of the model card's aspect ratios (its output is the reference's
-size); ``max_tokens`` counts the prompt's tokens (the pipelines cut none: a longer prompt is cut there). The transformer of ``-2511``
-(``zero_cond_t``: the reference's tokens modulated at timestep 0) is read; the other pipelines' flags are not.
+Qwen-Image-Edit (``QwenImageEditPipeline``, ``Qwen/Qwen-Image-Edit``, one reference image;
+``QwenImageEditPlusPipeline``, ``Qwen/Qwen-Image-Edit-2509`` and ``-2511``, one to ``max_images`` reference images:
+``MAX_IMAGES``, 3, the published model cards' "1 to 3 input images", or the directory's ``dit_serve.max_images``).
+Qwen-Image's layout and a ``processor/`` folder (Qwen2.5-VL's image processor, ``preprocessor_config.json``, beside
+its tokenizer's files). Its card's ``edit`` is "reference": a request's image is the reference the prompt edits,
+read twice (by the Qwen2.5-VL encoder in the edit template, and as VAE latent tokens joined to the sequence:
+``edit``), with no strength and no mask; a request without one is refused (``needs_image``: the pipelines need one).
+The reference is resized as the pipelines do (``reference_size``: the area ``reference_area``, 1024 x 1024, at the
+image's aspect ratio, sides rounded to 32 px), and so is the Plus pipeline's image for the encoder (``vision_area``,
+384 x 384), each of a Plus request's images at its own ratio; the directory's ``dit_serve.reference_area`` /
+``vision_area`` set smaller ones (test models). The sizes it lists are those the pipeline makes by default for
+images of the model card's aspect ratios (its output is the reference's size; of a Plus request with several images,
+the last one's, as the Plus pipeline sizes its output); ``max_tokens`` counts the prompt's tokens (the pipelines cut
+none: a longer prompt is cut there). The transformer of ``-2511`` (``zero_cond_t``: the reference's tokens modulated
+at timestep 0) is read; the other pipelines' flags are not.
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ EDIT_PIPELINES = {"QwenImageEditPipeline": "Qwen-Image-Edit", "QwenImageEditPlus
 EDIT_VARIANTS = ("zero_cond_t",)  # the flags the edit transformers may set (Qwen-Image-Edit-2511's)
 REFERENCE_AREA = 1024 * 1024  # the edit pipelines' calculate_dimensions target (the Plus pipeline's VAE_IMAGE_SIZE)
 VISION_AREA = 384 * 384  # QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE: its images as the text encoder sees them
+MAX_IMAGES = 3  # a Plus request's reference images: Qwen-Image-Edit-2509's model card, "1 to 3 input images"
+MAX_IMAGES_LIMIT = 8  # dit_serve.max_images: each image is its own tokens in the step and in the encoder's text
 EDIT_RATIOS = ((1, 1), (16, 9), (9, 16), (4, 3), (3, 4), (3, 2), (2, 3))  # the model card's, width : height
 IMAGE_PROCESSORS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
 # Qwen/Qwen-Image: transformer + VAE; Qwen2.5-VL-7B-Instruct, vision tower and LM head included (counted on
@@ -100,13 +105,15 @@ WAN21_VAE = PreviewMap(weight=((-0.1299, -0.1692, 0.2932), (0.0671, 0.0406, 0.04
 
 @dataclass(frozen=True)
 class EditSetup:
-    """How an edit directory reads its reference (``edit_setup``): the pipeline, the area its reference is resized
-    to, and the area of the Plus pipeline's image for the text encoder (0: the reference itself, as
-    QwenImageEditPipeline gives the encoder)."""
+    """How an edit directory reads its references (``edit_setup``): the pipeline, the area a reference is resized
+    to, the area of the Plus pipeline's image for the text encoder (0: the reference itself, as
+    QwenImageEditPipeline gives the encoder), and the most reference images a request may send (the Plus
+    pipeline's list; QwenImageEditPipeline's one)."""
 
     pipeline: str
     reference_area: int = REFERENCE_AREA
     vision_area: int = 0
+    max_images: int = 1
 
     @property
     def plus(self) -> bool:
@@ -156,7 +163,11 @@ def edit_setup(path: Path, index: dict) -> EditSetup | None:
                             f"{32 * 32}, got {value!r}")
         areas[key] = value
     plus = pipeline == "QwenImageEditPlusPipeline"
-    return EditSetup(pipeline, areas["reference_area"], areas["vision_area"] if plus else 0)
+    most = extra.get("max_images", MAX_IMAGES if plus else 1)
+    if not isinstance(most, int) or isinstance(most, bool) or not 1 <= most <= (MAX_IMAGES_LIMIT if plus else 1):
+        allowed = f"1 to {MAX_IMAGES_LIMIT}" if plus else f"1 ({pipeline} reads one reference image)"
+        raise CardError(f"{path}/model_index.json: dit_serve.max_images must be {allowed}, got {most!r}")
+    return EditSetup(pipeline, areas["reference_area"], areas["vision_area"] if plus else 0, most)
 
 
 class QwenImage(Family):
@@ -207,6 +218,7 @@ def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict
         sizes=tuple(listed_sizes(path, extra, multiple) or sizes), size_multiple=multiple,
         size_range=(multiple, 2 * size), rounds_down=True, guidance_mode="cfg",
         edit="" if setup is None else "reference", needs_image=setup is not None,
+        max_images=1 if setup is None else setup.max_images,
         tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() else "")
 
 

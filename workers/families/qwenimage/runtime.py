@@ -30,8 +30,8 @@ which ``__init__`` computes, are made again on the host (``builtin.rebuild_table
 encoder's rotary frequencies, in float32: casting the encoder to bfloat16 would round them (transformers
 makes them in float32, and the pipeline's encoder keeps them so).
 
-Qwen-Image-Edit (a card whose ``edit`` is "reference"): its reference read by the encoder and joined to the
-sequence as latent tokens, each reference size a step variant: ``workers.families.qwenimage.edit``.
+Qwen-Image-Edit (a card whose ``edit`` is "reference"): its references read by the encoder and joined to the
+sequence as latent tokens, each layout of reference sizes a step variant: ``workers.families.qwenimage.edit``.
 
 Graph safety: the step runs the transformer's modules through ``transformer_forward``: its forward without
 the host-to-device copy it makes at every call (not allowed while a CUDA graph captures). The rotary tables
@@ -82,7 +82,8 @@ class QwenImageRuntime(QwenImage):
 
     def reference_call(self, model, specs) -> dict:
         """True CFG at the request's guidance against its negative prompt (" " for an empty one, as the model
-        card passes); an edit's reference image (the first request's: the edit pipelines take one image per call)."""
+        card passes); an edit's reference image (the first request's: the edit pipelines take one request's images
+        per call), or the Plus pipeline's list of them where the request sends several."""
         s = specs[0]
         w, h = (s.width, s.height) if s.width else model.card.native_size
         call = dict(prompt=[x.prompt for x in specs], negative_prompt=[x.negative_prompt or " " for x in specs],
@@ -91,7 +92,8 @@ class QwenImageRuntime(QwenImage):
         if _edits(model):
             from workers.request.images import decode_image
 
-            call["image"] = decode_image(s.image)
+            images = [decode_image(data) for data in s.references]
+            call["image"] = images if len(images) > 1 else images[0]
         return call
 
     def load(self, card, device, dtype):
@@ -176,7 +178,7 @@ class QwenImageRuntime(QwenImage):
         pipeline divides by 1000; the model multiplies back) with the text masks, the true-CFG rescale
         (``true_cfg``), unpack, sampler update. The rotary tables depend on the shape and the token limit only:
         made here, outside capture. An edit variant's step (``edit``) runs [latent tokens, reference tokens] and
-        keeps the latent tokens' output; its rotary tables and text length are its reference's."""
+        keeps the latent tokens' output; its rotary tables and text length are its references'."""
         transformer, dtype, device = model.transformer, model.dtype, model.device
         _, h, w = shape or model.latent_shape
         n = (h // 2) * (w // 2)
@@ -186,8 +188,8 @@ class QwenImageRuntime(QwenImage):
             rotary, modulate = rotary_tables(transformer, h // 2, w // 2, model.card.max_tokens, device), None
         else:
             rotary = rotary_tables(transformer, h // 2, w // 2, edit.text_length(model, found), device,
-                                   reference=(found.rows, found.cols))
-            modulate = edit.modulation_index(transformer, n, found.rows * found.cols, device)
+                                   references=found.grids)
+            modulate = edit.modulation_index(transformer, n, found.tokens, device)
 
         def forward(tokens, text, mask, timestep):
             out = transformer_forward(transformer, tokens, text, mask, timestep, rotary, modulate)
@@ -196,7 +198,7 @@ class QwenImageRuntime(QwenImage):
         def step(x, t, guidance, coeffs, hist, noise, prompt_embeds, prompt_mask, neg_embeds=None, neg_mask=None,
                  reference=None):
             tokens = pack(model_input(x, coeffs).to(dtype))                                 # (B, N, 64)
-            if reference is not None:  # an edit: [latent tokens, reference tokens]
+            if reference is not None:  # an edit: [latent tokens, each reference's tokens]
                 tokens = torch.cat([tokens, reference], dim=1)                              # (B, N + n_ref, 64)
             timestep = t.to(dtype) / 1000
             if not guided:  # rows at a scale of at most 1: the prompt's forward alone, as the pipeline
@@ -344,12 +346,12 @@ def unpack(z: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 
 def rotary_tables(transformer, h: int, w: int, text_tokens: int, device,
-                  reference: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  references: tuple[tuple[int, int], ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """The transformer's (image, text) rotary tables for an h x w token grid and ``text_tokens`` text tokens
-    (complex; the text's positions follow the image's largest), as its forward makes them from the pipeline's
-    ``img_shapes``; an edit's ``reference`` grid (rows, cols) follows the image's (its frame index 1), as the edit
-    pipelines' img_shapes [latents, reference]."""
-    shapes = [(1, h, w)] + ([(1, *reference)] if reference is not None else [])
+    (complex; the text's positions follow the largest grid's), as its forward makes them from the pipeline's
+    ``img_shapes``; an edit's ``references`` grids (rows, cols) follow the image's (frame indices 1, 2, ...), as the
+    edit pipelines' img_shapes [latents, reference 1, reference 2, ...]."""
+    shapes = [(1, h, w)] + [(1, *grid) for grid in references]
     with torch.no_grad():
         return transformer.pos_embed([shapes], device=torch.device(device), max_txt_seq_len=text_tokens)
 
