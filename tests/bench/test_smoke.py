@@ -40,23 +40,6 @@ def test_quality_compares_fastest_with_default(tmp_path):
     assert q["settings"]["precision"] == "fp8" and q["median_psnr_db"] > 20
 
 
-def test_parity_measures_a_checkout_and_compares_two_reports(tmp_path, capsys):
-    import parity
-
-    parity.main(["--smoke", "--label", "a", "--out", str(tmp_path)])
-    r = json.loads((tmp_path / "parity_a.json").read_text())
-    assert set(r["figures"]) == {"dit one image", "dit images/s", "pixart one image"}
-    assert len(r["samples"]["dit one image"]) == 3 and r["figures"]["dit images/s"]["median"] > 0
-    capsys.readouterr()
-    parity.main(["--compare", str(tmp_path / "parity_a.json"), str(tmp_path / "parity_a.json")])
-    out = capsys.readouterr().out
-    assert "| dit one image |" in out and "| 1.000 |" in out
-    parity.main(["--compare", str(tmp_path / "parity_a.json"), str(tmp_path / "parity_a.json"), "--out",
-                 str(tmp_path / "report")])
-    both = json.loads((tmp_path / "report" / "parity.json").read_text())
-    assert both["before"]["figures"] == both["after"]["figures"] == r["figures"]
-
-
 def test_the_autoscaling_simulation_replays_a_trace_through_the_policy_beside_a_fixed_fleet(tmp_path):
     import autoscale_sim
 
