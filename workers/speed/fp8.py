@@ -105,6 +105,12 @@ def quantize_rows(x: torch.Tensor, gelu: str = "none", fuse: bool = False) -> tu
     return (x * scale.reciprocal().to(x.dtype)).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(M, K) codes and their (M, 1) scales (``quantize_rows``) -> (M, K) in ``dtype``: the rows an FP8 product
+    of them multiplies."""
+    return (codes.float() * scales).to(dtype)
+
+
 def quantize_pair(a: torch.Tensor, b: torch.Tensor, gelu: str = "tanh",
                   a_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, KA), (M, KB) -> ``quantize_rows`` of ``cat([a, gelu(b)], -1)``: the codes (M, KA + KB) and (M, 1)
@@ -303,7 +309,9 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
     one matrix product instead of several (q, k and v: one wide GEMM fills a GPU that three narrow ones
     leave partly idle at small batches). The parts' weights become views of the fused ones, so no memory
     is added. ``nn.Linear`` parts give an ``nn.Linear``, ``Fp8Linear`` parts an ``Fp8Linear`` (their
-    per-row scales concatenate exactly); a mix, or parts of different inputs, is refused (ValueError).
+    per-row scales concatenate exactly); a mix, or parts of different inputs, is refused (ValueError). The fused
+    module's ``parts`` are the parts: whoever computes with it adds their per-row terms
+    (``workers.speed.terms.add_part_terms``).
 
     Fusing the same parts again returns the same fused module (``_fused_before``): a second engine on one
     model (the worker's, a benchmark's) must not re-fuse, which would move the parts' weights into a new
@@ -336,6 +344,7 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
     record = (tuple(id(p) for p in parts), fused)
     for p in parts:  # not a submodule (no state-dict key, no second visit by module walks): a plain reference
         object.__setattr__(p, "_fused_into", record)
+    object.__setattr__(fused, "parts", tuple(parts))  # for their per-row terms (workers.speed.terms)
     return fused
 
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from graphs import eager_on_graph
-from workers.speed.fp8 import FP8, Fp8Linear, fuse_linears, linear_into, quantize_rows_into
+from workers.speed.fp8 import FP8, Fp8Linear, dequantize_rows, fuse_linears, linear_into, quantize_rows_into
+from workers.speed.terms import add_part_terms, has_terms, plus_term
 from workers.kernels.attention import attention
 
 @eager_on_graph
@@ -132,7 +133,9 @@ class BreakableSelfAttention:
     """Self-attention for DiT and PixArt blocks (no mask, no text tokens), as diffusers' AttnProcessor2_0,
     with q, k, v and the output in the shared scratch. With ``qkv`` (``fuse_linears`` of to_q, to_k and
     to_v), the three projections are one matrix product into a (rows, 3 * inner) slot, and q, k, v are its
-    column blocks (strided views: attention kernels take any row stride)."""
+    column blocks (strided views: attention kernels take any row stride); the parts' per-row terms
+    (``workers.speed.terms``: a LoRA adapter's) are added to their columns, from the FP8 codes' rows where the
+    caller quantized them. Unfused, the projections are read from ``attn`` at each call and no term is added."""
 
     def __init__(self, scratch: AttentionScratch, qkv: torch.nn.Module | None = None) -> None:
         self.scratch, self.qkv = scratch, qkv
@@ -147,6 +150,9 @@ class BreakableSelfAttention:
         if self.qkv is not None:
             qkv, o = self.scratch.fused_views(b * t, inner, h2d)                # (B*T, 3*inner), (B*T, inner)
             linear_into(h2d, [(self.qkv, qkv)], quantized)
+            if has_terms(self.qkv.parts):  # the parts' per-row terms, of the rows the product multiplied
+                rows = h2d if quantized is None else dequantize_rows(*quantized, h2d.dtype)
+                add_part_terms(self.qkv.parts, rows.view(b, t, -1), qkv.view(b, t, -1))
             q, k, v = qkv.split(inner, dim=1)                                   # (B*T, inner) x3, row stride 3*inner
         else:
             q, k, v, o = self.scratch.views(b * t, inner, h2d)                  # (B*T, inner) x4
@@ -197,7 +203,8 @@ class HoistedModulation:
     linears, one gather from the stacked class tables. The blocks' own weights become views of the stacked
     ones (no memory added); each block's norm reads its slice. The same arithmetic as the blocks' own
     (tested to float32 rounding); eager calls and both graph backends run it (the result crosses the
-    attention breaks like the hidden states do).
+    attention breaks like the hidden states do). The linears' per-row terms (``workers.speed.terms``: a LoRA
+    adapter's) are added to their layers' products, from each layer's own input.
     """
 
     def __init__(self, norms: list[torch.nn.Module]) -> None:
@@ -207,6 +214,10 @@ class HoistedModulation:
         self.w1, self.b1 = _stack_views([e.timestep_embedder.linear_1 for e in embs])  # (L, D, 256), (L, D)
         self.w2, self.b2 = _stack_views([e.timestep_embedder.linear_2 for e in embs])  # (L, D, D), (L, D)
         self.wm, self.bm = _stack_views([n.linear for n in norms])                      # (L, 6D, D), (L, 6D)
+        # the linears themselves, for their per-row terms (workers.speed.terms): a wrapper replaces them in the blocks
+        self.first = [e.timestep_embedder.linear_1 for e in embs]
+        self.second = [e.timestep_embedder.linear_2 for e in embs]
+        self.linears = [n.linear for n in norms]
         self.tables = _stack_views([e.class_embedder.embedding_table for e in embs])[0]  # (L, classes+1, D)
         self.value: torch.Tensor | None = None  # (L, B, 6D): this forward's modulation, set by block 0
 
@@ -230,12 +241,14 @@ class HoistedModulation:
     def compute(self, timestep: torch.Tensor, class_labels: torch.Tensor, dtype: torch.dtype) -> None:
         """(L, B, 6D) for this forward: what each block's ``norm1.linear(silu(norm1.emb(t, y)))`` computes."""
         layers, d, k = self.w1.shape
+        silu = torch.nn.functional.silu
         t = self.time_proj(timestep).to(dtype)                                           # (B, 256)
         h = torch.addmm(self.b1.reshape(-1), t, self.w1.reshape(layers * d, k).t())        # (B, L*D)
-        h = torch.nn.functional.silu(h).view(-1, layers, d).transpose(0, 1)               # (L, B, D)
+        h = silu(_plus_terms(self.first, [t] * layers, h.view(-1, layers, d).transpose(0, 1)))  # (L, B, D)
         emb = torch.baddbmm(self.b2[:, None], h, self.w2.transpose(1, 2))                 # (L, B, D)
-        emb = emb + self.tables[:, class_labels]                                          # + class rows
-        self.value = torch.baddbmm(self.bm[:, None], torch.nn.functional.silu(emb), self.wm.transpose(1, 2))
+        emb = _plus_terms(self.second, h, emb) + self.tables[:, class_labels]             # + class rows
+        s = silu(emb)
+        self.value = _plus_terms(self.linears, s, torch.baddbmm(self.bm[:, None], s, self.wm.transpose(1, 2)))
 
     def block_value(self, index: int, timestep: torch.Tensor, class_labels: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
@@ -243,6 +256,14 @@ class HoistedModulation:
         if index == 0:
             self.compute(timestep, class_labels, dtype)
         return self.value[index]
+
+
+def _plus_terms(linears: list[torch.nn.Module], xs, y: torch.Tensor) -> torch.Tensor:
+    """(L, B, out): each layer's product ``y[l]`` of ``xs[l]`` (B, in) plus its linear's per-row term
+    (``workers.speed.terms``), where one of them has one; else ``y`` itself."""
+    if not has_terms(linears):
+        return y
+    return torch.stack([plus_term(lin, x, y_l) for lin, x, y_l in zip(linears, xs, y.unbind(0))])
 
 
 def _stack_views(modules: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -38,7 +38,8 @@ from torch import nn
 from workers.families.flux.attention import RoutedFluxAttention
 from workers.kernels.norm import add_norm_quantize
 from workers.speed.epilogues import epilogue_ok, linear_gelu
-from workers.speed.fp8 import Fp8Linear, Projection, fuse_linears, quantize_pair
+from workers.speed.fp8 import Fp8Linear, Projection, dequantize_rows, fuse_linears, quantize_pair
+from workers.speed.terms import add_part_terms, has_terms
 from workers.speed.norm_fusion import _plain_norm
 
 
@@ -256,10 +257,14 @@ def _fused(parts: list[nn.Module]) -> tuple[nn.Module, tuple[int, ...]]:
 
 
 def _project(fused, rows, b: int, t: int) -> tuple[torch.Tensor, ...]:
-    """The parts' products (B, T, N_i) of one product of the codes (views of its (B, T, sum N_i) output);
+    """The parts' products (B, T, N_i) of one product of the codes (views of its (B, T, sum N_i) output), with
+    the parts' per-row terms (``workers.speed.terms``: a LoRA adapter's) of the rows the codes stand for;
     ``fused`` as ``_fused`` makes it."""
     linear, widths = fused
-    return linear.mm_rows(*rows).view(b, t, -1).split(widths, dim=-1)
+    y = linear.mm_rows(*rows).view(b, t, -1)                                             # (B, T, sum N_i)
+    if has_terms(linear.parts):
+        add_part_terms(linear.parts, dequantize_rows(*rows, y.dtype).view(b, t, -1), y)
+    return y.split(widths, dim=-1)
 
 
 def _feed_forward(ff, rows, b: int, t: int) -> torch.Tensor:
