@@ -133,12 +133,15 @@ class BreakableSelfAttention:
     """Self-attention for DiT and PixArt blocks (no mask, no text tokens), as diffusers' AttnProcessor2_0,
     with q, k, v and the output in the shared scratch. With ``qkv`` (``fuse_linears`` of to_q, to_k and
     to_v), the three projections are one matrix product into a (rows, 3 * inner) slot, and q, k, v are its
-    column blocks (strided views: attention kernels take any row stride); the parts' per-row terms
-    (``workers.speed.terms``: a LoRA adapter's) are added to their columns, from the FP8 codes' rows where the
-    caller quantized them. Unfused, the projections are read from ``attn`` at each call and no term is added."""
+    column blocks (strided views: attention kernels take any row stride). The projections (``parts``: those
+    it was made with, which a wrapper replaces in ``attn`` afterwards) add their per-row terms
+    (``workers.speed.terms``: a LoRA adapter's) to q, k and v, of the rows they multiplied: where the caller
+    quantized them, the rows its FP8 codes stand for."""
 
-    def __init__(self, scratch: AttentionScratch, qkv: torch.nn.Module | None = None) -> None:
+    def __init__(self, scratch: AttentionScratch, projections: tuple[torch.nn.Module, ...],
+                 qkv: torch.nn.Module | None = None) -> None:
         self.scratch, self.qkv = scratch, qkv
+        self.parts = tuple(projections)  # to_q, to_k, to_v: qkv's parts where fused
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states=None,
                  attention_mask=None, temb=None, quantized=None, **kwargs) -> torch.Tensor:
@@ -146,17 +149,7 @@ class BreakableSelfAttention:
         caller (``workers.speed.norm_fusion``); ``hidden_states`` then gives only the shape and dtype."""
         b, t, _ = hidden_states.shape                                           # (B, T, D)
         inner = attn.to_q.out_features
-        h2d = hidden_states.reshape(b * t, -1)                                  # (B*T, D)
-        if self.qkv is not None:
-            qkv, o = self.scratch.fused_views(b * t, inner, h2d)                # (B*T, 3*inner), (B*T, inner)
-            linear_into(h2d, [(self.qkv, qkv)], quantized)
-            if has_terms(self.qkv.parts):  # the parts' per-row terms, of the rows the product multiplied
-                rows = h2d if quantized is None else dequantize_rows(*quantized, h2d.dtype)
-                add_part_terms(self.qkv.parts, rows.view(b, t, -1), qkv.view(b, t, -1))
-            q, k, v = qkv.split(inner, dim=1)                                   # (B*T, inner) x3, row stride 3*inner
-        else:
-            q, k, v, o = self.scratch.views(b * t, inner, h2d)                  # (B*T, inner) x4
-            linear_into(h2d, [(attn.to_q, q), (attn.to_k, k), (attn.to_v, v)], quantized)
+        q, k, v, o = self._project(hidden_states.reshape(b * t, -1), b, inner, quantized)  # (B*T, inner) x4
         heads, d = attn.heads, inner // attn.heads
         split = lambda y: y.view(b, t, heads, d).transpose(1, 2)                # (B, h, T, d)
         codes = self.scratch.quantized(o) if quantized_output(attn) else None  # (B*T, inner), (B*T, 1)
@@ -165,6 +158,26 @@ class BreakableSelfAttention:
         else:
             attention_into(split(q), split(k), split(v), split(o))
         return project_output(attn, o, b, t, codes)
+
+    def _project(self, h2d: torch.Tensor, b: int, inner: int, quantized) -> tuple[torch.Tensor, ...]:
+        """q, k, v of the rows ``h2d`` (B*T, D) (or of their codes, ``quantized``), with the projections' terms,
+        and the output's slot: (B*T, inner) each, in the scratch."""
+        if self.qkv is not None:
+            qkv, o = self.scratch.fused_views(h2d.shape[0], inner, h2d)         # (B*T, 3*inner), (B*T, inner)
+            linear_into(h2d, [(self.qkv, qkv)], quantized)
+            outs = [qkv]
+        else:
+            q, k, v, o = self.scratch.views(h2d.shape[0], inner, h2d)           # (B*T, inner) x4
+            linear_into(h2d, list(zip(self.parts, (q, k, v))), quantized)
+            outs = [q, k, v]
+        if has_terms(self.parts):  # the rows the products multiplied, batch first as a term wants them
+            rows = (h2d if quantized is None else dequantize_rows(*quantized, h2d.dtype)).view(b, -1, h2d.shape[1])
+            groups = [self.parts] if self.qkv is not None else [[p] for p in self.parts]
+            for parts, y in zip(groups, outs):
+                add_part_terms(parts, rows, y.view(b, -1, y.shape[1]))
+        if self.qkv is not None:
+            return (*qkv.split(inner, dim=1), o)                                # q, k, v: row stride 3*inner
+        return q, k, v, o
 
 
 def break_attention(transformer: torch.nn.Module, fuse_qkv: bool = True) -> int:
@@ -179,7 +192,7 @@ def break_attention(transformer: torch.nn.Module, fuse_qkv: bool = True) -> int:
                 qkv = fuse_linears([attn.to_q, attn.to_k, attn.to_v])
             except ValueError:
                 qkv = None
-        attn.set_processor(BreakableSelfAttention(scratch, qkv))
+        attn.set_processor(BreakableSelfAttention(scratch, (attn.to_q, attn.to_k, attn.to_v), qkv))
     return len(transformer.transformer_blocks)
 
 

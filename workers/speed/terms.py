@@ -20,10 +20,13 @@ linears from when it was made (the fused product's ``parts``, the hoisted stacks
 model holds at each call: a wrapper replaces those. The speed layer knows nothing of what a term is, and a linear
 without one costs nothing (an attribute read while a step is traced or captured, none at replay).
 
-Rewrites that read a linear from the model at each call and compute with its weights (FLUX.1's single blocks'
-``proj_out`` split over its weight, the GELU epilogue's product, an FP8 feed-forward's first product of a norm's
-codes) do not ask for terms: a wrapper would replace the module they read. ``workers.lora.unreached`` finds such
-linears by running a forward, and the engine keeps them out of its adapter banks.
+Rewrites that read a linear from the model at each call and multiply its weights themselves give way where it
+adds something (``workers.speed.epilogues.plain``: wrapped, or handed a term) and call it: the GELU epilogue's
+product, FLUX.1's bf16 single blocks' ``proj_out`` split over its weight. The FP8 products of a norm's codes that
+read their linear at each call (an FP8 feed-forward's first linear, FLUX.1's FP8 single blocks' ``proj_out``, FP8
+attention's output projections) do neither, as their input exists only as codes there: ``workers.lora.reached``
+leaves such linears out of the engine's adapter banks (an adapter on one is refused), and ``unreached`` finds any
+wrapped linear a forward misses.
 """
 
 from __future__ import annotations

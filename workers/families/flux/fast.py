@@ -25,6 +25,13 @@ folded, ``workers.speed.fp8``) run the same way, their attention routed (``worke
              residual add reads the text's and the image's states where they are
 
 and fall back to their own forward when the processor is not the routed one or the call has attention kwargs.
+
+Per-row terms (``workers.speed.terms``: a LoRA adapter's, ``workers.lora``): the fused products add their parts'
+terms to the parts' columns, of the rows the norm's codes stand for (the input the FP8 product multiplies); the
+norms' linears are called (hoisted or not), so their wrappers add theirs. The feed-forwards' first products and the
+single blocks' ``proj_out`` multiply codes with the linear read from the block at each call and add no term: an
+adapter on them is refused (``workers.lora.reached`` leaves them out of the bank), as on FP8 attention's output
+projections. The bf16 single blocks call a ``proj_out`` that adds a term, with the concatenation.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from torch import nn
 
 from workers.families.flux.attention import RoutedFluxAttention
 from workers.kernels.norm import add_norm_quantize
-from workers.speed.epilogues import epilogue_ok, linear_gelu
+from workers.speed.epilogues import epilogue_ok, linear_gelu, plain
 from workers.speed.fp8 import Fp8Linear, Projection, dequantize_rows, fuse_linears, quantize_pair
 from workers.speed.terms import add_part_terms, has_terms
 from workers.speed.norm_fusion import _plain_norm
@@ -121,7 +128,8 @@ def fuse_gelu_epilogues(transformer: nn.Module) -> int:
 def _epilogue_single_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
                          joint_attention_kwargs=None):
     """diffusers' ``FluxSingleTransformerBlock.forward`` with the MLP's GELU in its product's epilogue and
-    ``proj_out`` split over the concatenation's two parts (no concatenated copy)."""
+    ``proj_out`` split over the concatenation's two parts (no concatenated copy); a ``proj_out`` that adds a term
+    (``workers.speed.epilogues.plain``: a LoRA adapter's) is called with the concatenation."""
     text_seq_len = encoder_hidden_states.shape[1]
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)        # (B, L+N, D)
     residual = hidden_states
@@ -129,8 +137,11 @@ def _epilogue_single_forward(self, hidden_states, encoder_hidden_states, temb, i
     mlp = linear_gelu(norm_hidden_states, self.proj_mlp, self._gelu_epilogue)        # (B, L+N, 4D)
     attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
                             **(joint_attention_kwargs or {}))                        # (B, L+N, D)
-    d, w = attn_output.shape[-1], self.proj_out.weight                               # w: (D, D + 4D)
-    out = F.linear(attn_output, w[:, :d], self.proj_out.bias) + F.linear(mlp, w[:, d:])  # (B, L+N, D)
+    if plain(self.proj_out):
+        d, w = attn_output.shape[-1], self.proj_out.weight                           # w: (D, D + 4D)
+        out = F.linear(attn_output, w[:, :d], self.proj_out.bias) + F.linear(mlp, w[:, d:])  # (B, L+N, D)
+    else:
+        out = self.proj_out(torch.cat([attn_output, mlp], dim=-1))                   # (B, L+N, D)
     hidden_states = residual + gate.unsqueeze(1) * out
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
