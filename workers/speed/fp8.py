@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.kernels import quant
+from workers.speed.terms import row_term
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -109,6 +110,23 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     """(M, K) codes and their (M, 1) scales (``quantize_rows``) -> (M, K) in ``dtype``: the rows an FP8 product
     of them multiplies."""
     return (codes.float() * scales).to(dtype)
+
+
+def plain_fp8(linear: nn.Module) -> bool:
+    """Whether ``linear`` is an ``Fp8Linear`` that adds nothing to its product: not wrapped, no per-row term
+    (``workers.speed.terms``). Only then may a rewrite hand it codes made elsewhere instead of calling it."""
+    return type(linear) is Fp8Linear and row_term(linear) is None
+
+
+def codes_product(linear: nn.Module, rows: tuple[torch.Tensor, torch.Tensor], lead: tuple[int, ...],
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``linear`` of rows quantized elsewhere (``rows``: (M, K) codes and (M, 1) scales, M = prod(lead)) ->
+    (*lead, N) in ``dtype``: the product of the codes where ``linear`` is ``plain_fp8``; else (a wrapper or a term
+    adds to it: a LoRA adapter's) ``linear`` called with the rows the codes stand for, batch first as a term wants
+    them (it quantizes them again: the same codes)."""
+    if plain_fp8(linear):
+        return linear.mm_rows(*rows).view(*lead, -1)
+    return linear(dequantize_rows(*rows, dtype).view(*lead, -1))
 
 
 def quantize_pair(a: torch.Tensor, b: torch.Tensor, gelu: str = "tanh",

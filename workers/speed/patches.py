@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from graphs import eager_on_graph
-from workers.speed.fp8 import FP8, Fp8Linear, dequantize_rows, fuse_linears, linear_into, quantize_rows_into
+from workers.speed.fp8 import FP8, dequantize_rows, fuse_linears, linear_into, plain_fp8, quantize_rows_into
 from workers.speed.terms import add_part_terms, has_terms, plus_term
 from workers.kernels.attention import attention
 
@@ -49,9 +49,10 @@ def attention_quantized_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def quantized_output(attn) -> bool:
     """Whether ``attn``'s output projection takes its rows from the break as FP8 codes
-    (``attention_quantized_into``): an FP8 linear with no activation folded into it."""
+    (``attention_quantized_into``): an FP8 linear with no activation folded into it, adding nothing to its
+    product (``plain_fp8``: a LoRA adapter's wrapper is called with the break's rows)."""
     proj = attn.to_out[0]
-    return isinstance(proj, Fp8Linear) and proj.gelu == "none" and proj.in_features % 16 == 0
+    return plain_fp8(proj) and proj.gelu == "none" and proj.in_features % 16 == 0
 
 
 def project_output(attn, o: torch.Tensor, b: int, t: int,

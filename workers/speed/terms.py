@@ -20,13 +20,14 @@ linears from when it was made (the fused product's ``parts``, the hoisted stacks
 model holds at each call: a wrapper replaces those. The speed layer knows nothing of what a term is, and a linear
 without one costs nothing (an attribute read while a step is traced or captured, none at replay).
 
-Rewrites that read a linear from the model at each call and multiply its weights themselves give way where it
-adds something (``workers.speed.epilogues.plain``: wrapped, or handed a term) and call it: the GELU epilogue's
-product, FLUX.1's bf16 single blocks' ``proj_out`` split over its weight. The FP8 products of a norm's codes that
-read their linear at each call (an FP8 feed-forward's first linear, FLUX.1's FP8 single blocks' ``proj_out``, FP8
-attention's output projections) do neither, as their input exists only as codes there: ``workers.lora.reached``
-leaves such linears out of the engine's adapter banks (an adapter on one is refused), and ``unreached`` finds any
-wrapped linear a forward misses.
+Rewrites that read a linear from the model at each call and multiply its weights themselves, or hand it codes
+made elsewhere, give way where it adds something (wrapped, or handed a term) and call it: the GELU epilogue's
+product and FLUX.1's bf16 single blocks' ``proj_out`` split over its weight (``workers.speed.epilogues.plain``);
+an FP8 feed-forward's first linear or FLUX.1's single blocks' ``proj_out`` fed a norm's or a pair's codes, an
+attention output projection fed the attention's codes (``workers.speed.fp8.plain_fp8``, ``codes_product``: called
+with the rows the codes stand for). ``workers.lora.reached`` finds the linears a forward reaches either way (the
+engine's adapter banks hold those: an adapter on another is refused), and ``unreached`` finds any wrapped linear
+a forward misses.
 """
 
 from __future__ import annotations

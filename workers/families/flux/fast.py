@@ -28,10 +28,9 @@ and fall back to their own forward when the processor is not the routed one or t
 
 Per-row terms (``workers.speed.terms``: a LoRA adapter's, ``workers.lora``): the fused products add their parts'
 terms to the parts' columns, of the rows the norm's codes stand for (the input the FP8 product multiplies); the
-norms' linears are called (hoisted or not), so their wrappers add theirs. The feed-forwards' first products and the
-single blocks' ``proj_out`` multiply codes with the linear read from the block at each call and add no term: an
-adapter on them is refused (``workers.lora.reached`` leaves them out of the bank), as on FP8 attention's output
-projections. The bf16 single blocks call a ``proj_out`` that adds a term, with the concatenation.
+norms' linears are called (hoisted or not), so their wrappers add theirs. A feed-forward's first linear or a single
+block's ``proj_out`` that adds something (wrapped) is called with the rows its codes stand for
+(``workers.speed.fp8.codes_product``), and the bf16 single blocks call such a ``proj_out`` with the concatenation.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ from torch import nn
 from workers.families.flux.attention import RoutedFluxAttention
 from workers.kernels.norm import add_norm_quantize
 from workers.speed.epilogues import epilogue_ok, linear_gelu, plain
-from workers.speed.fp8 import Fp8Linear, Projection, dequantize_rows, fuse_linears, quantize_pair
+from workers.speed.fp8 import Fp8Linear, Projection, codes_product, dequantize_rows, fuse_linears, quantize_pair
 from workers.speed.terms import add_part_terms, has_terms
 from workers.speed.norm_fusion import _plain_norm
 
@@ -72,7 +71,7 @@ def _fp8_single_block_forward(self, hidden_states, encoder_hidden_states, temb, 
     lead = attn_output.shape[:-1]
     codes, scales = quantize_pair(attn_output.reshape(-1, attn_output.shape[-1]), mlp.reshape(-1, mlp.shape[-1]),
                                   self._mlp_gelu, descale)                           # (B*(L+N), 5D)
-    out = self.proj_out.mm_rows(codes, scales).view(*lead, -1)                      # (B, L+N, D)
+    out = codes_product(self.proj_out, (codes, scales), tuple(lead), hidden_states.dtype)  # (B, L+N, D)
     hidden_states = residual + gate.unsqueeze(1) * out
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
@@ -278,9 +277,9 @@ def _project(fused, rows, b: int, t: int) -> tuple[torch.Tensor, ...]:
     return y.split(widths, dim=-1)
 
 
-def _feed_forward(ff, rows, b: int, t: int) -> torch.Tensor:
-    """A folded feed-forward (``_folded_ff``) of rows its caller quantized: (B, T, D)."""
-    y = ff.net[0].proj.mm_rows(*rows).view(b, t, -1)
+def _feed_forward(ff, rows, b: int, t: int, dtype: torch.dtype) -> torch.Tensor:
+    """A folded feed-forward (``_folded_ff``) of rows its caller quantized: (B, T, D) in ``dtype``."""
+    y = codes_product(ff.net[0].proj, rows, (b, t), dtype)
     for module in ff.net[1:]:
         y = module(y)
     return y
@@ -306,11 +305,12 @@ def _flux_double_forward(self, hidden_states, encoder_hidden_states, temb, image
         self.attn, hidden_states, encoder_hidden_states, image_rotary_emb=image_rotary_emb, projected=projected)
     hidden_states, *rows = add_norm_quantize(hidden_states, attn_output, gate_msa, shift_mlp, scale_mlp,
                                              eps=self.norm2.eps)
-    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * _feed_forward(self.ff, rows, b, n)
+    ff = _feed_forward(self.ff, rows, b, n, hidden_states.dtype)                           # (B, N, D)
+    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * ff
     encoder_hidden_states, *rows = add_norm_quantize(encoder_hidden_states, context_attn_output, c_gate_msa,
                                                      c_shift_mlp, c_scale_mlp, eps=self.norm2_context.eps)
-    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * _feed_forward(self.ff_context, rows,
-                                                                                            b, l)
+    ff = _feed_forward(self.ff_context, rows, b, l, hidden_states.dtype)                   # (B, L, D)
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * ff
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states
@@ -338,7 +338,7 @@ def _flux_single_forward(self, hidden_states, encoder_hidden_states, temb, image
         attn_output, descale = coded                                                     # (B, L+N, D) e4m3, (1, 1, 1, 1)
     codes, scales = quantize_pair(attn_output.reshape(-1, d), mlp.reshape(-1, mlp.shape[-1]), self._mlp_gelu,
                                   descale)                                               # (B*(L+N), 5D)
-    out = self.proj_out.mm_rows(codes, scales).view(b, l + n, d)
+    out = codes_product(self.proj_out, (codes, scales), (b, l + n), hidden_states.dtype)  # (B, L+N, D)
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1) + gate.unsqueeze(1) * out
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
