@@ -241,3 +241,31 @@ def test_a_modulation_table_gives_the_hoisted_linears_terms_their_true_input(kin
     stand_in = _out(tr, inputs, bank, slots, scales, table=torch.cat([table[:, :sum(cache.widths)],
                                                                       torch.zeros_like(temb)], dim=1))
     assert (stand_in - want).abs().max() > 1e-4  # the terms read the table's embedding: the check can fail
+
+
+@pytest.mark.parametrize("kind, precision", [("flux", ""), ("flux", "fp8"), ("sd3", ""), ("dit", ""), ("pixart", "fp8")])
+def test_dynamo_traces_the_terms_of_hoisted_and_fused_linears_whole(kind, precision, root):
+    """The forward with the rows' adapters set, traced by dynamo as a compiled step is (``fullgraph``: no break;
+    the attention breaks opaque, as the speed layer registers them for compiled steps): the terms' lookups on the
+    linears are resolved while tracing, and the result is the eager forward's."""
+    from workers.speed.apply import prepare_compile
+
+    prepare_compile("")
+    fast, _, (bank, _), inputs, slots, scales = _served(kind, precision, root)
+    tr = fast.transformer
+    want = _out(tr, inputs, bank, slots, scales)
+
+    def forward(slots, scales, inputs):
+        bank.row_slots, bank.row_scales = slots, scales
+        try:
+            return tr(**inputs, return_dict=False)[0]
+        finally:
+            bank.row_slots = bank.row_scales = None
+
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with torch.no_grad():
+        got = torch.compile(forward, backend="eager", fullgraph=True)(slots, scales, inputs)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(got, want, **TOL)
