@@ -166,7 +166,13 @@ def with_lora(step: Callable[..., dict], bank) -> Callable[..., dict]:
     as slot 0, no adapter: one clamp per step, so no gather can index outside the bank."""
 
     def lora_step(lora_slots: torch.Tensor, lora_scales: torch.Tensor, **inputs):
-        bank.row_slots, bank.row_scales = lora_slots.clamp(0, bank.slots), lora_scales
+        slots = lora_slots.clamp(0, bank.slots)
+        if slots.shape[0] > 1 and not torch.compiler.is_compiling():
+            # compiled blocks (graphs.compiled, blocks scope) read these beside their arguments, whose batch is
+            # dynamic: unmarked, their fixed rows would pin it (a row count equal to the slots', in lora_delta)
+            torch._dynamo.maybe_mark_dynamic(slots, 0)
+            torch._dynamo.maybe_mark_dynamic(lora_scales, 0)
+        bank.row_slots, bank.row_scales = slots, lora_scales
         try:
             return step(**inputs)
         finally:

@@ -217,3 +217,24 @@ def test_graph_backends_serve_adapters_on_the_hoisted_and_fused_linears(model_di
     effect = (want[0].latents - base).norm()
     assert effect > 1e-2 * base.norm()
     assert (got[0].latents - want[0].latents).norm() <= 0.05 * effect
+
+
+@pytest.mark.slow
+def test_the_fast_preset_compiles_the_steps_with_adapters_on_the_hoisted_linears(model_dir):
+    """The ``fast`` preset (each step, or its blocks where the family compiles those, compiled by Inductor inside
+    the graphs; on a CPU the runner's eager path): an adapter on the norms' modulation linears and q, k, v is
+    accepted, the compiled step runs without falling back (the rows' slots are dynamic like the blocks' batch), and
+    rows with and without it equal the eager engine's."""
+    engine = Engine(load_model(model_dir), WorkerConfig(**{**LORA, "backend": "graphs", "speed": "fast"}))
+    engine.warmup()
+    tr = engine.models[next(iter(engine.models))].transformer
+    data, weights = adapter_file(tr, 4, every=1, skip=("time_text_embed",))
+    assert any(n.endswith("norm1.linear") for n in weights) and any(n.endswith("attn.to_q") for n in weights)
+    engine.add_lora("a", data)
+    eager = Engine(load_model(model_dir), WorkerConfig(**LORA))
+    eager.add_lora("a", data)
+    specs = [req(0, [("a", 0.9)]), req(1), req(2, [("a", -0.5)])]
+    for g, w in zip(engine.generate(specs), eager.generate(specs)):
+        torch.testing.assert_close(g.latents, w.latents, **TOL)
+    for stats in engine.stats()["groups"].values():
+        assert stats["compile"]["compiled"] and stats["compile"]["fallback_reason"] is None, stats["compile"]
