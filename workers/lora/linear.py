@@ -47,10 +47,10 @@ imports nothing of this package:
   term's input is the true one with tables too. CFG's copies of the rows (SD3: 2B) repeat the slots as above.
 * Linears a rewrite multiplies itself, holding them from when it was made: parts of one product
   (``workers.speed.fp8.fuse_linears``: the attention breaks' q, k and v; FLUX.1's FP8 blocks' q, k, v, context
-  q, k, v and single-block MLP), the attention breaks' unfused projections, DiT's every-block modulation
-  (``workers.speed.patches.HoistedModulation``). The wrap hands its term to its base (``LoraLinear.term``, the
-  base's ``row_term``: ``workers.speed.terms``), and the rewrite adds it to the linear's columns of the product,
-  from the linear's input. Where a norm quantized that input to FP8 codes, the term's input is the rows the codes
+  q, k, v and single-block MLP), the attention breaks' unfused projections (PixArt's cross-attention's among
+  them), DiT's every-block modulation (``workers.speed.patches.HoistedModulation``). The wrap hands its term to
+  its base (``LoraLinear.term``, the base's ``row_term``: ``workers.speed.terms``), and the rewrite adds it to the
+  linear's columns of the product, from the linear's input. Where a norm quantized that input to FP8 codes, the term's input is the rows the codes
   stand for: the input the FP8 product multiplies, which differs from the unrounded one by e4m3's rounding.
 * Linears a rewrite reads from the model at each call and multiplies itself (the GELU epilogue's product,
   FLUX.1's single blocks' ``proj_out``, FP8 products of codes made elsewhere) are called instead where they are

@@ -123,7 +123,7 @@ def codes_product(linear: nn.Module, rows: tuple[torch.Tensor, torch.Tensor], le
     """``linear`` of rows quantized elsewhere (``rows``: (M, K) codes and (M, 1) scales, M = prod(lead)) ->
     (*lead, N) in ``dtype``: the product of the codes where ``linear`` is ``plain_fp8``; else (a wrapper or a term
     adds to it: a LoRA adapter's) ``linear`` called with the rows the codes stand for, batch first as a term wants
-    them (it quantizes them again: the same codes)."""
+    them (its base quantizes them again: the same codes, to float32's rounding)."""
     if plain_fp8(linear):
         return linear.mm_rows(*rows).view(*lead, -1)
     return linear(dequantize_rows(*rows, dtype).view(*lead, -1))
