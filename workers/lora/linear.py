@@ -50,8 +50,9 @@ imports nothing of this package:
   q, k, v and single-block MLP), the attention breaks' unfused projections (PixArt's cross-attention's among
   them), DiT's every-block modulation (``workers.speed.patches.HoistedModulation``). The wrap hands its term to
   its base (``LoraLinear.term``, the base's ``row_term``: ``workers.speed.terms``), and the rewrite adds it to the
-  linear's columns of the product, from the linear's input. Where a norm quantized that input to FP8 codes, the term's input is the rows the codes
-  stand for: the input the FP8 product multiplies, which differs from the unrounded one by e4m3's rounding.
+  linear's columns of the product, from the linear's input. Where a norm quantized that input to FP8 codes, the
+  term's input is the rows the codes stand for: the input the FP8 product multiplies, which differs from the
+  unrounded one by e4m3's rounding.
 * Linears a rewrite reads from the model at each call and multiplies itself (the GELU epilogue's product,
   FLUX.1's single blocks' ``proj_out``, FP8 products of codes made elsewhere) are called instead where they are
   wrapped (``workers.speed.epilogues.plain``, ``workers.speed.fp8.plain_fp8``): those fast paths give way, for
