@@ -243,7 +243,8 @@ def test_a_modulation_table_gives_the_hoisted_linears_terms_their_true_input(kin
     assert (stand_in - want).abs().max() > 1e-4  # the terms read the table's embedding: the check can fail
 
 
-@pytest.mark.parametrize("kind, precision", [("flux", ""), ("flux", "fp8"), ("sd3", ""), ("dit", ""), ("pixart", "fp8")])
+@pytest.mark.parametrize("kind, precision",
+                         [("flux", ""), ("flux", "fp8"), ("sd3", ""), ("dit", ""), ("pixart", "fp8")])
 def test_dynamo_traces_the_terms_of_hoisted_and_fused_linears_whole(kind, precision, root):
     """The forward with the rows' adapters set, traced by dynamo as a compiled step is (``fullgraph``: no break;
     the attention breaks opaque, as the speed layer registers them for compiled steps): the terms' lookups on the
