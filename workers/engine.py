@@ -35,12 +35,15 @@ engine's ``INPAINT`` variant of the family's step (its own groups and graphs), w
 the mask after every step, inside the captured step.
 
 LoRA (``WorkerConfig.lora_slots`` > 0; ``workers.lora``): each model gets, after the speed layer, a fixed-shape
-adapter bank (``LoraBank``) over the linears its sped-up step still calls (``workers.lora.reached``, measured on one
-forward of the warm-up example): where a speed rewrite computes a linear without calling it (SD3's and FLUX.1's
-hoisted modulation under the graph backends, fused FP8 products, an epilogue's own product), that linear is left out
-of the bank, so an adapter targeting it is refused at registration (naming it) rather than applied in part; the
-rewrites stay, so rows without adapters run exactly as without LoRA. Serving such adapters means turning the rewrite
-off for that model (``SpeedConfig``). Its linears are wrapped (``apply_lora``), and every group's step is
+adapter bank (``LoraBank``) over the linears its sped-up step reaches (``workers.lora.reached``, measured on one
+forward of the warm-up example): those it calls (SD3's and FLUX.1's hoisted modulation linears among them: each
+returns its slice of the one product, and its wrapper adds to it), and those a speed rewrite computes itself and
+adds their per-row terms to (q, k and v fused into one product, FP8 or not; DiT's hoisted modulation;
+``workers.speed.terms``). A fast path that multiplies a linear's weights itself (the GELU epilogue, FP8 products
+of codes made elsewhere) calls the linear instead where it is wrapped. What no step reaches is left out of the
+bank, so an adapter targeting it is refused at registration (naming it) rather than applied in part: under the
+graph backends SD3's and FLUX.1's ``time_text_embed``, computed once per request for its modulation table. Its
+linears are wrapped (``apply_lora``), and every group's step is
 ``with_lora(step)`` with two more per-row inputs (``lora_specs``: the rows' slots and scales), made at admission from
 the request's ``ItemSpec.loras`` (``LoraBank.row``). A request whose adapters are registered but not resident waits in
 the engine's queue (``num_active`` counts it, ``progress`` shows it at step 0) until ``step`` loads them between

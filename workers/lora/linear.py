@@ -35,10 +35,34 @@ Wrapping and the speed layer
 ``apply_lora`` replaces each target (an ``nn.Linear`` or the speed layer's ``Fp8Linear``) by a ``LoraLinear``
 around it: an FP8 base stays FP8, and the term is computed in the activations' dtype (the bank's, bf16 on a GPU);
 a base whose input activation was folded into it (``Fp8Linear.gelu``) gets the activation applied to the term's
-input. Speed rewrites that compute a linear without calling it (q, k, v fused into one product, hoisted
-modulation, a norm's codes fed to the product) would skip the term: ``apply_lora`` refuses the targets it can
-recognise as such (a fused part, a hoisted modulation linear), and ``unreached`` finds any other by running a
-forward.
+input.
+
+The speed layer computes some linears without calling them; the term reaches them too, and the speed layer
+imports nothing of this package:
+
+* SD3's and FLUX.1's hoisted modulation (``workers.speed.modulation``): every norm's linear is one product of the
+  step's embedding, made once (or read from the request's table), and each linear returns its slice. The norms
+  still call their linears, so the wrap adds the term of ``silu(temb)`` (B, D) to the slice as it would to the
+  linear's own product; a table row carries the embedding, which the step's stand-in for it returns, so the
+  term's input is the true one with tables too. CFG's copies of the rows (SD3: 2B) repeat the slots as above.
+* Linears a rewrite multiplies itself, holding them from when it was made: parts of one product
+  (``workers.speed.fp8.fuse_linears``: the attention breaks' q, k and v; FLUX.1's FP8 blocks' q, k, v, context
+  q, k, v and single-block MLP), the attention breaks' unfused projections (PixArt's cross-attention's among
+  them), DiT's every-block modulation (``workers.speed.patches.HoistedModulation``). The wrap hands its term to
+  its base (``LoraLinear.term``, the base's ``row_term``: ``workers.speed.terms``), and the rewrite adds it to the
+  linear's columns of the product, from the linear's input. Where a norm quantized that input to FP8 codes, the
+  term's input is the rows the codes stand for: the input the FP8 product multiplies, which differs from the
+  unrounded one by e4m3's rounding.
+* Linears a rewrite reads from the model at each call and multiplies itself (the GELU epilogue's product,
+  FLUX.1's single blocks' ``proj_out``, FP8 products of codes made elsewhere) are called instead where they are
+  wrapped (``workers.speed.epilogues.plain``, ``workers.speed.fp8.plain_fp8``): those fast paths give way, for
+  that model, while its adapters are served.
+
+What no forward step reaches stays out of the bank (``workers.lora.reached``, which the engine's bank is made
+over), so an adapter targeting it is refused at registration: SD3's and FLUX.1's ``time_text_embed`` linears
+under the graph backends, whose embedding is computed once per request at admission for its modulation table,
+outside the step where the rows' adapters are set. ``unreached`` finds any wrapped linear a forward neither calls
+nor asks for its term: an adapter on it would be silently skipped.
 """
 
 from __future__ import annotations
@@ -51,6 +75,7 @@ from torch import nn
 
 from graphs import TensorSpec
 from workers.speed.fp8 import Fp8Linear
+from workers.speed.terms import set_row_term
 
 
 def lora_specs(per_request: int) -> dict[str, TensorSpec]:
@@ -79,7 +104,8 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.T
 
 
 class LoraLinear(nn.Module):
-    """A linear (``base``: ``nn.Linear`` or ``Fp8Linear``) plus the per-row term of its bank's adapters."""
+    """A linear (``base``: ``nn.Linear`` or ``Fp8Linear``) plus the per-row term of its bank's adapters. The term is
+    handed to the base too (its ``row_term``), for speed rewrites that compute the base without calling it."""
 
     def __init__(self, base: nn.Module, bank, name: str) -> None:
         super().__init__()
@@ -91,16 +117,23 @@ class LoraLinear(nn.Module):
         object.__setattr__(self, "bank", bank)
         object.__setattr__(self, "lora_a", bank.a[name])   # (S, R, in)
         object.__setattr__(self, "lora_b", bank.b[name])   # (S, out, R)
+        set_row_term(base, self.term)
 
     def extra_repr(self) -> str:
         return f"{self.name}: bank of {self.lora_a.shape[0] - 1} slots, rank {self.lora_a.shape[1]}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        delta = self.term(x)
+        return y if delta is None else y + delta.to(y.dtype)
+
+    def term(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The rows' adapters' term (N, ..., out) for the base's input ``x`` (N, ..., in); None outside a LoRA
+        step's forward (``row_slots`` None), where the base is alone."""
         slots, scales = self.bank.row_slots, self.bank.row_scales
-        if slots is None:  # a forward outside a LoRA step: the base alone
-            return y
-        return y + lora_delta(self._input(x), self.lora_a, self.lora_b, slots, scales).to(y.dtype)
+        if slots is None:
+            return None
+        return lora_delta(self._input(x), self.lora_a, self.lora_b, slots, scales)
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         """What the base multiplies: ``x``, or its activation where FP8 folded one into the base
@@ -113,31 +146,19 @@ class LoraLinear(nn.Module):
 
 def apply_lora(model, bank) -> list[str]:
     """Wrap the linears of ``model``'s transformer (a ``LoadedModel`` or the transformer) that ``bank`` holds in
-    ``LoraLinear``s, in place; returns the paths wrapped now (already wrapped ones are left as they are).
-    ValueError for a target the speed layer computes without calling it (module docstring)."""
+    ``LoraLinear``s, in place; returns the paths wrapped now (already wrapped ones are left as they are). Wrap
+    after the speed layer, over the linears a forward reaches (``workers.lora.reached``; module docstring)."""
     transformer = getattr(model, "transformer", model)
     done = []
     for name in bank.targets:
         module = transformer.get_submodule(name)
         if isinstance(module, LoraLinear):
             continue
-        if (why := _bypassed(module)) is not None:
-            raise ValueError(f"{name}: {why}; adapters cannot reach it (leave it out of the bank's targets, or "
-                             "out of that speed rewrite)")
         parent_name, _, child = name.rpartition(".")
         parent = transformer.get_submodule(parent_name) if parent_name else transformer
         parent._modules[child] = LoraLinear(module, bank, name)
         done.append(name)
     return done
-
-
-def _bypassed(module: nn.Module) -> str | None:
-    """Why the speed layer computes ``module`` without calling its forward, where that can be told from it."""
-    if type(module).__name__ == "HoistedLinear":
-        return "its product is hoisted with every modulation's (workers.speed.modulation)"
-    if getattr(module, "_fused_into", None) is not None:
-        return "it is fused with other linears into one product (workers.speed.fp8.fuse_linears)"
-    return None
 
 
 def with_lora(step: Callable[..., dict], bank) -> Callable[..., dict]:
@@ -146,7 +167,13 @@ def with_lora(step: Callable[..., dict], bank) -> Callable[..., dict]:
     as slot 0, no adapter: one clamp per step, so no gather can index outside the bank."""
 
     def lora_step(lora_slots: torch.Tensor, lora_scales: torch.Tensor, **inputs):
-        bank.row_slots, bank.row_scales = lora_slots.clamp(0, bank.slots), lora_scales
+        slots = lora_slots.clamp(0, bank.slots)
+        if slots.shape[0] > 1 and not torch.compiler.is_compiling():
+            # compiled blocks (graphs.compiled, blocks scope) read these beside their arguments, whose batch is
+            # dynamic: unmarked, their fixed rows would pin it (a row count equal to the slots', in lora_delta)
+            torch._dynamo.maybe_mark_dynamic(slots, 0)
+            torch._dynamo.maybe_mark_dynamic(lora_scales, 0)
+        bank.row_slots, bank.row_scales = slots, lora_scales
         try:
             return step(**inputs)
         finally:
@@ -156,16 +183,31 @@ def with_lora(step: Callable[..., dict], bank) -> Callable[..., dict]:
 
 
 def unreached(transformer: nn.Module, run: Callable[[], object]) -> list[str]:
-    """The ``LoraLinear``s of ``transformer`` that ``run()`` (a forward, eager) does not call: linears some rewrite
-    computes without their forward, which adapters would silently miss."""
+    """The ``LoraLinear``s of ``transformer`` that ``run()`` (a forward, eager) neither calls nor asks for their
+    term (through their base, module docstring): linears some rewrite computes by itself, which adapters would
+    silently miss."""
     called: set[str] = set()
     wraps = [m for m in transformer.modules() if isinstance(m, LoraLinear)]
     hooks = [m.register_forward_pre_hook(lambda mod, args: called.add(mod.name)) for m in wraps]
+    for m in wraps:
+        set_row_term(m.base, _recording(m.term, m.name, called))
     try:
         run()
     finally:
         for hook in hooks:
             hook.remove()
+        for m in wraps:
+            set_row_term(m.base, m.term)
     return [m.name for m in wraps if m.name not in called]
+
+
+def _recording(term: Callable, name: str, called: set[str]) -> Callable:
+    """``term``, noting ``name`` in ``called`` when it is asked for."""
+
+    def recorded(x: torch.Tensor):
+        called.add(name)
+        return term(x)
+
+    return recorded
 
 

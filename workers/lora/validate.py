@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from workers.lora.formats import Adapter, LoraError
-from workers.lora.linear import LoraLinear, _bypassed
+from workers.lora.linear import LoraLinear
 from workers.speed.fp8 import Fp8Linear
+from workers.speed.terms import row_term, set_row_term
 
 LINEARS = (nn.Linear, Fp8Linear)
 
@@ -66,7 +67,9 @@ def check_shapes(adapter: Adapter, shapes: dict[str, tuple[int, int]], max_rank:
         raise LoraError("the adapter targets no module")
     for module, w in adapter.weights.items():
         if module not in shapes:
-            raise LoraError(f"the adapter targets {module!r}, a linear this model's adapter bank does not hold")
+            raise LoraError(f"the adapter targets {module!r}, a linear this model's adapter bank does not hold: its "
+                            "served step does not reach it (e.g. SD3's and FLUX.1's time_text_embed under the graph "
+                            "backends, computed once per request for its modulation table)")
         fan_in, fan_out = shapes[module]
         if tuple(w.a.shape[1:]) != (fan_in,) or tuple(w.b.shape[:1]) != (fan_out,):
             raise LoraError(f"the adapter's {module!r} maps {w.a.shape[1]} -> {w.b.shape[0]} features (lora_A "
@@ -80,16 +83,24 @@ def check_shapes(adapter: Adapter, shapes: dict[str, tuple[int, int]], max_rank:
 
 def reached(transformer: nn.Module, run: Callable[[], object]) -> list[str]:
     """The linears of ``transformer`` (``validate.linear_shapes``) that ``run()`` (a forward, eager, before
-    ``apply_lora``) calls and no speed rewrite computes without calling: the targets a bank of a sped-up model
-    can serve. A linear some rewrite bypasses (hoisted, fused, its product taken from its weight) is left out,
-    so an adapter targeting it is refused at registration instead of being silently half applied."""
+    ``apply_lora``) reaches: calls, or asks for their per-row term where a speed rewrite computes them itself
+    (``workers.speed.terms``: a fused product's parts, DiT's hoisted modulation). The targets a bank of a sped-up
+    model can serve; a linear some rewrite multiplies without either (an epilogue's product, one of FP8 codes read
+    from the model at each call) is left out, so an adapter targeting it is refused at registration instead of
+    being silently half applied."""
     names = list(linear_shapes(transformer))
     called: set[str] = set()
+    bases = {n: base_linear(transformer.get_submodule(n)) for n in names}
     hooks = [transformer.get_submodule(n).register_forward_pre_hook(lambda mod, args, n=n: called.add(n))
              for n in names]
+    kept = {n: row_term(base) for n, base in bases.items()}
+    for n, base in bases.items():  # a probe: notes the ask, adds nothing
+        set_row_term(base, lambda x, n=n: called.add(n))
     try:
         run()
     finally:
         for hook in hooks:
             hook.remove()
-    return [n for n in names if n in called and _bypassed(transformer.get_submodule(n)) is None]
+        for n, base in bases.items():
+            set_row_term(base, kept[n])
+    return [n for n in names if n in called]

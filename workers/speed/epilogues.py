@@ -20,6 +20,10 @@ GELU forms) that it is the tanh form: on a CPU ``_addmm_activation`` applies the
 that changed its CUDA epilogue must not change the model silently. Elsewhere the patched modules compute
 exactly what diffusers' do. FP8 linears are left alone (``workers.speed.fp8`` folds the GELU into the next
 linear's input quantization instead).
+
+A linear that adds a per-row term to its output (wrapped, as ``workers.lora`` wraps an adapter's target, or
+handed a term: ``workers.speed.terms``) is called instead: its term goes in before the GELU, which the epilogue
+leaves no room for. The same in FLUX's single blocks, whose ``proj_out`` then takes the concatenation.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from workers.speed.terms import row_term
 
 log = logging.getLogger(__name__)
 _CHECKED: dict[str, bool] = {}  # device -> the CUDA epilogue computes tanh-GELU there
@@ -58,12 +64,19 @@ def epilogue_ok(device: torch.device | str) -> bool:
 
 def linear_gelu(x: torch.Tensor, proj: nn.Linear, epilogue: bool) -> torch.Tensor:
     """gelu_tanh(proj(x)) for (..., K) -> (..., N): with ``epilogue``, on CUDA, one cuBLASLt product that
-    applies bias and GELU on the way out; otherwise as diffusers' ``GELU`` module computes it."""
-    if epilogue and x.is_cuda and proj.bias is not None:
+    applies bias and GELU on the way out; otherwise, or where ``proj`` adds a term (``plain``), as diffusers'
+    ``GELU`` module computes it."""
+    if epilogue and x.is_cuda and plain(proj) and proj.bias is not None:
         rows = x.reshape(-1, x.shape[-1])                                             # (M, K)
         y = torch._addmm_activation(proj.bias, rows, proj.weight.t(), use_gelu=True)  # (M, N)
         return y.view(*x.shape[:-1], y.shape[-1])
     return F.gelu(proj(x), approximate="tanh")
+
+
+def plain(linear: nn.Module) -> bool:
+    """Whether ``linear`` is an ``nn.Linear`` that adds nothing to its product: not wrapped, no per-row term
+    (``workers.speed.terms``). Only then may a rewrite multiply its weights itself instead of calling it."""
+    return type(linear) is nn.Linear and row_term(linear) is None
 
 
 class GeluEpilogue(nn.Module):

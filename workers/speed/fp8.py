@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.kernels import quant
+from workers.speed.terms import row_term
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -103,6 +104,29 @@ def quantize_rows(x: torch.Tensor, gelu: str = "none", fuse: bool = False) -> tu
         x = F.gelu(x, approximate="tanh" if gelu == "tanh" else "none")
     scale = _row_scales(x)
     return (x * scale.reciprocal().to(x.dtype)).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(M, K) codes and their (M, 1) scales (``quantize_rows``) -> (M, K) in ``dtype``: the rows an FP8 product
+    of them multiplies."""
+    return (codes.float() * scales).to(dtype)
+
+
+def plain_fp8(linear: nn.Module) -> bool:
+    """Whether ``linear`` is an ``Fp8Linear`` that adds nothing to its product: not wrapped, no per-row term
+    (``workers.speed.terms``). Only then may a rewrite hand it codes made elsewhere instead of calling it."""
+    return type(linear) is Fp8Linear and row_term(linear) is None
+
+
+def codes_product(linear: nn.Module, rows: tuple[torch.Tensor, torch.Tensor], lead: tuple[int, ...],
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``linear`` of rows quantized elsewhere (``rows``: (M, K) codes and (M, 1) scales, M = prod(lead)) ->
+    (*lead, N) in ``dtype``: the product of the codes where ``linear`` is ``plain_fp8``; else (a wrapper or a term
+    adds to it: a LoRA adapter's) ``linear`` called with the rows the codes stand for, batch first as a term wants
+    them (its base quantizes them again: the same codes, to float32's rounding)."""
+    if plain_fp8(linear):
+        return linear.mm_rows(*rows).view(*lead, -1)
+    return linear(dequantize_rows(*rows, dtype).view(*lead, -1))
 
 
 def quantize_pair(a: torch.Tensor, b: torch.Tensor, gelu: str = "tanh",
@@ -303,7 +327,9 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
     one matrix product instead of several (q, k and v: one wide GEMM fills a GPU that three narrow ones
     leave partly idle at small batches). The parts' weights become views of the fused ones, so no memory
     is added. ``nn.Linear`` parts give an ``nn.Linear``, ``Fp8Linear`` parts an ``Fp8Linear`` (their
-    per-row scales concatenate exactly); a mix, or parts of different inputs, is refused (ValueError).
+    per-row scales concatenate exactly); a mix, or parts of different inputs, is refused (ValueError). The fused
+    module's ``parts`` are the parts: whoever computes with it adds their per-row terms
+    (``workers.speed.terms.add_part_terms``).
 
     Fusing the same parts again returns the same fused module (``_fused_before``): a second engine on one
     model (the worker's, a benchmark's) must not re-fuse, which would move the parts' weights into a new
@@ -336,6 +362,7 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module:
     record = (tuple(id(p) for p in parts), fused)
     for p in parts:  # not a submodule (no state-dict key, no second visit by module walks): a plain reference
         object.__setattr__(p, "_fused_into", record)
+    object.__setattr__(fused, "parts", tuple(parts))  # for their per-row terms (workers.speed.terms)
     return fused
 
 

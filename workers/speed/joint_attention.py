@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.kernels import fp8_attention
-from workers.speed.fp8 import Fp8Linear
+from workers.speed.fp8 import plain_fp8
 from workers.kernels.attention import attention
 
 
@@ -143,8 +143,9 @@ def fp8_joint_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 
 def takes_codes(*projections) -> bool:
-    """Whether ``projections`` all take codes straight from FP8 attention: FP8 linears applying no activation."""
-    return all(isinstance(p, Fp8Linear) and p.gelu == "none" for p in projections)
+    """Whether ``projections`` all take codes straight from FP8 attention: FP8 linears applying no activation and
+    adding nothing to their product (``plain_fp8``: a LoRA adapter's wrapper is called with the attention's rows)."""
+    return all(plain_fp8(p) and p.gelu == "none" for p in projections)
 
 
 def project_codes(proj, codes: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:

@@ -30,9 +30,19 @@ request is admitted. So the engine computes each request's modulation for all of
 of S rows (``TembModulation.table``; ``table_specs`` / ``step_tables`` in ``workers.families.flux`` and
 ``sd3``), and the step hands its rows of that table to the transformer (``give``): the step runs neither the
 product (FLUX.1-dev: 6.5 GB of weights read a step, about 1.55 ms on an H200) nor the embedding's small
-kernels (``time_text_embed`` returns a stand-in whose value nothing reads). One read of the weights a request
-instead of one a step; the table costs (S, sum kD) in the model's dtype a request (FLUX.1-dev, 28 steps:
-59 MB). A step called without the table computes the product itself, as above.
+kernels. A table row is the product, then the embedding itself (D columns), which ``time_text_embed`` returns
+from the row: the hoisted linears return their slices whatever it is, but a wrapper around one (a LoRA
+adapter's per-row term of the linear's input, ``workers.lora``) reads the true ``silu(temb)`` through the norm
+that calls it, as without tables. One read of the weights a request instead of one a step; the table costs
+(S, sum kD + D) in the model's dtype a request (FLUX.1-dev, 28 steps: 59 MB). A step called without the table
+computes the product itself, as above.
+
+Adapters
+--------
+Each norm still calls its linear (``HoistedLinear``, which returns its slice instead of multiplying), so a
+``workers.lora.LoraLinear`` wrapped around a hoisted linear adds its rows' term to the slice as it would to the
+linear's own product: nothing here knows of adapters. The linears' input is the step's rows ((B, D); SD3's two
+CFG halves are 2B rows, whose adapters the wrapper repeats).
 
 Only diffusers' ``AdaLayerNormZero`` (without its own embedding), ``AdaLayerNormZeroSingle``,
 ``SD35AdaLayerNormZeroX`` and ``AdaLayerNormContinuous`` norms with plain linears of ``temb``'s width and a
@@ -83,17 +93,19 @@ class TembModulation:
 
     @property
     def width(self) -> int:
-        """sum kD: the width of one row of the product (of a modulation table)."""
-        return sum(self.widths)
+        """sum kD + D: the width of one row of a modulation table (the product, then the embedding)."""
+        return sum(self.widths) + self.linears[0].in_features
 
     def table(self, temb: torch.Tensor) -> torch.Tensor:
-        """(S, sum kD): the product of S rows of ``temb`` at once (a request's steps, ``workers.families``)."""
-        return self.product(F.silu(temb))
+        """(S, sum kD + D): the product of S rows of ``temb`` at once (a request's steps, ``workers.families``),
+        then ``temb`` itself (the step's embedding, which ``time_text_embed`` returns from the row)."""
+        return torch.cat([self.product(F.silu(temb)), temb.to(self.product.weight.dtype)], dim=1)
 
     def compute(self, temb: torch.Tensor) -> None:
         """Each linear's slice of silu(temb) times the stacked weights, for this forward (of the product
         ``give`` handed over, if any)."""
-        y = self.given if self.given is not None else self.product(F.silu(temb))      # (B, sum kD)
+        given = self.given
+        y = given[:, :sum(self.widths)] if given is not None else self.product(F.silu(temb))  # (B, sum kD)
         for lin, view in zip(self.linears, y.split(self.widths, dim=1)):
             if view.shape[0] > 1 and not torch.compiler.is_compiling():  # its rows are the batch's: dynamic
                 torch._dynamo.maybe_mark_dynamic(view, 0)  # where a compiled block's arguments are (blocks scope)
@@ -107,24 +119,23 @@ class TembModulation:
 
 @functools.cache
 def _given_embed_class(base: type) -> type:
-    """``base`` (the transformer's ``time_text_embed`` class) returning a stand-in for ``temb`` when the
-    forward's modulation was given (``give``): its value is read by nothing but the hoisted linears, which
-    return their slices instead, so the embedding's dozen small kernels are not run."""
+    """``base`` (the transformer's ``time_text_embed`` class) returning ``temb`` from the table rows when the
+    forward's modulation was given (``give``): the embedding's dozen small kernels are not run."""
 
     def forward(self, *args, **kwargs):
         cache = self._temb_modulation
         given = cache.given if cache is not None else None
         if given is None:
             return base.forward(self, *args, **kwargs)
-        return given[:, : cache.linears[0].in_features]  # (B, D): the rows and dtype temb has, no kernel
+        return given[:, sum(cache.widths):]  # (B, D): the rows' embedding, as the table holds it; no kernel
 
     return type(f"Given{base.__name__}", (base,), {"forward": forward, "_temb_modulation": None,
                                                     "__module__": __name__})
 
 
 def give(transformer: nn.Module, product: torch.Tensor) -> None:
-    """The next forward of ``transformer`` reads its modulation from ``product`` (B, width) (rows of a
-    ``TembModulation.table``) instead of computing it; taken back after that forward. Nothing where the
+    """The next forward of ``transformer`` reads its modulation and embedding from ``product`` (B, width) (rows
+    of a ``TembModulation.table``) instead of computing them; taken back after that forward. Nothing where the
     modulation is not hoisted (then its norms compute their own)."""
     cache = temb_modulation(transformer)
     if cache is not None:

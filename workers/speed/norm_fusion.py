@@ -32,7 +32,7 @@ import functools
 from torch import nn
 
 from workers.kernels.norm import add_norm_quantize
-from workers.speed.fp8 import Fp8Linear, Projection
+from workers.speed.fp8 import Fp8Linear, Projection, codes_product
 from workers.speed.patches import BreakableSelfAttention
 from workers.speed.varlen import VarlenCrossAttention
 
@@ -123,7 +123,7 @@ def _forward(self, hidden_states, attention_mask=None, encoder_hidden_states=Non
     else:
         hidden_states, *rows = add_norm_quantize(hidden_states, attn, gate_msa, shift_mlp, scale_mlp, eps=second_eps)
     net = self.ff.net
-    y = net[0].proj.mm_rows(*rows).view(b, t, -1)                                 # (B, T, inner)
+    y = codes_product(net[0].proj, rows, (b, t), hidden_states.dtype)            # (B, T, inner)
     for module in net[1:]:
         y = module(y)
     return gate_mlp.view(b, 1, d) * y + hidden_states

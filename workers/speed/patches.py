@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from graphs import eager_on_graph
-from workers.speed.fp8 import FP8, Fp8Linear, fuse_linears, linear_into, quantize_rows_into
+from workers.speed.fp8 import FP8, dequantize_rows, fuse_linears, linear_into, plain_fp8, quantize_rows_into
+from workers.speed.terms import add_part_terms, has_terms, plus_term
 from workers.kernels.attention import attention
 
 @eager_on_graph
@@ -48,9 +49,10 @@ def attention_quantized_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def quantized_output(attn) -> bool:
     """Whether ``attn``'s output projection takes its rows from the break as FP8 codes
-    (``attention_quantized_into``): an FP8 linear with no activation folded into it."""
+    (``attention_quantized_into``): an FP8 linear with no activation folded into it, adding nothing to its
+    product (``plain_fp8``: a LoRA adapter's wrapper is called with the break's rows)."""
     proj = attn.to_out[0]
-    return isinstance(proj, Fp8Linear) and proj.gelu == "none" and proj.in_features % 16 == 0
+    return plain_fp8(proj) and proj.gelu == "none" and proj.in_features % 16 == 0
 
 
 def project_output(attn, o: torch.Tensor, b: int, t: int,
@@ -132,10 +134,15 @@ class BreakableSelfAttention:
     """Self-attention for DiT and PixArt blocks (no mask, no text tokens), as diffusers' AttnProcessor2_0,
     with q, k, v and the output in the shared scratch. With ``qkv`` (``fuse_linears`` of to_q, to_k and
     to_v), the three projections are one matrix product into a (rows, 3 * inner) slot, and q, k, v are its
-    column blocks (strided views: attention kernels take any row stride)."""
+    column blocks (strided views: attention kernels take any row stride). The projections (``parts``: those
+    it was made with, which a wrapper replaces in ``attn`` afterwards) add their per-row terms
+    (``workers.speed.terms``: a LoRA adapter's) to q, k and v, of the rows they multiplied: where the caller
+    quantized them, the rows its FP8 codes stand for."""
 
-    def __init__(self, scratch: AttentionScratch, qkv: torch.nn.Module | None = None) -> None:
+    def __init__(self, scratch: AttentionScratch, projections: tuple[torch.nn.Module, ...],
+                 qkv: torch.nn.Module | None = None) -> None:
         self.scratch, self.qkv = scratch, qkv
+        self.parts = tuple(projections)  # to_q, to_k, to_v: qkv's parts where fused
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states=None,
                  attention_mask=None, temb=None, quantized=None, **kwargs) -> torch.Tensor:
@@ -143,14 +150,7 @@ class BreakableSelfAttention:
         caller (``workers.speed.norm_fusion``); ``hidden_states`` then gives only the shape and dtype."""
         b, t, _ = hidden_states.shape                                           # (B, T, D)
         inner = attn.to_q.out_features
-        h2d = hidden_states.reshape(b * t, -1)                                  # (B*T, D)
-        if self.qkv is not None:
-            qkv, o = self.scratch.fused_views(b * t, inner, h2d)                # (B*T, 3*inner), (B*T, inner)
-            linear_into(h2d, [(self.qkv, qkv)], quantized)
-            q, k, v = qkv.split(inner, dim=1)                                   # (B*T, inner) x3, row stride 3*inner
-        else:
-            q, k, v, o = self.scratch.views(b * t, inner, h2d)                  # (B*T, inner) x4
-            linear_into(h2d, [(attn.to_q, q), (attn.to_k, k), (attn.to_v, v)], quantized)
+        q, k, v, o = self._project(hidden_states.reshape(b * t, -1), b, inner, quantized)  # (B*T, inner) x4
         heads, d = attn.heads, inner // attn.heads
         split = lambda y: y.view(b, t, heads, d).transpose(1, 2)                # (B, h, T, d)
         codes = self.scratch.quantized(o) if quantized_output(attn) else None  # (B*T, inner), (B*T, 1)
@@ -159,6 +159,26 @@ class BreakableSelfAttention:
         else:
             attention_into(split(q), split(k), split(v), split(o))
         return project_output(attn, o, b, t, codes)
+
+    def _project(self, h2d: torch.Tensor, b: int, inner: int, quantized) -> tuple[torch.Tensor, ...]:
+        """q, k, v of the rows ``h2d`` (B*T, D) (or of their codes, ``quantized``), with the projections' terms,
+        and the output's slot: (B*T, inner) each, in the scratch."""
+        if self.qkv is not None:
+            qkv, o = self.scratch.fused_views(h2d.shape[0], inner, h2d)         # (B*T, 3*inner), (B*T, inner)
+            linear_into(h2d, [(self.qkv, qkv)], quantized)
+            outs = [qkv]
+        else:
+            q, k, v, o = self.scratch.views(h2d.shape[0], inner, h2d)           # (B*T, inner) x4
+            linear_into(h2d, list(zip(self.parts, (q, k, v))), quantized)
+            outs = [q, k, v]
+        if has_terms(self.parts):  # the rows the products multiplied, batch first as a term wants them
+            rows = (h2d if quantized is None else dequantize_rows(*quantized, h2d.dtype)).view(b, -1, h2d.shape[1])
+            groups = [self.parts] if self.qkv is not None else [[p] for p in self.parts]
+            for parts, y in zip(groups, outs):
+                add_part_terms(parts, rows, y.view(b, -1, y.shape[1]))
+        if self.qkv is not None:
+            return (*qkv.split(inner, dim=1), o)                                # q, k, v: row stride 3*inner
+        return q, k, v, o
 
 
 def break_attention(transformer: torch.nn.Module, fuse_qkv: bool = True) -> int:
@@ -173,7 +193,7 @@ def break_attention(transformer: torch.nn.Module, fuse_qkv: bool = True) -> int:
                 qkv = fuse_linears([attn.to_q, attn.to_k, attn.to_v])
             except ValueError:
                 qkv = None
-        attn.set_processor(BreakableSelfAttention(scratch, qkv))
+        attn.set_processor(BreakableSelfAttention(scratch, (attn.to_q, attn.to_k, attn.to_v), qkv))
     return len(transformer.transformer_blocks)
 
 
@@ -197,7 +217,8 @@ class HoistedModulation:
     linears, one gather from the stacked class tables. The blocks' own weights become views of the stacked
     ones (no memory added); each block's norm reads its slice. The same arithmetic as the blocks' own
     (tested to float32 rounding); eager calls and both graph backends run it (the result crosses the
-    attention breaks like the hidden states do).
+    attention breaks like the hidden states do). The linears' per-row terms (``workers.speed.terms``: a LoRA
+    adapter's) are added to their layers' products, from each layer's own input.
     """
 
     def __init__(self, norms: list[torch.nn.Module]) -> None:
@@ -207,6 +228,10 @@ class HoistedModulation:
         self.w1, self.b1 = _stack_views([e.timestep_embedder.linear_1 for e in embs])  # (L, D, 256), (L, D)
         self.w2, self.b2 = _stack_views([e.timestep_embedder.linear_2 for e in embs])  # (L, D, D), (L, D)
         self.wm, self.bm = _stack_views([n.linear for n in norms])                      # (L, 6D, D), (L, 6D)
+        # the linears themselves, for their per-row terms (workers.speed.terms): a wrapper replaces them in the blocks
+        self.first = [e.timestep_embedder.linear_1 for e in embs]
+        self.second = [e.timestep_embedder.linear_2 for e in embs]
+        self.linears = [n.linear for n in norms]
         self.tables = _stack_views([e.class_embedder.embedding_table for e in embs])[0]  # (L, classes+1, D)
         self.value: torch.Tensor | None = None  # (L, B, 6D): this forward's modulation, set by block 0
 
@@ -230,12 +255,14 @@ class HoistedModulation:
     def compute(self, timestep: torch.Tensor, class_labels: torch.Tensor, dtype: torch.dtype) -> None:
         """(L, B, 6D) for this forward: what each block's ``norm1.linear(silu(norm1.emb(t, y)))`` computes."""
         layers, d, k = self.w1.shape
+        silu = torch.nn.functional.silu
         t = self.time_proj(timestep).to(dtype)                                           # (B, 256)
         h = torch.addmm(self.b1.reshape(-1), t, self.w1.reshape(layers * d, k).t())        # (B, L*D)
-        h = torch.nn.functional.silu(h).view(-1, layers, d).transpose(0, 1)               # (L, B, D)
+        h = silu(_plus_terms(self.first, [t] * layers, h.view(-1, layers, d).transpose(0, 1)))  # (L, B, D)
         emb = torch.baddbmm(self.b2[:, None], h, self.w2.transpose(1, 2))                 # (L, B, D)
-        emb = emb + self.tables[:, class_labels]                                          # + class rows
-        self.value = torch.baddbmm(self.bm[:, None], torch.nn.functional.silu(emb), self.wm.transpose(1, 2))
+        emb = _plus_terms(self.second, h, emb) + self.tables[:, class_labels]             # + class rows
+        s = silu(emb)
+        self.value = _plus_terms(self.linears, s, torch.baddbmm(self.bm[:, None], s, self.wm.transpose(1, 2)))
 
     def block_value(self, index: int, timestep: torch.Tensor, class_labels: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
@@ -243,6 +270,14 @@ class HoistedModulation:
         if index == 0:
             self.compute(timestep, class_labels, dtype)
         return self.value[index]
+
+
+def _plus_terms(linears: list[torch.nn.Module], xs, y: torch.Tensor) -> torch.Tensor:
+    """(L, B, out): each layer's product ``y[l]`` of ``xs[l]`` (B, in) plus its linear's per-row term
+    (``workers.speed.terms``), where one of them has one; else ``y`` itself."""
+    if not has_terms(linears):
+        return y
+    return torch.stack([plus_term(lin, x, y_l) for lin, x, y_l in zip(linears, xs, y.unbind(0))])
 
 
 def _stack_views(modules: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:

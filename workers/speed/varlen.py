@@ -32,6 +32,7 @@ import torch
 from graphs import eager_on_graph
 from workers.kernels.varlen import varlen_attention
 from workers.speed.fp8 import linear_into, quantize_rows_into
+from workers.speed.terms import add_part_terms, has_terms
 from workers.speed.patches import AttentionScratch, project_output, quantized_output
 
 
@@ -69,8 +70,11 @@ class VarlenCrossAttention:
     """Cross-attention for PixArt blocks, as diffusers' AttnProcessor2_0 with a prefix mask, over each
     row's real keys only; q, k, v and the output live in the shared scratch."""
 
-    def __init__(self, scratch: AttentionScratch, original) -> None:
+    def __init__(self, scratch: AttentionScratch, original, attn) -> None:
         self.scratch, self.original = scratch, original  # original: the processor restore puts back
+        # the projections ``attn`` had when patched: a wrapper (a LoRA adapter's, workers.lora) replaces them in
+        # ``attn`` afterwards, and the products below multiply their weights, then add their per-row terms
+        self.to_q, self.to_k, self.to_v = attn.to_q, attn.to_k, attn.to_v
 
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states=None,
                  attention_mask=None, temb=None, quantized=None, **kwargs) -> torch.Tensor:
@@ -80,8 +84,12 @@ class VarlenCrossAttention:
         b, t, _ = hidden_states.shape                                           # (B, T, D)
         l, inner, heads = ctx.shape[1], attn.to_q.out_features, attn.heads      # ctx (B, L, C)
         q, k, v, o = self.scratch.views((b * t, b * l, b * l, b * t), inner, hidden_states)  # (B*T | B*L, inner)
-        linear_into(hidden_states.reshape(b * t, -1), [(attn.to_q, q)], quantized)
-        linear_into(ctx.reshape(b * l, -1), [(attn.to_k, k), (attn.to_v, v)])
+        linear_into(hidden_states.reshape(b * t, -1), [(self.to_q, q)], quantized)
+        linear_into(ctx.reshape(b * l, -1), [(self.to_k, k), (self.to_v, v)])
+        if has_terms((self.to_q, self.to_k, self.to_v)):  # (workers.speed.terms), of the rows multiplied
+            add_part_terms([self.to_q], hidden_states, q.view(b, t, -1))
+            add_part_terms([self.to_k], ctx, k.view(b, l, -1))
+            add_part_terms([self.to_v], ctx, v.view(b, l, -1))
         used = key_lengths(attention_mask, b, l, hidden_states.device)         # (B,) int32, in the segment
         split = lambda y, n: y.view(b, n, heads, inner // heads)               # (B, n, h, d)
         codes = self.scratch.quantized(o) if quantized_output(attn) else None  # (B*T, inner), (B*T, 1)
@@ -105,7 +113,7 @@ def varlen_cross_attention(transformer: torch.nn.Module, scratch: AttentionScrat
         scratch = done[0] if done else AttentionScratch()
     for attn in attns:
         if not isinstance(attn.processor, VarlenCrossAttention):
-            attn.set_processor(VarlenCrossAttention(scratch, attn.processor))
+            attn.set_processor(VarlenCrossAttention(scratch, attn.processor, attn))
 
 
 def restore_cross_attention(transformer: torch.nn.Module) -> None:

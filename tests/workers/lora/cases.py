@@ -74,12 +74,16 @@ def pixart_inputs(n: int, seed: int = 1) -> dict:
 FAMILIES = {"flux": (tiny_flux, flux_inputs), "sd3": (tiny_sd3, sd3_inputs), "pixart": (tiny_pixart, pixart_inputs)}
 
 
-def random_adapter(transformer, seed: int, rank: int = 4, every: int = 1, amplitude: float = 0.3) -> Adapter:
-    """A random adapter on every ``every``-th linear of ``transformer`` (ranks rank and rank - 1 alternating,
-    alpha = 2 r, so the scale 2 is not 1)."""
+def random_adapter(transformer, seed: int, rank: int = 4, every: int = 1, amplitude: float = 0.3,
+                   names=None) -> Adapter:
+    """A random adapter on every ``every``-th linear of ``transformer`` (of ``names`` where given; ranks rank and
+    rank - 1 alternating, alpha = 2 r, so the scale 2 is not 1)."""
     g = torch.Generator().manual_seed(seed)
     weights = {}
-    for i, (name, (fin, fout)) in enumerate(list(linear_shapes(transformer).items())[::every]):
+    shapes = linear_shapes(transformer)
+    if names is not None:
+        shapes = {n: shapes[n] for n in names}
+    for i, (name, (fin, fout)) in enumerate(list(shapes.items())[::every]):
         r = rank - i % 2
         weights[name] = LoraWeights(torch.randn(r, fin, generator=g) * amplitude / fin ** 0.5,
                                     torch.randn(fout, r, generator=g) * amplitude, 2.0)

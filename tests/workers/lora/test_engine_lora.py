@@ -4,8 +4,10 @@ A row with adapters equals the engine without LoRA on the same model with those 
 (``W + sum_j c_j alpha_j / r_j B_j A_j``: what diffusers' ``fuse_lora`` makes of loaded adapters); a batch mixing
 rows with A, B, A + B and none gives each row what it gives alone; a row without adapters is bit-identical to an
 engine without LoRA. Under ``backend="graphs"`` (on a CPU the runner's eager path, with the graph backends' speed
-rewrites applied) the bank leaves out the linears the rewrites bypass (the hoisted modulation), and an adapter on
-one is refused at registration.
+rewrites applied as the ``default`` and, in FP8, the ``fastest`` presets apply them, compile aside) adapters reach
+the linears those rewrites compute themselves: the norms' hoisted modulation linears (read from each request's
+modulation table) and FLUX.1's fused FP8 q, k and v; only the step's embedding, computed once per request for
+its table, is left out of the bank, and an adapter on it is refused at registration, naming it.
 """
 
 from __future__ import annotations
@@ -181,22 +183,58 @@ def test_without_slots_nothing_changes(model_dir):
         engine.add(req(0, [("a", 1.0)]))
 
 
-def test_graph_backends_rewrites_leave_bypassed_linears_out_of_the_bank(model_dir):
-    """backend "graphs" on a CPU: the speed rewrites apply (SD3's and FLUX.1's modulation hoisted out of the step),
-    the runner runs eagerly; the bank holds only the linears the step still calls, an adapter on a hoisted one is
-    refused naming it, and one on the others equals merged weights."""
-    engine = Engine(load_model(model_dir), WorkerConfig(**{**LORA, "backend": "graphs"}))
+@pytest.mark.parametrize("precision", ["", "fp8"])
+def test_graph_backends_serve_adapters_on_the_hoisted_and_fused_linears(model_dir, precision):
+    """An adapter on every linear the bank holds, the norms' modulation linears and q, k, v among them, is accepted
+    and a row with it gets what the eager engine (no graph rewrites) gives it with the same adapter: to float32's
+    rounding; in FP8, the adapter's effect within 5% (the fused parts' terms read the rows the norm's FP8 codes
+    stand for: ``tests/workers/lora/test_reach.py``)."""
+    from workers.families.flux import fast
+    from workers.speed import SpeedConfig, modulation
+
+    speed = SpeedConfig(precision=precision)
+    engine = Engine(load_model(model_dir), WorkerConfig(**{**LORA, "backend": "graphs"}), speed=speed)
     model = engine.models[next(iter(engine.models))]
-    bank = engine.lora.banks[model.name]
-    hoisted = [n for n in linear_shapes(model.transformer) if n not in bank.targets]
-    assert any("norm1" in n for n in hoisted)
-    data, weights = adapter_file(model.transformer, 4, every=1, skip=())
-    with pytest.raises(ValueError, match="norm.*adapter bank does not hold"):
-        engine.add_lora("all", data)
-    data, weights = adapter_file(model.transformer, 4, every=2, skip=tuple(hoisted))
+    tr, bank = model.transformer, engine.lora.banks[model.name]
+    left = [n for n in linear_shapes(tr) if n not in bank.targets]
+    assert left and all(n.startswith("time_text_embed.") for n in left), left
+    assert modulation.hoisted(tr) > 0 and any(t.endswith("norm1.linear") for t in bank.targets)
+    if precision and model.card.family == "flux":
+        assert fast.fused_blocks(tr) > 0
+    with pytest.raises(ValueError, match="time_text_embed.*adapter bank does not hold"):
+        engine.add_lora("all", adapter_file(tr, 4, every=1, skip=())[0])
+    data, weights = adapter_file(tr, 4, every=1, skip=("time_text_embed",))
+    assert any(n.endswith("norm1.linear") for n in weights) and any(n.endswith("attn.to_q") for n in weights)
     engine.add_lora("a", data)
-    got = engine.generate([req(0, [("a", 0.9)])])[0].latents
-    merged = load_model(model_dir)
-    merge(merged, [(weights, 0.9)])
-    want = Engine(merged, WorkerConfig(backend="graphs", max_batch=4)).generate([req(0)])[0].latents
-    torch.testing.assert_close(got, want, **TOL)
+    eager = Engine(load_model(model_dir), WorkerConfig(**LORA), speed=speed)
+    eager.add_lora("a", data)
+    got, want = (e.generate([req(0, [("a", 0.9)]), req(1)]) for e in (engine, eager))
+    if not precision:
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.latents, w.latents, **TOL)
+        return
+    base = eager.generate([req(0)])[0].latents
+    effect = (want[0].latents - base).norm()
+    assert effect > 1e-2 * base.norm()
+    assert (got[0].latents - want[0].latents).norm() <= 0.05 * effect
+
+
+@pytest.mark.slow
+def test_the_fast_preset_compiles_the_steps_with_adapters_on_the_hoisted_linears(model_dir):
+    """The ``fast`` preset (each step, or its blocks where the family compiles those, compiled by Inductor inside
+    the graphs; on a CPU the runner's eager path): an adapter on the norms' modulation linears and q, k, v is
+    accepted, the compiled step runs without falling back (the rows' slots are dynamic like the blocks' batch), and
+    rows with and without it equal the eager engine's."""
+    engine = Engine(load_model(model_dir), WorkerConfig(**{**LORA, "backend": "graphs", "speed": "fast"}))
+    engine.warmup()
+    tr = engine.models[next(iter(engine.models))].transformer
+    data, weights = adapter_file(tr, 4, every=1, skip=("time_text_embed",))
+    assert any(n.endswith("norm1.linear") for n in weights) and any(n.endswith("attn.to_q") for n in weights)
+    engine.add_lora("a", data)
+    eager = Engine(load_model(model_dir), WorkerConfig(**LORA))
+    eager.add_lora("a", data)
+    specs = [req(0, [("a", 0.9)]), req(1), req(2, [("a", -0.5)])]
+    for g, w in zip(engine.generate(specs), eager.generate(specs)):
+        torch.testing.assert_close(g.latents, w.latents, **TOL)
+    for stats in engine.stats()["groups"].values():
+        assert stats["compile"]["compiled"] and stats["compile"]["fallback_reason"] is None, stats["compile"]

@@ -126,15 +126,44 @@ def test_a_quantized_transformer_takes_adapters_on_its_fp8_linears():
     assert unreached(transformer, lambda: out(transformer, inputs)) == []
 
 
-def test_speed_rewrites_that_skip_a_linears_forward_are_refused():
+def test_a_fused_product_adds_its_parts_terms_and_one_that_asks_none_is_unreached():
+    """q and k fused into one product (``fuse_linears``): a forward that adds the parts' terms
+    (``workers.speed.terms.add_part_terms``) gives what the wrapped q and k give called one by one, and reaches
+    both; one that multiplies the fused weights alone leaves both unreached (their adapters would be skipped)."""
+    from workers.lora import Adapter, LoraWeights
+    from workers.lora.validate import reached
     from workers.speed.fp8 import fuse_linears
+    from workers.speed.terms import add_part_terms
 
+    g = torch.Generator().manual_seed(0)
     owner = nn.Module()
-    owner.q, owner.k = nn.Linear(8, 8), nn.Linear(8, 8)
-    bank = LoraBank(owner, slots=1, max_rank=2, per_request=1)
-    fuse_linears([owner.q, owner.k])
-    with pytest.raises(ValueError, match="fused"):
-        apply_lora(owner, bank)
+    owner.q, owner.k = nn.Linear(8, 6), nn.Linear(8, 4)
+    x = torch.randn(3, 5, 8, generator=g)                                          # (N, T, in)
+    want_plain = torch.cat([owner.q(x), owner.k(x)], -1).detach()
+    fused = fuse_linears([owner.q, owner.k])
+
+    def fast():  # the rewrite: one product, then the parts' terms
+        y = fused(x)                                                               # (N, T, 6 + 4)
+        add_part_terms(fused.parts, x, y)
+        return y
+
+    assert reached(owner, fast) == ["q", "k"]
+    assert reached(owner, lambda: fused(x)) == []
+    bank = LoraBank(owner, slots=2, max_rank=2, per_request=1)
+    bank.load(1, "a", Adapter({n: LoraWeights(torch.randn(2, 8, generator=g), torch.randn(o, 2, generator=g), 0.5)
+                               for n, o in (("q", 6), ("k", 4))}, "peft"))
+    apply_lora(owner, bank)
+    bank.row_slots, bank.row_scales = torch.tensor([[1], [0], [1]]), torch.tensor([[1.0], [0.0], [-2.0]])
+    try:
+        with torch.no_grad():
+            got, want = fast(), torch.cat([owner.q(x), owner.k(x)], -1)            # the wraps, called
+            assert unreached(owner, fast) == []
+            assert unreached(owner, lambda: fused(x)) == ["q", "k"]
+    finally:
+        bank.row_slots = bank.row_scales = None
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(got[1], want_plain[1], **TOL)  # the row without adapters: the product alone
+    assert (got[0] - want_plain[0]).abs().max() > 1e-2
 
 
 def test_the_graph_runner_feeds_the_rows_slots_and_scales():

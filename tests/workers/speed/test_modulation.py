@@ -256,9 +256,10 @@ def test_each_requests_modulation_table_gives_the_steps_what_their_own_product_g
         torch.testing.assert_close(g.latents, w.latents, rtol=1e-4, atol=1e-4)
 
 
-def test_a_table_row_is_the_product_the_forward_computes_at_that_step(tiny_flux):
+def test_a_table_row_is_the_product_and_embedding_the_forward_computes_at_that_step(tiny_flux):
     """``step_tables``' rows against what the hoisted forward itself multiplies at the same timestep, guidance
-    and pooled prompt (the step's inputs as the engine gives them)."""
+    and pooled prompt (the step's inputs as the engine gives them), then the embedding it multiplies (which the
+    embedding's stand-in returns where the table is given: what a wrapped linear's term reads)."""
     from samplers import make_plan
     from workers.engine import Engine
     from workers.families import family_named
@@ -272,17 +273,27 @@ def test_a_table_row_is_the_product_the_forward_computes_at_that_step(tiny_flux)
     cond = flux.encode(model, [spec])[0]
     (table,) = flux.step_tables(model, [plan], [spec], [cond])
     cache = model.transformer._temb_modulation
-    seen = []
+    seen, embeds = [], []
     cache.product.register_forward_hook(lambda mod, a, out: seen.append(out))
+    model.transformer.time_text_embed.register_forward_hook(lambda mod, a, out: embeds.append(out))
     step = flux.make_step(model)
     c, h, w = model.latent_shape
+    args = lambda i: (torch.randn(1, c, h, w), plan.timesteps[i:i + 1], torch.tensor([spec.guidance]),
+                      plan.coeffs[i:i + 1], torch.zeros(1, c, h, w), torch.zeros(1, c, h, w),
+                      cond["prompt_embeds"][None], cond["pooled"][None])
+    width = sum(cache.widths)
+    assert table["modulation"].shape == (plan.num_steps, width + cache.linears[0].in_features) \
+        and cache.width == width + cache.linears[0].in_features
     for i in range(plan.num_steps):
         seen.clear()
+        embeds.clear()
         with torch.no_grad():
-            step(torch.randn(1, c, h, w), plan.timesteps[i:i + 1], torch.tensor([spec.guidance]), plan.coeffs[i:i + 1],
-                 torch.zeros(1, c, h, w), torch.zeros(1, c, h, w), cond["prompt_embeds"][None], cond["pooled"][None])
-        (product,) = seen
-        torch.testing.assert_close(table["modulation"][i], product[0], rtol=1e-5, atol=1e-6)
+            step(*args(i))
+            (product,), (temb,) = seen, embeds
+            torch.testing.assert_close(table["modulation"][i, :width], product[0], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(table["modulation"][i, width:], temb[0], rtol=1e-5, atol=1e-6)
+            step(*args(i), modulation=table["modulation"][i:i + 1])  # the stand-in returns the table's embedding
+        assert len(seen) == 1 and torch.equal(embeds[-1], table["modulation"][i:i + 1, width:])
 
 
 @pytest.mark.parametrize("kind", ["flux", "sd3"])

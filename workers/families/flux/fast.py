@@ -25,6 +25,12 @@ folded, ``workers.speed.fp8``) run the same way, their attention routed (``worke
              residual add reads the text's and the image's states where they are
 
 and fall back to their own forward when the processor is not the routed one or the call has attention kwargs.
+
+Per-row terms (``workers.speed.terms``: a LoRA adapter's, ``workers.lora``): the fused products add their parts'
+terms to the parts' columns, of the rows the norm's codes stand for (the input the FP8 product multiplies); the
+norms' linears are called (hoisted or not), so their wrappers add theirs. A feed-forward's first linear or a single
+block's ``proj_out`` that adds something (wrapped) is called with the rows its codes stand for
+(``workers.speed.fp8.codes_product``), and the bf16 single blocks call such a ``proj_out`` with the concatenation.
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ from torch import nn
 
 from workers.families.flux.attention import RoutedFluxAttention
 from workers.kernels.norm import add_norm_quantize
-from workers.speed.epilogues import epilogue_ok, linear_gelu
-from workers.speed.fp8 import Fp8Linear, Projection, fuse_linears, quantize_pair
+from workers.speed.epilogues import epilogue_ok, linear_gelu, plain
+from workers.speed.fp8 import Fp8Linear, Projection, codes_product, dequantize_rows, fuse_linears, quantize_pair
+from workers.speed.terms import add_part_terms, has_terms
 from workers.speed.norm_fusion import _plain_norm
 
 
@@ -64,7 +71,7 @@ def _fp8_single_block_forward(self, hidden_states, encoder_hidden_states, temb, 
     lead = attn_output.shape[:-1]
     codes, scales = quantize_pair(attn_output.reshape(-1, attn_output.shape[-1]), mlp.reshape(-1, mlp.shape[-1]),
                                   self._mlp_gelu, descale)                           # (B*(L+N), 5D)
-    out = self.proj_out.mm_rows(codes, scales).view(*lead, -1)                      # (B, L+N, D)
+    out = codes_product(self.proj_out, (codes, scales), tuple(lead), hidden_states.dtype)  # (B, L+N, D)
     hidden_states = residual + gate.unsqueeze(1) * out
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
@@ -120,7 +127,8 @@ def fuse_gelu_epilogues(transformer: nn.Module) -> int:
 def _epilogue_single_forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
                          joint_attention_kwargs=None):
     """diffusers' ``FluxSingleTransformerBlock.forward`` with the MLP's GELU in its product's epilogue and
-    ``proj_out`` split over the concatenation's two parts (no concatenated copy)."""
+    ``proj_out`` split over the concatenation's two parts (no concatenated copy); a ``proj_out`` that adds a term
+    (``workers.speed.epilogues.plain``: a LoRA adapter's) is called with the concatenation."""
     text_seq_len = encoder_hidden_states.shape[1]
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)        # (B, L+N, D)
     residual = hidden_states
@@ -128,8 +136,11 @@ def _epilogue_single_forward(self, hidden_states, encoder_hidden_states, temb, i
     mlp = linear_gelu(norm_hidden_states, self.proj_mlp, self._gelu_epilogue)        # (B, L+N, 4D)
     attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
                             **(joint_attention_kwargs or {}))                        # (B, L+N, D)
-    d, w = attn_output.shape[-1], self.proj_out.weight                               # w: (D, D + 4D)
-    out = F.linear(attn_output, w[:, :d], self.proj_out.bias) + F.linear(mlp, w[:, d:])  # (B, L+N, D)
+    if plain(self.proj_out):
+        d, w = attn_output.shape[-1], self.proj_out.weight                           # w: (D, D + 4D)
+        out = F.linear(attn_output, w[:, :d], self.proj_out.bias) + F.linear(mlp, w[:, d:])  # (B, L+N, D)
+    else:
+        out = self.proj_out(torch.cat([attn_output, mlp], dim=-1))                   # (B, L+N, D)
     hidden_states = residual + gate.unsqueeze(1) * out
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
@@ -256,15 +267,19 @@ def _fused(parts: list[nn.Module]) -> tuple[nn.Module, tuple[int, ...]]:
 
 
 def _project(fused, rows, b: int, t: int) -> tuple[torch.Tensor, ...]:
-    """The parts' products (B, T, N_i) of one product of the codes (views of its (B, T, sum N_i) output);
+    """The parts' products (B, T, N_i) of one product of the codes (views of its (B, T, sum N_i) output), with
+    the parts' per-row terms (``workers.speed.terms``: a LoRA adapter's) of the rows the codes stand for;
     ``fused`` as ``_fused`` makes it."""
     linear, widths = fused
-    return linear.mm_rows(*rows).view(b, t, -1).split(widths, dim=-1)
+    y = linear.mm_rows(*rows).view(b, t, -1)                                             # (B, T, sum N_i)
+    if has_terms(linear.parts):
+        add_part_terms(linear.parts, dequantize_rows(*rows, y.dtype).view(b, t, -1), y)
+    return y.split(widths, dim=-1)
 
 
-def _feed_forward(ff, rows, b: int, t: int) -> torch.Tensor:
-    """A folded feed-forward (``_folded_ff``) of rows its caller quantized: (B, T, D)."""
-    y = ff.net[0].proj.mm_rows(*rows).view(b, t, -1)
+def _feed_forward(ff, rows, b: int, t: int, dtype: torch.dtype) -> torch.Tensor:
+    """A folded feed-forward (``_folded_ff``) of rows its caller quantized: (B, T, D) in ``dtype``."""
+    y = codes_product(ff.net[0].proj, rows, (b, t), dtype)
     for module in ff.net[1:]:
         y = module(y)
     return y
@@ -290,11 +305,12 @@ def _flux_double_forward(self, hidden_states, encoder_hidden_states, temb, image
         self.attn, hidden_states, encoder_hidden_states, image_rotary_emb=image_rotary_emb, projected=projected)
     hidden_states, *rows = add_norm_quantize(hidden_states, attn_output, gate_msa, shift_mlp, scale_mlp,
                                              eps=self.norm2.eps)
-    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * _feed_forward(self.ff, rows, b, n)
+    ff = _feed_forward(self.ff, rows, b, n, hidden_states.dtype)                           # (B, N, D)
+    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * ff
     encoder_hidden_states, *rows = add_norm_quantize(encoder_hidden_states, context_attn_output, c_gate_msa,
                                                      c_shift_mlp, c_scale_mlp, eps=self.norm2_context.eps)
-    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * _feed_forward(self.ff_context, rows,
-                                                                                            b, l)
+    ff = _feed_forward(self.ff_context, rows, b, l, hidden_states.dtype)                   # (B, L, D)
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * ff
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states
@@ -322,7 +338,7 @@ def _flux_single_forward(self, hidden_states, encoder_hidden_states, temb, image
         attn_output, descale = coded                                                     # (B, L+N, D) e4m3, (1, 1, 1, 1)
     codes, scales = quantize_pair(attn_output.reshape(-1, d), mlp.reshape(-1, mlp.shape[-1]), self._mlp_gelu,
                                   descale)                                               # (B*(L+N), 5D)
-    out = self.proj_out.mm_rows(codes, scales).view(b, l + n, d)
+    out = codes_product(self.proj_out, (codes, scales), (b, l + n), hidden_states.dtype)  # (B, L+N, D)
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1) + gate.unsqueeze(1) * out
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
