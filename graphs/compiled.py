@@ -38,6 +38,9 @@ Contract
   capturing it, largest first, so the compile sees the largest batch and every later bucket reuses
   it). A compile or run that raises logs a warning, and the step is the plain one from then on:
   serving never depends on the compiler.
+* A static compile (``dynamic=False``, for a model whose dynamic-batch code is wrong on some device:
+  ``Family.static_batch_on``): nothing is marked dynamic and dynamo never makes a size dynamic, so each
+  bucket compiles a graph of its own (``graphs`` counts them; longer warm-up, same replays).
 * The artefacts are cached on disk (``use_cache_dir``): a restarted worker, or a new one on a node
   with the cache, traces the step again (dynamo is not cached) but loads Inductor's kernels.
 * Counters (``stats()``): graphs compiled (recompiles are graphs after the first), seconds spent in
@@ -187,17 +190,20 @@ class CompiledStep:
     ``regions``, ``fn`` runs as it is and those modules' forwards are compiled, one per class."""
 
     def __init__(self, fn: Callable[..., Mapping[str, torch.Tensor]], name: str,
-                 regions: Sequence[torch.nn.Module] = ()) -> None:
-        self.fn, self.name = fn, name
+                 regions: Sequence[torch.nn.Module] = (), dynamic: bool = True) -> None:
+        self.fn, self.name, self.dynamic = fn, name, dynamic
+        # static (``dynamic`` False): every batch size its own graph, and dynamo never makes a size dynamic
+        compile_ = functools.partial(torch.compile, backend=self._inductor, fullgraph=True,
+                                     dynamic=None if dynamic else False)
         self._regions: dict[type, Callable] = {}
         for m in regions:
             if "forward" in m.__dict__ and getattr(m.forward, "_region_of", None) is not m:
                 raise ValueError(f"{type(m).__name__} has a forward of its own: it cannot be a region")
-            self._regions.setdefault(type(m), torch.compile(type(m).forward, backend=self._inductor, fullgraph=True))
+            self._regions.setdefault(type(m), compile_(type(m).forward))
         for m in regions:
             if "forward" not in m.__dict__:
                 m.forward = _region_forward(m)
-        self._compiled = None if self._regions else torch.compile(fn, backend=self._inductor, fullgraph=True)
+        self._compiled = None if self._regions else compile_(fn)
         self.graphs = 0           # calls with more than one row that compiled; > 1 means recompiles
         self.one_row_graphs = 0   # one-row calls that compiled (dynamo specialises size 1): 0 or 1
         self.region_graphs = 0    # graphs Inductor made (the whole step: one per compiling call)
@@ -228,7 +234,7 @@ class CompiledStep:
         if not self.compiled:
             return self.fn(**inputs)
         self._one_row = next(iter(inputs.values())).shape[0] == 1
-        if not self._one_row and not self._regions:  # a one-row call is left static: its own graph (see above)
+        if self.dynamic and not self._one_row and not self._regions:  # one row: its own graph (see above)
             for t in inputs.values():
                 torch._dynamo.mark_dynamic(t, 0)
         try:
@@ -255,7 +261,7 @@ class CompiledStep:
         kwargs = {k: _standard(a) if isinstance(a, torch.Tensor) else a for k, a in kwargs.items()}
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         rows = tensors[0].shape[0] if tensors and tensors[0].dim() else 1
-        if rows > 1:
+        if rows > 1 and self.dynamic:
             for t in tensors:
                 if t.dim() and t.shape[0] == rows:
                     torch._dynamo.mark_dynamic(t, 0)
@@ -290,13 +296,13 @@ class CompiledStep:
             self.compile_s += time.perf_counter() - t0
             self.cache_hits += counters["inductor"]["fxgraph_cache_hit"] - hits
             self.cache_misses += counters["inductor"]["fxgraph_cache_miss"] - misses
-            if self.graphs > 1 or self.one_row_graphs > 1:
+            if self.dynamic and (self.graphs > 1 or self.one_row_graphs > 1):
                 logger.warning("%s: recompiled (%d graphs, %d for one row); the batch should be the only "
                                "dynamic size", self.name, self.graphs, self.one_row_graphs)
         return out
 
     def stats(self) -> dict:
-        return {"compiled": self.compiled, "scope": self.scope, "graphs": self.graphs,
+        return {"compiled": self.compiled, "scope": self.scope, "dynamic": self.dynamic, "graphs": self.graphs,
                 "one_row_graphs": self.one_row_graphs, "region_graphs": self.region_graphs,
                 "compile_s": round(self.compile_s, 3),
                 "fx_cache_hits": self.cache_hits, "fx_cache_misses": self.cache_misses,

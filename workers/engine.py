@@ -324,7 +324,7 @@ class Engine:
             declined = family_of(model).uncompiled_on.get(device.type)
             regions = compile_regions(model) if speed.compile_scope == "blocks" and not declined else []
             compiled = CompiledStep(step, f"{model.name} at {'x'.join(map(str, shape))}{' ' + variant if variant else ''}",
-                                    regions=regions)
+                                    regions=regions, dynamic=device.type not in family_of(model).static_batch_on)
             if declined:
                 compiled.decline(declined)
         runner = GraphRunner(compiled or step, inputs, outputs,

@@ -47,6 +47,9 @@ Hooks, all called with the loaded model (``workers.loading.LoadedModel``) as the
     uncompiled_on ({})                           device type -> why the family's step runs uncompiled there
                                                  even where its speed compiles (a compiled step not yet shown
                                                  to equal eager on that device); the reason is in the stats
+    static_batch_on ({})                         device type -> why its step compiles per batch size there
+                                                 (``graphs.compiled``: a static compile; its dynamic-batch
+                                                 code differs from eager on that device)
     table_specs(model) ({})                      per-step inputs known at admission (SD3's and FLUX.1's
                                                  modulation tables), per sample; where not empty:
     step_tables(model, plans, specs, conds)      each request's tables at every step of its plan, and
@@ -252,6 +255,7 @@ class Family:
     compile_scope: ClassVar[str] = "step"         # what the `fast` speed compiles: the scope measured best for
                                                   # the family ("step": the whole step; "blocks": its blocks)
     uncompiled_on: ClassVar[dict[str, str]] = {}  # device type -> why its step is not compiled there
+    static_batch_on: ClassVar[dict[str, str]] = {}  # device type -> why it compiles per batch size there
     fp8_attention: ClassVar[bool] = False         # `fastest` runs its attention in FP8 too (cuDNN, Hopper)
     takes_image: ClassVar[bool] = False           # image-to-image: requests with an input image (workers.edits)
     takes_mask: ClassVar[bool] = False            # inpainting: requests with an image and a mask

@@ -161,10 +161,12 @@ def test_full_size_buckets_replay_what_eager_computes():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("dynamic", [False, pytest.param(True, marks=pytest.mark.xfail(
+    strict=True, reason="Inductor's dynamic-batch code for Sana differs from eager on CUDA"))])
 def test_the_tiny_transformer_compiled_alone_computes_what_eager_does(tiny, dynamic):
-    """Where Sana's compiled step parts from eager on CUDA (``Sana.uncompiled_on``): the transformer's forward alone,
-    compiled by Inductor (static, then with a dynamic batch, as the engine compiles), with a masked text batch."""
+    """Where Sana's compiled step parts from eager on CUDA (``Sana.static_batch_on``): the transformer's forward
+    alone, compiled by Inductor for a static batch (what the engine compiles for Sana on CUDA) equals eager; with a
+    dynamic batch it does not (0.39 of the largest value on an H100, torch 2.11)."""
     from workers.families.sana.runtime import head_bias
 
     tr, (c, h, w) = tiny.transformer, tiny.latent_shape

@@ -141,3 +141,20 @@ def test_a_family_can_keep_its_step_uncompiled_on_a_device_type(toy, monkeypatch
     (group,) = fast.stats()["groups"].values()
     assert group["compile"]["compiled"] is False and group["compile"]["region_graphs"] == 0
     assert group["compile"]["fallback_reason"] == "not yet shown equal to eager on this device"
+
+
+def test_a_family_can_compile_its_step_per_batch_size_on_a_device_type(toy, monkeypatch):
+    from workers.speed import SpeedConfig
+
+    monkeypatch.setattr(Toy, "static_batch_on", {"cpu": "its dynamic-batch code is wrong on this device"})
+    model = load_model("toy-4")
+    specs = [ItemSpec(id=str(i), model="toy-4", label=i % CLASSES, seed=i, sampler="ddim", steps=3, guidance=2.0)
+             for i in range(7)]
+    fast = Engine(model, WorkerConfig(backend="eager", max_batch=4), speed=SpeedConfig(compile="inductor"))
+    # four rows, two, then one: a graph for each (a dynamic compile makes one for four and two)
+    got = fast.generate(specs[:4]) + fast.generate(specs[4:6]) + fast.generate(specs[6:])
+    want = Engine(model, WorkerConfig(backend="eager", max_batch=4)).generate(specs)
+    assert all(torch.allclose(g.latents, w.latents, atol=1e-5) for g, w in zip(got, want))
+    (group,) = fast.stats()["groups"].values()
+    c = group["compile"]
+    assert c["compiled"] and c["dynamic"] is False and (c["graphs"], c["one_row_graphs"]) == (2, 1), c
