@@ -27,6 +27,7 @@ from PIL import Image
 from dit_serve.server.service import Service
 
 from .conftest import service_config
+from .test_web_page import _find, _js, _js_errors, _wait, browser  # noqa: F401 (browser: the page's fixture)
 
 NAME = "qwen-edit-tiny"
 PLUS = "qwen-edit-plus-tiny"
@@ -315,3 +316,27 @@ def test_the_local_generate_command_refuses_more_images_than_the_card_takes(mode
     spec, refs, size = _edit(read_card(plus_dir), GenerateArgs(model=str(plus_dir), prompts=("x",), image=paths[0],
                                                                extra_images=(paths[1],)))
     assert spec["extra_images"] == (paths[1].read_bytes(),) and len(refs["extra_images"]) == 1 and size == (21, 20)
+
+
+def test_the_web_page_sends_every_picked_image_to_a_plus_model(svc, http, browser, tmp_path):
+    """On a model that takes several images the page's file input takes several: the first is the one shown (and
+    masked, where the model inpaints), all of them go to the job as its reference images, in the order picked."""
+    drv = browser
+    paths = []
+    for i, color in enumerate(((200, 40, 40), (40, 200, 40))):
+        paths.append(tmp_path / f"ref{i}.png")
+        paths[-1].write_bytes(png((40 + 8 * i, 28), color))
+    drv.get(f"{svc.url}/")
+    _wait(drv, lambda d: _js(d, "return document.querySelectorAll('#f-model option').length") > 0, what="models")
+    _js(drv, "const s = document.querySelector('#f-model'); s.value = arguments[0];"
+             "s.dispatchEvent(new Event('change'))", PLUS)
+    _wait(drv, lambda d: _js(d, "return document.querySelector('#f-image').multiple"), what="a multiple file input")
+    assert "up to 3" in _js(drv, "return document.querySelector('#image-note').textContent")
+    _find(drv, "#f-image").send_keys("\n".join(str(p) for p in paths))
+    _wait(drv, lambda d: not _js(d, "return document.querySelector('#mask-editor').hidden"), what="the preview")
+    _js(drv, "document.querySelector('#f-prompts').value = 'picture 1 beside picture 2'")
+    _find(drv, "#submit").click()
+    _wait(drv, lambda d: "#/jobs/" in d.current_url, what="the job page")
+    job = http.get(f"/v1/jobs/{drv.current_url.split('#/jobs/', 1)[1]}").json()
+    assert job["params"]["image"]["width"] == 40 and [e["width"] for e in job["params"]["extra_images"]] == [48]
+    assert _js_errors(drv) == []

@@ -75,14 +75,21 @@ function applyModel() {
   chosenLabels.length = 0;
   renderLabels();
   $("edit-field").hidden = !m.takes_image;
+  const several = (m.max_images ?? 1) > 1;
   $("image-note").textContent = m.edit === "reference"
-    ? `(${m.needs_image ? "required" : "optional"}: the image the prompt's instruction edits)`
+    ? `(${m.needs_image ? "required" : "optional"}: the image the prompt's instruction edits` +
+      (several ? `; up to ${m.max_images}, the prompt names them picture 1, 2, ...)` : ")")
     : m.takes_mask ? "(optional: vary it, or paint over it where to repaint)" : "(optional: vary it)";
+  if ($("f-image").multiple !== several) {
+    $("f-image").multiple = several;
+    clearImage();
+  }
   showMaskEditor();
 }
 
 // -- an edit's input image, and the mask painted over it on a canvas of the image's own size -----------
-const edit = { dataUrl: null, blob: null, painted: false }; // the chosen file (a data URL, a blob URL); any strokes
+// the chosen file (a data URL, a blob URL), any strokes, and the further reference images' data URLs
+const edit = { dataUrl: null, blob: null, painted: false, more: [] };
 
 function showMaskEditor() {
   const m = card();
@@ -94,9 +101,14 @@ function showMaskEditor() {
 
 // the file is shown from a blob: URL (the page's Content-Security-Policy allows those) and sent as a data URL
 function chooseImage() {
-  const file = $("f-image").files[0];
+  const [file, ...more] = $("f-image").files;
   clearImage(false);
   if (!file) return;
+  more.forEach((f, i) => {  // images 2, 3, ... in the order picked: sent after the first
+    const r = new FileReader();
+    r.onload = () => { edit.more[i] = r.result; };
+    r.readAsDataURL(f);
+  });
   const reader = new FileReader();
   reader.onload = () => {
     const img = $("f-image-preview");
@@ -119,6 +131,7 @@ function chooseImage() {
 
 function clearImage(resetInput = true) {
   edit.dataUrl = null;
+  edit.more = [];
   edit.painted = false;
   if (edit.blob) URL.revokeObjectURL(edit.blob);
   edit.blob = null;
@@ -202,7 +215,7 @@ function jobRequest() {
                  seed: number("f-seed"), priority: number("f-priority"),
                  preview_every: number("f-preview") || undefined };
   if (m.takes_image && edit.dataUrl) {
-    body.image = edit.dataUrl;
+    body.image = edit.more.length ? [edit.dataUrl, ...edit.more] : edit.dataUrl;
     if (m.takes_mask && edit.painted) body.mask = maskDataUrl();
     body.strength = number("f-strength");
   }
