@@ -10,9 +10,16 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # transformers, which from version 5 swaps layers for kernels fetched from a model hub unless this says no:
 # the references compute with PyTorch's layers, and nothing is fetched.
 os.environ.setdefault("USE_HUB_KERNELS", "0")
+# One intra-op thread: every model the CPU tests run is tiny (8x8 digits, a few blocks of width 128), where a
+# second OpenMP thread mostly waits at barriers, and on a loaded machine (two cores, other processes) those waits
+# made runs ten to thirty times slower (the digits-text oracle in FP8: 63 s with two threads, 2.3 s with one).
+# Set in the environment too, so the tests' subprocesses (the CLI, the service, benchmark scripts) start with it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+torch.set_num_threads(1)  # already 1 where torch read OMP_NUM_THREADS above; not where it was imported earlier
 
 
 def pytest_collection_modifyitems(config, items):

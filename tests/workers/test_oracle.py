@@ -135,15 +135,8 @@ def _half_mask(left: bool) -> bytes:
 
 @pytest.fixture(scope="module")
 def digits_text():
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: a second thread mostly waits (test_digits_text.py says why)
     model = load_model("digits-text")
-    try:
-        yield model, Engine(model, WorkerConfig(backend="eager", max_batch=64))
-    finally:
-        torch.set_num_threads(threads)
+    return model, Engine(model, WorkerConfig(backend="eager", max_batch=64))
 
 
 def _image_to_image(digits_text, strength: float, count: int = 100):
