@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def svc(digits_model, tmp_path_factory):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a stray cluster
     try:
         cfg = service_config(tmp_path_factory.mktemp("svc"), digits_model,
                              webhooks={"secret": "example-webhook-secret",  # examples/webhooks.py checks it
