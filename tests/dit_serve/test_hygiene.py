@@ -73,6 +73,7 @@ def _without_ray_auth_mode() -> dict:
     return {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
 
 
+@pytest.mark.slow
 def test_sigkill_of_serve_leaves_no_process_behind(digits_model, tmp_path):
     log = tmp_path / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "dit_serve.cli", "serve", "--port", "0",
@@ -144,6 +145,7 @@ def test_leftovers_of_a_running_dit_serve_are_not_touched(tmp_path):
         proc.wait()
 
 
+@pytest.mark.slow
 def test_the_local_ray_keeps_no_idle_worker_processes(digits_model, tmp_path):
     """The service's local Ray runs its worker actors and nothing else: no pool of prestarted idle
     Python workers (Ray starts up to one per core by default). An answer the size of a worker's poll with

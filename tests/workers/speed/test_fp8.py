@@ -99,6 +99,7 @@ def test_float32_results_take_the_bias_after_the_product_and_others_in_its_epilo
     assert seen == [(torch.float32, False)] * 2 + [(torch.bfloat16, True)]
 
 
+@pytest.mark.slow
 def test_a_compiled_fp8_step_compiles_once_and_computes_what_the_uncompiled_one_does():
     """Inductor traces the FP8 products (``_scaled_mm.out`` has no fake kernel: the compiled path takes the
     functional op), so ``kernels = "fused"`` with ``precision = "fp8"`` really compiles instead of falling
