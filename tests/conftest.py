@@ -22,7 +22,22 @@ import torch  # noqa: E402
 torch.set_num_threads(1)  # already 1 where torch read OMP_NUM_THREADS above; not where it was imported earlier
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without it installed, never called
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (``make test``): a worker process per core, at most 4 (each runs one torch thread; the
+    service tests' Ray clusters and subprocesses need the rest); one where CUDA is present, since the GPU
+    tests share its one card."""
+    if torch.cuda.is_available():
+        return 1
+    return min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 4)
+
+
 def pytest_collection_modifyitems(config, items):
+    # Files with a slow test first, each file's tests in their own order: `make test` hands whole files to its
+    # workers in this order (--dist loadfile --no-loadscope-reorder), and a file with one long test started last
+    # kept one worker busy for a minute after the other had finished.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
