@@ -18,5 +18,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dit-serve demo --out out/demo
 
+# a process per core (tests/conftest.py says how many), each test file's tests in one of them (they share its
+# module-scoped service or engine), files handed out in the order tests/conftest.py gives them
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder

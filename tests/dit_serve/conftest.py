@@ -42,20 +42,42 @@ def oracle(images, labels) -> float:
     return oracle_accuracy(x, np.asarray(labels))
 
 
-@pytest.fixture
-def postgres_url() -> str:
-    """A PostgreSQL database emptied for the test (.ci/run starts one and sets the variable)."""
+@pytest.fixture(scope="session")
+def postgres_schema() -> str:
+    """The URL of a schema of this test process's own in the PostgreSQL database that .ci/run starts (it sets
+    DIT_SERVE_TEST_POSTGRES_URL): its connections put the schema first on their search path, so test processes
+    sharing the server (pytest-xdist's workers, another checkout's run) never drop or read each other's tables.
+    Dropped with everything in it at the end of the session."""
     url = os.environ.get("DIT_SERVE_TEST_POSTGRES_URL", "")
     if not url:
         pytest.skip("no PostgreSQL server: set DIT_SERVE_TEST_POSTGRES_URL (.ci/run starts one)")
+    from sqlalchemy import create_engine, text
+
+    from dit_serve.server.store import _driver_url
+
+    schema = f"dit_serve_test_{os.getpid()}"
+    engine = create_engine(_driver_url(url))
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {schema}"))
+    try:
+        yield f"{url}{'&' if '?' in url else '?'}options=-csearch_path%3D{schema}"
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+        engine.dispose()
+
+
+@pytest.fixture
+def postgres_url(postgres_schema) -> str:
+    """This process's PostgreSQL schema (``postgres_schema``), emptied for the test."""
     from sqlalchemy import create_engine
 
     from dit_serve.server.store import _driver_url, meta
 
-    engine = create_engine(_driver_url(url))
+    engine = create_engine(_driver_url(postgres_schema))
     meta.drop_all(engine)
     engine.dispose()
-    return url
+    return postgres_schema
 
 
 @contextmanager
@@ -65,7 +87,7 @@ def running_service(data_dir: Path, model: str):
 
     from dit_serve.server.service import Service
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a stray cluster
     try:
         with Service(service_config(data_dir, model)) as service:
             assert service.wait_ready(120), "the worker did not start"

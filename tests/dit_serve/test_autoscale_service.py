@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a stray cluster
     try:
         yield
     finally:
@@ -67,7 +67,7 @@ def test_scale_from_zero_to_zero_and_back(local_ray, digits_model, tmp_path):
                      'dit_serve_autoscale_desired_workers{model="digits"} 0.0',
                      'dit_serve_autoscale_backlog_gpu_seconds{model="digits"} 0.0',
                      'dit_serve_workers_serving{model="digits"} 0.0'):  # gauges: set at each reconcile
-            _wait_for(lambda: line in httpx.get(f"{svc.url}/metrics").text, 10, line)
+            _wait_for(lambda: line in httpx.get(f"{svc.url}/metrics").text, 60, line)
 
 
 def test_a_worker_switches_model_once_for_a_backlog_of_the_other_model(local_ray, digits_model, tmp_path):
@@ -97,6 +97,6 @@ def test_a_worker_switches_model_once_for_a_backlog_of_the_other_model(local_ray
         assert svc.metrics.worker_crashes._value.get() == 0 and "digits-text" in svc.scheduler.switch_s
         for line in ('dit_serve_model_switches_total{model="digits-text"} 1.0', "dit_serve_model_switch_seconds_count 1.0",
                      'dit_serve_workers_serving{model="digits"} 1.0', 'dit_serve_workers_serving{model="digits-text"} 1.0'):
-            _wait_for(lambda: line in httpx.get(f"{svc.url}/metrics").text, 10, line)  # gauges: at each reconcile
+            _wait_for(lambda: line in httpx.get(f"{svc.url}/metrics").text, 60, line)  # gauges: at each reconcile
         _wait_for(lambda: sorted(tuple(w["models"]) for w in httpx.get(f"{svc.url}/v1/workers").json()["data"])
                   == [("digits",), ("digits-text",)], 15, "the workers listed with their models")

@@ -31,5 +31,5 @@ def test_limit_arenas_and_the_trim_loop_stop():
     t = threading.Thread(target=heap.trim_every, args=(0.01, stop))
     t.start()
     stop.set()
-    t.join(2)
+    t.join(30)
     assert not t.is_alive()

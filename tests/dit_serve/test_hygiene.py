@@ -73,6 +73,7 @@ def _without_ray_auth_mode() -> dict:
     return {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
 
 
+@pytest.mark.slow
 def test_sigkill_of_serve_leaves_no_process_behind(digits_model, tmp_path):
     log = tmp_path / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "dit_serve.cli", "serve", "--port", "0",
@@ -89,11 +90,11 @@ def test_sigkill_of_serve_leaves_no_process_behind(digits_model, tmp_path):
         # the snapshot holds Ray's processes (an actor's title names the method it runs: ray::Worker.poll)
         assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::Worker") for n in names), names
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        deadline = time.monotonic() + 10
+        proc.wait(30)
+        deadline = time.monotonic() + 30  # the watchdog acts at once; a loaded machine may be slow to run it
         while _alive(started) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(started), f"still running 10 s after the SIGKILL: {_alive(started)}"
+        assert not _alive(started), f"still running 30 s after the SIGKILL: {_alive(started)}"
         assert "stopped its" in log.read_text()  # the watchdog says what it did
         assert not (tmp_path / "data" / reaper.PID_FILE).exists()
     finally:
@@ -124,7 +125,7 @@ def test_leftovers_of_a_dead_dit_serve_are_stopped_when_their_start_time_matches
         path = _pid_file(tmp_path, (owner.pid, owner_start), [(left.pid, left_start), (other.pid, other_start + 1)])
         with caplog.at_level(logging.WARNING, logger="dit_serve.server.reaper"):
             assert reaper.clean_leftovers(path) == 1
-        assert left.wait(5) == -signal.SIGTERM
+        assert left.wait(30) == -signal.SIGTERM
         assert other.poll() is None
         assert not path.exists()
         assert "cleaned up 1 processes left by a previous dit-serve that did not stop cleanly" in caplog.text
@@ -144,6 +145,7 @@ def test_leftovers_of_a_running_dit_serve_are_not_touched(tmp_path):
         proc.wait()
 
 
+@pytest.mark.slow
 def test_the_local_ray_keeps_no_idle_worker_processes(digits_model, tmp_path):
     """The service's local Ray runs its worker actors and nothing else: no pool of prestarted idle
     Python workers (Ray starts up to one per core by default). An answer the size of a worker's poll with

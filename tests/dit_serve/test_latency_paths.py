@@ -85,14 +85,14 @@ def test_a_finished_image_is_committed_without_a_lease_first_when_nothing_new_is
 
 @pytest.mark.slow
 def test_a_submission_is_leased_and_committed_without_waiting_for_ticks(tmp_path, digits_model):
-    """Ticks of 5 s and heartbeats of 20 s: without the new-work signal the job would wait for a tick
-    (or an idle worker's 10 s long poll) before it is leased, and without long polls its image would
+    """Ticks of 30 s and heartbeats of 60 s: without the new-work signal the job would wait for a tick
+    (or an idle worker's 30 s long poll) before it is leased, and without long polls its image would
     wait as long to be committed. With both, a 5-step digit comes back in well under one tick. Then
     back-to-back single images: a worker is polled at most once a tick, but right after an answer that
     ended items it is polled again at once, so the next image is committed as soon as it ends, not when
-    the tick since the last poll is over."""
-    cfg = service_config(tmp_path, digits_model, scheduler={"tick_seconds": 5.0, "heartbeat_seconds": 20.0},
-                         store={"lease_seconds": 60.0})
+    the tick since the last poll is over. (Ticks this long leave a loaded machine seconds to spare.)"""
+    cfg = service_config(tmp_path, digits_model, scheduler={"tick_seconds": 30.0, "heartbeat_seconds": 60.0},
+                         store={"lease_seconds": 120.0})
     with Service(cfg) as svc, Client(svc.url) as client:
         assert svc.wait_ready(120)
         time.sleep(1.0)  # the worker's first long poll is out
@@ -105,11 +105,11 @@ def test_a_submission_is_leased_and_committed_without_waiting_for_ticks(tmp_path
             assert client.wait(client.submit([label], steps=2), progress=False, timeout=60).state == "done"
             after.append(time.monotonic() - t0)
     assert job.state == "done"
-    assert took < 3.0, f"one image took {took:.1f} s: leasing or committing waited for a tick"
-    assert max(after) < 3.0, f"back-to-back images took {[round(t, 2) for t in after]} s: one waited for a tick"
+    assert took < 10.0, f"one image took {took:.1f} s: leasing or committing waited for a tick"
+    assert max(after) < 10.0, f"back-to-back images took {[round(t, 2) for t in after]} s: one waited for a tick"
 
 
-def test_an_event_stream_reads_in_short_bursts_then_at_the_paced_rate():
+def test_an_event_stream_reads_in_short_bursts_then_at_the_paced_rate(monkeypatch):
     """``read_burst`` reads go at once (a lease's read, then the ending right after it); beyond them one
     read per ``min_read_gap_s``: a job whose items end every few milliseconds costs a bounded read rate."""
     from dit_serve.server.events import JobEvents, StreamLimits
@@ -117,17 +117,24 @@ def test_an_event_stream_reads_in_short_bursts_then_at_the_paced_rate():
     ev = JobEvents.__new__(JobEvents)
     ev.limits = StreamLimits(min_read_gap_s=0.05, read_burst=3)
     ev.credit, ev.credit_at = 3.0, time.monotonic()
+    waits, real_sleep = [], asyncio.sleep
 
-    async def reads(n: int) -> list[float]:
+    async def sleep(seconds):
+        waits.append(seconds)
+        await real_sleep(seconds)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+
+    async def reads(n: int) -> list[tuple[float, int]]:
         t0, out = time.monotonic(), []
         for _ in range(n):
             await ev._pace()
-            out.append(time.monotonic() - t0)
+            out.append((time.monotonic() - t0, len(waits)))
         return out
 
     at = asyncio.run(reads(8))
-    assert at[2] < 0.03, "the first reads of a burst waited"
-    assert at[7] >= 0.2, f"8 reads with a burst of 3 need about 5 gaps of 50 ms, took {at[7]:.3f} s"
+    assert at[2][1] == 0, "the first reads of a burst waited"  # counted, not timed: a loaded machine is slow anyway
+    assert at[7][0] >= 0.2, f"8 reads with a burst of 3 need about 5 gaps of 50 ms, took {at[7][0]:.3f} s"
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ checks.positive_data_acceptance.expected-statuses = ["2XX", "400", "401", "403",
 """
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_nothing_the_schema_does_not_say(digits_model, tmp_path):
     exe = Path(sys.executable).with_name("schemathesis")
     if not exe.exists():

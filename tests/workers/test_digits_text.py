@@ -37,18 +37,6 @@ def pipe():
     return pipe
 
 
-@pytest.fixture
-def one_thread():
-    """One CPU thread: on models this small a second thread mostly waits at OpenMP barriers, and on a
-    2-core machine shared with other tests that wait made sampling five times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return recipe.train_tokenizer(seed=0)
@@ -129,7 +117,7 @@ def test_held_out_phrasings_are_never_trained_on():
         assert not grammar & {p.lower() for p in held_out}
 
 
-def test_training_is_deterministic_given_the_seed(tokenizer, one_thread):
+def test_training_is_deterministic_given_the_seed(tokenizer):
     """Both stages, a few steps each on small prompt pools, twice: the same weights."""
     runs = []
     for _ in range(2):
@@ -139,14 +127,14 @@ def test_training_is_deterministic_given_the_seed(tokenizer, one_thread):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-def test_training_style_prompts_make_their_digits(pipe, one_thread):
+def test_training_style_prompts_make_their_digits(pipe):
     """500 images read 100% at these settings (the card's table); 100 here, asserted at the 90% target."""
     prompts, labels = recipe.oracle_prompts(10, held_out=False, seed=1)
     acc = oracle_accuracy(images_for(pipe, prompts, seed=1), labels)
     assert acc >= 0.90, f"oracle accuracy {acc:.3f} on training-style prompts"
 
 
-def test_held_out_phrasings_make_their_digits(pipe, one_thread):
+def test_held_out_phrasings_make_their_digits(pipe):
     """Templates the grammar cannot produce ("an image of the digit seven", "I want the number 7"): 99.2% of
     400 images at these settings (the card's table); 100 here, asserted at the 80% target."""
     prompts, labels = recipe.oracle_prompts(10, held_out=True, seed=2)

@@ -7,7 +7,7 @@ from workers.models.digits import classify, load_split, oracle_accuracy, sample_
 from workers.engine import Engine
 from workers.loading import load_model
 
-# (sampler, steps): each sampler at a step count it is meant for (ddim 50 has its own 500-image test)
+# (sampler, steps): each sampler at a step count it is meant for (ddim 50 has its own 200-image test)
 SAMPLERS = [("ddpm", 100), ("ddim", 10), ("euler", 50), ("euler_a", 50), ("dpmpp_2m", 20)]
 
 
@@ -30,9 +30,11 @@ def test_classifier_rejects_noise():
 
 
 @pytest.mark.slow
-def test_ddim_50_steps_500_digits(digits):
+def test_ddim_50_steps_200_digits(digits):
+    """20 of each digit: all 200 read as asked (as do 500, which this test made until it was the suite's
+    costliest); a model reading 85% of them would pass 0.90 here about once in 40 runs."""
     model, engine = digits
-    images, labels = sample_digits(engine, 50, "ddim", 50, model.defaults["guidance"])
+    images, labels = sample_digits(engine, 20, "ddim", 50, model.defaults["guidance"])
     acc = oracle_accuracy(images, labels)
     assert acc >= 0.90, f"oracle accuracy {acc:.3f}"
 
@@ -64,15 +66,15 @@ def test_labels_are_not_ignored(digits):
 
 @pytest.mark.slow
 def test_mixed_staggered_batch_keeps_labels_apart(digits):
-    """500 requests with different samplers, step counts and guidance, joining as others finish:
-    every image must still be the digit its own request asked for."""
+    """200 requests with different samplers, step counts and guidance, 128 at a time, joining as others
+    finish: every image must still be the digit its own request asked for (all 200 are; 500 were too)."""
     import numpy as np
 
     from workers.request.spec import ItemSpec
 
     model, engine = digits
     mix = [("ddim", 25, 2.0), ("dpmpp_2m", 12, 2.5), ("euler", 20, 2.0), ("ddim", 15, 3.0)]
-    labels = np.random.default_rng(0).integers(0, 10, 500)
+    labels = np.random.default_rng(0).integers(0, 10, 200)
     reqs = [ItemSpec(id=str(i), label=int(lb), seed=5000 + i, sampler=mix[i % 4][0], steps=mix[i % 4][1],
                          guidance=mix[i % 4][2]) for i, lb in enumerate(labels)]
     results = engine.generate(reqs, max_active=128)  # staggered: new requests join at step boundaries
@@ -135,15 +137,8 @@ def _half_mask(left: bool) -> bytes:
 
 @pytest.fixture(scope="module")
 def digits_text():
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: a second thread mostly waits (test_digits_text.py says why)
     model = load_model("digits-text")
-    try:
-        yield model, Engine(model, WorkerConfig(backend="eager", max_batch=64))
-    finally:
-        torch.set_num_threads(threads)
+    return model, Engine(model, WorkerConfig(backend="eager", max_batch=64))
 
 
 def _image_to_image(digits_text, strength: float, count: int = 100):

@@ -267,6 +267,7 @@ def test_encoder_graphs_give_the_encoders_embeddings_at_every_length_and_batch(m
     assert padded_length(290, 300) == 300 and padded_length(20, 16) == 16
 
 
+@pytest.mark.slow
 def test_a_compiled_decode_compiles_once_and_makes_the_plain_decodes_images(model, monkeypatch):
     """A compiled model's captured decode is compiled too (the engine's wiring), and ``decode_runner(...,
     compiled=True)`` compiles once for every decode batch of 2-4 (as a 512 px decode runs them) plus its

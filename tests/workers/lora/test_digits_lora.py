@@ -28,17 +28,6 @@ MIN_MEAN_GAIN = 0.06      # measured 0.122
 MIN_ORACLE_THICK = 0.85   # measured 1.0 here, 0.985 on 200 prompts
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One CPU thread: on a model this small a second thread mostly waits at OpenMP barriers."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def batch(loras: bool) -> tuple[list[ItemSpec], np.ndarray]:
     """Each prompt twice (rows 0..n-1 name ``thick`` when ``loras``, rows n..2n-1 never), same seeds; labels."""
     prompts, labels = base.oracle_prompts(PER_DIGIT, held_out=False, seed=0)
