@@ -24,9 +24,9 @@ torch.set_num_threads(1)  # already 1 where torch read OMP_NUM_THREADS above; no
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without it installed, never called
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto`` (``make test``): a worker process per core, at most 4 (each runs one torch thread; the
-    service tests' Ray clusters and subprocesses need the rest); one where CUDA is present, since the GPU
-    tests share its one card."""
+    """``-n auto`` (``make test``): a worker process per core (each runs one torch thread), at most 4, since
+    each also starts Ray clusters and subprocesses of its own; one where CUDA is present, since the GPU tests
+    share its one card."""
     if torch.cuda.is_available():
         return 1
     return min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 4)
