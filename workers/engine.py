@@ -41,8 +41,9 @@ returns its slice of the one product, and its wrapper adds to it), and those a s
 adds their per-row terms to (q, k and v fused into one product, FP8 or not; DiT's hoisted modulation;
 ``workers.speed.terms``). A fast path that multiplies a linear's weights itself (the GELU epilogue, FP8 products
 of codes made elsewhere) calls the linear instead where it is wrapped. What no step reaches is left out of the
-bank, so an adapter targeting it is refused at registration (naming it) rather than applied in part: under the
-graph backends SD3's and FLUX.1's ``time_text_embed``, computed once per request for its modulation table. Its
+bank, so an adapter targeting it is refused at registration (naming it) rather than applied in part. What
+admission computes with the model counts as reached: SD3's and FLUX.1's ``time_text_embed``, computed once per
+request for its modulation table under the graph backends, runs with the request's adapters (``step_tables``). Its
 linears are wrapped (``apply_lora``), and every group's step is
 ``with_lora(step)`` with two more per-row inputs (``lora_specs``: the rows' slots and scales), made at admission from
 the request's ``ItemSpec.loras`` (``LoraBank.row``). A request whose adapters are registered but not resident waits in
@@ -71,7 +72,7 @@ from workers.edits import EDIT_INPUTS, Start, check_edit, edit_specs, family_var
 from workers.encoders import EncoderGraphs, padded_length
 from workers.families import compile_regions, family_of, preview_map_of
 from workers.kernels.attention import CHOOSER
-from workers.lora import apply_lora, lora_specs, reached, with_lora
+from workers.lora import apply_lora, lora_rows, lora_specs, reached, with_lora
 from workers.lora.serving import Loras
 from workers.loading import LoadedModel
 from workers.previews import to_rgb
@@ -182,11 +183,19 @@ def table_specs(model: LoadedModel) -> dict[str, TensorSpec]:
 
 
 def step_tables(model: LoadedModel, plans: list[Plan], reqs: list[ItemSpec],
-                conds: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """Each request's ``table_specs`` inputs at every step of its plan ((S, ...) each, on the model's device)."""
+                conds: list[dict[str, torch.Tensor]], bank=None) -> list[dict[str, torch.Tensor]]:
+    """Each request's ``table_specs`` inputs at every step of its plan ((S, ...) each, on the model's device).
+    With the model's adapter ``bank`` and the requests' ``lora_slots`` / ``lora_scales`` in ``conds``, every step's
+    row is computed with its request's adapters (``lora_rows``): an adapter on a linear the table's computation
+    calls (SD3's and FLUX.1's ``time_text_embed``) reaches the table, as it would the step's embedding."""
     if not table_specs(model):
         return [{} for _ in reqs]
-    return family_of(model).step_tables(model, plans, reqs, conds)
+    family = family_of(model)
+    if bank is None or not conds or "lora_slots" not in conds[0]:
+        return family.step_tables(model, plans, reqs, conds)
+    rows = lambda key: torch.cat([c[key][None].expand(p.num_steps, -1) for c, p in zip(conds, plans)])
+    with lora_rows(bank, rows("lora_slots").to(model.device), rows("lora_scales").to(model.device)):
+        return family.step_tables(model, plans, reqs, conds)
 
 
 def table_inputs(model: LoadedModel, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -284,8 +293,8 @@ class Engine:
         shape = tuple(m.latent_shape)
         step = family_of(m).make_step(m, shape)
         example = self.warmup_example(m, shape) or _zeros(step_specs(m, shape)[0], m.device)
-        with torch.no_grad():
-            targets = reached(m.transformer, lambda: step(**example))
+        with torch.no_grad():  # the step, and what admission computes with the model (its modulation tables)
+            targets = reached(m.transformer, lambda: (step(**example), self.warmup_example(m, shape)))
         bank = self.lora.add_model(m.name, m.transformer, targets)
         apply_lora(m.transformer, bank)
         log.info("%s: adapter bank of %d slots, rank %d, over %d of its linears (%.1f MB)", m.name, bank.slots,
@@ -491,7 +500,8 @@ class Engine:
             conds = family.encode(group.model, group_reqs)
             if self.lora is not None and group.model.name in self.lora.banks:  # the rows' slots and scales
                 conds = [{**c, **self.lora.row(r.loras, group.model.name)} for r, c in zip(group_reqs, conds)]
-            tables = step_tables(group.model, [b.plan for b in begun[key]], group_reqs, conds)
+            bank = self.lora.banks.get(group.model.name) if self.lora is not None else None
+            tables = step_tables(group.model, [b.plan for b in begun[key]], group_reqs, conds, bank)
             admitted += [(group, r, b, c, tb) for r, b, c, tb in zip(group_reqs, begun[key], conds, tables)]
         for group, req, start, cond, tables in admitted:
             group.active.append(self._admit(group, req, start, cond, tables))

@@ -58,16 +58,19 @@ imports nothing of this package:
   wrapped (``workers.speed.epilogues.plain``, ``workers.speed.fp8.plain_fp8``): those fast paths give way, for
   that model, while its adapters are served.
 
-What no forward step reaches stays out of the bank (``workers.lora.reached``, which the engine's bank is made
-over), so an adapter targeting it is refused at registration: SD3's and FLUX.1's ``time_text_embed`` linears
-under the graph backends, whose embedding is computed once per request at admission for its modulation table,
-outside the step where the rows' adapters are set. ``unreached`` finds any wrapped linear a forward neither calls
-nor asks for its term: an adapter on it would be silently skipped.
+Under the graph backends SD3's and FLUX.1's ``time_text_embed`` runs outside the step: once per request at
+admission, for its modulation table. There the request's slots and scales are set for the table's rows
+(``lora_rows``), so its linears' adapters reach the embedding the table holds (``workers.engine.step_tables``).
+
+What neither a step nor admission reaches stays out of the bank (``workers.lora.reached``, which the engine's bank
+is made over), so an adapter targeting it is refused at registration. ``unreached`` finds any wrapped linear a
+forward neither calls nor asks for its term: an adapter on it would be silently skipped.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -159,6 +162,18 @@ def apply_lora(model, bank) -> list[str]:
         parent._modules[child] = LoraLinear(module, bank, name)
         done.append(name)
     return done
+
+
+@contextmanager
+def lora_rows(bank, lora_slots: torch.Tensor, lora_scales: torch.Tensor) -> Iterator[None]:
+    """The bank's wrapped linears read ``lora_slots`` (M, P) and ``lora_scales`` (M, P) as their rows' adapters
+    for the length of the block: what ``with_lora`` does for a step, for a computation outside one (a request's
+    modulation table at admission, ``workers.engine.step_tables``). Slots outside the bank read as slot 0."""
+    bank.row_slots, bank.row_scales = lora_slots.clamp(0, bank.slots), lora_scales
+    try:
+        yield
+    finally:
+        bank.row_slots = bank.row_scales = None
 
 
 def with_lora(step: Callable[..., dict], bank) -> Callable[..., dict]:

@@ -68,8 +68,7 @@ def check_shapes(adapter: Adapter, shapes: dict[str, tuple[int, int]], max_rank:
     for module, w in adapter.weights.items():
         if module not in shapes:
             raise LoraError(f"the adapter targets {module!r}, a linear this model's adapter bank does not hold: its "
-                            "served step does not reach it (e.g. SD3's and FLUX.1's time_text_embed under the graph "
-                            "backends, computed once per request for its modulation table)")
+                            "served step does not reach it (a fast path multiplies its weights itself)")
         fan_in, fan_out = shapes[module]
         if tuple(w.a.shape[1:]) != (fan_in,) or tuple(w.b.shape[:1]) != (fan_out,):
             raise LoraError(f"the adapter's {module!r} maps {w.a.shape[1]} -> {w.b.shape[0]} features (lora_A "

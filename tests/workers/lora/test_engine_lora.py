@@ -6,8 +6,8 @@ rows with A, B, A + B and none gives each row what it gives alone; a row without
 engine without LoRA. Under ``backend="graphs"`` (on a CPU the runner's eager path, with the graph backends' speed
 rewrites applied as the ``default`` and, in FP8, the ``fastest`` presets apply them, compile aside) adapters reach
 the linears those rewrites compute themselves: the norms' hoisted modulation linears (read from each request's
-modulation table) and FLUX.1's fused FP8 q, k and v; only the step's embedding, computed once per request for
-its table, is left out of the bank, and an adapter on it is refused at registration, naming it.
+modulation table), FLUX.1's fused FP8 q, k and v, and the step's embedding (``time_text_embed``), computed once per
+request for its table with the request's adapters.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ def model_dir(request, tmp_path_factory):
     return _make(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def adapter_file(transformer, seed: int, every: int = 3, skip=("norm",), rank: int = 3) -> bytes:
-    """A PEFT adapter (safetensors bytes) on every ``every``-th linear of ``transformer`` not under ``skip``, rank
-    ``rank``, alpha 2 r; its {module: (a, b, alpha / r)} too."""
+def adapter_file(transformer, seed: int, every: int = 3, skip=("norm",), rank: int = 3, only: str = "") -> bytes:
+    """A PEFT adapter (safetensors bytes) on every ``every``-th linear of ``transformer`` under ``only`` and not
+    under ``skip``, rank ``rank``, alpha 2 r; its {module: (a, b, alpha / r)} too."""
     g = torch.Generator().manual_seed(seed)
     state, weights = {}, {}
-    names = [n for n in linear_shapes(transformer) if not any(s in n for s in skip)][::every]
+    names = [n for n in linear_shapes(transformer) if n.startswith(only) and not any(s in n for s in skip)][::every]
     for name in names:
         fin, fout = linear_shapes(transformer)[name]
         a, b = torch.randn(rank, fin, generator=g) * 0.5 / fin ** 0.5, torch.randn(fout, rank, generator=g) * 0.5
@@ -185,10 +185,12 @@ def test_without_slots_nothing_changes(model_dir):
 
 @pytest.mark.parametrize("precision", ["", "fp8"])
 def test_graph_backends_serve_adapters_on_the_hoisted_and_fused_linears(model_dir, precision):
-    """An adapter on every linear the bank holds, the norms' modulation linears and q, k, v among them, is accepted
-    and a row with it gets what the eager engine (no graph rewrites) gives it with the same adapter: to float32's
-    rounding; in FP8, the adapter's effect within 5% (the fused parts' terms read the rows the norm's FP8 codes
-    stand for: ``tests/workers/lora/test_reach.py``)."""
+    """An adapter on every linear of the transformer, the norms' modulation linears, q, k, v and the step's
+    embedding (computed at admission for the request's modulation table) among them, is accepted, and a row with
+    it gets what the eager engine (no graph rewrites, the embedding in the step) gives it with the same adapter: to
+    float32's rounding; in FP8, the adapter's effect within 5% (the fused parts' terms read the rows the norm's FP8
+    codes stand for: ``tests/workers/lora/test_reach.py``). A second row with another adapter, and one without,
+    beside it in the same admission get theirs."""
     from workers.families.flux import fast
     from workers.speed import SpeedConfig, modulation
 
@@ -196,20 +198,24 @@ def test_graph_backends_serve_adapters_on_the_hoisted_and_fused_linears(model_di
     engine = Engine(load_model(model_dir), WorkerConfig(**{**LORA, "backend": "graphs"}), speed=speed)
     model = engine.models[next(iter(engine.models))]
     tr, bank = model.transformer, engine.lora.banks[model.name]
-    left = [n for n in linear_shapes(tr) if n not in bank.targets]
-    assert left and all(n.startswith("time_text_embed.") for n in left), left
+    assert set(bank.targets) == set(linear_shapes(tr))
     assert modulation.hoisted(tr) > 0 and any(t.endswith("norm1.linear") for t in bank.targets)
     if precision and model.card.family == "flux":
         assert fast.fused_blocks(tr) > 0
-    with pytest.raises(ValueError, match="time_text_embed.*adapter bank does not hold"):
-        engine.add_lora("all", adapter_file(tr, 4, every=1, skip=())[0])
-    data, weights = adapter_file(tr, 4, every=1, skip=("time_text_embed",))
+    data, weights = adapter_file(tr, 4, every=1, skip=())
     assert any(n.endswith("norm1.linear") for n in weights) and any(n.endswith("attn.to_q") for n in weights)
+    embed, on = adapter_file(tr, 5, every=1, skip=(), only="time_text_embed.")
+    assert len(on) >= 4  # the timestep's and the pooled prompt's linears (and FLUX.1-dev's guidance's)
     engine.add_lora("a", data)
+    engine.add_lora("e", embed)
     eager = Engine(load_model(model_dir), WorkerConfig(**LORA), speed=speed)
     eager.add_lora("a", data)
-    got, want = (e.generate([req(0, [("a", 0.9)]), req(1)]) for e in (engine, eager))
+    eager.add_lora("e", embed)
+    specs = [req(0, [("a", 0.9)]), req(1), req(2, [("e", 1.5)])]
+    got, want = (e.generate(specs) for e in (engine, eager))
     if not precision:
+        plain = eager.generate([req(2)])[0].latents
+        assert (want[2].latents - plain).abs().max() > 1e-3  # the embedding's adapter changes the image
         for g, w in zip(got, want):
             torch.testing.assert_close(g.latents, w.latents, **TOL)
         return
@@ -223,13 +229,14 @@ def test_graph_backends_serve_adapters_on_the_hoisted_and_fused_linears(model_di
 def test_the_fast_preset_compiles_the_steps_with_adapters_on_the_hoisted_linears(model_dir):
     """The ``fast`` preset (each step, or its blocks where the family compiles those, compiled by Inductor inside
     the graphs; on a CPU the runner's eager path): an adapter on the norms' modulation linears and q, k, v is
-    accepted, the compiled step runs without falling back (the rows' slots are dynamic like the blocks' batch), and
-    rows with and without it equal the eager engine's."""
+    accepted (and on the step's embedding, computed with the request's table), the compiled step runs without
+    falling back (the rows' slots are dynamic like the blocks' batch), and rows with and without it equal the eager
+    engine's."""
     engine = Engine(load_model(model_dir), WorkerConfig(**{**LORA, "backend": "graphs", "speed": "fast"}))
     engine.warmup()
     tr = engine.models[next(iter(engine.models))].transformer
-    data, weights = adapter_file(tr, 4, every=1, skip=("time_text_embed",))
-    assert any(n.endswith("norm1.linear") for n in weights) and any(n.endswith("attn.to_q") for n in weights)
+    data, weights = adapter_file(tr, 4, every=1, skip=())
+    assert any(n.endswith("norm1.linear") for n in weights) and any(n.startswith("time_text_embed") for n in weights)
     engine.add_lora("a", data)
     eager = Engine(load_model(model_dir), WorkerConfig(**LORA))
     eager.add_lora("a", data)

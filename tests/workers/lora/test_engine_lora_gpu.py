@@ -1,13 +1,13 @@
 """Per-request LoRA inside the graphs (GPU): tiny FLUX.1 and SD3 on CUDA, float32.
 
-The adapters target every linear the step reaches: the norms' modulation linears (which the graph backends hoist
-into one product, read from each request's table), q, k and v (fused into one product where a rewrite fuses them)
-and the rest; not the step's embedding, which the graph backends compute once per request for the modulation
-table (left out of their bank: an adapter on it is refused).
+The adapters target every linear of the transformer: the norms' modulation linears (which the graph backends hoist
+into one product, read from each request's table), q, k and v (fused into one product where a rewrite fuses them),
+the step's embedding (which the graph backends compute once per request for the modulation table, with the
+request's adapters) and the rest.
 
 - ``full`` and ``breakable`` graphs (and ``fast``: the step compiled inside them) give rows with adapters A, B,
   A + B and none, mixed in each bucket, the latents eager gives (1e-5 of the largest value uncompiled, 1e-4
-  compiled), with no capture failure and no fallback; their bank leaves out the embedding's linears alone;
+  compiled), with no capture failure and no fallback; their bank holds every linear;
 - ``fastest``'s rewrites (FP8 linears, FLUX.1's q, k and v fused into FP8 products of the norms' codes) under
   ``full`` graphs, compiled or not: each row's adapters change it as they change the eager FP8 engine's row (the
   effect, the row minus the same request without adapters, within 10% of eager's: the fused kernels round a norm
@@ -32,7 +32,6 @@ from .test_engine_lora import _make, adapter_file, req
 pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 LORA = dict(max_batch=4, lora_slots=2, lora_max_rank=4, lora_per_request=2)
-SKIP = ("time_text_embed",)  # the linears the graph backends' steps do not reach (module docstring)
 ROWS = [[("a", 0.8)], [("b", -0.6)], [("a", 0.5), ("b", 1.2)], [], [("a", 1.0)], [], [("b", 0.3)]]
 
 
@@ -49,7 +48,7 @@ def _engine(model_dir, backend: str, **speed):
     engine.warmup()
     transformer = engine.models[next(iter(engine.models))].transformer
     for name, seed in (("a", 1), ("b", 2)):
-        engine.add_lora(name, adapter_file(transformer, seed, every=1, skip=SKIP)[0])
+        engine.add_lora(name, adapter_file(transformer, seed, every=1, skip=())[0])
     return engine
 
 
@@ -77,9 +76,7 @@ def test_rows_with_adapters_replay_what_eager_computes(model_dir, backend, compi
     assert _rel(got[2].latents, got[3].latents) > 1e-3  # the adapters change the image
     stats = pooled(graphs.stats()["groups"].values())
     assert fallbacks(stats) == 0 and sum(s["replays"] for s in stats["buckets"].values()) > 0
-    left = _left_out(graphs)
-    assert left and all(n.startswith(SKIP) for n in left), left  # the hoisted and fused linears are reached
-    assert _left_out(eager) == []
+    assert _left_out(graphs) == [] and _left_out(eager) == []  # the hoisted, fused and table's linears reached
 
 
 @pytest.mark.parametrize("compile_mode", ["off", "inductor"])
@@ -94,8 +91,7 @@ def test_fp8_rows_get_their_adapters_on_the_fused_linears(model_dir, compile_mod
     model = graphs.models[next(iter(graphs.models))]
     if model.card.family == "flux":
         assert fast.fused_blocks(model.transformer) > 0
-    left = _left_out(graphs)
-    assert all(n.startswith(SKIP) for n in left), left
+    assert _left_out(graphs) == []
     specs, bare = [req(i, r) for i, r in enumerate(ROWS)], [req(i) for i in range(len(ROWS))]
     got, got_bare = graphs.generate(specs), graphs.generate(bare)
     want, want_bare = eager.generate(specs), eager.generate(bare)
@@ -112,7 +108,7 @@ def test_loading_between_steps_changes_no_running_row_and_captures_nothing(model
     engine = _engine(model_dir, "full", compile="inductor")
     transformer = engine.models[next(iter(engine.models))].transformer
     # registered, not resident: two slots, a and b in them
-    engine.add_lora("c", adapter_file(transformer, 3, every=1, skip=SKIP)[0])
+    engine.add_lora("c", adapter_file(transformer, 3, every=1, skip=())[0])
     want = engine.generate([req(0, [("a", 0.7)]), req(1)])
     before = {k: (sum(s["captures"] for s in g["buckets"].values()), g.get("compile", {}).get("region_graphs"))
               for k, g in engine.stats()["groups"].items()}
