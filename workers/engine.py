@@ -71,6 +71,7 @@ from workers.decode import (Preview, _PendingPreviews, _upload, decode, decode_r
 from workers.edits import EDIT_INPUTS, Start, check_edit, edit_specs, family_variant, inpaint_variant, inpainting, starts
 from workers.encoders import EncoderGraphs, padded_length
 from workers.families import compile_regions, family_of, preview_map_of
+from workers.kernels import lora as lora_kernel
 from workers.kernels.attention import CHOOSER
 from workers.lora import apply_lora, lora_rows, lora_specs, reached, with_lora
 from workers.lora.serving import Loras
@@ -227,7 +228,8 @@ class Engine:
         self._warm = False
         self.steps_run = 0
         self.attention: dict[str, str] = {}  # model -> the attention kernel its steps run, where a family says
-        self.lora = Loras(config.lora_slots, config.lora_max_rank, config.lora_per_request, config.lora_max_bytes) \
+        self.lora = Loras(config.lora_slots, config.lora_max_rank, config.lora_per_request, config.lora_max_bytes,
+                          config.lora_kernel) \
             if config.lora_slots else None
         self._waiting: list[ItemSpec] = []  # admitted requests whose adapters are not resident yet (FIFO)
         for m in models:  # encoder graphs an earlier engine made are not this one's
@@ -297,6 +299,8 @@ class Engine:
             targets = reached(m.transformer, lambda: (step(**example), self.warmup_example(m, shape)))
         bank = self.lora.add_model(m.name, m.transformer, targets)
         apply_lora(m.transformer, bank)
+        if bank.kernel == "triton" and not lora_kernel.available(torch.empty(0, device=m.device, dtype=m.dtype)):
+            log.warning("%s: lora_kernel 'triton' needs CUDA and Triton; its adapters' terms run as 'bmm'", m.name)
         log.info("%s: adapter bank of %d slots, rank %d, over %d of its linears (%.1f MB)", m.name, bank.slots,
                  bank.max_rank, len(bank.targets), bank.nbytes / 1e6)
 

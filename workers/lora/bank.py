@@ -44,7 +44,7 @@ class LoraBank:
 
     def __init__(self, transformer: nn.Module, slots: int, max_rank: int, per_request: int,
                  targets: Iterable[str] | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, kernel: str = "bmm") -> None:
         if slots < 1 or max_rank < 1 or per_request < 1:
             raise ValueError(f"a bank needs slots, max_rank and per_request >= 1 (got {slots}, {max_rank}, "
                              f"{per_request})")
@@ -56,6 +56,7 @@ class LoraBank:
         self.shapes = {t: shapes[t] for t in targets}  # path -> (in, out)
         self.targets = tuple(self.shapes)
         self.slots, self.max_rank, self.per_request = slots, max_rank, per_request
+        self.kernel = kernel  # how the wrapped linears compute their term (workers.lora.linear.lora_delta)
         dtype, device = dtype or _activation_dtype(transformer), device or _device(transformer)
         self.a = {t: torch.zeros(slots + 1, max_rank, fin, dtype=dtype, device=device)
                   for t, (fin, _) in self.shapes.items()}

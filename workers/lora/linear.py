@@ -13,7 +13,9 @@ ranks zero-padded to R, each adapter's alpha / r folded into its B, slot 0 alway
 the rows' scales multiply their B, and two ``bmm`` make ``(N, T, in) -> (N, T, P R) -> (N, T, out)``. Every shape
 is fixed by the batch and the bank, nothing reads a tensor's value on the host and nothing branches on one: the
 term captures into CUDA graphs and compiles like the rest of the step. A row without adapters (slot 0, scale 0)
-costs what one with adapters costs: the products run over its zero slot.
+costs what one with adapters costs: the products run over its zero slot. With the bank's ``kernel`` "triton"
+(``WorkerConfig.lora_kernel``) it is ``workers.kernels.lora`` instead where that runs (CUDA): two kernels that read
+each row's adapters at their slots' addresses (no gathered copies) and skip places whose slot is 0.
 
 The per-row inputs
 ------------------
@@ -77,6 +79,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphs import TensorSpec
+from workers.kernels import lora as lora_kernel
 from workers.speed.fp8 import Fp8Linear
 from workers.speed.terms import set_row_term
 
@@ -88,14 +91,18 @@ def lora_specs(per_request: int) -> dict[str, TensorSpec]:
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-               scales: torch.Tensor) -> torch.Tensor:
+               scales: torch.Tensor, kernel: str = "bmm") -> torch.Tensor:
     """The per-row LoRA term (module docstring) of ``x`` (N, ..., in) -> (N, ..., out), for a bank's ``a`` (S, R, in)
-    and ``b`` (S, out, R), rows' ``slots`` (M, P) int64 and ``scales`` (M, P), N = k M (k copies of the rows)."""
+    and ``b`` (S, out, R), rows' ``slots`` (M, P) int64 and ``scales`` (M, P), N = k M (k copies of the rows).
+    ``kernel`` "triton": ``workers.kernels.lora`` where it runs (it reads the adapters in place and skips empty
+    places), else the gathered batched products."""
     n, m = x.shape[0], slots.shape[0]
     if n != m:
         if n % m:
             raise ValueError(f"a LoRA linear's input has {n} rows, not a multiple of the step's {m}")
         slots, scales = slots.repeat(n // m, 1), scales.repeat(n // m, 1)              # (N, P)
+    if kernel == "triton" and lora_kernel.available(x):
+        return lora_kernel.lora_rows(x, a, b, slots, scales)
     p, r = slots.shape[1], a.shape[1]
     rows = x.reshape(n, -1, x.shape[-1])                                                # (N, T, in)
     index = slots.reshape(-1)                                                           # (N P,)
@@ -136,7 +143,7 @@ class LoraLinear(nn.Module):
         slots, scales = self.bank.row_slots, self.bank.row_scales
         if slots is None:
             return None
-        return lora_delta(self._input(x), self.lora_a, self.lora_b, slots, scales)
+        return lora_delta(self._input(x), self.lora_a, self.lora_b, slots, scales, self.bank.kernel)
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         """What the base multiplies: ``x``, or its activation where FP8 folded one into the base

@@ -50,8 +50,10 @@ class Registered:
 class Loras:
     """Adapters registered with an engine and its models' banks (module docstring)."""
 
-    def __init__(self, slots: int, max_rank: int, per_request: int, max_bytes: int | None = None) -> None:
+    def __init__(self, slots: int, max_rank: int, per_request: int, max_bytes: int | None = None,
+                 kernel: str = "bmm") -> None:
         self.slots, self.max_rank, self.per_request, self.max_bytes = slots, max_rank, per_request, max_bytes
+        self.kernel = kernel
         self.banks: dict[str, LoraBank] = {}
         self.transformers: dict[str, object] = {}
         self.adapters: dict[str, Registered] = {}
@@ -63,7 +65,7 @@ class Loras:
     # -- models ---------------------------------------------------------------------------------------------
     def add_model(self, name: str, transformer, targets: Iterable[str]) -> LoraBank:
         """A bank for the model ``name`` over its linears ``targets``."""
-        bank = LoraBank(transformer, self.slots, self.max_rank, self.per_request, targets=targets)
+        bank = LoraBank(transformer, self.slots, self.max_rank, self.per_request, targets=targets, kernel=self.kernel)
         self.banks[name], self.transformers[name] = bank, transformer
         return bank
 
