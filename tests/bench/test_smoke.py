@@ -78,3 +78,8 @@ def test_edits_times_image_to_image_against_its_pipeline_and_the_inpainting_blen
     assert e2e["diffusers"]["n"] == e2e["default"]["n"] == 2  # --smoke: two runs each
     assert set(r["blend"]["default"]) == {"1", "2"} and r["blend"]["default"]["2"]["inpaint_step_ms"]["median"] > 0
 
+
+def test_bench_holds_at_most_eight_scripts():
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    scripts = sorted(p.name for p in bench.glob("*.py") if p.name != "harness.py")
+    assert len(scripts) <= 8, scripts
