@@ -61,9 +61,8 @@ def test_the_autoscaling_simulation_replays_a_trace_through_the_policy_beside_a_
 
 
 def test_lora_times_a_step_across_adapters_and_a_load_between_steps(tmp_path):
-    import lora
-
-    assert lora.main(["--smoke", "--family", "sd3", "--sections", "step", "load", "--out", str(tmp_path)]) == 0
+    argv = ["--smoke", "--family", "sd3", "--sections", "lora-step", "lora-load", "--out", str(tmp_path)]
+    assert workload.main(argv) == 0
     r = json.loads((tmp_path / "lora_tiny-sd3.json").read_text())
     s, ld = r["step"]["default"], r["load"]["default"]
     assert s["without_adapters"]["n"] == s["across_adapters"]["n"] == 3 and s["ratio"] > 0 and s["bank_mib"] > 0
@@ -72,11 +71,15 @@ def test_lora_times_a_step_across_adapters_and_a_load_between_steps(tmp_path):
 
 
 def test_edits_times_image_to_image_against_its_pipeline_and_the_inpainting_blend(tmp_path):
-    import edits
-
-    argv = ["--smoke", "--sections", "e2e", "blend", "--out", str(tmp_path)]
-    assert edits.main(argv) == 0
+    argv = ["--smoke", "--sections", "img2img", "blend", "--out", str(tmp_path)]
+    assert workload.main(argv) == 0
     r = json.loads((tmp_path / "edits_tiny-flux.json").read_text())
     e2e = r["e2e"]["64x64"]
     assert e2e["diffusers"]["n"] == e2e["default"]["n"] == 2  # --smoke: two runs each
     assert set(r["blend"]["default"]) == {"1", "2"} and r["blend"]["default"]["2"]["inpaint_step_ms"]["median"] > 0
+
+
+def test_bench_holds_at_most_eight_scripts():
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    scripts = sorted(p.name for p in bench.glob("*.py") if p.name != "harness.py")
+    assert len(scripts) <= 8, scripts

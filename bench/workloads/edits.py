@@ -1,46 +1,29 @@
-"""Edits: image-to-image end to end against diffusers' image-to-image pipeline, what inpainting's per-step blend
-costs, and a workload mixing text-to-image, image-to-image and inpainting requests.
-
-For a model (a built-in with random weights made on the GPU, or a model directory of a family that edits) and a
-seeded source image (and a mask over its right half):
-
-  e2e     one image-to-image request at --strength with the card's sampler and --steps, at each --sizes, the
-          prompt new every run: each preset's engine (warmed first) against the family's diffusers pipeline made
-          into its image-to-image one (``AutoPipelineForImage2Image.from_pipe``: FluxImg2ImgPipeline,
-          StableDiffusion3Img2ImgPipeline, ...); median of --reps runs after one warm-up.
-  blend   at every bucket, the captured step of the card's default request against its inpainting variant (the
-          same step, then the per-row blend of the image's noised latents outside the mask): median ms and the
-          blend's share of the step.
-  mixed   seeded Poisson arrivals of 1-image requests, 70% text-to-image, 20% image-to-image, 10% inpainting,
-          at each offered load: our engine (all three kinds in one running batch) against diffusers' three
-          pipelines with static batching per kind (the queued requests of one kind, up to --inflight a call);
-          and text-to-image alone at the same load as the latency reference. Per system and kind: images/s,
-          p50 / p99 ms; the max sustained images/s from a backlog of the mix.
-
-Writes docs/benchmarks/edits_<model>.{json,md}.
-
-    python bench/edits.py --model flux-dev-1024 --sizes 1024x1024 512x512 --systems diffusers fast
-    python bench/edits.py --model flux-dev-1024 --sections blend mixed --systems diffusers fast
-    python bench/edits.py --smoke [--family sd3]     # a tiny random model on a CPU, seconds
-"""
+"""The edits sections of bench/workload.py (img2img, blend, edit-mix; its docstring says what each measures)
+and their report, edits_<model>: image-to-image and inpainting requests of a model of a family that edits, on a
+seeded source image (and a mask over its right half), against the family's diffusers pipeline made into its
+image-to-image or inpainting sibling."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
 import random
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-import workload  # noqa: E402
+import harness
 
-SECTIONS = ("e2e", "blend", "mixed")
-SYSTEMS = ("diffusers", *harness.PRESETS)
+from . import shared
+from .shared import SYSTEMS
+
+REPORT = "edits"
+NAMES = {"img2img": "e2e", "blend": "blend", "edit-mix": "mixed"}  # section on the command line -> report key
+DEFAULTS = {"models": ["flux-dev-1024"], "systems": ["diffusers", "default", "fast"], "loads": [1.0], "inflight": 8,
+            "window_s": 20.0, "drain_s": 10.0, "steps": 28, "family": "flux"}
+SMOKE = {"steps": 4, "reps": 2, "e2e_batch": 2, "loads": [8.0], "inflight": 4, "window_s": 0.5, "drain_s": 2.0,
+         "backlog_stop_s": 60.0}
+SMOKE_FAMILIES = ("flux", "sd3")
 KINDS = ("text", "image", "inpaint")  # text-to-image, image-to-image, inpainting
 SHARES = (0.7, 0.2, 0.1)
 
@@ -80,8 +63,8 @@ def png(img) -> bytes:
 
 
 def edit_item(model, rid: str, seed: int, cond: int, size, kind: str, strength: float, steps=None):
-    """``workload.item`` made an edit of ``kind`` (text: unchanged) of the source image at ``size``."""
-    spec = workload.item(model, rid, seed, cond, size, steps)
+    """``shared.item`` made an edit of ``kind`` (text: unchanged) of the source image at ``size``."""
+    spec = shared.item(model, rid, seed, cond, size, steps)
     if kind == "text":
         return spec
     image = png(source_image(size))
@@ -94,7 +77,7 @@ def edit_pipeline(model, kind: str):
     its image-to-image or inpainting sibling by diffusers' auto pipelines)."""
     import diffusers
 
-    pipe = workload.pipeline(model)
+    pipe = shared.pipeline(model)
     if kind == "text":
         return pipe
     auto = diffusers.AutoPipelineForImage2Image if kind == "image" else diffusers.AutoPipelineForInpainting
@@ -117,17 +100,17 @@ def call_edit(pipe, model, specs: list, kind: str, strength: float, size):
 
 
 # -- sections ----------------------------------------------------------------------------------------
-def e2e(system: str, models: workload.Models, args, block: dict) -> None:
+def e2e(system: str, models: shared.Models, args, block: dict) -> None:
     fresh = iter(range(10_000))
     for size in args.sizes:
         row = block.setdefault(f"{size[0]}x{size[1]}", {})
         if system == "diffusers":
             model = models.get("bf16", engine=False)[0]
             pipe = edit_pipeline(model, "image")
-            one = lambda: call_edit(pipe, model, [workload.item(model, "e2e", 0, next(fresh), size, args.steps)],
+            one = lambda: call_edit(pipe, model, [shared.item(model, "e2e", 0, next(fresh), size, args.steps)],
                                     "image", args.strength, size)
         else:
-            config, why, precision = workload.engine_for(system, models.family(), args.e2e_batch, args.smoke)
+            config, why, precision = shared.engine_for(system, models.family(), args.e2e_batch, args.smoke)
             if why:
                 row[system] = {"skipped": why}
                 continue
@@ -141,7 +124,7 @@ def e2e(system: str, models: workload.Models, args, block: dict) -> None:
         row[system] = harness.stats(harness.wall_ms(one, args.reps, warmup=1), digits=1)
 
 
-def blend(system: str, models: workload.Models, args, block: dict) -> None:
+def blend(system: str, models: shared.Models, args, block: dict) -> None:
     """Each bucket's step, plain and inpainting (the engine's own groups: one request of each kind made first)."""
     from types import SimpleNamespace
 
@@ -150,7 +133,7 @@ def blend(system: str, models: workload.Models, args, block: dict) -> None:
 
     if system == "diffusers":
         return
-    config, why, precision = workload.engine_for(system, models.family(), args.e2e_batch, args.smoke)
+    config, why, precision = shared.engine_for(system, models.family(), args.e2e_batch, args.smoke)
     if why:
         block[system] = {"skipped": why}
         return
@@ -184,10 +167,10 @@ def kinds_of(jobs: list, seed: int = 5) -> dict[int, str]:
     return {j.id: rng.choices(KINDS, SHARES)[0] for j in jobs}
 
 
-def mixed(system: str, models: workload.Models, args, block: dict) -> None:
+def mixed(system: str, models: shared.Models, args, block: dict) -> None:
     precision = "bf16"
     if system != "diffusers":
-        config, why, precision = workload.engine_for(system, models.family(), args.inflight, args.smoke)
+        config, why, precision = shared.engine_for(system, models.family(), args.inflight, args.smoke)
         if why:
             block[system] = {"skipped": why}
             return
@@ -200,9 +183,9 @@ def mixed(system: str, models: workload.Models, args, block: dict) -> None:
         def run(jobs, stop, kind_of):
             def call(batch):
                 kind = kind_of[batch[0].id]
-                specs = [x for j in batch for x in workload.job_items([model], targets, j, args.steps)]
+                specs = [x for j in batch for x in shared.job_items([model], targets, j, args.steps)]
                 call_edit(pipes[kind], model, specs, kind, args.strength, size)
-            workload.run_static([None], [model], targets, jobs, args.inflight, stop, args.steps,
+            shared.run_static([None], [model], targets, jobs, args.inflight, stop, args.steps,
                                 key=lambda j: kind_of[j.id], call=call)
     else:
         engine, warm_s = harness.build_engine(model, config, sizes=[size])
@@ -212,21 +195,21 @@ def mixed(system: str, models: workload.Models, args, block: dict) -> None:
         def run(jobs, stop, kind_of):
             items = lambda j: [edit_item(model, f"{j.id}:0", j.id * 1000, j.cond, size, kind_of[j.id],  # noqa: E731
                                          args.strength, args.steps)]
-            workload.run_engine(engine, [model], targets, jobs, args.inflight, stop, args.steps, items=items)
+            shared.run_engine(engine, [model], targets, jobs, args.inflight, stop, args.steps, items=items)
     out = block[system] = {"loads": [], "text_alone": []}
-    backlog = [dataclasses.replace(j, n=1) for j in workload.backlog(1, 1)] * 3
+    backlog = [dataclasses.replace(j, n=1) for j in shared.backlog(1, 1)] * 3
     backlog = [dataclasses.replace(j, id=i) for i, j in enumerate(backlog)]
     runs = [(None, backlog, args.backlog_stop_s, False)]
     for load in args.loads:
-        jobs = [dataclasses.replace(j, n=1) for j in workload.make_jobs(load, int(load * 1000) + 7, 1, 1, args.window_s)]
+        jobs = [dataclasses.replace(j, n=1) for j in shared.make_jobs(load, int(load * 1000) + 7, 1, 1, args.window_s)]
         runs += [(load, jobs, args.window_s + args.drain_s, False), (load, jobs, args.window_s + args.drain_s, True)]
     for load, jobs, stop, text_only in runs:
         jobs = [dataclasses.replace(j, done=0, finished=None) for j in jobs]
         kind_of = {j.id: "text" for j in jobs} if text_only else kinds_of(jobs)
         model.cache.clear()
         run(jobs, stop, kind_of)
-        row = workload.summarise(load, jobs, stop, None if load is None else args.window_s)
-        row["by_kind"] = {kind: workload.summarise(load, [j for j in jobs if kind_of[j.id] == kind], stop)
+        row = shared.summarise(load, jobs, stop, None if load is None else args.window_s)
+        row["by_kind"] = {kind: shared.summarise(load, [j for j in jobs if kind_of[j.id] == kind], stop)
                           for kind in KINDS if any(kind_of[j.id] == kind for j in jobs)}
         if load is None:
             out["backlog"], out["max_images_per_s"] = row, row["images_per_s"]
@@ -266,57 +249,25 @@ def markdown(result: dict) -> str:
                              per, f"{alone['p50_ms']:.0f} / {alone['p99_ms']:.0f}"])
         lines += harness.table(["system", "max sustained", "offered", "images/s", "p50 / p99 by kind",
                                 "text alone p50 / p99"], rows)
-    for section in SECTIONS:
+    for section in SECTION:
         lines += [f"\n{s} skipped ({section}): {b['skipped']}" for s, b in result.get(section, {}).items()
                   if isinstance(b, dict) and "skipped" in b]
     lines += [f"\n- {part} failed: `{err.splitlines()[0][:300]}`" for part, err in result.get("errors", {}).items()]
     return "\n".join(lines)
 
 
-def parse(argv: list[str] | None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="flux-dev-1024", help="a built-in or a model directory")
-    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["diffusers", "default", "fast"])
-    p.add_argument("--sizes", nargs="*", default=[], help="e2e: WxH sizes (default: the model's native)")
-    p.add_argument("--strength", type=float, default=0.6)
-    p.add_argument("--steps", type=int, default=28, help="steps of the whole schedule (strength runs its tail)")
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--e2e-batch", type=int, default=8, help="e2e and blend: the engine's largest bucket")
-    p.add_argument("--loads", type=float, nargs="*", default=[1.0])
-    p.add_argument("--inflight", type=int, default=8)
-    p.add_argument("--window-s", type=float, default=20.0)
-    p.add_argument("--drain-s", type=float, default=10.0)
-    p.add_argument("--backlog-stop-s", type=float, default=180.0)
-    p.add_argument("--out", type=Path, help="report folder (default docs/benchmarks; a temp folder with --smoke)")
-    p.add_argument("--smoke", action="store_true", help="a tiny random model on a CPU (--family picks which)")
-    p.add_argument("--family", choices=("flux", "sd3"), default="flux", help="--smoke's model family")
-    args = p.parse_args(argv)
-    args.sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes]
-    if args.smoke:
-        args.model = harness.tiny_model(args.family)
-        args.steps, args.reps, args.e2e_batch, args.loads, args.inflight = 4, 2, 2, [8.0], 4
-        args.window_s, args.drain_s, args.backlog_stop_s, args.systems = 0.5, 2.0, 60.0, ["diffusers", "default"]
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    name = Path(str(args.model)).name
-    models = workload.Models([args.model], args.smoke)
+def run(args) -> dict:
+    """The asked sections' result for the first of --models: each asked system in turn, diffusers first (each
+    engine patches the model it runs in place)."""
+    name = Path(str(args.models[0])).name
+    models = shared.Models(args.models[:1], args.smoke)
     args.sizes = args.sizes or [tuple(models.get("bf16", engine=False)[0].card.native_size)]
     result = {"model": name, "strength": args.strength, "loads": args.loads,
               "settings": {k: str(v) for k, v in vars(args).items() if k != "out"},
               "env": harness.environment(harness.device_and_dtype(args.smoke)[0]), "errors": {}}
-    for section in args.sections:
+    for section in [NAMES[s] for s in args.sections]:
         block = result.setdefault(section, {})
-        for system in [s for s in SYSTEMS if s in args.systems]:  # diffusers first: engines patch their model
+        for system in [s for s in SYSTEMS if s in args.systems]:
             harness.attempt(result, f"{section}/{system}", lambda: SECTION[section](system, models, args, block))
             harness.free()
-    paths = harness.write_report(harness.out_dir(args.out, args.smoke), f"edits_{name}", result, markdown(result))
-    print(markdown(result) + f"\nwrote {paths[0]}")
-    return 1 if result["errors"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return result

@@ -1,50 +1,33 @@
-"""Per-request LoRA: what adapters cost a step, what loading one costs the running rows, and a workload where
-every request names one of several adapters, against the best a diffusers user can do.
-
-For a model (a built-in with random weights made on the GPU, or a model directory; FLUX.1, SD3 and PixArt have
-PEFT targets here) and ``--adapters`` random adapters of rank ``--rank`` on the attention projections (the
-targets a LoRA trainer picks by default: to_q, to_k, to_v, to_out.0, and the context stream's add_*_proj and
-to_add_out), written as diffusers / PEFT safetensors files:
-
-  step    one step of --images images, the rows spread over the adapters (row i: adapter i mod N), against the
-          same preset's engine without adapters (``lora_slots`` 0) and with the bank but every row at slot 0;
-          median ms, the ratio, and the bank's memory.
-  load    the step of --images rows with adapters, timed with an adapter loaded into a free slot (on the bank's
-          side stream) before every step, against the same steps with no load; and the load's own time (the host
-          call, and until its copy is done).
-  mixed   seeded Poisson arrivals of 1-4 image requests, each naming one of the adapters (uniformly): our
-          engine (step-level batching, adapters per row) with and without the adapters named, and diffusers'
-          pipeline with every adapter loaded (``load_lora_adapter``), ``set_adapters`` before each call, static
-          batches of queued requests of one adapter, and the same pipeline with no adapter as the reference:
-          the max sustained images/s (a backlog, queued at t=0) and images/s, p50/p99 at each offered load.
-
-Writes docs/benchmarks/lora_<model>.{json,md}.
-
-    python bench/lora.py --model flux-dev-1024 --images 16 --systems fast
-    python bench/lora.py --model pixart-sigma-512 --sections step load mixed --loads 4 8
-    python bench/lora.py --smoke [--family sd3]     # a tiny random model on a CPU, seconds
-"""
+"""The per-request LoRA sections of bench/workload.py (lora-step, lora-load, lora-mix; its docstring says what
+each measures) and their report, lora_<model>: ``--adapters`` random adapters of rank ``--rank`` on the attention
+projections of a model's transformer (FLUX.1, SD3 and PixArt have PEFT targets here), the targets a LoRA trainer
+picks by default (to_q, to_k, to_v, to_out.0, and the context stream's add_*_proj and to_add_out), written as
+diffusers / PEFT safetensors files."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import re
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-import step as step_bench  # noqa: E402
-import workload  # noqa: E402
+import harness
+import step as step_bench
 
-SECTIONS = ("step", "load", "mixed")
-LORA_FAMILIES = ("flux", "sd3", "pixart")
+from . import shared
+from .shared import SYSTEMS
+
+REPORT = "lora"
+NAMES = {"lora-step": "step", "lora-load": "load", "lora-mix": "mixed"}  # section on the command line -> report key
+DEFAULTS = {"models": ["pixart-sigma-512"], "systems": ["diffusers", "fast"], "loads": [2.0], "largest": 4,
+            "inflight": 16, "window_s": 10.0, "drain_s": 5.0, "steps": None, "family": "pixart"}
+SMOKE = {"adapters": 3, "rank": 4, "images": 4, "loads": [8.0], "inflight": 4, "window_s": 0.5, "drain_s": 2.0,
+         "backlog_stop_s": 60.0, "steps": 2}
+SMOKE_FAMILIES = ("flux", "sd3", "pixart")
 TARGET = re.compile(r"(^|\.)(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$")
 
 
@@ -201,34 +184,35 @@ def load_section(preset: str, model, files, args, block: dict) -> None:
 
 
 def mixed_section(system: str, model, files, args, block: dict) -> None:
-    """The mixed-adapter workload (module docstring) for one system: a preset, or ``diffusers``."""
+    """The mixed-adapter workload (lora-mix in bench/workload.py's docstring) for one system: a preset, or
+    ``diffusers``."""
     targets = [(0, tuple(model.card.native_size))]
     adapter_of = lambda j: j.cond % len(files)  # noqa: E731  (the job's adapter, uniform over the adapters)
 
     def items(j, with_lora: bool):
-        specs = workload.job_items([model], targets, j, args.steps)
+        specs = shared.job_items([model], targets, j, args.steps)
         return [dataclasses.replace(s, loras=((f"a{adapter_of(j)}", 1.0),)) for s in specs] if with_lora else specs
 
-    runs = [(None, workload.backlog(1, args.largest), args.backlog_stop_s)]
-    runs += [(load, workload.make_jobs(load, int(load * 1000) + 7, 1, args.largest, args.window_s),
+    runs = [(None, shared.backlog(1, args.largest), args.backlog_stop_s)]
+    runs += [(load, shared.make_jobs(load, int(load * 1000) + 7, 1, args.largest, args.window_s),
               args.window_s + args.drain_s) for load in args.loads]
     if system == "diffusers":
         from diffusers.utils.peft_utils import set_adapter_layers, set_weights_and_activate_adapters
 
-        pipe = workload.pipeline(model)
+        pipe = shared.pipeline(model)
         load_adapters(pipe.transformer, files, args.rank)
 
         def set_adapter(p, batch):  # what the pipelines' set_adapters does to the transformer
             set_weights_and_activate_adapters(p.transformer, [f"a{adapter_of(batch[0])}"], [1.0])
 
         def adapters(jobs, stop):
-            workload.run_static([pipe], [model], targets, jobs, args.inflight, stop, args.steps,
+            shared.run_static([pipe], [model], targets, jobs, args.inflight, stop, args.steps,
                                 key=adapter_of, before=set_adapter)
 
         def plain(jobs, stop):
             set_adapter_layers(pipe.transformer, enabled=False)
             try:
-                workload.run_static([pipe], [model], targets, jobs, args.inflight, stop, args.steps)
+                shared.run_static([pipe], [model], targets, jobs, args.inflight, stop, args.steps)
             finally:
                 set_adapter_layers(pipe.transformer, enabled=True)
 
@@ -240,7 +224,7 @@ def mixed_section(system: str, model, files, args, block: dict) -> None:
             return
         engines = {"no adapters": lambda: harness.build_engine(model, config)[0],
                    "adapters": lambda: lora_engine(system, model, files, args, args.inflight)[0]}
-        modes = {label: (lambda jobs, stop, label=label: workload.run_engine(
+        modes = {label: (lambda jobs, stop, label=label: shared.run_engine(
                      built[label], [model], targets, jobs, args.inflight, stop, args.steps,
                      items=lambda j: items(j, label == "adapters")))
                  for label in engines}
@@ -256,13 +240,16 @@ def mixed_section(system: str, model, files, args, block: dict) -> None:
             jobs = [dataclasses.replace(j, done=0, finished=None) for j in jobs]
             model.cache.clear()
             run(jobs, stop)
-            row = workload.summarise(load, jobs, stop, None if load is None else args.window_s)
+            row = shared.summarise(load, jobs, stop, None if load is None else args.window_s)
             if load is None:
                 res["backlog"], res["max_images_per_s"] = row, row["images_per_s"]
             else:
                 res["loads"].append(row)
             print(system, label, load, row, flush=True)
     out["with_over_without"] = round(out["adapters"]["max_images_per_s"] / out["no adapters"]["max_images_per_s"], 3)
+
+
+SECTION = {"step": step_section, "load": load_section, "mixed": mixed_section}
 
 
 # -- the report --------------------------------------------------------------------------------------
@@ -294,66 +281,32 @@ def markdown(result: dict) -> str:
         lines += harness.table(["system", "requests", "max sustained", *(f"at {x} images/s" for x in loads)], rows)
         ratios = {s: b["with_over_without"] for s, b in m.items() if "with_over_without" in b}
         lines += ["", "With adapters over without (max sustained): " + ", ".join(f"{s} {r}" for s, r in ratios.items())]
-    for section in SECTIONS:
+    for section in SECTION:
         lines += [f"\n{s} skipped ({section}): {b['skipped']}" for s, b in result.get(section, {}).items()
                   if isinstance(b, dict) and "skipped" in b]
     lines += [f"\n- {part} failed: `{err.splitlines()[0][:300]}`" for part, err in result.get("errors", {}).items()]
     return "\n".join(lines)
 
 
-def parse(argv: list[str] | None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="pixart-sigma-512", help="a built-in or a model directory (FLUX.1, SD3, PixArt)")
-    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    p.add_argument("--systems", nargs="+", choices=harness.PRESETS, default=["fast"], help="our presets")
-    p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True, help="mixed: diffusers too")
-    p.add_argument("--adapters", type=int, default=8)
-    p.add_argument("--rank", type=int, default=64)
-    p.add_argument("--images", type=int, default=16, help="step / load: rows of the step")
-    p.add_argument("--loads", type=float, nargs="*", default=[2.0], help="mixed: offered images/s")
-    p.add_argument("--largest", type=int, default=4, help="mixed: the largest request")
-    p.add_argument("--inflight", type=int, default=16, help="mixed: images in flight (engine) or per call (diffusers)")
-    p.add_argument("--window-s", type=float, default=10.0)
-    p.add_argument("--drain-s", type=float, default=5.0)
-    p.add_argument("--backlog-stop-s", type=float, default=180.0)
-    p.add_argument("--steps", type=int, help="steps per image (default: the card's)")
-    p.add_argument("--out", type=Path, help="report folder (default docs/benchmarks; a temp folder with --smoke)")
-    p.add_argument("--smoke", action="store_true", help="a tiny random model on a CPU (--family picks which)")
-    p.add_argument("--family", choices=LORA_FAMILIES, default="pixart", help="--smoke's model family")
-    args = p.parse_args(argv)
-    if args.smoke:
-        args.model = harness.tiny_model(args.family)
-        args.adapters, args.rank, args.images, args.loads, args.inflight = 3, 4, 4, [8.0], 4
-        args.window_s, args.drain_s, args.backlog_stop_s, args.steps, args.systems = 0.5, 2.0, 60.0, 2, ["default"]
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    name = Path(str(args.model)).name
+def run(args) -> dict:
+    """The asked sections' result for the first of --models: each asked preset, and diffusers in the mixed
+    workload, each on a fresh load of the model."""
+    name = Path(str(args.models[0])).name
     result = {"model": name, "adapters": args.adapters, "rank": args.rank, "images": args.images, "loads": args.loads,
               "settings": {k: str(v) for k, v in vars(args).items() if k != "out"},
               "env": harness.environment(harness.device_and_dtype(args.smoke)[0]), "errors": {}}
     folder = Path(tempfile.mkdtemp(prefix="bench-lora-"))
-    models = workload.Models([args.model], args.smoke)
+    models = shared.Models(args.models[:1], args.smoke)
     files = adapter_files(models.get("bf16", engine=False)[0], args.adapters, args.rank, folder)
-    sections = {"step": step_section, "load": load_section, "mixed": mixed_section}
-    for section in args.sections:
+    for section in [NAMES[s] for s in args.sections]:
         block = result.setdefault(section, {})
-        systems = (["diffusers"] if section == "mixed" and args.baseline else []) + args.systems
-        for system in systems:
-            def run(system=system, section=section):
+        for system in [s for s in SYSTEMS if s in args.systems and (section == "mixed" or s != "diffusers")]:
+            def one(system=system, section=section):
                 # a fresh model each time: an engine rewrites its model in place, and wraps its linears around
                 # its own adapter bank
                 precision = "bf16" if system == "diffusers" else harness.engine_config(system, models.family())[1]
                 models.loaded, models.precision = [], None
-                sections[section](system, models.get(precision)[0], files, args, block)
-            harness.attempt(result, f"{section}/{system}", run)
+                SECTION[section](system, models.get(precision)[0], files, args, block)
+            harness.attempt(result, f"{section}/{system}", one)
             harness.free()
-    paths = harness.write_report(harness.out_dir(args.out, args.smoke), f"lora_{name}", result, markdown(result))
-    print(markdown(result) + f"\nwrote {paths[0]}")
-    return 1 if result["errors"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return result
