@@ -41,7 +41,10 @@ adapters of rank --rank on the attention projections, lora_<model>.{json,md}:
 
   lora-step    one step of --images images, the rows spread over the adapters (row i: adapter i mod N), against
                the same preset's engine without adapters (``lora_slots`` 0) and with the bank but every row at
-               slot 0; median ms, the ratio, and the bank's memory.
+               slot 0, for each kernel of the rows' terms (--lora-kernels: ``bmm``, gathered batched products;
+               ``triton``, ``workers.kernels.lora``; where Triton does not run it is ``bmm``); median ms, the
+               ratio, and the bank's memory. A row has --per-request adapter places (the worker's default 4),
+               one used.
   lora-load    the step of --images rows with adapters, timed with an adapter loaded into a free slot (on the
                bank's side stream) before every step, against the same steps with no load; and the load's own
                time (the host call, and until its copy is done).
@@ -116,6 +119,10 @@ def parse(argv: list[str] | None) -> list[tuple[object, argparse.Namespace]]:
     p.add_argument("--adapters", type=int, default=8, help="LoRA sections: adapters")
     p.add_argument("--rank", type=int, default=64, help="LoRA sections: the adapters' rank")
     p.add_argument("--images", type=int, default=16, help="lora-step and lora-load: rows of the step")
+    p.add_argument("--per-request", type=int, default=4, help="LoRA sections: adapter places a row (lora_per_request; "
+                                                              "a request names one, the others stay empty)")
+    p.add_argument("--lora-kernels", nargs="+", choices=("bmm", "triton"), default=["bmm", "triton"],
+                   help="lora-step: each kernel of the rows' terms (lora_kernel); the other sections run the first")
     p.add_argument("--out", type=Path, help="report folder (default docs/benchmarks; a temp folder with --smoke)")
     p.add_argument("--smoke", action="store_true", help="a tiny random model on a CPU (--family picks which)")
     p.add_argument("--family", choices=harness.FAMILIES, help=f"--smoke's model family ({by_group('family')}; "

@@ -75,11 +75,14 @@ def load_adapters(transformer, files: list[Path], rank: int) -> None:
         set_peft_model_state_dict(transformer, state, adapter_name=f"a{i}")
 
 
-def lora_engine(preset: str, model, files: list[Path], args, max_batch: int):
-    """The preset's engine over ``model`` with a bank of len(files) slots of rank --rank and every adapter
-    registered (none resident yet), or the reason the preset cannot run here."""
+def lora_engine(preset: str, model, files: list[Path], args, max_batch: int, kernel: str | None = None):
+    """The preset's engine over ``model`` with a bank of len(files) slots of rank --rank, --per-request places a
+    row and the rows' terms by ``kernel`` (default: the first of --lora-kernels), every adapter registered (none
+    resident yet); or the reason the preset cannot run here."""
     config, precision = harness.engine_config(preset, model.card.family, max_batch=max_batch,
-                                              lora_slots=len(files), lora_max_rank=args.rank, lora_per_request=1)
+                                              lora_slots=len(files), lora_max_rank=args.rank,
+                                              lora_per_request=args.per_request,
+                                              lora_kernel=kernel or args.lora_kernels[0])
     if (why := harness.unavailable(precision, model.device.type)) is not None:
         return None, why
     engine, warm_s = harness.build_engine(model, config)
@@ -106,15 +109,19 @@ def runner_and_inputs(engine, model, images: int, slots: list[int] | None):
     variant = family_of(model).variant_of(model, SimpleNamespace(guidance=float(model.card.defaults["guidance"])))
     runner = next(g.runner for k, g in engine.groups.items() if k.variant == variant)
     inputs = step_bench.step_inputs(engine, model, images)
-    if slots is not None:
-        inputs["lora_slots"] = torch.tensor(slots, device=model.device)[:, None]
-        inputs["lora_scales"] = torch.ones(images, 1, device=model.device)
+    if slots is not None:  # the row's adapter in its first place, the others empty (slot 0, scale 0)
+        places = engine.config.lora_per_request
+        inputs["lora_slots"] = torch.zeros(images, places, dtype=torch.int64, device=model.device)
+        inputs["lora_slots"][:, 0] = torch.tensor(slots, device=model.device)
+        inputs["lora_scales"] = torch.zeros(images, places, device=model.device)
+        inputs["lora_scales"][:, 0] = 1.0
     return runner, inputs
 
 
 # -- sections ----------------------------------------------------------------------------------------
 def step_section(preset: str, model, files, args, block: dict) -> None:
-    """One step of --images rows: without a bank, with the bank at slot 0, and across the adapters."""
+    """One step of --images rows: without a bank; then, for each of --lora-kernels, with the bank at slot 0 and
+    across the adapters."""
     iters = 3 if args.smoke else 20
     plain, warm_s = harness.build_engine(model, harness.engine_config(preset, model.card.family, max_batch=args.images)[0])
     runner, inputs = runner_and_inputs(plain, model, args.images, None)
@@ -122,23 +129,24 @@ def step_section(preset: str, model, files, args, block: dict) -> None:
         base = harness.stats(harness.wall_ms(lambda: runner.run(**inputs), iters))
     del plain, runner
     harness.free()
-    engine, why = lora_engine(preset, model, files, args, args.images)
-    if engine is None:
-        block[preset] = {"skipped": why}
-        return
-    names = [f"a{i}" for i in range(len(files))]
-    resident(engine, model, names)
-    slots = [engine.lora.banks[model.name].slot_of(names[i % len(names)]) for i in range(args.images)]
-    out = {"without_adapters": base}
-    for label, rows in (("bank_slot_0", None), ("across_adapters", slots)):
-        runner, inputs = runner_and_inputs(engine, model, args.images, rows)
-        with torch.no_grad():
-            out[label] = harness.stats(harness.wall_ms(lambda: runner.run(**inputs), iters))
-    out["ratio"] = round(out["across_adapters"]["median"] / base["median"], 4)
-    out["bank_mib"] = round(engine.lora.banks[model.name].nbytes / 2**20, 1)
-    block[preset] = out
-    del engine
-    harness.free()
+    out = block[preset] = {"without_adapters": base, "kernels": {}}
+    for kernel in args.lora_kernels:
+        engine, why = lora_engine(preset, model, files, args, args.images, kernel)
+        if engine is None:
+            block[preset] = {"skipped": why}
+            return
+        names = [f"a{i}" for i in range(len(files))]
+        resident(engine, model, names)
+        slots = [engine.lora.banks[model.name].slot_of(names[i % len(names)]) for i in range(args.images)]
+        got = out["kernels"][kernel] = {}
+        for label, rows in (("bank_slot_0", None), ("across_adapters", slots)):
+            runner, inputs = runner_and_inputs(engine, model, args.images, rows)
+            with torch.no_grad():
+                got[label] = harness.stats(harness.wall_ms(lambda: runner.run(**inputs), iters))
+        got["ratio"] = round(got["across_adapters"]["median"] / base["median"], 4)
+        out["bank_mib"] = round(engine.lora.banks[model.name].nbytes / 2**20, 1)
+        del engine, runner
+        harness.free()
 
 
 def load_section(preset: str, model, files, args, block: dict) -> None:
@@ -257,11 +265,13 @@ def markdown(result: dict) -> str:
     lines = [f"# Per-request LoRA: {result['model']}, {result['adapters']} adapters of rank {result['rank']}", "",
              harness.hardware_line(result["env"])]
     if s := result.get("step"):
-        lines += ["", f"## One step of {result['images']} images (median ms)", ""]
-        lines += harness.table(["preset", "no bank", "bank, no adapter", "across the adapters", "ratio", "bank MiB"],
-                               [[p, b["without_adapters"]["median"], b["bank_slot_0"]["median"],
-                                 b["across_adapters"]["median"], b["ratio"], b["bank_mib"]]
-                                for p, b in s.items() if "ratio" in b])
+        lines += ["", f"## One step of {result['images']} images, {result.get('per_request', 1)} adapter places a row "
+                  "(median ms)", ""]
+        lines += harness.table(["preset", "lora_kernel", "no bank", "bank, no adapter", "across the adapters",
+                                "ratio", "bank MiB"],
+                               [[p, k, b["without_adapters"]["median"], kb["bank_slot_0"]["median"],
+                                 kb["across_adapters"]["median"], kb["ratio"], b["bank_mib"]]
+                                for p, b in s.items() for k, kb in b.get("kernels", {}).items()])
     if ld := result.get("load"):
         lines += ["", f"## Loading an adapter between steps of {result['images']} rows (median ms)", ""]
         lines += harness.table(["preset", "step", "a load, then the step", "load call (host)", "load until copied",
@@ -293,6 +303,7 @@ def run(args) -> dict:
     workload, each on a fresh load of the model."""
     name = Path(str(args.models[0])).name
     result = {"model": name, "adapters": args.adapters, "rank": args.rank, "images": args.images, "loads": args.loads,
+              "per_request": args.per_request,
               "settings": {k: str(v) for k, v in vars(args).items() if k != "out"},
               "env": harness.environment(harness.device_and_dtype(args.smoke)[0]), "errors": {}}
     folder = Path(tempfile.mkdtemp(prefix="bench-lora-"))

@@ -65,7 +65,9 @@ def test_lora_times_a_step_across_adapters_and_a_load_between_steps(tmp_path):
     assert workload.main(argv) == 0
     r = json.loads((tmp_path / "lora_tiny-sd3.json").read_text())
     s, ld = r["step"]["default"], r["load"]["default"]
-    assert s["without_adapters"]["n"] == s["across_adapters"]["n"] == 3 and s["ratio"] > 0 and s["bank_mib"] > 0
+    assert set(s["kernels"]) == {"bmm", "triton"} and s["bank_mib"] > 0
+    for k in s["kernels"].values():
+        assert s["without_adapters"]["n"] == k["across_adapters"]["n"] == 3 and k["ratio"] > 0
     assert ld["load_call_ms"]["n"] >= 3 and ld["load_alone_ms"]["median"] > 0
     assert "One step of 4 images" in (tmp_path / "lora_tiny-sd3.md").read_text()
 
