@@ -138,7 +138,10 @@ def step_section(preset: str, model, files, args, block: dict) -> None:
         names = [f"a{i}" for i in range(len(files))]
         resident(engine, model, names)
         slots = [engine.lora.banks[model.name].slot_of(names[i % len(names)]) for i in range(args.images)]
-        got = out["kernels"][kernel] = {}
+        from workers.kernels import lora as lora_kernel
+
+        runs = kernel == "bmm" or lora_kernel.available(torch.empty(0, device=model.device, dtype=model.dtype))
+        got = out["kernels"][kernel] = {"ran": kernel if runs else "bmm"}
         for label, rows in (("bank_slot_0", None), ("across_adapters", slots)):
             runner, inputs = runner_and_inputs(engine, model, args.images, rows)
             with torch.no_grad():
@@ -269,7 +272,8 @@ def markdown(result: dict) -> str:
                   "(median ms)", ""]
         lines += harness.table(["preset", "lora_kernel", "no bank", "bank, no adapter", "across the adapters",
                                 "ratio", "bank MiB"],
-                               [[p, k, b["without_adapters"]["median"], kb["bank_slot_0"]["median"],
+                               [[p, k if kb.get("ran", k) == k else f"{k} (ran {kb['ran']})",
+                                 b["without_adapters"]["median"], kb["bank_slot_0"]["median"],
                                  kb["across_adapters"]["median"], kb["ratio"], b["bank_mib"]]
                                 for p, b in s.items() for k, kb in b.get("kernels", {}).items()])
     if ld := result.get("load"):
