@@ -138,8 +138,9 @@ def test_the_real_autoscaler_launches_nodes_for_the_backlog_and_terminates_them_
         time.sleep(2.0)
         assert _worker_nodes() == set() and svc.scheduler.workers == {}
         done = 0
-        # round 0: 16 items of 200 steps, 8 on each of two workers (seconds of stepping: the node goes meanwhile)
-        for round_, (labels, per_label, steps, want_nodes) in enumerate([(list(range(8)), 2, 200, 2),
+        # round 0: 64 items of 200 steps, up to 8 held by each of two workers at a time, the queue not drained for
+        # seconds of stepping: the node goes while its worker holds items, however fast a loaded machine steps
+        for round_, (labels, per_label, steps, want_nodes) in enumerate([(list(range(8)), 8, 200, 2),
                                                                           ([3], 4, 50, 1)]):
             job = client.submit(labels=labels, num_per_label=per_label, steps=steps, seed=round_)
             _wait_for(lambda: len(_worker_nodes()) >= want_nodes, 120, f"{want_nodes} worker node(s) launched")
