@@ -148,6 +148,9 @@ def step_section(preset: str, model, files, args, block: dict) -> None:
                 got[label] = harness.stats(harness.wall_ms(lambda: runner.run(**inputs), iters))
         got["ratio"] = round(got["across_adapters"]["median"] / base["median"], 4)
         out["bank_mib"] = round(engine.lora.banks[model.name].nbytes / 2**20, 1)
+        from workers.lora import remove_lora
+
+        remove_lora(model)  # the next kernel's engine wraps the plain linears again
         del engine, runner
         harness.free()
 

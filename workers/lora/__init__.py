@@ -14,9 +14,10 @@ those inputs. Loading an adapter (``bank.load``) writes into the bank in place: 
 
 from workers.lora.bank import LoraBank
 from workers.lora.formats import Adapter, LoraError, LoraWeights, from_state_dict, read_adapter
-from workers.lora.linear import LoraLinear, apply_lora, lora_delta, lora_rows, lora_specs, unreached, with_lora
+from workers.lora.linear import (LoraLinear, apply_lora, lora_delta, lora_rows, lora_specs, remove_lora, unreached,
+                                 with_lora)
 from workers.lora.validate import linear_shapes, reached, validate
 
 __all__ = ["Adapter", "LoraBank", "LoraError", "LoraLinear", "LoraWeights", "apply_lora", "from_state_dict",
-           "linear_shapes", "lora_delta", "lora_rows", "lora_specs", "reached", "read_adapter", "unreached", "validate",
-           "with_lora"]
+           "linear_shapes", "lora_delta", "lora_rows", "lora_specs", "reached", "read_adapter", "remove_lora",
+           "unreached", "validate", "with_lora"]

@@ -183,6 +183,21 @@ def lora_rows(bank, lora_slots: torch.Tensor, lora_scales: torch.Tensor) -> Iter
         bank.row_slots = bank.row_scales = None
 
 
+def remove_lora(model) -> list[str]:
+    """Undo ``apply_lora``: each ``LoraLinear`` of ``model``'s transformer replaced by its base, which loses the term
+    handed to it; the paths unwrapped."""
+    transformer = getattr(model, "transformer", model)
+    done = []
+    for name, module in list(transformer.named_modules()):
+        if isinstance(module, LoraLinear):
+            parent_name, _, child = name.rpartition(".")
+            parent = transformer.get_submodule(parent_name) if parent_name else transformer
+            parent._modules[child] = module.base
+            set_row_term(module.base, None)
+            done.append(name)
+    return done
+
+
 def with_lora(step: Callable[..., dict], bank) -> Callable[..., dict]:
     """``step`` taking the rows' ``lora_slots`` (B, P) and ``lora_scales`` (B, P) too (``lora_specs``), which the
     bank's wrapped linears read for the length of the call. Slots outside the bank (-1, a padding row's) read

@@ -217,3 +217,19 @@ def test_dynamo_traces_a_lora_step_whole_with_one_graph_for_every_batch():
                                        step(lora_slots=slots, lora_scales=scales, x=x)["y"])
     assert counters["stats"]["unique_graphs"] == 1
     assert bank.row_slots is None
+
+
+def test_removing_the_wrap_gives_back_the_plain_linears():
+    from workers.lora import remove_lora
+    from workers.speed.terms import row_term
+
+    transformer, bank, inputs, slots, scales, _ = _batch("flux", references=False)
+    with_adapters = _run(transformer, bank, inputs, slots, scales)
+    wrapped = [n for n, m in transformer.named_modules() if isinstance(m, LoraLinear)]
+    assert sorted(remove_lora(transformer)) == sorted(wrapped) and wrapped
+    assert not any(isinstance(m, LoraLinear) for m in transformer.modules())
+    assert all(row_term(transformer.get_submodule(n)) is None for n in wrapped)
+    plain = _run(transformer, bank, inputs, slots, scales)  # the rows' slots are set, and nothing reads them
+    assert not torch.allclose(plain, with_adapters)
+    assert len(apply_lora(transformer, bank)) == len(wrapped)  # wrapped again, as before
+    torch.testing.assert_close(_run(transformer, bank, inputs, slots, scales), with_adapters)
