@@ -19,7 +19,8 @@ the scale. A place whose slot is 0 is skipped in both (nothing read, nothing mul
 adapters costs a launch's programs that return at once, and a row with one adapter of P places reads ``x``
 once and multiplies R columns, where the gathered products copy and multiply all P R. Products accumulate in
 float32; ``h`` is stored in ``x``'s dtype, as the gathered products' is. Float32 inputs multiply in IEEE
-float32 (no TF32), so float32 tests compare exactly enough.
+float32 (no TF32), so float32 tests compare exactly enough. Given the linear's own output (``base``), the expand
+kernel adds the term to it as it stores (a wrapped linear's output in one pass, not a term and then a sum).
 
 It is a ``torch.library`` custom op (``dit_serve::lora_rows``) with a fake implementation: a compiled step calls
 it as one opaque kernel and CUDA graphs capture it (the slots are read on the GPU; nothing on the host).
@@ -80,8 +81,9 @@ if triton is not None:
                      acc.to(h_ptr.dtype.element_ty), mask=(offs_t[:, None] < T) & (offs_r[None, :] < R))
 
     @triton.jit
-    def _expand(h_ptr, b_ptr, slots_ptr, scales_ptr, y_ptr, T, O, R, P, sh_n, sh_t, sb_s, sb_o, sy_n, sy_t,
-                BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr):
+    def _expand(h_ptr, b_ptr, slots_ptr, scales_ptr, base_ptr, y_ptr, T, O, R, P, sh_n, sh_t, sb_s, sb_o,
+                sbase_n, sbase_t, sy_n, sy_t, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
+                IEEE: tl.constexpr, HAS_BASE: tl.constexpr):
         n, tb, ob = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -99,12 +101,16 @@ if triton is not None:
                     acc += tl.dot(ht, bt, input_precision="ieee") * scale
                 else:
                     acc += tl.dot(ht, bt) * scale
+        mask = (offs_t[:, None] < T) & (offs_o[None, :] < O)
+        if HAS_BASE:
+            acc += tl.load(base_ptr + n * sbase_n + offs_t[:, None] * sbase_t + offs_o[None, :], mask=mask,
+                           other=0.0).to(tl.float32)
         tl.store(y_ptr + n * sy_n + offs_t[:, None] * sy_t + offs_o[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=(offs_t[:, None] < T) & (offs_o[None, :] < O))
+                 mask=mask)
 
 
 def _launch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-            scales: torch.Tensor) -> torch.Tensor:
+            scales: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
     n, fin = x.shape[0], x.shape[-1]
     rows = x.reshape(n, -1, fin)
     if rows.stride(-1) != 1:
@@ -113,25 +119,33 @@ def _launch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tens
     a, b = a.to(x.dtype), b.to(x.dtype)  # no copy where the bank is in the activations' dtype (it is made so)
     slots, scales = slots.contiguous(), scales.to(torch.float32).contiguous()
     h = torch.empty((n, t, p * r), dtype=x.dtype, device=x.device)
-    y = torch.empty((n, t, fout), dtype=x.dtype, device=x.device)
+    if base is not None:
+        base = base.reshape(n, t, fout)
+        if base.stride(-1) != 1:
+            base = base.contiguous()
+    y = torch.empty((n, t, fout), dtype=x.dtype if base is None else base.dtype, device=x.device)
+    on = base if base is not None else y  # the base's pointer and strides (unread without one)
     block_r, ieee = _pow2(r), x.dtype == torch.float32
     _shrink[(n, triton.cdiv(t, BLOCK_T), p)](
         rows, a, slots, h, t, fin, r, p, rows.stride(0), rows.stride(1), a.stride(0), a.stride(1),
         h.stride(0), h.stride(1), BLOCK_T=BLOCK_T, BLOCK_R=block_r, BLOCK_K=BLOCK_K, IEEE=ieee)
     _expand[(n, triton.cdiv(t, BLOCK_T), triton.cdiv(fout, BLOCK_O))](
-        h, b, slots, scales, y, t, fout, r, p, h.stride(0), h.stride(1), b.stride(0), b.stride(1),
-        y.stride(0), y.stride(1), BLOCK_T=BLOCK_T, BLOCK_O=BLOCK_O, BLOCK_R=block_r, IEEE=ieee)
+        h, b, slots, scales, on, y, t, fout, r, p, h.stride(0), h.stride(1), b.stride(0), b.stride(1),
+        on.stride(0), on.stride(1), y.stride(0), y.stride(1), BLOCK_T=BLOCK_T, BLOCK_O=BLOCK_O, BLOCK_R=block_r,
+        IEEE=ieee, HAS_BASE=base is not None)
     return y.view(*x.shape[:-1], fout)
 
 
 @torch.library.custom_op("dit_serve::lora_rows", mutates_args=())
-def lora_rows(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-              scales: torch.Tensor) -> torch.Tensor:
+def lora_rows(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor,
+              base: torch.Tensor | None = None) -> torch.Tensor:
     """The per-row LoRA term (module docstring) of ``x`` (N, ..., in) -> (N, ..., out), for a bank's ``a``
-    (S, R, in) and ``b`` (S, out, R), and the rows' ``slots`` (N, P) int64 (in 0..S-1) and ``scales`` (N, P)."""
-    return _launch(x, a, b, slots, scales)
+    (S, R, in) and ``b`` (S, out, R), and the rows' ``slots`` (N, P) int64 (in 0..S-1) and ``scales`` (N, P); with
+    ``base`` (N, ..., out), ``base`` plus the term (added in the expand kernel: no pass of its own), in its dtype."""
+    return _launch(x, a, b, slots, scales, base)
 
 
 @lora_rows.register_fake
-def _(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], b.shape[1]))
+def _(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor,
+      base: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], b.shape[1]), dtype=x.dtype if base is None else base.dtype)

@@ -91,9 +91,10 @@ def lora_specs(per_request: int) -> dict[str, TensorSpec]:
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-               scales: torch.Tensor, kernel: str = "bmm") -> torch.Tensor:
+               scales: torch.Tensor, kernel: str = "bmm", base: torch.Tensor | None = None) -> torch.Tensor:
     """The per-row LoRA term (module docstring) of ``x`` (N, ..., in) -> (N, ..., out), for a bank's ``a`` (S, R, in)
-    and ``b`` (S, out, R), rows' ``slots`` (M, P) int64 and ``scales`` (M, P), N = k M (k copies of the rows).
+    and ``b`` (S, out, R), rows' ``slots`` (M, P) int64 and ``scales`` (M, P), N = k M (k copies of the rows); with
+    ``base`` (N, ..., out), ``base`` plus the term, added inside the second product (no pass of its own).
     ``kernel`` "triton": ``workers.kernels.lora`` where it runs (it reads the adapters in place and skips empty
     places), else the gathered batched products."""
     n, m = x.shape[0], slots.shape[0]
@@ -102,7 +103,7 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.T
             raise ValueError(f"a LoRA linear's input has {n} rows, not a multiple of the step's {m}")
         slots, scales = slots.repeat(n // m, 1), scales.repeat(n // m, 1)              # (N, P)
     if kernel == "triton" and lora_kernel.available(x):
-        return lora_kernel.lora_rows(x, a, b, slots, scales)
+        return lora_kernel.lora_rows(x, a, b, slots, scales, base)
     p, r = slots.shape[1], a.shape[1]
     rows = x.reshape(n, -1, x.shape[-1])                                                # (N, T, in)
     index = slots.reshape(-1)                                                           # (N P,)
@@ -110,7 +111,11 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.T
     up = b.index_select(0, index).view(n, p, -1, r).to(x.dtype)                         # (N, P, out, R)
     up = (up * scales.to(x.dtype)[:, :, None, None]).transpose(2, 3).reshape(n, p * r, -1)  # (N, P R, out)
     h = torch.bmm(rows, down.transpose(1, 2))                                           # (N, T, P R)
-    return torch.bmm(h, up).view(*x.shape[:-1], up.shape[-1])                           # (N, ..., out)
+    if base is None:
+        return torch.bmm(h, up).view(*x.shape[:-1], up.shape[-1])                       # (N, ..., out)
+    if base.dtype != x.dtype:
+        return base + torch.bmm(h, up).view(base.shape).to(base.dtype)
+    return torch.baddbmm(base.reshape(n, -1, base.shape[-1]), h, up).view(base.shape)  # base + h up, one product
 
 
 class LoraLinear(nn.Module):
@@ -134,8 +139,10 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        delta = self.term(x)
-        return y if delta is None else y + delta.to(y.dtype)
+        slots, scales = self.bank.row_slots, self.bank.row_scales
+        if slots is None:
+            return y
+        return lora_delta(self._input(x), self.lora_a, self.lora_b, slots, scales, self.bank.kernel, base=y)
 
     def term(self, x: torch.Tensor) -> torch.Tensor | None:
         """The rows' adapters' term (N, ..., out) for the base's input ``x`` (N, ..., in); None outside a LoRA

@@ -48,6 +48,8 @@ for case in CASES:
     err = float((got - want).abs().max() / want.abs().max())
     assert err < 1e-5, (case, err)
     assert got[0].abs().max() == 0  # the row without adapters
+    base = torch.randn(want.shape)
+    torch.testing.assert_close(lora_rows(x, a, b, slots, scales, base), base + want, rtol=1e-5, atol=1e-4)
 x, a, b, slots, scales = _inputs(CASES[0])
 cfg = torch.cat([x, 2 * x])  # CFG's two copies of the rows: each copy gets its row's adapters
 got = lora_delta(cfg, a, b, slots, scales, kernel="triton")
@@ -96,6 +98,9 @@ def test_the_kernels_on_cuda_in_a_graph_and_compiled(case, dtype, tol):
     assert rel(out) < tol
     compiled = torch.compile(lambda *v: lora_rows(*v) * 2, dynamic=True, fullgraph=True)
     assert float((compiled(x, a, b, slots, scales).float() / 2 - want).abs().max() / want.abs().max()) < tol
+    base = torch.randn(want.shape, device="cuda").to(dtype)  # the linear's output, the term added as it is stored
+    got = lora_rows(x, a, b, slots, scales, base).float() - base.float()
+    assert rel(got) < tol + (2e-2 if dtype == torch.bfloat16 else 0)  # the sum rounded once more in bf16
 
 
 ENGINE = """

@@ -233,3 +233,14 @@ def test_removing_the_wrap_gives_back_the_plain_linears():
     assert not torch.allclose(plain, with_adapters)
     assert len(apply_lora(transformer, bank)) == len(wrapped)  # wrapped again, as before
     torch.testing.assert_close(_run(transformer, bank, inputs, slots, scales), with_adapters)
+
+
+def test_the_term_added_inside_the_product_equals_the_term_added_after():
+    """``lora_delta(..., base=y)`` (the wrapped linear's path: the sum inside ``baddbmm``) equals ``y`` plus the term,
+    for token and plain inputs and CFG's repeated rows."""
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(4, 5, 16, generator=g), torch.randn(4, 24, 5, generator=g)
+    slots, scales = torch.tensor([[1, 0], [2, 3], [0, 0]]), torch.randn(3, 2, generator=g)
+    for x in (torch.randn(3, 7, 16, generator=g), torch.randn(3, 16, generator=g), torch.randn(6, 7, 16, generator=g)):
+        y = torch.randn(*x.shape[:-1], 24, generator=g)
+        torch.testing.assert_close(lora_delta(x, a, b, slots, scales, base=y), y + lora_delta(x, a, b, slots, scales))
