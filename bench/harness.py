@@ -275,6 +275,14 @@ def _jsonable(value):
     raise TypeError(f"not JSON: {type(value).__name__}")
 
 
+def notes(result: dict, sections) -> list[str]:
+    """A report's closing markdown lines: each system a section skipped (its ``{"skipped": why}``), and each part
+    that failed (``attempt``'s ``errors``)."""
+    lines = [f"\n{s} skipped ({section}): {b['skipped']}" for section in sections
+             for s, b in result.get(section, {}).items() if isinstance(b, dict) and "skipped" in b]
+    return lines + [f"\n- {part} failed: `{err.splitlines()[0][:300]}`" for part, err in result.get("errors", {}).items()]
+
+
 def write_report(out: Path, name: str, result: dict, markdown: str) -> list[Path]:
     """``out/name.json`` and ``out/name.md``, overwritten: the workload's one current report."""
     out.mkdir(parents=True, exist_ok=True)

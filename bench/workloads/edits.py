@@ -249,11 +249,7 @@ def markdown(result: dict) -> str:
                              per, f"{alone['p50_ms']:.0f} / {alone['p99_ms']:.0f}"])
         lines += harness.table(["system", "max sustained", "offered", "images/s", "p50 / p99 by kind",
                                 "text alone p50 / p99"], rows)
-    for section in SECTION:
-        lines += [f"\n{s} skipped ({section}): {b['skipped']}" for s, b in result.get(section, {}).items()
-                  if isinstance(b, dict) and "skipped" in b]
-    lines += [f"\n- {part} failed: `{err.splitlines()[0][:300]}`" for part, err in result.get("errors", {}).items()]
-    return "\n".join(lines)
+    return "\n".join(lines + harness.notes(result, SECTION))
 
 
 def run(args) -> dict:

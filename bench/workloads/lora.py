@@ -298,11 +298,7 @@ def markdown(result: dict) -> str:
         lines += harness.table(["system", "requests", "max sustained", *(f"at {x} images/s" for x in loads)], rows)
         ratios = {s: b["with_over_without"] for s, b in m.items() if "with_over_without" in b}
         lines += ["", "With adapters over without (max sustained): " + ", ".join(f"{s} {r}" for s, r in ratios.items())]
-    for section in SECTION:
-        lines += [f"\n{s} skipped ({section}): {b['skipped']}" for s, b in result.get(section, {}).items()
-                  if isinstance(b, dict) and "skipped" in b]
-    lines += [f"\n- {part} failed: `{err.splitlines()[0][:300]}`" for part, err in result.get("errors", {}).items()]
-    return "\n".join(lines)
+    return "\n".join(lines + harness.notes(result, SECTION))
 
 
 def run(args) -> dict:

@@ -121,11 +121,7 @@ def markdown(result: dict) -> str:
         lines += harness.table(["system", "requests", "identical", "max uint8 diff", "mean"],
                                [[s, b["requests"], b["identical_images"], b["max_uint8_diff"], b["mean_uint8_diff"]]
                                 for s, b in c.items() if "requests" in b])
-    for section in SECTION:
-        lines += [f"\n{s} skipped ({section}): {b['skipped']}" for s, b in result.get(section, {}).items()
-                  if isinstance(b, dict) and "skipped" in b]
-    lines += [f"\n- {part} failed: `{err.splitlines()[0][:300]}`" for part, err in result.get("errors", {}).items()]
-    return "\n".join(lines)
+    return "\n".join(lines + harness.notes(result, SECTION))
 
 
 def run(args) -> dict:
