@@ -192,7 +192,7 @@ def step_tables(model: LoadedModel, plans: list[Plan], reqs: list[ItemSpec],
     if not table_specs(model):
         return [{} for _ in reqs]
     family = family_of(model)
-    if bank is None or not conds or "lora_slots" not in conds[0]:
+    if bank is None:
         return family.step_tables(model, plans, reqs, conds)
     rows = lambda key: torch.cat([c[key][None].expand(p.num_steps, -1) for c, p in zip(conds, plans)])
     with lora_rows(bank, rows("lora_slots").to(model.device), rows("lora_scales").to(model.device)):
@@ -294,12 +294,12 @@ class Engine:
         """``m``'s adapter bank over the linears its sped-up step calls (module docstring), its linears wrapped."""
         shape = tuple(m.latent_shape)
         step = family_of(m).make_step(m, shape)
-        example = self.warmup_example(m, shape) or _zeros(step_specs(m, shape)[0], m.device)
-        with torch.no_grad():  # the step, and what admission computes with the model (its modulation tables)
-            targets = reached(m.transformer, lambda: (step(**example), self.warmup_example(m, shape)))
+        with torch.no_grad():  # the example made as admission makes a row (its modulation tables too), then stepped
+            targets = reached(m.transformer, lambda: step(**(self.warmup_example(m, shape)
+                                                             or _zeros(step_specs(m, shape)[0], m.device))))
         bank = self.lora.add_model(m.name, m.transformer, targets)
         apply_lora(m.transformer, bank)
-        if bank.kernel == "triton" and not lora_kernel.available(torch.empty(0, device=m.device, dtype=m.dtype)):
+        if bank.kernel == "triton" and not lora_kernel.runs_on(m.device, m.dtype):
             log.warning("%s: lora_kernel 'triton' needs CUDA and Triton; its adapters' terms run as 'bmm'", m.name)
         log.info("%s: adapter bank of %d slots, rank %d, over %d of its linears (%.1f MB)", m.name, bank.slots,
                  bank.max_rank, len(bank.targets), bank.nbytes / 1e6)
@@ -502,9 +502,9 @@ class Engine:
             group = self.groups[key]
             family = family_of(group.model)
             conds = family.encode(group.model, group_reqs)
-            if self.lora is not None and group.model.name in self.lora.banks:  # the rows' slots and scales
-                conds = [{**c, **self.lora.row(r.loras, group.model.name)} for r, c in zip(group_reqs, conds)]
             bank = self.lora.banks.get(group.model.name) if self.lora is not None else None
+            if bank is not None:  # the rows' slots and scales
+                conds = [{**c, **self.lora.row(r.loras, group.model.name)} for r, c in zip(group_reqs, conds)]
             tables = step_tables(group.model, [b.plan for b in begun[key]], group_reqs, conds, bank)
             admitted += [(group, r, b, c, tb) for r, b, c, tb in zip(group_reqs, begun[key], conds, tables)]
         for group, req, start, cond, tables in admitted:

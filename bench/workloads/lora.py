@@ -140,7 +140,7 @@ def step_section(preset: str, model, files, args, block: dict) -> None:
         slots = [engine.lora.banks[model.name].slot_of(names[i % len(names)]) for i in range(args.images)]
         from workers.kernels import lora as lora_kernel
 
-        runs = kernel == "bmm" or lora_kernel.available(torch.empty(0, device=model.device, dtype=model.dtype))
+        runs = kernel == "bmm" or lora_kernel.runs_on(model.device, model.dtype)
         got = out["kernels"][kernel] = {"ran": kernel if runs else "bmm"}
         for label, rows in (("bank_slot_0", None), ("across_adapters", slots)):
             runner, inputs = runner_and_inputs(engine, model, args.images, rows)

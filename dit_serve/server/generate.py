@@ -180,7 +180,7 @@ def _edit(card, a: GenerateArgs) -> tuple[dict, dict, tuple[int, int] | None]:
     takes_image, takes_mask and max_images), as UsageErrors naming the option."""
     import hashlib
 
-    from dit_serve.schemas import InputImage
+    from dit_serve.schemas import InputImage, input_name
     from workers.request import images
 
     if a.image is None:
@@ -205,7 +205,7 @@ def _edit(card, a: GenerateArgs) -> tuple[dict, dict, tuple[int, int] | None]:
         except ValueError as e:
             raise UsageError(f"--{e}") from None
     files = {name: path for name, path in (("image", a.image), ("mask", a.mask),
-                                           *((f"image{i}", p) for i, p in enumerate(a.extra_images, 2)))
+                                           *((input_name(i), p) for i, p in enumerate(a.extra_images, 1)))
              if path is not None}
     data, decoded = {}, {}
     for name, path in files.items():
@@ -224,7 +224,7 @@ def _edit(card, a: GenerateArgs) -> tuple[dict, dict, tuple[int, int] | None]:
         except images.ImageError as e:
             raise UsageError(f"--{e}") from None
     if card.edit == "reference":  # the images are the step's references: no strength
-        names = ["image", *(f"image{i}" for i in range(2, len(a.extra_images) + 2))]
+        names = [input_name(i) for i in range(1 + len(a.extra_images))]
         refs = [InputImage(sha256=hashlib.sha256(data[n]).hexdigest(), width=decoded[n].width,
                            height=decoded[n].height) for n in names]
         spec = {"image": data["image"], "extra_images": tuple(data[n] for n in names[1:])}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import threading
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -26,6 +27,27 @@ def png(size=(40, 28), color=(90, 120, 200)) -> bytes:
     out = io.BytesIO()
     Image.new("RGB", size, color).save(out, format="PNG")
     return out.getvalue()
+
+
+@contextmanager
+def fake_worker(svc, name: str, models: list[str], out=(64, 64)):
+    """A worker ``name`` in a thread while the block runs: it leases ``models``' items, keeps their specs (the list
+    yielded) and commits a PNG of size ``out`` for each."""
+    specs, stop = [], threading.Event()
+
+    def work():
+        while not stop.wait(0.02):
+            for lease in svc.store.lease(name, models, 16, 60.0):
+                specs.append(lease.spec)
+                svc.store.commit_result(lease, png(out))
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    try:
+        yield specs
+    finally:
+        stop.set()
+        thread.join(5)
 
 
 def transparent_left(size=(40, 28)) -> bytes:
@@ -90,17 +112,7 @@ def test_a_mask_or_a_strength_is_a_400_naming_it_and_stores_nothing(svc, http, e
 
 
 def test_images_edits_takes_its_one_image_as_the_reference(svc, http):
-    specs, stop = [], threading.Event()
-
-    def work():
-        while not stop.wait(0.02):
-            for lease in svc.store.lease("test-openai", [NAME], 16, 60.0):
-                specs.append(lease.spec)
-                svc.store.commit_result(lease, png((64, 64)))
-
-    thread = threading.Thread(target=work, daemon=True)
-    thread.start()
-    try:
+    with fake_worker(svc, "test-openai", [NAME]) as specs:
         source = png((30, 30))
         r = http.post("/v1/images/edits", files={"image": ("in.png", source, "image/png")},
                       data={"model": NAME, "prompt": "add a hat", "n": "1", "response_format": "b64_json"})
@@ -109,9 +121,6 @@ def test_images_edits_takes_its_one_image_as_the_reference(svc, http):
         (spec,) = specs
         assert (spec.image, spec.mask, spec.strength, spec.prompt) == (source, b"", 1.0, "add a hat")
         assert (spec.width, spec.height) == (64, 64)
-    finally:
-        stop.set()
-        thread.join(5)
     err = _error(http.post("/v1/images/edits", files={"image": ("in.png", png(), "image/png"),
                                                        "mask": ("m.png", transparent_left(), "image/png")},
                            data={"model": NAME, "prompt": "x"}), 400)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import io
-import threading
 
 import httpx
 import pytest
@@ -27,16 +26,11 @@ from PIL import Image
 from dit_serve.server.service import Service
 
 from .conftest import service_config
+from .test_kontext_api import _error, fake_worker, png
 from .test_web_page import _find, _js, _js_errors, _wait, browser  # noqa: F401 (browser: the page's fixture)
 
 NAME = "qwen-edit-tiny"
 PLUS = "qwen-edit-plus-tiny"
-
-
-def png(size=(40, 28), color=(90, 120, 200)) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", size, color).save(out, format="PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +59,6 @@ def svc(model_dir, plus_dir, tmp_path_factory):
 def http(svc):
     with httpx.Client(base_url=svc.url, timeout=30) as h:
         yield h
-
-
-def _error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    return r.json()["error"]
 
 
 def test_the_card_takes_a_reference_image_and_needs_one(http):
@@ -124,17 +113,7 @@ def test_no_image_a_mask_or_a_strength_is_a_400_naming_it_and_stores_nothing(htt
 
 
 def test_images_edits_takes_its_one_image_as_the_reference_and_generations_are_refused(svc, http):
-    specs, stop = [], threading.Event()
-
-    def work():
-        while not stop.wait(0.02):
-            for lease in svc.store.lease("test-openai", [NAME], 16, 60.0):
-                specs.append(lease.spec)
-                svc.store.commit_result(lease, png((64, 64)))
-
-    thread = threading.Thread(target=work, daemon=True)
-    thread.start()
-    try:
+    with fake_worker(svc, "test-openai", [NAME]) as specs:
         source = png((30, 30))
         r = http.post("/v1/images/edits", files={"image": ("in.png", source, "image/png")},
                       data={"model": NAME, "prompt": "add a hat", "n": "1", "response_format": "b64_json"})
@@ -143,9 +122,6 @@ def test_images_edits_takes_its_one_image_as_the_reference_and_generations_are_r
         (spec,) = specs
         assert (spec.image, spec.mask, spec.strength, spec.prompt) == (source, b"", 1.0, "add a hat")
         assert (spec.width, spec.height) == (64, 64)
-    finally:
-        stop.set()
-        thread.join(5)
     err = _error(http.post("/v1/images/generations", json={"model": NAME, "prompt": "a cat"}), 400)
     assert err["param"] == "model" and "/v1/images/edits" in err["message"]
 
@@ -245,17 +221,7 @@ def test_a_bad_image_of_a_list_is_a_400_naming_it(http):
 
 
 def test_the_openai_client_edits_with_several_images_as_the_plus_references(svc, http):
-    specs, stop = [], threading.Event()
-
-    def work():
-        while not stop.wait(0.02):
-            for lease in svc.store.lease("test-openai-plus", [PLUS], 16, 60.0):
-                specs.append(lease.spec)
-                svc.store.commit_result(lease, png((64, 64)))
-
-    thread = threading.Thread(target=work, daemon=True)
-    thread.start()
-    try:
+    with fake_worker(svc, "test-openai-plus", [PLUS]) as specs:
         import openai
 
         client = openai.OpenAI(base_url=f"{svc.url}/v1", api_key="none", max_retries=0)
@@ -265,9 +231,6 @@ def test_the_openai_client_edits_with_several_images_as_the_plus_references(svc,
         assert len(r.data) == 1
         (spec,) = specs
         assert (spec.image, spec.extra_images) == (a, (b,))
-    finally:
-        stop.set()
-        thread.join(5)
     two = [("image", ("a.png", a, "image/png")), ("image", ("b.png", b, "image/png"))]
     err = _error(http.post("/v1/images/edits", files=two, data={"model": NAME, "prompt": "x"}), 400)
     assert err["param"] == "image" and "one input image" in err["message"]

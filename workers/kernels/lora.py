@@ -44,12 +44,18 @@ BLOCK_K = 64   # the input features a shrink step multiplies
 BLOCK_O = 64   # outputs per expand program
 
 
-def available(x: torch.Tensor) -> bool:
-    """Whether the kernels serve ``x``: Triton present and ``x`` on CUDA (or on a CPU under Triton's
-    interpreter, ``TRITON_INTERPRET=1``), float32, bfloat16 or float16."""
-    if triton is None or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+def runs_on(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether the kernels serve tensors of ``dtype`` (float32, bfloat16 or float16) on ``device``: Triton present
+    and a CUDA device (or a CPU under Triton's interpreter, ``TRITON_INTERPRET=1``)."""
+    if triton is None or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    kind = torch.device(device).type
+    return kind == "cuda" or (kind == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the kernels serve ``x`` (``runs_on`` its device and dtype)."""
+    return runs_on(x.device, x.dtype)
 
 
 def _pow2(n: int, least: int = 16) -> int:

@@ -26,7 +26,6 @@ from dit_serve.server.store.base import StoreBase
 from dit_serve.server.store.tables import uploads
 
 
-
 class UploadQuotaFull(RuntimeError):
     """An upload that would take its tenant's uploads past their bound: nothing was stored."""
 
