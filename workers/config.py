@@ -90,10 +90,10 @@ class WorkerConfig(BaseModel):
     lora_max_rank: int = Field(64, ge=1, le=1024, description="the largest adapter rank the bank holds (smaller "
                                "ranks are zero-padded)")
     lora_per_request: int = Field(4, ge=1, le=16, description="adapters one request may apply")
-    lora_kernel: Literal["bmm", "triton"] = Field("bmm", description="how the rows' adapter terms are computed: "
-                                                  "'bmm' gathers each row's adapters and multiplies them in two "
-                                                  "batched products; 'triton' reads them in place and skips empty "
-                                                  "places (CUDA with Triton; elsewhere 'bmm')")
+    lora_kernel: Literal["bmm", "triton"] = Field("triton", description="how the rows' adapter terms are "
+                                                  "computed: 'triton' reads each row's adapters in place and skips "
+                                                  "empty places (CUDA with Triton; elsewhere 'bmm'); 'bmm' gathers "
+                                                  "each row's adapters and multiplies them in two batched products")
     lora_dir: str = Field("", max_length=500, description="every *.safetensors in it becomes an adapter named by "
                           "its stem (its model: a <stem>.json sidecar's \"model\", or the file's metadata key "
                           "\"dit_serve.model\"; else any served model of a matching family)")

@@ -299,8 +299,8 @@ class Engine:
                                                              or _zeros(step_specs(m, shape)[0], m.device))))
         bank = self.lora.add_model(m.name, m.transformer, targets)
         apply_lora(m.transformer, bank)
-        if bank.kernel == "triton" and not lora_kernel.runs_on(m.device, m.dtype):
-            log.warning("%s: lora_kernel 'triton' needs CUDA and Triton; its adapters' terms run as 'bmm'", m.name)
+        if bank.kernel == "triton" and m.device.type == "cuda" and not lora_kernel.runs_on(m.device, m.dtype):
+            log.warning("%s: lora_kernel 'triton' needs Triton; its adapters' terms run as 'bmm'", m.name)
         log.info("%s: adapter bank of %d slots, rank %d, over %d of its linears (%.1f MB)", m.name, bank.slots,
                  bank.max_rank, len(bank.targets), bank.nbytes / 1e6)
 
