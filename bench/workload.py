@@ -123,6 +123,9 @@ def parse(argv: list[str] | None) -> list[tuple[object, argparse.Namespace]]:
                                                               "a request names one, the others stay empty)")
     p.add_argument("--lora-kernels", nargs="+", choices=("bmm", "triton"), default=["bmm", "triton"],
                    help="lora-step: each kernel of the rows' terms (lora_kernel); the other sections run the first")
+    p.add_argument("--lora-targets", nargs="*", default=[], metavar="REGEX",
+                   help="LoRA sections: the linears the bank holds (lora_targets; default: every one the step "
+                        "reaches); 'adapters' names the adapters' own targets")
     p.add_argument("--out", type=Path, help="report folder (default docs/benchmarks; a temp folder with --smoke)")
     p.add_argument("--smoke", action="store_true", help="a tiny random model on a CPU (--family picks which)")
     p.add_argument("--family", choices=harness.FAMILIES, help=f"--smoke's model family ({by_group('family')}; "

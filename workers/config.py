@@ -25,6 +25,7 @@ picks, for experts and benchmarks; left unset, the speed decides.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -98,10 +99,27 @@ class WorkerConfig(BaseModel):
                           "its stem (its model: a <stem>.json sidecar's \"model\", or the file's metadata key "
                           "\"dit_serve.model\"; else any served model of a matching family)")
     lora_max_bytes: int = Field(512 << 20, ge=1, description="the largest adapter file accepted")
+    lora_targets: tuple[str, ...] = Field((), max_length=64, description="regular expressions: the bank holds the "
+                                          "linears whose paths one of them matches (re.search), e.g. "
+                                          "[\"attn\"] for adapters on the attention alone; empty: every linear "
+                                          "the served step reaches. Linears left out keep their fast paths (the "
+                                          "GELU epilogue) and cost nothing; an adapter targeting one is refused")
     precision: dict[str, Precision] = Field(
         default_factory=dict, description="per model, over the speed: 'fp8' runs its transformer blocks' linears "
         "as FP8 matrix products (compute capability 8.9+: Ada, Hopper; refused on others); 'fp8+attention' also "
         "SD3's and FLUX.1's joint attention (Hopper, with the cuDNN frontend); 'bf16': the model's dtype")
+
+    @field_validator("lora_targets")
+    @classmethod
+    def _patterns(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in v:
+            if not pattern or len(pattern) > 200:
+                raise ValueError(f"a lora_targets pattern needs 1 to 200 characters (got {pattern!r})")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"lora_targets pattern {pattern!r} is not a regular expression: {e}") from None
+        return v
 
     @field_validator("warm_sizes")
     @classmethod

@@ -55,6 +55,7 @@ With ``lora_slots`` 0 none of this exists: no bank, no wrap, no extra inputs.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -297,7 +298,16 @@ class Engine:
         with torch.no_grad():  # the example made as admission makes a row (its modulation tables too), then stepped
             targets = reached(m.transformer, lambda: step(**(self.warmup_example(m, shape)
                                                              or _zeros(step_specs(m, shape)[0], m.device))))
-        bank = self.lora.add_model(m.name, m.transformer, targets)
+        if patterns := self.config.lora_targets:
+            named = [t for t in targets if any(re.search(p, t) for p in patterns)]
+            if not named:
+                raise ValueError(f"{m.name}: [workers] lora_targets {list(patterns)} match none of the linears its "
+                                 f"step reaches (e.g. {', '.join(targets[:3])})")
+            outside = {t: "[workers] lora_targets leaves it out" for t in targets if t not in named}
+            targets = named
+        else:
+            outside = {}
+        bank = self.lora.add_model(m.name, m.transformer, targets, outside)
         apply_lora(m.transformer, bank)
         if bank.kernel == "triton" and m.device.type == "cuda" and not lora_kernel.runs_on(m.device, m.dtype):
             log.warning("%s: lora_kernel 'triton' needs Triton; its adapters' terms run as 'bmm'", m.name)

@@ -56,6 +56,11 @@ def adapter_files(model, count: int, rank: int, folder: Path) -> list[Path]:
     return out
 
 
+def bank_targets(args) -> tuple[str, ...]:
+    """--lora-targets as the worker's ``lora_targets``: 'adapters' is the adapters' own targets (``TARGET``)."""
+    return tuple(TARGET.pattern if t == "adapters" else t for t in getattr(args, "lora_targets", None) or ())
+
+
 def load_adapters(transformer, files: list[Path], rank: int) -> None:
     """Every adapter into a diffusers transformer as ``a0``, ``a1``, ...: by its ``load_lora_adapter`` (what the
     pipelines' ``load_lora_weights`` calls), or, for a model diffusers gives no LoRA loader (PixArt), by PEFT's own
@@ -82,7 +87,8 @@ def lora_engine(preset: str, model, files: list[Path], args, max_batch: int, ker
     config, precision = harness.engine_config(preset, model.card.family, max_batch=max_batch,
                                               lora_slots=len(files), lora_max_rank=args.rank,
                                               lora_per_request=args.per_request,
-                                              lora_kernel=kernel or args.lora_kernels[0])
+                                              lora_kernel=kernel or args.lora_kernels[0],
+                                              lora_targets=bank_targets(args))
     if (why := harness.unavailable(precision, model.device.type)) is not None:
         return None, why
     engine, warm_s = harness.build_engine(model, config)
@@ -269,7 +275,10 @@ SECTION = {"step": step_section, "load": load_section, "mixed": mixed_section}
 # -- the report --------------------------------------------------------------------------------------
 def markdown(result: dict) -> str:
     lines = [f"# Per-request LoRA: {result['model']}, {result['adapters']} adapters of rank {result['rank']}", "",
-             harness.hardware_line(result["env"])]
+             harness.hardware_line(result["env"]), "",
+             "The adapters target the attention projections; the bank holds "
+             + (f"the linears `lora_targets` {result['lora_targets']} name." if result.get("lora_targets")
+                else "every linear the step reaches.")]
     if s := result.get("step"):
         lines += ["", f"## One step of {result['images']} images, {result.get('per_request', 1)} adapter places a row "
                   "(median ms)", ""]
@@ -306,7 +315,7 @@ def run(args) -> dict:
     workload, each on a fresh load of the model."""
     name = Path(str(args.models[0])).name
     result = {"model": name, "adapters": args.adapters, "rank": args.rank, "images": args.images, "loads": args.loads,
-              "per_request": args.per_request,
+              "per_request": args.per_request, "lora_targets": list(bank_targets(args)),
               "settings": {k: str(v) for k, v in vars(args).items() if k != "out"},
               "env": harness.environment(harness.device_and_dtype(args.smoke)[0]), "errors": {}}
     folder = Path(tempfile.mkdtemp(prefix="bench-lora-"))

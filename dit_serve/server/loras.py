@@ -23,10 +23,10 @@ from dit_serve.schemas import LORA_NAME, LoraRef, LoraUse, clip
 from dit_serve.server.catalog import NewJob, RequestError
 from workers.config import WorkerConfig
 from workers.request.cards import ModelCard
+from workers.request.weights import HEAD, is_pickle
 
 log = logging.getLogger(__name__)
 
-PICKLE_MAGIC = (b"PK\x03\x04", b"\x80")  # as workers.lora.formats: torch.save's zip archive; a bare pickle
 FLOATS = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}  # bytes per element of the dtypes an adapter's weights may have
 MAX_HEADER = 100 << 20  # safetensors' own bound on the JSON header
 FORMAT_FAMILY = {"kohya-flux": "flux", "kohya-sd3": "sd3"}  # formats made for one family; peft: any
@@ -120,7 +120,7 @@ def check_bytes(data: bytes, policy: LoraPolicy) -> Checked:
     if len(data) > policy.max_bytes:
         raise AdapterError(f"the file is {len(data):,} bytes; adapters are limited to {policy.max_bytes:,} "
                            "([workers] lora_max_bytes)")
-    if data.startswith(PICKLE_MAGIC):
+    if is_pickle(data[:HEAD], len(data)):
         raise AdapterError("the file is a pickle (torch.save): only safetensors adapters are read, nothing is "
                            "unpickled")
     tensors, metadata = header(data)

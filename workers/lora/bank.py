@@ -7,7 +7,9 @@ Made once per model (a worker's ``lora_slots``, ``lora_max_rank``, ``lora_per_re
 ``b[name]`` (slots + 1, out, max_rank), zeros, in the activations' dtype (bf16 on a GPU, also over an FP8 base).
 Entry 0 is the empty slot, zero forever: a row's unused adapter places point at it with scale 0. Adapters live in
 slots 1..slots, a rank r below max_rank in the first r rows of ``a`` and columns of ``b`` (the rest zero, so the
-padded product is the adapter's exactly), each module's ``alpha / r`` folded into its ``b``.
+padded product is the adapter's exactly), each module's ``alpha / r`` folded into its ``b``. ``live[name]``
+(slots + 1,) int32 says which slots hold an adapter of that linear (nonzero; never slot 0): the Triton kernel of
+the rows' terms skips the others (an adapter on the attention leaves the feed-forwards' terms unrun).
 
 Loading without recapture
 -------------------------
@@ -44,7 +46,8 @@ class LoraBank:
 
     def __init__(self, transformer: nn.Module, slots: int, max_rank: int, per_request: int,
                  targets: Iterable[str] | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, kernel: str = "bmm") -> None:
+                 device: torch.device | str | None = None, kernel: str = "bmm",
+                 outside: dict[str, str] | None = None) -> None:
         if slots < 1 or max_rank < 1 or per_request < 1:
             raise ValueError(f"a bank needs slots, max_rank and per_request >= 1 (got {slots}, {max_rank}, "
                              f"{per_request})")
@@ -55,6 +58,7 @@ class LoraBank:
         self.kind = type(transformer).__name__
         self.shapes = {t: shapes[t] for t in targets}  # path -> (in, out)
         self.targets = tuple(self.shapes)
+        self.outside = dict(outside or {})  # linears left out on purpose -> why (``check``'s refusal says it)
         self.slots, self.max_rank, self.per_request = slots, max_rank, per_request
         self.kernel = kernel  # how the wrapped linears compute their term (workers.lora.linear.lora_delta)
         dtype, device = dtype or _activation_dtype(transformer), device or _device(transformer)
@@ -62,6 +66,8 @@ class LoraBank:
                   for t, (fin, _) in self.shapes.items()}
         self.b = {t: torch.zeros(slots + 1, fout, max_rank, dtype=dtype, device=device)
                   for t, (_, fout) in self.shapes.items()}
+        self._live = torch.zeros(len(self.targets), slots + 1, dtype=torch.int32, device=device)
+        self.live = {t: self._live[i] for i, t in enumerate(self.targets)}  # views: fixed addresses
         self.row_slots: torch.Tensor | None = None   # (B, P) int64 during a LoRA step's forward
         self.row_scales: torch.Tensor | None = None  # (B, P) float32
         self.names: list[str | None] = [None] * (slots + 1)  # the adapter resident in each slot (0: none ever)
@@ -73,7 +79,7 @@ class LoraBank:
     @property
     def nbytes(self) -> int:
         """Device memory the bank holds."""
-        return sum(t.numel() * t.element_size() for d in (self.a, self.b) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in (self.a, self.b) for t in d.values()) + self._live.nbytes
 
     # -- residency ------------------------------------------------------------------------------------------
     def slot_of(self, name: str) -> int | None:
@@ -97,7 +103,7 @@ class LoraBank:
 
     def check(self, adapter: Adapter) -> None:
         """LoraError naming the first module of ``adapter`` this bank cannot hold (``validate.check_shapes``)."""
-        check_shapes(adapter, self.shapes, self.max_rank, self.kind)
+        check_shapes(adapter, self.shapes, self.max_rank, self.kind, self.outside)
 
     # -- loading --------------------------------------------------------------------------------------------
     def load(self, slot: int, name: str, adapter: Adapter, stream: torch.cuda.Stream | None = None) -> None:
@@ -111,6 +117,11 @@ class LoraBank:
         if stream is not None:  # after the steps queued so far: the last step of a request that used the slot
             stream.wait_stream(torch.cuda.current_stream(self._device()))  # may still be reading it
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            present = torch.tensor([t in adapter.weights for t in self.targets], dtype=torch.int32)
+            if cuda:
+                present = present.pin_memory()
+                staged.append(present)
+            self._live[:, slot].copy_(present, non_blocking=cuda)
             for target in self.targets:
                 a, b = self.a[target][slot], self.b[target][slot]                      # (R, in), (out, R)
                 w = adapter.weights.get(target)
@@ -147,6 +158,7 @@ class LoraBank:
         self._check_slot(slot)
         self._settle(slot)
         name, self.names[slot] = self.names[slot], None
+        self._live[:, slot].zero_()
         for target in self.targets:
             self.a[target][slot].zero_()
             self.b[target][slot].zero_()

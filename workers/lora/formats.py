@@ -42,6 +42,8 @@ from typing import NamedTuple
 
 import torch
 
+from workers.request.weights import HEAD, is_pickle
+
 
 class LoraError(ValueError):
     """An adapter that cannot be served: the message names the first key, module or shape at fault."""
@@ -72,7 +74,6 @@ class Adapter:
         return max((w.rank for w in self.weights.values()), default=0)
 
 
-PICKLE_MAGIC = (b"PK\x03\x04", b"\x80")  # torch.save's zip archive; a bare pickle (protocol 2+)
 METADATA_KEY = "lora_adapter_metadata"  # diffusers.loaders.lora_base.LORA_ADAPTER_METADATA_KEY
 
 
@@ -82,12 +83,12 @@ def read_adapter(path: str | Path, max_bytes: int | None = None) -> Adapter:
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
-            head = f.read(8)
+            head = f.read(HEAD)
     except OSError as e:
         raise LoraError(f"cannot read {path.name}: {e.strerror or e}") from None
     if max_bytes is not None and size > max_bytes:
         raise LoraError(f"{path.name} is {size} bytes; adapters are limited to {max_bytes}")
-    if head.startswith(PICKLE_MAGIC):
+    if is_pickle(head, size):
         raise LoraError(f"{path.name} is a pickle (torch.save) file: only safetensors adapters are read, "
                         "nothing is unpickled")
     from safetensors import safe_open

@@ -9,13 +9,16 @@ For a wrapped linear and a row n of the batch, with the row's adapter slots ``s[
 
 where ``A`` (slots, R, in) and ``B`` (slots, out, R) are the bank's tensors of that linear (``workers.lora.bank``:
 ranks zero-padded to R, each adapter's alpha / r folded into its B, slot 0 always zero: "no adapter").
-``lora_delta`` computes it as gathered batched products: the rows' A and B are gathered by slot (``index_select``),
-the rows' scales multiply their B, and two ``bmm`` make ``(N, T, in) -> (N, T, P R) -> (N, T, out)``. Every shape
-is fixed by the batch and the bank, nothing reads a tensor's value on the host and nothing branches on one: the
-term captures into CUDA graphs and compiles like the rest of the step. A row without adapters (slot 0, scale 0)
-costs what one with adapters costs: the products run over its zero slot. With the bank's ``kernel`` "triton"
-(``WorkerConfig.lora_kernel``) it is ``workers.kernels.lora`` instead where that runs (CUDA): two kernels that read
-each row's adapters at their slots' addresses (no gathered copies) and skip places whose slot is 0.
+With the bank's ``kernel`` "triton" (``WorkerConfig.lora_kernel``, the default) the term is
+``workers.kernels.lora`` where that runs (CUDA): two kernels that read each row's adapters at their slots'
+addresses (no gathered copies) and skip places whose slot holds no adapter of this linear (the bank's ``live``),
+adding the term into the linear's output in place (``lora_add``), so a row without adapters leaves it untouched.
+Elsewhere ``lora_delta`` / ``lora_add`` compute it as gathered batched products: the rows' A and B are gathered
+by slot (``index_select``), the rows' scales multiply their B, and two ``bmm`` make
+``(N, T, in) -> (N, T, P R) -> (N, T, out)``, the second adding into the output (``baddbmm_``); there a row
+without adapters (slot 0, scale 0) costs what one with adapters costs. Either way every shape is fixed by the
+batch and the bank, nothing reads a tensor's value on the host and nothing branches on one: the term captures
+into CUDA graphs and compiles like the rest of the step.
 
 The per-row inputs
 ------------------
@@ -91,31 +94,64 @@ def lora_specs(per_request: int) -> dict[str, TensorSpec]:
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-               scales: torch.Tensor, kernel: str = "bmm", base: torch.Tensor | None = None) -> torch.Tensor:
+               scales: torch.Tensor, kernel: str = "bmm", live: torch.Tensor | None = None) -> torch.Tensor:
     """The per-row LoRA term (module docstring) of ``x`` (N, ..., in) -> (N, ..., out), for a bank's ``a`` (S, R, in)
-    and ``b`` (S, out, R), rows' ``slots`` (M, P) int64 and ``scales`` (M, P), N = k M (k copies of the rows); with
-    ``base`` (N, ..., out), ``base`` plus the term, added inside the second product (no pass of its own).
-    ``kernel`` "triton": ``workers.kernels.lora`` where it runs (it reads the adapters in place and skips empty
-    places), else the gathered batched products."""
-    n, m = x.shape[0], slots.shape[0]
-    if n != m:
-        if n % m:
-            raise ValueError(f"a LoRA linear's input has {n} rows, not a multiple of the step's {m}")
-        slots, scales = slots.repeat(n // m, 1), scales.repeat(n // m, 1)              # (N, P)
+    and ``b`` (S, out, R), rows' ``slots`` (M, P) int64 and ``scales`` (M, P), N = k M (k copies of the rows).
+    ``kernel`` "triton": ``workers.kernels.lora`` where it runs (it reads the adapters in place and skips places
+    whose slot is not ``live`` for this linear, (S,), default every slot but 0), else the gathered batched
+    products."""
+    slots, scales = _repeat_rows(x, slots, scales)
     if kernel == "triton" and lora_kernel.available(x):
-        return lora_kernel.lora_rows(x, a, b, slots, scales, base)
-    p, r = slots.shape[1], a.shape[1]
+        return lora_kernel.lora_rows(x, a, b, _live(a, live), slots, scales)
+    h, up = _gathered(x, a, b, slots, scales)
+    return torch.bmm(h, up).view(*x.shape[:-1], up.shape[-1])                          # (N, ..., out)
+
+
+def lora_add(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor,
+             out: torch.Tensor, kernel: str = "bmm", live: torch.Tensor | None = None) -> None:
+    """``out`` (N, ..., out) += ``lora_delta``'s term, in place (``out`` may be a view: a part's columns of one
+    product). With the Triton kernel a row with no live place leaves ``out`` untouched (no pass over it); with the
+    gathered products the sum is in the second product (``baddbmm_``) where ``out`` is contiguous rows."""
+    slots, scales = _repeat_rows(x, slots, scales)
+    if kernel == "triton" and lora_kernel.available(x):
+        lora_kernel.lora_add_(x, a, b, _live(a, live), slots, scales, out)
+        return
+    h, up = _gathered(x, a, b, slots, scales)
+    if out.dtype == x.dtype and out.is_contiguous():
+        out.view(h.shape[0], -1, up.shape[-1]).baddbmm_(h, up)                           # out + h up, one product
+    else:
+        out.add_(torch.bmm(h, up).view(out.shape).to(out.dtype))
+
+
+def _repeat_rows(x: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's rows' ``slots`` and ``scales`` (M, P) for ``x``'s N = k M rows (k copies: CFG's)."""
+    n, m = x.shape[0], slots.shape[0]
+    if n == m:
+        return slots, scales
+    if n % m:
+        raise ValueError(f"a LoRA linear's input has {n} rows, not a multiple of the step's {m}")
+    return slots.repeat(n // m, 1), scales.repeat(n // m, 1)                            # (N, P)
+
+
+def _live(a: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+    """``live``, or every slot of ``a``'s but the empty slot 0."""
+    if live is not None:
+        return live
+    live = torch.ones(a.shape[0], dtype=torch.int32, device=a.device)
+    live[0] = 0
+    return live
+
+
+def _gathered(x, a, b, slots, scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered products' operands: ``x``'s rows times their places' A, (N, T, P R), and their places' scaled B,
+    (N, P R, out)."""
+    n, p, r = x.shape[0], slots.shape[1], a.shape[1]
     rows = x.reshape(n, -1, x.shape[-1])                                                # (N, T, in)
     index = slots.reshape(-1)                                                           # (N P,)
     down = a.index_select(0, index).view(n, p * r, -1).to(x.dtype)                      # (N, P R, in)
     up = b.index_select(0, index).view(n, p, -1, r).to(x.dtype)                         # (N, P, out, R)
     up = (up * scales.to(x.dtype)[:, :, None, None]).transpose(2, 3).reshape(n, p * r, -1)  # (N, P R, out)
-    h = torch.bmm(rows, down.transpose(1, 2))                                           # (N, T, P R)
-    if base is None:
-        return torch.bmm(h, up).view(*x.shape[:-1], up.shape[-1])                       # (N, ..., out)
-    if base.dtype != x.dtype:
-        return base + torch.bmm(h, up).view(base.shape).to(base.dtype)
-    return torch.baddbmm(base.reshape(n, -1, base.shape[-1]), h, up).view(base.shape)  # base + h up, one product
+    return torch.bmm(rows, down.transpose(1, 2)), up
 
 
 class LoraLinear(nn.Module):
@@ -139,18 +175,26 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        slots, scales = self.bank.row_slots, self.bank.row_scales
-        if slots is None:
+        if self.bank.row_slots is None:
             return y
-        return lora_delta(self._input(x), self.lora_a, self.lora_b, slots, scales, self.bank.kernel, base=y)
+        if type(self.base) in (nn.Linear, Fp8Linear):  # their output is a new tensor: the term is added into it
+            self.term(x, into=y)
+            return y
+        return y + self.term(x).to(y.dtype)  # a linear whose output may be a view of something kept (a table's)
 
-    def term(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The rows' adapters' term (N, ..., out) for the base's input ``x`` (N, ..., in); None outside a LoRA
-        step's forward (``row_slots`` None), where the base is alone."""
-        slots, scales = self.bank.row_slots, self.bank.row_scales
+    def term(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The rows' adapters' term (N, ..., out) for the base's input ``x`` (N, ..., in); with ``into`` (the base's
+        output for ``x``, or a view of it), added to it in place and ``into`` returned. None outside a LoRA step's
+        forward (``row_slots`` None), where the base is alone."""
+        bank = self.bank
+        slots, scales = bank.row_slots, bank.row_scales
         if slots is None:
             return None
-        return lora_delta(self._input(x), self.lora_a, self.lora_b, slots, scales, self.bank.kernel)
+        live = bank.live[self.name]
+        if into is None:
+            return lora_delta(self._input(x), self.lora_a, self.lora_b, slots, scales, bank.kernel, live)
+        lora_add(self._input(x), self.lora_a, self.lora_b, slots, scales, into, bank.kernel, live)
+        return into
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         """What the base multiplies: ``x``, or its activation where FP8 folded one into the base
@@ -248,9 +292,9 @@ def unreached(transformer: nn.Module, run: Callable[[], object]) -> list[str]:
 def _recording(term: Callable, name: str, called: set[str]) -> Callable:
     """``term``, noting ``name`` in ``called`` when it is asked for."""
 
-    def recorded(x: torch.Tensor):
+    def recorded(x: torch.Tensor, into: torch.Tensor | None = None):
         called.add(name)
-        return term(x)
+        return term(x, into=into)
 
     return recorded
 

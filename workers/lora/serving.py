@@ -63,9 +63,12 @@ class Loras:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     # -- models ---------------------------------------------------------------------------------------------
-    def add_model(self, name: str, transformer, targets: Iterable[str]) -> LoraBank:
-        """A bank for the model ``name`` over its linears ``targets``."""
-        bank = LoraBank(transformer, self.slots, self.max_rank, self.per_request, targets=targets, kernel=self.kernel)
+    def add_model(self, name: str, transformer, targets: Iterable[str],
+                  outside: dict[str, str] | None = None) -> LoraBank:
+        """A bank for the model ``name`` over its linears ``targets``; ``outside``: linears left out on purpose, and
+        why (an adapter targeting one is refused with that reason)."""
+        bank = LoraBank(transformer, self.slots, self.max_rank, self.per_request, targets=targets, kernel=self.kernel,
+                        outside=outside)
         self.banks[name], self.transformers[name] = bank, transformer
         return bank
 
@@ -116,7 +119,8 @@ class Loras:
         return tuple(fits)
 
     def _validate(self, adapter: Adapter, model: str) -> None:
-        validate(adapter, self.transformers[model], self.max_rank, targets=self.banks[model].targets)
+        bank = self.banks[model]
+        validate(adapter, self.transformers[model], self.max_rank, targets=bank.targets, outside=bank.outside)
 
     def remove(self, name: str) -> None:
         """Hide ``name`` from new requests; it goes once no request names it (``collect``). KeyError if unknown."""

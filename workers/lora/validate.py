@@ -42,10 +42,12 @@ def linear_shapes(transformer: nn.Module) -> dict[str, tuple[int, int]]:
     return out
 
 
-def validate(adapter: Adapter, transformer: nn.Module, max_rank: int, targets: Iterable[str] | None = None) -> None:
+def validate(adapter: Adapter, transformer: nn.Module, max_rank: int, targets: Iterable[str] | None = None,
+             outside: dict[str, str] | None = None) -> None:
     """Raise ``LoraError`` naming the first module of ``adapter`` (in its order) that ``transformer`` lacks, that is
-    not a linear, that ``targets`` (the bank's; None: every linear) leaves out, whose shapes differ from the
-    linear's, whose rank exceeds ``max_rank``, or whose weights are not finite (a row's NaN would be its image's)."""
+    not a linear, that ``targets`` (the bank's; None: every linear) leaves out (``outside``: why, where told),
+    whose shapes differ from the linear's, whose rank exceeds ``max_rank``, or whose weights are not finite (a
+    row's NaN would be its image's)."""
     shapes = linear_shapes(transformer)
     kind = type(transformer).__name__
     for module in adapter.weights:
@@ -58,17 +60,20 @@ def validate(adapter: Adapter, transformer: nn.Module, max_rank: int, targets: I
         raise LoraError(f"the adapter targets {module!r}, a {type(base_linear(found)).__name__} of {kind}, "
                         "not a linear layer")
     held = shapes if targets is None else {t: shapes[t] for t in targets}
-    check_shapes(adapter, held, max_rank, kind)
+    check_shapes(adapter, held, max_rank, kind, outside)
 
 
-def check_shapes(adapter: Adapter, shapes: dict[str, tuple[int, int]], max_rank: int, kind: str) -> None:
-    """``validate`` against the (in, out) of the linears a bank holds (``shapes``), of a model ``kind``."""
+def check_shapes(adapter: Adapter, shapes: dict[str, tuple[int, int]], max_rank: int, kind: str,
+                 outside: dict[str, str] | None = None) -> None:
+    """``validate`` against the (in, out) of the linears a bank holds (``shapes``), of a model ``kind``; ``outside``:
+    linears the bank leaves out on purpose, and why."""
     if not adapter.weights:
         raise LoraError("the adapter targets no module")
     for module, w in adapter.weights.items():
         if module not in shapes:
-            raise LoraError(f"the adapter targets {module!r}, a linear this model's adapter bank does not hold: its "
-                            "served step does not reach it (a fast path multiplies its weights itself)")
+            why = (outside or {}).get(module, "its served step does not reach it (a fast path multiplies its weights "
+                                              "itself)")
+            raise LoraError(f"the adapter targets {module!r}, a linear this model's adapter bank does not hold: {why}")
         fan_in, fan_out = shapes[module]
         if tuple(w.a.shape[1:]) != (fan_in,) or tuple(w.b.shape[:1]) != (fan_out,):
             raise LoraError(f"the adapter's {module!r} maps {w.a.shape[1]} -> {w.b.shape[0]} features (lora_A "
@@ -94,7 +99,7 @@ def reached(transformer: nn.Module, run: Callable[[], object]) -> list[str]:
              for n in names]
     kept = {n: row_term(base) for n, base in bases.items()}
     for n, base in bases.items():  # a probe: notes the ask, adds nothing
-        set_row_term(base, lambda x, n=n: called.add(n))
+        set_row_term(base, lambda x, into=None, n=n: called.add(n))
     try:
         run()
     finally:

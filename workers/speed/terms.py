@@ -13,12 +13,15 @@ The contract
 ------------
 A wrapper hands its addition to the linear it wraps (``set_row_term``): a function of the linear's input, whose
 first dimension is the step's rows ((N, ..., in); classifier-free guidance's k copies of them are k N), that returns
-what to add to the linear's output ((N, ..., out)), or None when there is nothing to add now. A rewrite that
-computes the linear itself adds that term from the input the linear would have been called with: ``add_part_terms``
-for the parts of one product (into each part's columns), ``plus_term`` for one linear. The rewrite holds the
-linears from when it was made (the fused product's ``parts``, the hoisted stacks' linears), not the modules the
-model holds at each call: a wrapper replaces those. The speed layer knows nothing of what a term is, and a linear
-without one costs nothing (an attribute read while a step is traced or captured, none at replay).
+what to add to the linear's output ((N, ..., out)), or None when there is nothing to add now. Called with
+``into=`` (the linear's output for that input, or a view of its columns), it adds itself there in place and
+returns ``into`` (or None): no term made and summed in passes of their own, and rows with nothing to add left
+untouched. A rewrite that computes the linear itself adds that term from the input the linear would have been
+called with: ``add_part_terms`` for the parts of one product (into each part's columns, in place), ``plus_term``
+for one linear. The rewrite holds the linears from when it was made (the fused product's ``parts``, the hoisted
+stacks' linears), not the modules the model holds at each call: a wrapper replaces those. The speed layer knows
+nothing of what a term is, and a linear without one costs nothing (an attribute read while a step is traced or
+captured, none at replay).
 
 Rewrites that read a linear from the model at each call and multiply its weights themselves, or hand it codes
 made elsewhere, give way where it adds something (wrapped, or handed a term) and call it: the GELU epilogue's
@@ -37,7 +40,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-Term = Callable[[torch.Tensor], "torch.Tensor | None"]
+Term = Callable[..., "torch.Tensor | None"]  # term(x) -> what to add; term(x, into=y) adds it to y in place
 
 
 def set_row_term(linear: nn.Module, term: Term | None) -> None:
@@ -72,6 +75,6 @@ def add_part_terms(parts: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor)
     for part in parts:
         width = part.out_features
         term = row_term(part)
-        if term is not None and (delta := term(x)) is not None:
-            y[..., start:start + width] += delta.to(y.dtype)
+        if term is not None:
+            term(x, into=y[..., start:start + width])
         start += width

@@ -37,25 +37,47 @@ def _inputs(case, device="cpu", dtype=torch.float32, seed=0):
 
 INTERPRETED = """
 import torch
-from workers.kernels.lora import available, lora_rows
+from workers.kernels.lora import available, lora_add_, lora_rows
 from workers.lora.linear import lora_delta
-from tests.workers.kernels.test_lora_kernel import CASES, _inputs
+from tests.workers.kernels.test_lora_kernel import CASES, _inputs, _live
 for case in CASES:
     x, a, b, slots, scales = _inputs(case)
     assert available(x)
-    got, want = lora_rows(x, a, b, slots, scales), lora_delta(x, a, b, slots, scales)
+    live = _live(a)
+    got, want = lora_rows(x, a, b, live, slots, scales), lora_delta(x, a, b, slots, scales)
     assert got.shape == want.shape, (got.shape, want.shape)
     err = float((got - want).abs().max() / want.abs().max())
     assert err < 1e-5, (case, err)
     assert got[0].abs().max() == 0  # the row without adapters
-    base = torch.randn(want.shape)
-    torch.testing.assert_close(lora_rows(x, a, b, slots, scales, base), base + want, rtol=1e-5, atol=1e-4)
+    # added in place, into a part's columns of a wider product: the other columns and the empty row untouched
+    fused = torch.randn(*want.shape[:-1], want.shape[-1] + 9)
+    before = fused.clone()
+    lora_add_(x, a, b, live, slots, scales, fused[..., 4:4 + want.shape[-1]])
+    torch.testing.assert_close(fused[..., 4:4 + want.shape[-1]], before[..., 4:4 + want.shape[-1]] + want,
+                               rtol=1e-5, atol=1e-4)
+    assert torch.equal(fused[..., :4], before[..., :4]) and torch.equal(fused[..., 4 + want.shape[-1]:],
+                                                                          before[..., 4 + want.shape[-1]:])
+    assert torch.equal(fused[0], before[0])
+    # a slot not live for this linear is skipped, as if its weights were zero
+    off = _live(a)
+    off[1] = 0
+    a0, b0 = a.clone(), b.clone()
+    a0[1], b0[1] = 0, 0
+    torch.testing.assert_close(lora_rows(x, a, b, off, slots, scales), lora_delta(x, a0, b0, slots, scales),
+                               rtol=1e-5, atol=1e-4)
 x, a, b, slots, scales = _inputs(CASES[0])
 cfg = torch.cat([x, 2 * x])  # CFG's two copies of the rows: each copy gets its row's adapters
 got = lora_delta(cfg, a, b, slots, scales, kernel="triton")
 torch.testing.assert_close(got, lora_delta(cfg, a, b, slots, scales), rtol=1e-5, atol=1e-4)
 print("ok")
 """
+
+
+def _live(a: torch.Tensor) -> torch.Tensor:
+    """Every slot of the bank ``a`` live but the empty slot 0."""
+    live = torch.ones(a.shape[0], dtype=torch.int32, device=a.device)
+    live[0] = 0
+    return live
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (its interpreter on a CPU)")
@@ -80,27 +102,47 @@ def test_elsewhere_the_gathered_products_run():
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("case", CASES)
 def test_the_kernels_on_cuda_in_a_graph_and_compiled(case, dtype, tol):
-    from workers.kernels.lora import available, lora_rows
+    from workers.kernels.lora import available, lora_add_, lora_rows
     from workers.lora.linear import lora_delta
 
     x, a, b, slots, scales = _inputs(case, "cuda", dtype)
+    live = _live(a)
     assert available(x)
     want = lora_delta(*(v.float() if v.is_floating_point() else v for v in (x, a, b, slots, scales)))
     rel = lambda got: float((got.float() - want).abs().max() / want.abs().max())
-    assert rel(lora_rows(x, a, b, slots, scales)) < tol
+    assert rel(lora_rows(x, a, b, live, slots, scales)) < tol
     graph, out = torch.cuda.CUDAGraph(), None
-    lora_rows(x, a, b, slots, scales)  # compiled once before capture
+    lora_rows(x, a, b, live, slots, scales)  # compiled once before capture
     with torch.cuda.graph(graph):
-        out = lora_rows(x, a, b, slots, scales)
+        out = lora_rows(x, a, b, live, slots, scales)
     slots.copy_(slots.flip(0))  # new rows' slots, read by the replay on the GPU
     want = lora_delta(*(v.float() if v.is_floating_point() else v for v in (x, a, b, slots, scales)))
     graph.replay()
     assert rel(out) < tol
     compiled = torch.compile(lambda *v: lora_rows(*v) * 2, dynamic=True, fullgraph=True)
-    assert float((compiled(x, a, b, slots, scales).float() / 2 - want).abs().max() / want.abs().max()) < tol
-    base = torch.randn(want.shape, device="cuda").to(dtype)  # the linear's output, the term added as it is stored
-    got = lora_rows(x, a, b, slots, scales, base).float() - base.float()
-    assert rel(got) < tol + (2e-2 if dtype == torch.bfloat16 else 0)  # the sum rounded once more in bf16
+    assert float((compiled(x, a, b, live, slots, scales).float() / 2 - want).abs().max() / want.abs().max()) < tol
+    # added in place into a part's columns of one product, called, in a graph and compiled
+    width, bf16 = want.shape[-1], 2e-2 if dtype == torch.bfloat16 else 0  # the sum rounded once more in bf16
+    fused = torch.randn(*want.shape[:-1], width + 8, device="cuda").to(dtype)
+    before = fused.clone()
+    lora_add_(x, a, b, live, slots, scales, fused[..., 8:])
+    assert rel(fused[..., 8:].float() - before[..., 8:].float()) < tol + bf16
+    empty = slots.eq(0).all(1)  # rows without adapters: untouched
+    assert torch.equal(fused[..., :8], before[..., :8]) and torch.equal(fused[empty], before[empty])
+    y, graph = before.clone(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lora_add_(x, a, b, live, slots, scales, y[..., 8:])
+    graph.replay()
+    assert torch.equal(y, fused)
+
+    def step(x, y):
+        y = y * 1
+        lora_add_(x, a, b, live, slots, scales, y[..., 8:])
+        return y
+
+    got = torch.compile(step, dynamic=True, fullgraph=True)(x, before)
+    assert rel(got[..., 8:].float() - before[..., 8:].float()) < tol + bf16
+    assert torch.equal(got[..., :8], before[..., :8])
 
 
 ENGINE = """

@@ -35,7 +35,11 @@ def test_loading_and_evicting_write_in_place():
     assert bank.a[untouched][1].abs().max() == 0 and bank.b[untouched][1].abs().max() == 0  # first's part cleared
     assert all(bank.a[t][0].abs().max() == 0 and bank.b[t][0].abs().max() == 0 for t in bank.targets)  # slot 0
     assert (bank.loads, bank.evictions) == (3, 1)
-    assert bank.nbytes == sum(3 * 4 * (fin + fout) * 4 for fin, fout in bank.shapes.values())  # 3 slots, rank 4, fp32
+    # live: the slots holding each linear's adapter (both slots hold `second`, which targets some linears only)
+    assert all(bank.live[t].tolist() == ([0, 1, 1] if t in second.weights else [0, 0, 0]) for t in bank.targets)
+    bank.evict(2)
+    assert all(bank.live[t].tolist() == [0, int(t in second.weights), 0] for t in bank.targets)
+    assert bank.nbytes == sum(3 * 4 * (fin + fout) * 4 + 3 * 4 for fin, fout in bank.shapes.values())  # fp32, int32
 
 
 def test_lru_choice_skips_slots_in_use_and_prefers_free_ones():

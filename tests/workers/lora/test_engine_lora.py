@@ -12,6 +12,8 @@ request for its table with the request's adapters.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import save
@@ -41,12 +43,14 @@ def model_dir(request, tmp_path_factory):
     return _make(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def adapter_file(transformer, seed: int, every: int = 3, skip=("norm",), rank: int = 3, only: str = "") -> bytes:
+def adapter_file(transformer, seed: int, every: int = 3, skip=("norm",), rank: int = 3, only: str = "",
+                 names=None) -> bytes:
     """A PEFT adapter (safetensors bytes) on every ``every``-th linear of ``transformer`` under ``only`` and not
-    under ``skip``, rank ``rank``, alpha 2 r; its {module: (a, b, alpha / r)} too."""
+    under ``skip`` (or on ``names``), rank ``rank``, alpha 2 r; its {module: (a, b, alpha / r)} too."""
     g = torch.Generator().manual_seed(seed)
     state, weights = {}, {}
-    names = [n for n in linear_shapes(transformer) if n.startswith(only) and not any(s in n for s in skip)][::every]
+    if names is None:
+        names = [n for n in linear_shapes(transformer) if n.startswith(only) and not any(s in n for s in skip)][::every]
     for name in names:
         fin, fout = linear_shapes(transformer)[name]
         a, b = torch.randn(rank, fin, generator=g) * 0.5 / fin ** 0.5, torch.randn(fout, rank, generator=g) * 0.5
@@ -119,6 +123,34 @@ def test_an_item_naming_an_adapter_the_worker_refused_says_why(served):
     with pytest.raises(ValueError, match=r"'wide' is not registered here: it was refused \(.*rank"):
         engine.add(req(9, [("wide", 1.0)]))
     assert str(refused.value) in str(engine.lora.refused["wide"]) and engine.num_active == 0
+
+
+def test_lora_targets_keep_the_bank_to_the_linears_they_name(model_dir):
+    """``lora_targets``: the bank holds the matching linears alone (the rest stay plain, their fast paths kept); an
+    adapter on them serves as with a bank over every linear; one on a linear left out is refused, saying why."""
+    from workers.lora import LoraLinear
+
+    engine = Engine(load_model(model_dir), WorkerConfig(**LORA, lora_targets=(r"attn\.to_(q|k|v)$", "to_out")))
+    model = engine.models[next(iter(engine.models))]
+    bank = engine.lora.banks[model.name]
+    assert bank.targets and all(re.search(r"attn\.to_(q|k|v)$|to_out", t) for t in bank.targets)
+    wrapped = {n for n, m in model.transformer.named_modules() if isinstance(m, LoraLinear)}
+    assert wrapped == set(bank.targets) and any("ff" in t for t in bank.outside)
+    data, _ = adapter_file(model.transformer, 4, names=bank.targets)
+    engine.add_lora("attn", data)
+    full = Engine(load_model(model_dir), WorkerConfig(**LORA))
+    full.add_lora("attn", data)
+    got, want = (e.generate([req(0, [("attn", 0.7)]), req(1)]) for e in (engine, full))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.latents, w.latents, **TOL)
+    assert (got[0].latents - got[1].latents).abs().max() > 1e-3
+    ff = next(t for t in bank.outside if "ff" in t)
+    with pytest.raises(ValueError, match=re.escape(f"{ff!r}") + ".*lora_targets leaves it out"):
+        engine.add_lora("ff", adapter_file(model.transformer, 5, names=[ff])[0])
+    with pytest.raises(ValueError, match="match none"):
+        Engine(load_model(model_dir), WorkerConfig(**LORA, lora_targets=("nothing-like-this",)))
+    with pytest.raises(ValueError, match="not a regular expression"):
+        WorkerConfig(**LORA, lora_targets=("(",))
 
 
 def test_more_adapters_than_slots_wait_in_the_queue_and_all_finish(model_dir):

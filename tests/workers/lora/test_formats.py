@@ -217,6 +217,42 @@ def test_a_pickle_file_is_refused_unread(tmp_path):
         read_adapter(tmp_path / "big.safetensors", max_bytes=10)
 
 
+def test_a_safetensors_header_whose_length_starts_like_a_pickle_is_read(tmp_path):
+    """A safetensors file's first byte is its header length's low byte: 0x80 for a header of 128, 384, ... bytes,
+    which is also a bare pickle's first byte. Such a file is read (here and by the API's check); pickles of every
+    protocol are still refused."""
+    import io
+    import pickle
+
+    from safetensors.torch import save
+
+    from dit_serve.server.loras import AdapterError, LoraPolicy, check_bytes
+    from workers.request.weights import is_pickle
+
+    found = None
+    for pad in range(400):  # metadata that pads the header until its length's low byte is 0x80
+        data = save({"transformer.x.lora_A.weight": torch.ones(2, 3), "transformer.x.lora_B.weight": torch.ones(4, 2)},
+                    metadata={"pad": "p" * pad})
+        if data[0] == 0x80:
+            found = data
+            break
+    assert found is not None
+    (tmp_path / "a.safetensors").write_bytes(found)
+    adapter = read_adapter(tmp_path / "a.safetensors")
+    assert adapter.weights["x"].rank == 2 and not is_pickle(found[:9], len(found))
+    check_bytes(found, LoraPolicy(slots=2))  # the API's check passes it too
+    for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
+        blob = pickle.dumps({"transformer.x.lora_A.weight": [[0.0]]}, protocol=protocol)
+        (tmp_path / "p.safetensors").write_bytes(blob)
+        with pytest.raises(LoraError, match="pickle"):
+            read_adapter(tmp_path / "p.safetensors")
+        with pytest.raises(AdapterError, match="pickle"):
+            check_bytes(blob, LoraPolicy(slots=2))
+    zipped = io.BytesIO()
+    torch.save({"w": torch.zeros(1)}, zipped)
+    assert is_pickle(zipped.getvalue()[:9], len(zipped.getvalue()))
+
+
 def test_keys_the_engine_cannot_serve_are_named():
     a, b = torch.zeros(2, 16), torch.zeros(16, 2)
     cases = {"text_encoder.layer.lora_A.weight": "text_encoder", "transformer.x.lora_magnitude_vector": "magnitude",

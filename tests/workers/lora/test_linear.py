@@ -235,12 +235,22 @@ def test_removing_the_wrap_gives_back_the_plain_linears():
     torch.testing.assert_close(_run(transformer, bank, inputs, slots, scales), with_adapters)
 
 
-def test_the_term_added_inside_the_product_equals_the_term_added_after():
-    """``lora_delta(..., base=y)`` (the wrapped linear's path: the sum inside ``baddbmm``) equals ``y`` plus the term,
-    for token and plain inputs and CFG's repeated rows."""
+def test_the_term_added_in_place_equals_the_term_added_after():
+    """``lora_add`` (the wrapped linear's path: the sum inside ``baddbmm_``, or into a view of one product's columns)
+    leaves ``y`` plus the term, for token and plain inputs and CFG's repeated rows; nothing else of the product
+    changes."""
+    from workers.lora.linear import lora_add
+
     g = torch.Generator().manual_seed(3)
     a, b = torch.randn(4, 5, 16, generator=g), torch.randn(4, 24, 5, generator=g)
     slots, scales = torch.tensor([[1, 0], [2, 3], [0, 0]]), torch.randn(3, 2, generator=g)
     for x in (torch.randn(3, 7, 16, generator=g), torch.randn(3, 16, generator=g), torch.randn(6, 7, 16, generator=g)):
         y = torch.randn(*x.shape[:-1], 24, generator=g)
-        torch.testing.assert_close(lora_delta(x, a, b, slots, scales, base=y), y + lora_delta(x, a, b, slots, scales))
+        want = y + lora_delta(x, a, b, slots, scales)
+        lora_add(x, a, b, slots, scales, y)
+        torch.testing.assert_close(y, want)
+        fused = torch.randn(*x.shape[:-1], 60, generator=g)  # a part's columns 10..34 of one product
+        before = fused.clone()
+        lora_add(x, a, b, slots, scales, fused[..., 10:34])
+        torch.testing.assert_close(fused[..., 10:34], before[..., 10:34] + lora_delta(x, a, b, slots, scales))
+        assert torch.equal(fused[..., :10], before[..., :10]) and torch.equal(fused[..., 34:], before[..., 34:])
