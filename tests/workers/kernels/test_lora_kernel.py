@@ -66,6 +66,19 @@ for case in CASES:
     torch.testing.assert_close(lora_rows(x, a, b, off, slots, scales), lora_delta(x, a0, b0, slots, scales),
                                rtol=1e-5, atol=1e-4)
 x, a, b, slots, scales = _inputs(CASES[0])
+live, want = _live(a), lora_delta(x, a, b, slots, scales)
+
+
+def step(x, y):  # a compiled region adding the term into a part's columns of a product it made
+    y = y * 1
+    lora_add_(x, a, b, live, slots, scales, y[..., 3:3 + want.shape[-1]])
+    return y
+
+
+y = torch.randn(*want.shape[:-1], want.shape[-1] + 5)
+got = torch.compile(step, fullgraph=True)(x, y)
+torch.testing.assert_close(got[..., 3:3 + want.shape[-1]], y[..., 3:3 + want.shape[-1]] + want, rtol=1e-5, atol=1e-4)
+assert torch.equal(got[..., :3], y[..., :3]) and torch.equal(got[..., 3 + want.shape[-1]:], y[..., 3 + want.shape[-1]:])
 cfg = torch.cat([x, 2 * x])  # CFG's two copies of the rows: each copy gets its row's adapters
 got = lora_delta(cfg, a, b, slots, scales, kernel="triton")
 torch.testing.assert_close(got, lora_delta(cfg, a, b, slots, scales), rtol=1e-5, atol=1e-4)
