@@ -44,6 +44,17 @@ class Metrics:
         self.loras_registered = Gauge("dit_serve_loras_registered", "adapters (LoRA) in the registry", registry=r)
         self.lora_pushes = Counter("dit_serve_lora_pushes", "adapters sent to a worker before items that name them",
                                    registry=r)
+        # per-request adapters on the workers (workers.lora: Engine.stats()["lora"], polled with each report)
+        self.lora_resident = Gauge("dit_serve_lora_resident", "adapters resident in a worker's bank for a model",
+                                   ["worker", "model"], registry=r)
+        self.lora_loads = Gauge("dit_serve_lora_loads", "adapters a worker loaded into its banks' slots since it "
+                                "started", ["worker"], registry=r)
+        self.lora_evictions = Gauge("dit_serve_lora_evictions", "adapters a worker evicted from its banks' slots "
+                                    "since it started", ["worker"], registry=r)
+        self.lora_rows = Gauge("dit_serve_lora_rows", "images a worker admitted with each adapter since it started",
+                               ["worker", "adapter"], registry=r)
+        self.lora_waiting = Gauge("dit_serve_lora_waiting", "images a worker admitted that wait for their adapters "
+                                  "to load", ["worker"], registry=r)
         self.requeued = Counter("dit_serve_items_requeued", "items sent back to the queue without being charged, "
                                 "by cause (crash: their worker died or its step raised; infra: a node left)",
                                 ["reason"], registry=r)
@@ -82,6 +93,7 @@ class Metrics:
         self._window_s = window_s
         self._done_times: deque[float] = deque()
         self._busy: dict[str, tuple[float, float]] = {}  # worker -> decayed (busy s, wall s)
+        self._lora_labels: dict[str, set[tuple[Gauge, tuple[str, ...]]]] = {}  # worker -> the LoRA series it set
 
     def item_phases(self, lease, timing: tuple[float, ...] | None, received: float, committed: float,
                     answered: float | None = None, reply_at: float = 0.0) -> None:
@@ -130,16 +142,31 @@ class Metrics:
         self.eager_fallbacks.labels(worker).set(fallbacks)
         for kind in ("real", "padded"):
             self.rows.labels(worker, kind).set(report.get("stats", {}).get(f"{kind}_rows", 0))
+        if (lora := report.get("stats", {}).get("lora")) is not None:
+            self._lora_report(worker, lora)
+
+    def _lora_report(self, worker: str, lora: dict) -> None:
+        """A worker's adapter numbers (``workers.lora.serving.Loras.stats``): resident per model, loads, evictions,
+        images per adapter, images waiting for a load. Series of models or adapters it no longer reports go."""
+        series = {(self.lora_resident, (worker, m)): len(names) for m, names in lora.get("resident", {}).items()}
+        series |= {(self.lora_rows, (worker, str(a))): n for a, n in lora.get("rows", {}).items()}
+        series |= {(self.lora_loads, (worker,)): lora.get("loads", 0),
+                   (self.lora_evictions, (worker,)): lora.get("evictions", 0),
+                   (self.lora_waiting, (worker,)): lora.get("waiting", 0)}
+        for (gauge, labels), value in series.items():
+            gauge.labels(*labels).set(value)
+        for gauge, labels in self._lora_labels.get(worker, set()) - set(series):
+            _remove(gauge, labels)
+        self._lora_labels[worker] = set(series)
 
     def forget_worker(self, worker: str) -> None:
         self._busy.pop(worker, None)
+        for gauge, labels in self._lora_labels.pop(worker, set()):
+            _remove(gauge, labels)
         for g, labels in ((self.step_seconds, [(worker,)]), (self.busy, [(worker,)]), (self.graph_replays, [(worker,)]),
                           (self.eager_fallbacks, [(worker,)]), (self.rows, [(worker, "real"), (worker, "padded")])):
             for values in labels:
-                try:
-                    g.remove(*values)
-                except KeyError:
-                    pass
+                _remove(g, values)
 
     def _forget_before(self, cutoff: float) -> None:
         while self._done_times and self._done_times[0] < cutoff:
@@ -149,6 +176,14 @@ class Metrics:
         self._forget_before(time.monotonic() - self._window_s)
         self.items_per_second.set(len(self._done_times) / self._window_s)
         return generate_latest(self.registry)
+
+
+def _remove(metric, labels: tuple[str, ...]) -> None:
+    """Drop one labelled series (gone already: nothing)."""
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass
 
 
 def graph_counts(stats: dict) -> tuple[int, int]:

@@ -198,6 +198,33 @@ def test_metrics_count_adapters(http):
     assert float(line.split()[1]) >= 2
 
 
+def test_metrics_show_each_workers_adapters_and_drop_what_it_no_longer_reports():
+    from dit_serve.server.metrics import Metrics
+
+    def series(m: Metrics) -> dict[str, float]:
+        return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in m.render().decode().splitlines()
+                if ln.startswith("dit_serve_lora_") and not ln.startswith("dit_serve_lora_pushes")}
+
+    m = Metrics()
+    lora = {"resident": {"flux": ["ink", "oil"], "sd3": []}, "loads": 3, "evictions": 1,
+            "rows": {"ink": 5, "oil": 2}, "waiting": 1}
+    m.worker_report("w1", {"stats": {"lora": lora}})
+    m.worker_report("w2", {"stats": {}})  # a worker without adapters sets none
+    got = series(m)
+    assert got['dit_serve_lora_resident{model="flux",worker="w1"}'] == 2
+    assert got['dit_serve_lora_resident{model="sd3",worker="w1"}'] == 0
+    assert got['dit_serve_lora_rows{adapter="ink",worker="w1"}'] == 5
+    assert (got['dit_serve_lora_loads{worker="w1"}'], got['dit_serve_lora_evictions{worker="w1"}'],
+            got['dit_serve_lora_waiting{worker="w1"}']) == (3, 1, 1)
+    assert not any("w2" in k for k in got)
+    m.worker_report("w1", {"stats": {"lora": {**lora, "resident": {"flux": ["ink"]}, "rows": {"ink": 6}}}})
+    got = series(m)
+    assert 'dit_serve_lora_rows{adapter="oil",worker="w1"}' not in got and "sd3" not in str(got)
+    assert got['dit_serve_lora_rows{adapter="ink",worker="w1"}'] == 6
+    m.forget_worker("w1")
+    assert series(m) == {}
+
+
 def test_the_sdk_registers_lists_applies_and_deletes_adapters(svc, tmp_path):
     from dit_serve import client as sdk
 

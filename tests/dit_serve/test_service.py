@@ -453,3 +453,15 @@ def test_an_adapter_uploaded_to_the_service_changes_only_the_images_that_name_it
         again = c.images(c.wait(c.submit(prompts=prompts, seed=5, steps=6), progress=False, timeout=120))
         assert [x.tobytes() for x in a] == [x.tobytes() for x in again]  # without it: the same images
         assert all(x.tobytes() != y.tobytes() for x, y in zip(a, b))   # with it: changed
+        # /metrics: the worker's adapters (resident, loads, images per adapter), from its polled reports
+        want = {"dit_serve_lora_rows": ('adapter="bold"', 2.0), "dit_serve_lora_resident": ('model="digits-text"', 1.0),
+                "dit_serve_lora_loads": ("", 1.0), "dit_serve_lora_evictions": ("", 0.0)}
+        deadline, got = time.monotonic() + 60, {}
+        while time.monotonic() < deadline:
+            lines = httpx.get(f"{svc.url}/metrics", timeout=30).text.splitlines()
+            got = {name: float(ln.rsplit(" ", 1)[1]) for name, (label, _) in want.items() for ln in lines
+                   if ln.startswith(name + "{") and label in ln}
+            if got == {name: value for name, (_, value) in want.items()}:
+                break
+            time.sleep(0.5)
+        assert got == {name: value for name, (_, value) in want.items()}, got
