@@ -173,6 +173,16 @@ class LoraLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.name}: bank of {self.lora_a.shape[0] - 1} slots, rank {self.lora_a.shape[1]}"
 
+    # the base's parameters, for model code that reads a linear's (diffusers' Z-Image embedder reads its dtype), as
+    # PEFT's wrapped layers give them
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.base, "bias", None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if self.bank.row_slots is None:
