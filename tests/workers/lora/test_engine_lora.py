@@ -69,8 +69,8 @@ def merge(model, loras) -> None:
 
 
 def req(i: int, loras=(), **kw) -> ItemSpec:
-    return ItemSpec(id=f"r{i}", seed=100 + i, sampler="flow_euler", steps=3, guidance=3.5, prompt="a red fox",
-                    loras=tuple(loras), **kw)
+    return ItemSpec(**{"id": f"r{i}", "seed": 100 + i, "sampler": "flow_euler", "steps": 3, "guidance": 3.5,
+                       "prompt": "a red fox", "loras": tuple(loras), **kw})
 
 
 @pytest.fixture(scope="module")

@@ -71,11 +71,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_rows_with_adapters_replay_what_eager_computes(model_dir, backend, compile_mode, tol):
     graphs = _engine(model_dir, backend, **({"compile": compile_mode} if compile_mode != "off" else {}))
     eager = _engine(model_dir, "eager")
-    specs = [req(i, r) for i, r in enumerate(ROWS)]
+    specs = [req(i, r) for i, r in enumerate(ROWS)] + [req(3, [("a", 1.0)], id="r3-with-a")]  # row 3, adapted
     got, want = graphs.generate(specs), eager.generate(specs)
     for g, w in zip(got, want):
         assert _rel(g.latents, w.latents) <= tol, g.request.id
-    assert _rel(got[2].latents, got[3].latents) > 1e-3  # the adapters change the image
+    assert _rel(got[-1].latents, got[3].latents) > 1e-3  # the adapter changes the image
     stats = pooled(graphs.stats()["groups"].values())
     assert fallbacks(stats) == 0 and sum(s["replays"] for s in stats["buckets"].values()) > 0
     assert _left_out(graphs) == [] and _left_out(eager) == []  # the hoisted, fused and table's linears reached
