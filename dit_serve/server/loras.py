@@ -41,10 +41,12 @@ class LoraPolicy:
     max_rank: int = 64
     per_request: int = 4
     max_bytes: int = 512 << 20
+    targets: tuple[str, ...] = ()  # lora_targets: the linears the workers' banks hold (empty: every one reached)
 
     @classmethod
     def of(cls, workers: WorkerConfig) -> "LoraPolicy":
-        return cls(workers.lora_slots, workers.lora_max_rank, workers.lora_per_request, workers.lora_max_bytes)
+        return cls(workers.lora_slots, workers.lora_max_rank, workers.lora_per_request, workers.lora_max_bytes,
+                   workers.lora_targets)
 
 
 @dataclass(frozen=True)
@@ -138,11 +140,16 @@ def check_bytes(data: bytes, policy: LoraPolicy) -> Checked:
         raise AdapterError(f"module {clip(worst, 120)!r} has rank {rank}; this service's adapters are of rank at "
                            f"most {policy.max_rank} ([workers] lora_max_rank)")
     modules = _read_whole(data)
-    return Checked(fmt, rank, modules if modules is not None else len(downs), metadata)
+    if modules is not None and policy.targets:
+        if left := next((m for m in modules if not any(re.search(p, m) for p in policy.targets)), None):
+            raise AdapterError(f"module {clip(left, 120)!r}: the workers' adapter banks leave it out ([workers] "
+                               f"lora_targets {list(policy.targets)})")
+    return Checked(fmt, rank, len(modules) if modules is not None else len(downs), metadata)
 
 
-def _read_whole(data: bytes) -> int | None:
-    """The linears the workers' reader finds (it raises what it refuses, as AdapterError); None without torch."""
+def _read_whole(data: bytes) -> list[str] | None:
+    """The linears (transformer paths) the workers' reader finds (it raises what it refuses, as AdapterError); None
+    without torch."""
     try:
         from workers.lora.formats import LoraError, read_adapter
     except ImportError:  # an API process without torch: the worker reads it when it is pushed there
@@ -151,7 +158,7 @@ def _read_whole(data: bytes) -> int | None:
         f.write(data)
         f.flush()
         try:
-            return len(read_adapter(f.name).weights)
+            return list(read_adapter(f.name).weights)
         except LoraError as e:
             raise AdapterError(str(e)) from None
 

@@ -225,6 +225,19 @@ def test_metrics_show_each_workers_adapters_and_drop_what_it_no_longer_reports()
     assert series(m) == {}
 
 
+def test_an_adapter_on_a_linear_lora_targets_leave_out_is_refused_at_upload():
+    """With ``[workers] lora_targets`` the API refuses, before anything is stored, an adapter on a linear the
+    workers' banks leave out (the module's name and the patterns in the message); one within them passes."""
+    from dit_serve.server.loras import AdapterError, LoraPolicy, check_bytes
+
+    policy = LoraPolicy(slots=2, targets=(r"attn\.to_(q|k|v)$",))
+    assert check_bytes(peft(modules=("transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.to_v")),
+                       policy).modules == 2
+    with pytest.raises(AdapterError, match=r"'transformer_blocks\.0\.ff\.net\.2'.*lora_targets"):
+        check_bytes(peft(modules=("transformer_blocks.0.attn.to_q", "transformer_blocks.0.ff.net.2")), policy)
+    assert check_bytes(peft(modules=("transformer_blocks.0.ff.net.2",)), LoraPolicy(slots=2)).modules == 1
+
+
 def test_the_sdk_registers_lists_applies_and_deletes_adapters(svc, tmp_path):
     from dit_serve import client as sdk
 
