@@ -155,3 +155,12 @@ def test_the_sdk_side_imports_the_server_side_only_to_start_it():
     found = _violations(eager, "dit_serve", ("dit_serve.server", "workers", "graphs", "samplers", "torch", "ray"),
                         exempt=("dit_serve.server",))
     assert [v for v in found if not v.endswith(" -> samplers.rules")] == []
+
+
+def test_the_workers_package_keeps_a_short_top_level():
+    """What a newcomer sees in ``workers/``: the engine, its decode and edits, the worker config and actor,
+    loading's dispatch, and the packages (families, kernels, lora, models, request, speed); shared family code
+    goes under ``workers/families/``."""
+    entries = sorted(p.name for p in (ROOT / "workers").iterdir()
+                     if p.name not in ("__init__.py", "__pycache__") and (p.suffix == ".py" or p.is_dir()))
+    assert len(entries) <= 12, entries

@@ -457,7 +457,7 @@ class Worker:
                         self._previews.pop(item_id, None)
                         self._admitted.pop(item_id, None)
                 self.engine.remove_model(name)
-                from workers.encoders import release_unused
+                from workers.families.encoders import release_unused
 
                 release_unused([m.text_encoder for m in self.engine.models.values() if m.text_encoder is not None])
                 gc.collect()

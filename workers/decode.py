@@ -7,7 +7,7 @@ their own image; ``decode`` resizes and centre-crops to the size asked (``resize
 reference pipelines do) and converts to uint8, the images of one output size together, copied to the host
 in chunks of ``DECODE_CONVERT``.
 
-Previews (``workers.previews`` maps a step's denoised estimate to small RGB on the device):
+Previews (``workers.families.previews`` maps a step's denoised estimate to small RGB on the device):
 ``previews_to_host`` starts a batch's uint8 copy to the host (pinned, non-blocking, with an event),
 ``previews_on_host`` collects the batches that have arrived.
 
@@ -31,7 +31,7 @@ from workers.loading import LoadedModel
 class Preview:
     request_id: str
     step: int          # steps done when it was taken
-    image: np.ndarray  # (h, w, 3) or (h, w) uint8, at most ``workers.previews.MAX_SIDE`` a side
+    image: np.ndarray  # (h, w, 3) or (h, w) uint8, at most ``workers.families.previews.MAX_SIDE`` a side
 
 
 @dataclass

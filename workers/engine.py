@@ -17,7 +17,7 @@ breaks stay breaks. Compile time, graphs compiled and cache hits are in ``stats(
 
 Previews (``ItemSpec.preview_every``): after a group's step, the requests that asked for one at this
 step (every N-th, not the last) get their denoised estimate (``hist_next``, a graph output) mapped to
-small RGB by ``workers.previews``, outside the graph: one batched matmul and resize per group, a uint8
+small RGB by ``workers.families.previews``, outside the graph: one batched matmul and resize per group, a uint8
 copy to the host that does not wait for the GPU (pinned, non-blocking, with an event: ``workers.decode``),
 collected by ``take_previews()``. Previews read the step's outputs and write nothing back: images are bit-equal
 with and without them.
@@ -70,14 +70,14 @@ from workers.config import WorkerConfig
 from workers.decode import (Preview, _PendingPreviews, _upload, decode, decode_runner, previews_on_host,
                             previews_to_host)
 from workers.edits import EDIT_INPUTS, Start, check_edit, edit_specs, family_variant, inpaint_variant, inpainting, starts
-from workers.encoders import EncoderGraphs, padded_length
+from workers.families.encoders import EncoderGraphs, padded_length
 from workers.families import compile_regions, family_of, preview_map_of
 from workers.kernels import lora as lora_kernel
 from workers.kernels.attention import CHOOSER
 from workers.lora import apply_lora, lora_rows, lora_specs, reached, with_lora
 from workers.lora.serving import Loras
 from workers.loading import LoadedModel
-from workers.previews import to_rgb
+from workers.families.previews import to_rgb
 from workers.request.admission import spec_shape
 from workers.request.spec import ItemSpec
 from workers.speed import SpeedConfig
@@ -369,7 +369,7 @@ class Engine:
 
     def _graph_encoder(self, model: LoadedModel) -> None:
         """Under the graph backends, a family's masked text encoder replays from CUDA graphs too
-        (``workers.encoders.EncoderGraphs``): one set per encoder module, shared by the models that share
+        (``workers.families.encoders.EncoderGraphs``): one set per encoder module, shared by the models that share
         it, in the graph pool of its device when the steps run there."""
         encoder = model.text_encoder
         device = next(encoder.parameters()).device

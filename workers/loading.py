@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from samplers import NoiseSchedule
-from workers.encoders import encoders_on, load_text_encoder
+from workers.families.encoders import encoders_on, load_text_encoder
 from workers.families import family_named
 from workers.families.base import DIT_SCHEDULER, FALLBACK_DEFAULTS, CardError, ModelCard, read_json
 from workers.request.cards import read_card
@@ -254,7 +254,7 @@ def load_sharded(cls, path: Path, device, dtype, stem: str = "diffusion_pytorch_
 
 
 def load_checked_encoder(cls, path: Path, device, dtype) -> torch.nn.Module:
-    """A transformers text encoder ``cls`` from ``path`` (``workers.encoders.load_text_encoder``: local files,
+    """A transformers text encoder ``cls`` from ``path`` (``workers.families.encoders.load_text_encoder``: local files,
     shared for identical weights), after our own checks of its files: pickles refused, every shard there."""
     weight_files(path, "model")
     return load_text_encoder(cls, path, device, dtype)

@@ -20,7 +20,7 @@ from workers.families.qwenimage import QwenImage
 from workers.families.sana import Sana
 from workers.families.sd3 import SD3
 from workers.families.zimage import ZImage
-from workers.previews import PreviewMap
+from workers.families.previews import PreviewMap
 
 FAMILIES: dict[str, Family] = {}
 DEFAULT_FAMILY = "dit"  # reads a directory no family claims (and names what it needs), runs a model without a card

@@ -95,7 +95,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from samplers.rules import prediction_type
-from workers.previews import IDENTITY, PreviewMap
+from workers.families.previews import IDENTITY, PreviewMap
 from workers.request.labels import resolve_label
 from workers.request.sizes import nearest_bin, parse_size
 
@@ -246,7 +246,7 @@ class Family:
     pipelines: ClassVar[tuple[str, ...]] = ()     # model_index.json ``_class_name``s it reads
     transformers: ClassVar[tuple[str, ...]] = ()  # transformer/config.json ``_class_name``s it reads
     builtins: ClassVar[dict[str, Builtin]] = {}   # built-in architectures by name
-    previews: ClassVar[dict[int, PreviewMap]] = {}  # latent channels -> RGB map (workers.previews)
+    previews: ClassVar[dict[int, PreviewMap]] = {}  # latent channels -> RGB map (workers.families.previews)
     runtime: ClassVar[str] = ""                   # "module:Class" of the torch part; "": this class
 
     break_attention: ClassVar[bool] = False

@@ -29,7 +29,7 @@ from itertools import product
 import torch
 from torch import nn
 
-from workers.encoders import encoder_device
+from workers.families.encoders import encoder_device
 
 # google/t5-v1_1-xxl (gated-gelu implies is_gated_act and dense_act_fn "gelu_new"); only its encoder is built
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,

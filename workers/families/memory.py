@@ -12,7 +12,7 @@ import json
 import struct
 from pathlib import Path
 
-from workers.encoders import fingerprint
+from workers.families.encoders import fingerprint
 from workers.families import FAMILIES
 from workers.request.cards import ModelCard, read_card
 
@@ -37,7 +37,7 @@ def safetensors_params(path: Path) -> int:
 
 def components(card: ModelCard) -> dict[str, tuple[int, str]]:
     """Parameters per component the worker loads for ``card``, with an identity for text encoders (the
-    weights' fingerprint: identical encoders are loaded once per process, workers.encoders)."""
+    weights' fingerprint: identical encoders are loaded once per process, workers.families.encoders)."""
     if card.builtin:  # the family's count (workers.families.base.Builtin)
         builtin = FAMILIES[card.family].builtins[card.builtin]
         core, encoders = builtin.params, builtin.encoder_params

@@ -17,7 +17,7 @@ class ItemSpec:
     is the unconditional prompt, as in the reference pipelines). ``width`` x ``height`` is the size the
     model generates at (0: its native size); ``out_width`` x ``out_height``, when set, the size the image
     is resized (and centre-cropped) to afterwards. ``preview_every`` N > 0: a preview of the denoised
-    estimate after every N-th step (not the last; ``workers.previews``); 0: none.
+    estimate after every N-th step (not the last; ``workers.families.previews``); 0: none.
 
     Edits. ``image``: an encoded image file as uploaded (PNG, JPEG or WebP bytes; ``workers.request.images``
     checks and decodes it); empty: text-to-image. With an image the request is image-to-image: the image,

@@ -113,7 +113,7 @@ def test_a_builtins_text_encoders_are_made_on_the_offload_device_never_on_the_gp
     48 GB encoder beside its 64 GB transformer would not fit one 80 GB GPU even for a moment), the rest on the
     model's device, each device with its own seeded generator."""
     import workers.families.builtins as b
-    from workers.encoders import encoders_on
+    from workers.families.encoders import encoders_on
 
     made = []
     monkeypatch.setattr(b, "_generator", lambda device, seed: ("gen", str(device), seed))

@@ -382,7 +382,7 @@ def test_previews_map_the_normalised_latents_as_comfyui_does(klein):
     of that over the cell's 2x2 pixels."""
     from workers.families import preview_map_of
     from workers.families.flux2 import FLUX2_RGB
-    from workers.previews import to_rgb
+    from workers.families.previews import to_rgb
 
     pmap = preview_map_of(klein.card)
     assert len(pmap.weight) == 128 and pmap.bias == (-0.0329, -0.0718, -0.0851)

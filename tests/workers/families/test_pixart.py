@@ -242,7 +242,7 @@ def test_encoder_graphs_give_the_encoders_embeddings_at_every_length_and_batch(m
     """``EncoderGraphs`` (eager on a CPU, the code a capture records on a GPU): one runner per padded
     length, batches past its largest bucket in chunks; each text's embedding equals the plain encoder's,
     so ``real_length_encode`` through it equals it without."""
-    from workers.encoders import EncoderGraphs, padded_length
+    from workers.families.encoders import EncoderGraphs, padded_length
     from workers.families.pixart.runtime import real_length_encode
 
     graphs = EncoderGraphs(model.text_encoder, MAX_TOKENS, max_batch=2)
@@ -300,7 +300,7 @@ def test_a_compiled_decode_compiles_once_and_makes_the_plain_decodes_images(mode
 def test_warm_up_captures_the_shortest_encoder_length_before_the_first_request(model):
     """An engine's warm-up asks its text-encoder graphs for the shortest padded length (most prompts), so the
     first request does not pay that capture (on a CPU the runner is eager; the same calls capture on a GPU)."""
-    from workers.encoders import EncoderGraphs, padded_length
+    from workers.families.encoders import EncoderGraphs, padded_length
 
     engine = Engine(model, WorkerConfig(backend="eager", max_batch=2))
     model.text_graphs = EncoderGraphs(model.text_encoder, MAX_TOKENS, max_batch=2)  # as _graph_encoder on CUDA

@@ -128,7 +128,7 @@ def test_full_size_pixart_sigma_buckets_replay_what_eager_computes(sigma_512):
 
 def test_an_offloaded_text_encoder_gives_the_same_images(tmp_path):
     """The T5 encoder on the host CPU, the transformer on the GPU: the same latents as all on the GPU."""
-    from workers import encoders
+    from workers.families import encoders
     from workers.engine import Engine
     from workers.loading import load_model
     from workers.models.tiny_pixart import make_tiny_pixart
@@ -208,7 +208,7 @@ def test_the_text_encoder_replays_from_graphs_and_encodes_what_it_computes_eager
     """Under a graph backend the engine captures T5 (``EncoderGraphs``): the shortest padded length at
     warm-up, others on first use; every batch replays (no eager fallback), and each embedding equals the
     plain encoder's (float32: the same kernels at the same shapes). An eager engine leaves the encoder plain."""
-    from workers.encoders import padded_length
+    from workers.families.encoders import padded_length
     from workers.engine import Engine
     from workers.families.pixart.runtime import real_length_encode
     from workers.request.spec import ItemSpec

@@ -21,7 +21,7 @@ from workers.families import FAMILIES, family_named, preview_map_of, register
 from workers.families.base import DIT_SCHEDULER, Builtin, Family, ModelCard
 from workers.families.memory import weight_params
 from workers.loading import LoadedModel, load_model
-from workers.previews import IDENTITY
+from workers.families.previews import IDENTITY
 from workers.request.spec import ItemSpec
 
 CLASSES, SIDE = 3, 4  # three classes of 1 x 4 x 4 pixel images

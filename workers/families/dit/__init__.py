@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from workers.families.base import DIT_SCHEDULER, FALLBACK_DEFAULTS, Builtin, CardError, Family, ModelCard
-from workers.previews import SD_VAE
+from workers.families.previews import SD_VAE
 
 DIT_CONFIG_DEFAULTS = {"sample_size": 32, "in_channels": 4}  # DiTTransformer2DModel's, for keys a config omits
 DIT_XL_2_PARAMS = 749_826_464 + 83_653_863  # transformer + sd-vae-ft-ema, counted on the meta device

@@ -43,7 +43,7 @@ import torch
 from graphs import TensorSpec
 from samplers import model_input, sampler_step
 from workers.speed import modulation
-from workers.encoders import place_encoder
+from workers.families.encoders import place_encoder
 from workers.families.flux import Flux, builtin, fast, reference_size  # fast: its routed attention registers on import
 from workers.families.textcache import encodings
 from workers.loading import assemble, load_checked_encoder, load_sharded, load_vae

@@ -44,7 +44,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes, read_json
-from workers.previews import PreviewMap
+from workers.families.previews import PreviewMap
 from workers.request.sizes import ratio_sizes
 
 NATIVE_SIZE = 1024
@@ -81,7 +81,7 @@ DEV_PARAMS, DEV_ENCODER_PARAMS = 32_223_281_152 + 84_046_115, 24_011_361_280
 
 # ComfyUI latent_formats.Flux2: RGB of the 32 VAE channels of the normalised latents seen unpatchified
 # (latent_rgb_factors_reshape); here each of a cell's 4 sub-pixels' rows at a quarter, so the map of a 128-channel
-# cell is the mean of its 2x2 pixels' (previews are area-averaged anyway: workers.previews.to_rgb)
+# cell is the mean of its 2x2 pixels' (previews are area-averaged anyway: workers.families.previews.to_rgb)
 FLUX2_RGB = ((0.0058, 0.0113, 0.0073), (0.0495, 0.0443, 0.0836), (-0.0099, 0.0096, 0.0644), (0.2144, 0.3009, 0.3652),
              (0.0166, -0.0039, -0.0054), (0.0157, 0.0103, -0.0160), (-0.0398, 0.0902, -0.0235),
              (-0.0052, 0.0095, 0.0109), (-0.3527, -0.2712, -0.1666), (-0.0301, -0.0356, -0.0180),

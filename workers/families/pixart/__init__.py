@@ -16,7 +16,7 @@ from pathlib import Path
 
 from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes
 from workers.families.pixart.bins import pixart_bins
-from workers.previews import SD_VAE
+from workers.families.previews import SD_VAE
 
 PIXART_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 0.02, "beta_schedule": "linear",
                     "prediction_type": "epsilon", "algorithm_type": "dpmsolver++", "solver_order": 2,

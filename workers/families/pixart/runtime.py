@@ -17,7 +17,7 @@ import torch
 
 from graphs import TensorSpec
 from samplers import cfg_combine, model_input, sampler_step
-from workers.encoders import load_text_encoder, padded_length, place_encoder
+from workers.families.encoders import load_text_encoder, padded_length, place_encoder
 from workers.families.pixart import PixArt
 from workers.families.pixart.builtin import build_pixart_sigma
 from workers.families.textcache import encodings
@@ -145,7 +145,7 @@ def real_length_encode(model, texts: list[str]) -> tuple[torch.Tensor, torch.Ten
     relative) and no image (every consumer of the embeddings masks the padding: the padded cross-attention
     by the mask, the varlen one by leaving it out). So the padding positions are left at zero rather than
     encoded, and a prompt of 20 tokens costs T5 64 positions, not 300. The length is rounded up to a
-    multiple of 64 (``workers.encoders.padded_length``) so that an engine's encoder graphs
+    multiple of 64 (``workers.families.encoders.padded_length``) so that an engine's encoder graphs
     (``model.text_graphs``) meet a few shapes; without them the encoder runs as it is."""
     limit = model.card.max_tokens
     tok = model.tokenizer(texts, padding="longest", max_length=limit, truncation=True, add_special_tokens=True,
@@ -190,7 +190,7 @@ def _load_pixart(card, path: Path, vae, device, dtype) -> LoadedModel:
     transformer = load_component(PixArtTransformer2DModel, path / "transformer")
     refuse_without_safetensors(path / "text_encoder", "model.safetensors")
     # transformers' loader: sharded checkpoints and tied embeddings; use_safetensors refuses pickles; one
-    # copy per process for identical weights (workers.encoders)
+    # copy per process for identical weights (workers.families.encoders)
     encoder = load_text_encoder(T5EncoderModel, path / "text_encoder", device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
     model = assemble(card, cast(transformer, device, dtype), vae)

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes, read_json
-from workers.previews import PreviewMap
+from workers.families.previews import PreviewMap
 
 NATIVE_SIZE = 1024  # QwenImagePipeline: default_sample_size 128 x vae_scale_factor 8
 MAX_TOKENS = 512  # QwenImagePipeline.__call__'s max_sequence_length
@@ -93,7 +93,7 @@ SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_l
              "use_beta_sigmas": False, "use_dynamic_shifting": True, "use_exponential_sigmas": False,
              "use_karras_sigmas": False, "flow_grid": "flux"}
 
-# ComfyUI latent_formats.Wan21 (QwenImage's latent format is Wan 2.1's): the 16-channel VAE (workers.previews)
+# ComfyUI latent_formats.Wan21 (QwenImage's latent format is Wan 2.1's): the 16-channel VAE (workers.families.previews)
 WAN21_VAE = PreviewMap(weight=((-0.1299, -0.1692, 0.2932), (0.0671, 0.0406, 0.0442), (0.3568, 0.2548, 0.1747),
                                (0.0372, 0.2344, 0.1420), (0.0313, 0.0189, -0.0328), (0.0296, -0.0956, -0.0665),
                                (-0.3477, -0.4059, -0.2925), (0.0166, 0.1902, 0.1975), (-0.0412, 0.0267, -0.1364),

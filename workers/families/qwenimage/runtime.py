@@ -48,7 +48,7 @@ import torch
 
 from graphs import TensorSpec
 from samplers import model_input, sampler_step
-from workers.encoders import place_encoder
+from workers.families.encoders import place_encoder
 from workers.families.base import NO_CFG
 from workers.families.qwenimage import QwenImage, builtin, edit
 from workers.families.textcache import encodings

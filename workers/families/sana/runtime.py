@@ -40,7 +40,7 @@ import torch
 
 from graphs import TensorSpec
 from samplers import cfg_combine, model_input, sampler_step
-from workers.encoders import place_encoder
+from workers.families.encoders import place_encoder
 from workers.families.base import NO_CFG
 from workers.families.sana import COMPLEX_HUMAN_INSTRUCTION, Sana, builtin
 from workers.families.textcache import encodings

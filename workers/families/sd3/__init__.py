@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes, read_json
-from workers.previews import PreviewMap
+from workers.families.previews import PreviewMap
 from workers.request.sizes import ratio_sizes
 
 CLIP_ARCH = "CLIPTextModelWithProjection"
@@ -37,7 +37,7 @@ DEFAULTS = {"sampler": "flow_euler", "steps": 28, "guidance": 7.0}  # StableDiff
 # SD3.5 medium: transformer + its positional-embedding table (a buffer) + VAE; CLIP-L, CLIP-bigG, T5-XXL
 SD35_MEDIUM = Builtin(1024, 2_243_171_520 + 226_492_416 + 83_819_683, 123_650_304 + 694_659_840 + 4_762_310_656)
 
-# ComfyUI latent_formats.SD3: the 16-channel SD3 / SD3.5 VAE (workers.previews)
+# ComfyUI latent_formats.SD3: the 16-channel SD3 / SD3.5 VAE (workers.families.previews)
 SD3_VAE = PreviewMap(weight=((-0.0922, -0.0175, 0.0749), (0.0311, 0.0633, 0.0954), (0.1994, 0.0927, 0.0458),
                              (0.0856, 0.0339, 0.0902), (0.0587, 0.0272, -0.0496), (-0.0006, 0.1104, 0.0309),
                              (0.0978, 0.0306, 0.0427), (-0.0042, 0.1038, 0.1358), (-0.0194, 0.0020, 0.0669),

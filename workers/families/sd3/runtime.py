@@ -29,7 +29,7 @@ import torch
 from graphs import TensorSpec
 from samplers import cfg_combine, model_input, sampler_step
 from workers.speed import modulation
-from workers.encoders import load_text_encoder, place_encoder
+from workers.families.encoders import load_text_encoder, place_encoder
 from workers.families.sd3 import SD3, builtin, fast, skips_t5  # noqa: F401 (fast: its routed attention registers on import)
 from workers.families.textcache import encodings
 from workers.loading import (ModelError, assemble, cast, load_component, load_vae, read_config,

@@ -49,7 +49,7 @@ from numbers import Real
 from pathlib import Path
 
 from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes, read_json
-from workers.previews import FLUX_VAE
+from workers.families.previews import FLUX_VAE
 from workers.request.sizes import ratio_sizes
 
 NATIVE_SIZE = 1024

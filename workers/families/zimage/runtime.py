@@ -44,7 +44,7 @@ import torch
 
 from graphs import TensorSpec
 from samplers import model_input, sampler_step
-from workers.encoders import padded_length, place_encoder
+from workers.families.encoders import padded_length, place_encoder
 from workers.families.base import NO_CFG
 from workers.families.textcache import encodings
 from workers.families.zimage import CAPTION_MULTIPLE, GUIDANCE_OPTIONS, ZImage, builtin, guidance_options

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from workers import encoders
+from workers.families import encoders
 from workers.families.memory import check_fits, components
 from workers.loading import load_model
 from workers.models.tiny_pixart import make_tiny_pixart

@@ -1,4 +1,4 @@
-"""The latent-to-RGB maps of previews (workers.previews)."""
+"""The latent-to-RGB maps of previews (workers.families.previews)."""
 
 import torch
 
@@ -7,7 +7,7 @@ import dataclasses
 from workers.families import preview_map_of
 from workers.families.flux import FLUX_VAE
 from workers.families.sd3 import SD3_VAE
-from workers.previews import IDENTITY, SD_VAE, preview_size, to_rgb
+from workers.families.previews import IDENTITY, SD_VAE, preview_size, to_rgb
 from workers.request.cards import read_card
 
 
