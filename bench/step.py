@@ -16,7 +16,10 @@ Inputs are what a request makes (the engine's warm-up example: a prompt or class
 its middle step), tiled over B rows with seeded noise. Reported per system: median ms of a step at each B
 (synchronised, its host work included) and its p10/p90, the warm-up (capture and compile) seconds, the graph
 pool, and the largest difference of x_next from ``default``'s on the same inputs (relative to its norm: what
-compile and FP8 change). ``--profile`` adds the step's kernels by group (matrix products, attention,
+compile and FP8 change). Each B's work is counted once (``step_flops``: the floating-point operations of the
+step's matrix products, convolutions and attention, by ``torch.utils.flop_counter`` over one eager step, CFG's
+rows included), so each system's step also reads as TFLOP/s, against the peak of the device's bf16 matrix
+products measured in the same run (``measured_peak``: an 8192-square product). ``--profile`` adds the step's kernels by group (matrix products, attention,
 normalisation, fused/elementwise, copies) and the heaviest ten, from torch.profiler (operators on a CPU).
 Writes docs/benchmarks/step_<model>.{json,md}.
 
@@ -193,6 +196,36 @@ def pipeline_step_ms(model, images: int, reps: int = 2) -> list[float]:
     return out
 
 
+def step_flops(model, images: int) -> int:
+    """Floating-point operations of one step of ``images`` images (the card's default request's step, run eagerly
+    once under ``torch.utils.flop_counter.FlopCounterMode``): the work every system does for that step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from workers.config import WorkerConfig
+    from workers.engine import Engine
+    from workers.families import family_of
+
+    family, shape = family_of(model), tuple(model.latent_shape)
+    engine = Engine(model, WorkerConfig(backend="eager", max_batch=images))  # its warm-up example, nothing captured
+    variant = family.variant_of(model, SimpleNamespace(guidance=float(model.card.defaults["guidance"])))
+    step = family.make_step(model, shape, **({"variant": variant} if variant else {}))  # as the engine asks for it
+    inputs = step_inputs(engine, model, images)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        step(**inputs)
+    del engine
+    return int(counter.get_total_flops())
+
+
+def measured_peak(smoke: bool) -> dict:
+    """TFLOP/s of the device's dense matrix products: the median of 20 8192-square bf16 products (on a CPU, for a
+    smoke run, 512-square float32 ones)."""
+    n, dtype = (512, torch.float32) if smoke or not torch.cuda.is_available() else (8192, torch.bfloat16)
+    device = harness.device_and_dtype(smoke)[0]
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    ms = harness.percentile(harness.cuda_ms(lambda: a @ b, 20), 50)
+    return {"tflops": float(f"{2 * n ** 3 / (ms * 1e-3) / 1e12:.4g}"), "size": n, "dtype": str(dtype).split(".")[-1]}
+
+
 def compiled(model):
     """The model with its transformer wrapped in ``torch.compile`` (a shallow copy: ``model`` is unchanged)."""
     out = copy.copy(model)
@@ -319,6 +352,17 @@ def markdown(result: dict) -> str:
     lines += harness.table(["system", *(f"{n} image{'s' * (n > 1)}" for n in images), "warm-up s", "graph pool MiB",
                             "x_next vs default (rel.)"], rows)
     lines += [f"\n{name} skipped: {b['skipped']}" for name, b in result["systems"].items() if "skipped" in b]
+    if (flops := result.get("flops")) and (peak := result.get("peak")):
+        lines += ["", f"## Achieved TFLOP/s (share of the measured peak, {peak['tflops']} TFLOP/s of "
+                  f"{peak['size']}-square {peak['dtype']} products)", "",
+                  "The step's work: " + ", ".join(f"{n} image{'s' * (n > 1)} {flops[n] / 1e12:.3g} TFLOP"
+                                                   for n in images if n in flops), ""]
+        rows = []
+        for name, block in result["systems"].items():
+            got = [achieved(flops.get(n), block.get("ms", {}).get(n, {}).get("median")) for n in images]
+            if any(t is not None for t in got):
+                rows.append([name, *(f"{t:g} ({t / peak['tflops']:.0%})" if t is not None else None for t in got)])
+        lines += harness.table(["system", *(f"{n} image{'s' * (n > 1)}" for n in images)], rows)
     for name, block in result["systems"].items():
         for n, prof in block.get("profile", {}).items():
             lines += ["", f"## {name}, {n} image{'s' * (n > 1)}: {prof['total_ms']} ms of kernels a step", ""]
@@ -326,6 +370,11 @@ def markdown(result: dict) -> str:
                                                               for g, v in prof["groups"].items()])
     lines += [f"\n- {part} failed: `{err.splitlines()[0][:300]}`" for part, err in result.get("errors", {}).items()]
     return "\n".join(lines)
+
+
+def achieved(flops: int | None, ms: float | None) -> float | None:
+    """TFLOP/s of ``flops`` done in ``ms``."""
+    return float(f"{flops / (ms * 1e-3) / 1e12:.3g}") if flops and ms else None
 
 
 def report_name(model: str) -> str:
@@ -350,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": Path(str(args.model)).name, "images": args.images, "systems": {}, "errors": {},
               "env": harness.environment(harness.device_and_dtype(args.smoke)[0])}
     models = {"bf16": harness.load(args.model, "bf16", args.smoke)}
+    harness.attempt(result, "flops", lambda: result.update(
+        flops={n: step_flops(models["bf16"], n) for n in args.images}, peak=measured_peak(args.smoke)))
     reference: dict = {}
     order = [s for s in harness.SYSTEMS if s in args.systems]  # baselines before any engine patches the model
     for name in order:

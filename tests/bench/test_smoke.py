@@ -18,6 +18,9 @@ def test_step_times_diffusers_and_the_default_engine_on_a_tiny_dit(tmp_path):
     r = json.loads((tmp_path / "step_tiny-dit.json").read_text())
     assert set(r["systems"]) == {"diffusers", "default"} and r["systems"]["default"]["ms"]["2"]["n"] == 3
     assert r["systems"]["default"]["config"]["backend"] == "graphs"
+    # each count's work, once, and the device's measured peak: the step as TFLOP/s against it
+    assert 0 < r["flops"]["1"] < r["flops"]["2"] and r["peak"]["tflops"] > 0
+    assert "Achieved TFLOP/s" in (tmp_path / "step_tiny-dit.md").read_text()
 
 
 def test_workload_runs_one_image_end_to_end_and_a_tiny_mix(tmp_path):
