@@ -19,8 +19,9 @@ pool, and the largest difference of x_next from ``default``'s on the same inputs
 compile and FP8 change). Each B's work is counted once (``step_flops``: the floating-point operations of the
 step's matrix products, convolutions and attention, by ``torch.utils.flop_counter`` over one eager step, CFG's
 rows included), so each system's step also reads as TFLOP/s, against the peak of the device's bf16 matrix
-products measured in the same run (``measured_peak``: an 8192-square product). ``--profile`` adds the step's kernels by group (matrix products, attention,
-normalisation, fused/elementwise, copies) and the heaviest ten, from torch.profiler (operators on a CPU).
+products measured in the same run (``measured_peak``: an 8192-square product). ``--profile`` adds the step's
+kernels by group (matrix products, attention, normalisation, fused/elementwise, copies) and the heaviest ten, from
+torch.profiler (operators on a CPU).
 Writes docs/benchmarks/step_<model>.{json,md}.
 
     python bench/step.py --model dit-xl-2-256 --images 1 64
