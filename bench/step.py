@@ -197,9 +197,9 @@ def pipeline_step_ms(model, images: int, reps: int = 2) -> list[float]:
     return out
 
 
-def step_flops(model, images: int) -> int:
-    """Floating-point operations of one step of ``images`` images (the card's default request's step, run eagerly
-    once under ``torch.utils.flop_counter.FlopCounterMode``): the work every system does for that step."""
+def step_flops(model, counts: list[int]) -> dict[int, int]:
+    """Floating-point operations of one step of each of ``counts`` images (the card's default request's step, run
+    eagerly once per count under ``torch.utils.flop_counter.FlopCounterMode``): the work every system does."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from workers.config import WorkerConfig
@@ -207,14 +207,17 @@ def step_flops(model, images: int) -> int:
     from workers.families import family_of
 
     family, shape = family_of(model), tuple(model.latent_shape)
-    engine = Engine(model, WorkerConfig(backend="eager", max_batch=images))  # its warm-up example, nothing captured
+    engine = Engine(model, WorkerConfig(backend="eager", max_batch=max(counts)))  # its warm-up example only
     variant = family.variant_of(model, SimpleNamespace(guidance=float(model.card.defaults["guidance"])))
     step = family.make_step(model, shape, **({"variant": variant} if variant else {}))  # as the engine asks for it
-    inputs = step_inputs(engine, model, images)
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        step(**inputs)
+    out = {}
+    for n in counts:
+        inputs = step_inputs(engine, model, n)
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            step(**inputs)
+        out[n] = int(counter.get_total_flops())
     del engine
-    return int(counter.get_total_flops())
+    return out
 
 
 def measured_peak(smoke: bool) -> dict:
@@ -401,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
               "env": harness.environment(harness.device_and_dtype(args.smoke)[0])}
     models = {"bf16": harness.load(args.model, "bf16", args.smoke)}
     harness.attempt(result, "flops", lambda: result.update(
-        flops={n: step_flops(models["bf16"], n) for n in args.images}, peak=measured_peak(args.smoke)))
+        flops=step_flops(models["bf16"], args.images), peak=measured_peak(args.smoke)))
     reference: dict = {}
     order = [s for s in harness.SYSTEMS if s in args.systems]  # baselines before any engine patches the model
     for name in order:
