@@ -292,9 +292,29 @@ def write_report(out: Path, name: str, result: dict, markdown: str) -> list[Path
     return paths
 
 
-def attempt(result: dict, part: str, fn) -> None:
+class Report:
+    """A workload's one current report (``out/name.{json,md}``), drawn by ``markdown(result)``. ``attempt`` saves it
+    after every part, marked partial, so a run stopped by a time limit keeps what it measured; ``save`` at the end
+    writes the whole."""
+
+    def __init__(self, out: Path, name: str, markdown):
+        self.out, self.name, self.markdown = out, name, markdown
+
+    def save(self, result: dict, partial: bool = False) -> list[Path]:
+        try:
+            text = self.markdown(result)
+        except Exception as exc:  # a section half done may not draw; its JSON still holds what was measured
+            text = f"(not drawn from this partial result: {type(exc).__name__}: {exc})"
+        if partial:
+            result = {**result, "partial": True}
+            text = "**Partial: written while the run went on; it stopped before the end.**\n\n" + text
+        return write_report(self.out, self.name, result, text)
+
+
+def attempt(result: dict, part: str, fn, report: Report | None = None) -> None:
     """Run one part of a benchmark; an exception is recorded under ``result["errors"][part]`` and the
-    rest still runs (a part failing is a result to report, not a reason to lose the others)."""
+    rest still runs (a part failing is a result to report, not a reason to lose the others). With ``report``,
+    the result so far is saved after the part, marked partial."""
     t0 = time.perf_counter()
     try:
         fn()
@@ -303,3 +323,5 @@ def attempt(result: dict, part: str, fn) -> None:
         free()
     failed = result.get("errors", {}).get(part)
     print(f"{part}: {time.perf_counter() - t0:.1f} s" + (f" FAILED {failed[:300]}" if failed else ""), flush=True)
+    if report is not None:
+        report.save(result, partial=True)

@@ -133,12 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {"env": harness.environment(device), "errors": {}}
     run = {"quant": lambda s: quant(*s, device), "gelu": lambda s: gelu(*s, device, dtype),
            "attention": lambda s: attention(*s, device, dtype)}
+    report = harness.Report(harness.out_dir(args.out, args.smoke), "kernels", markdown)
     with torch.no_grad():
         for section in args.sections:
             rows = result.setdefault(section, [])
             for shape in shapes[section]:
-                harness.attempt(result, f"{section} {shape[0]}", lambda: rows.append(run[section](shape)))
-    paths = harness.write_report(harness.out_dir(args.out, args.smoke), "kernels", result, markdown(result))
+                harness.attempt(result, f"{section} {shape[0]}", lambda: rows.append(run[section](shape)), report)
+    paths = report.save(result)
     print(markdown(result) + f"\nwrote {paths[0]}")
     return 1 if result["errors"] else 0
 

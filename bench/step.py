@@ -402,17 +402,17 @@ def main(argv: list[str] | None = None) -> int:
     args.cache = Path(tempfile.mkdtemp(prefix="bench-inductor-"))  # a cold compile: warm-up counts it
     result = {"model": Path(str(args.model)).name, "images": args.images, "systems": {}, "errors": {},
               "env": harness.environment(harness.device_and_dtype(args.smoke)[0])}
+    report = harness.Report(harness.out_dir(args.out, args.smoke), report_name(args.model), markdown)
     models = {"bf16": harness.load(args.model, "bf16", args.smoke)}
     harness.attempt(result, "flops", lambda: result.update(
-        flops=step_flops(models["bf16"], args.images), peak=measured_peak(args.smoke)))
+        flops=step_flops(models["bf16"], args.images), peak=measured_peak(args.smoke)), report)
     reference: dict = {}
     order = [s for s in harness.SYSTEMS if s in args.systems]  # baselines before any engine patches the model
     for name in order:
         run = run_baseline if name in harness.BASELINES else run_preset
         extra = () if name in harness.BASELINES else (reference,)
-        harness.attempt(result, name, lambda: run(name, args, models, result, *extra))
-    out = harness.out_dir(args.out, args.smoke)
-    paths = harness.write_report(out, report_name(args.model), result, markdown(result))
+        harness.attempt(result, name, lambda: run(name, args, models, result, *extra), report)
+    paths = report.save(result)
     print(markdown(result) + f"\nwrote {paths[0]}")
     return 1 if result["errors"] else 0
 

@@ -82,7 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from workloads import edits, lora, plain, shared  # noqa: E402
 
-GROUPS = (plain, edits, lora)  # each: REPORT, NAMES, DEFAULTS, SMOKE, SMOKE_FAMILIES, run(args), markdown(result)
+GROUPS = (plain, edits, lora)  # each: REPORT, NAMES, DEFAULTS, SMOKE, SMOKE_FAMILIES, run(args, report), markdown
 SECTIONS = tuple(name for group in GROUPS for name in group.NAMES)
 
 
@@ -164,9 +164,10 @@ def settings(group, args: argparse.Namespace, sections: list[str], given: list[s
 def main(argv: list[str] | None = None) -> int:
     failed = False
     for group, args in parse(argv):
-        result = group.run(args)
         name = f"{group.REPORT}_{Path(str(args.models[0])).name}"
-        paths = harness.write_report(harness.out_dir(args.out, args.smoke), name, result, group.markdown(result))
+        report = harness.Report(harness.out_dir(args.out, args.smoke), name, group.markdown)
+        result = group.run(args, report)
+        paths = report.save(result)
         print(group.markdown(result) + f"\nwrote {paths[0]}")
         failed |= bool(result["errors"])
     return 1 if failed else 0

@@ -252,7 +252,7 @@ def markdown(result: dict) -> str:
     return "\n".join(lines + harness.notes(result, SECTION))
 
 
-def run(args) -> dict:
+def run(args, report: harness.Report | None = None) -> dict:
     """The asked sections' result for the first of --models: each asked system in turn, diffusers first (each
     engine patches the model it runs in place)."""
     name = Path(str(args.models[0])).name
@@ -264,6 +264,7 @@ def run(args) -> dict:
     for section in [NAMES[s] for s in args.sections]:
         block = result.setdefault(section, {})
         for system in [s for s in SYSTEMS if s in args.systems]:
-            harness.attempt(result, f"{section}/{system}", lambda: SECTION[section](system, models, args, block))
+            part = lambda: SECTION[section](system, models, args, block)  # noqa: E731
+            harness.attempt(result, f"{section}/{system}", part, report)
             harness.free()
     return result

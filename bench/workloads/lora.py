@@ -310,7 +310,7 @@ def markdown(result: dict) -> str:
     return "\n".join(lines + harness.notes(result, SECTION))
 
 
-def run(args) -> dict:
+def run(args, report: harness.Report | None = None) -> dict:
     """The asked sections' result for the first of --models: each asked preset, and diffusers in the mixed
     workload, each on a fresh load of the model."""
     name = Path(str(args.models[0])).name
@@ -330,6 +330,6 @@ def run(args) -> dict:
                 precision = "bf16" if system == "diffusers" else harness.engine_config(system, models.family())[1]
                 models.loaded, models.precision = [], None
                 SECTION[section](system, models.get(precision)[0], files, args, block)
-            harness.attempt(result, f"{section}/{system}", one)
+            harness.attempt(result, f"{section}/{system}", one, report)
             harness.free()
     return result

@@ -124,7 +124,7 @@ def markdown(result: dict) -> str:
     return "\n".join(lines + harness.notes(result, SECTION))
 
 
-def run(args) -> dict:
+def run(args, report: harness.Report | None = None) -> dict:
     """The asked sections' result: each asked system in turn, diffusers first (each engine patches the model it
     runs in place)."""
     names = [Path(str(m)).name for m in args.models]
@@ -135,6 +135,7 @@ def run(args) -> dict:
     for section in [NAMES[s] for s in args.sections]:
         block = result.setdefault(section, {})
         for system in [s for s in SYSTEMS if s in args.systems and not (section == "consistency" and s == "diffusers")]:
-            harness.attempt(result, f"{section}/{system}", lambda: SECTION[section](system, models, args, block))
+            part = lambda: SECTION[section](system, models, args, block)  # noqa: E731
+            harness.attempt(result, f"{section}/{system}", part, report)
             harness.free()
     return result

@@ -65,3 +65,25 @@ def test_a_failing_part_is_recorded_and_the_rest_runs():
     harness.attempt(result, "bad", lambda: 1 / 0)
     harness.attempt(result, "good", lambda: result.__setitem__("ran", True))
     assert result["ran"] and list(result["errors"]) == ["bad"] and "ZeroDivisionError" in result["errors"]["bad"]
+
+
+def test_each_part_saves_the_report_so_far_marked_partial_and_the_end_saves_the_whole(tmp_path):
+    """A run stopped by a time limit keeps the parts it finished; a half-done result the markdown cannot draw still
+    leaves its JSON."""
+    def markdown(result):
+        return "# rows\n" + "\n".join(f"- {k}: {v['ms']}" for k, v in result["rows"].items())
+
+    report = harness.Report(tmp_path, "step_x", markdown)
+    result: dict = {"rows": {}}
+    harness.attempt(result, "a", lambda: result["rows"].__setitem__("a", {"ms": 1.5}), report)
+    data = json.loads((tmp_path / "step_x.json").read_text())
+    assert data["partial"] is True and data["rows"] == {"a": {"ms": 1.5}}
+    text = (tmp_path / "step_x.md").read_text()
+    assert text.startswith("**Partial") and "- a: 1.5" in text
+    harness.attempt(result, "b", lambda: result["rows"].__setitem__("b", {}), report)  # half done: no "ms" yet
+    assert json.loads((tmp_path / "step_x.json").read_text())["rows"]["b"] == {}
+    assert "not drawn from this partial result: KeyError" in (tmp_path / "step_x.md").read_text()
+    result["rows"]["b"]["ms"] = 2.0
+    report.save(result)
+    assert "partial" not in json.loads((tmp_path / "step_x.json").read_text()) and "partial" not in result
+    assert (tmp_path / "step_x.md").read_text() == "# rows\n- a: 1.5\n- b: 2.0\n"
