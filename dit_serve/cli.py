@@ -67,6 +67,21 @@ def _lora(text: str) -> tuple[str, float]:
     return name, value
 
 
+def _lora_file(text: str) -> tuple[Path, float]:
+    """``FILE[:SCALE]`` -> (path, scale): the part after the last colon is the scale when it is a number, so a path
+    with a colon of its own still reads (``C:/x.safetensors``); scale 1 when omitted."""
+    path, sep, scale = text.rpartition(":")
+    try:
+        value = float(scale) if sep and path else None
+    except ValueError:
+        value = None
+    if value is None:
+        path, value = text, 1.0
+    if value != value or abs(value) == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the scale must be a finite number")
+    return Path(path), value
+
+
 def _add_conditioning(p) -> None:
     """Labels (class models) or prompts (text models); the model decides which it takes."""
     what = p.add_mutually_exclusive_group(required=True)
@@ -103,6 +118,9 @@ def _add_generate(sub) -> None:
     _add_conditioning(p)
     _add_edit(p)
     _add_sampling(p)
+    p.add_argument("--lora", action="append", type=_lora_file, dest="loras", metavar="FILE[:SCALE]",
+                   help="apply an adapter (LoRA: a .safetensors of diffusers/PEFT or kohya keys) to every image, at "
+                        "SCALE in [-4, 4] (default 1); repeatable, up to 4")
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     p.add_argument("--backend", default="auto", choices=["auto", "eager", "full", "breakable", "graphs"],

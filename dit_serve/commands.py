@@ -212,7 +212,8 @@ def generate(args) -> int:
                      exact_size=args.exact_size, sampler=args.sampler, steps=args.steps, guidance=args.guidance,
                      seed=seed_of(args), eta=args.eta or 0.0, out=args.out, device=args.device,
                      backend=args.backend, precision=args.precision, image=(args.image or [None])[0],
-                     extra_images=tuple(args.image or ())[1:], mask=args.mask, strength=args.strength)
+                     extra_images=tuple(args.image or ())[1:], mask=args.mask, strength=args.strength,
+                     loras=tuple(args.loras or ()))
     manifest = run_generate(a, progress=sys.stderr.isatty())
     for warning in Manifest.model_validate_json(manifest.read_text()).params.warnings:
         print(f"dit-serve: warning: {warning}", file=sys.stderr)

@@ -18,7 +18,7 @@ from PIL import Image
 
 from dit_serve.errors import UsageError
 from dit_serve.outputs import grid, publish
-from dit_serve.schemas import MAX_PROMPT, JobParams, Manifest, ManifestImage
+from dit_serve.schemas import MAX_LORA_SCALE, MAX_PROMPT, JobParams, LoraUse, Manifest, ManifestImage
 
 if TYPE_CHECKING:  # numpy is the server extra's: grid and publish also serve the client's `fetch`
     import numpy as np
@@ -52,6 +52,10 @@ class GenerateArgs:
     mask: Path | None = None
     extra_images: tuple[Path, ...] = ()  # an instruction edit's further reference images (images 2, 3, ...)
     strength: float | None = None
+    loras: tuple[tuple[Path, float], ...] = ()  # adapter files applied to every image, and their scales
+
+
+MAX_LORAS = 4  # a worker's default lora_per_request
 
 
 def check_args(a: GenerateArgs) -> None:
@@ -72,6 +76,12 @@ def check_args(a: GenerateArgs) -> None:
         raise UsageError(f"--guidance must be >= 0, got {a.guidance}")
     if a.eta < 0:
         raise UsageError(f"--eta must be >= 0, got {a.eta}")
+    if len(a.loras) > MAX_LORAS:
+        raise UsageError(f"--lora: at most {MAX_LORAS} adapters, got {len(a.loras)}")
+    for path, scale in a.loras:
+        if not -MAX_LORA_SCALE <= scale <= MAX_LORA_SCALE:
+            raise UsageError(f"--lora {str(path)!r}: scale {scale:g} is outside [-{MAX_LORA_SCALE:g}, "
+                             f"{MAX_LORA_SCALE:g}]")
 
 
 def prepare_out(out: Path) -> Path:
@@ -138,6 +148,7 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     from workers.loading import load_model, run_dtype
     from workers.request.spec import ItemSpec
 
+    adapters = _read_loras(a.loras)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     try:
         model = load_model(a.model or DEFAULT_MODEL, device=device, dtype=run_dtype(card, device),
@@ -147,13 +158,21 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     sampler = a.sampler or model.defaults["sampler"]
     steps = a.steps or model.defaults["steps"]
     guidance = model.defaults["guidance"] if a.guidance is None else a.guidance
+    n = len(conds)
+    max_batch = min(64, 1 << (n - 1).bit_length())
+    lora = dict(lora_slots=len(adapters), lora_max_rank=max(r for _, _, r, _ in adapters),
+                lora_per_request=len(adapters)) if adapters else {}
+    engine = Engine(model, WorkerConfig(backend=a.backend, max_batch=max_batch, **lora))
+    for name, (path, _) in zip(_lora_names(a.loras), a.loras):
+        try:
+            engine.add_lora(name, path, model.name)
+        except ValueError as e:
+            raise UsageError(f"--lora {str(path)!r}: {e}") from None
+    loras = tuple((name, scale) for name, (_, scale) in zip(_lora_names(a.loras), a.loras))
+    reqs = [ItemSpec(id=str(i), seed=a.seed + i, sampler=sampler, steps=steps, guidance=guidance, eta=a.eta,
+                     loras=loras, **size, **edit, **c) for i, c in enumerate(conds)]
     created = not a.out.exists()
     staging = prepare_out(a.out)
-    n = len(conds)
-    reqs = [ItemSpec(id=str(i), seed=a.seed + i, sampler=sampler, steps=steps, guidance=guidance, eta=a.eta,
-                     **size, **edit, **c) for i, c in enumerate(conds)]
-    max_batch = min(64, 1 << (n - 1).bit_length())
-    engine = Engine(model, WorkerConfig(backend=a.backend, max_batch=max_batch))
     try:
         engine.warmup()
         with tqdm(total=n * steps, desc=f"{model.name} {sampler} x{n}", unit="step",
@@ -164,13 +183,42 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
         raise
     params = JobParams(sampler=sampler, steps=steps, guidance=guidance, eta=a.eta, negative_prompt=a.negative_prompt,
                        width=size["width"], height=size["height"], output_width=size["out_width"],
-                       output_height=size["out_height"], warnings=[*card.warnings, *size_note], **refs)
+                       output_height=size["out_height"], warnings=[*card.warnings, *size_note],
+                       loras=[LoraUse(name=path.name, scale=scale, sha256=sha) for path, scale, _, sha in adapters],
+                       **refs)
     images = [ManifestImage(file=f"{i:05d}.png" if text else f"{i:05d}_label{r.request.label}.png", index=i,
                             label=None if text else r.request.label, prompt=r.request.prompt if text else None,
                             seed=r.request.seed) for i, r in enumerate(results)]
     manifest = Manifest(job=None, model=model.name, state="done", params=params, grid="grid.png", images=images)
     cols = a.num_per_prompt if text else a.num_per_label
     return write_outputs(a.out, staging, manifest, [r.image for r in results], cols)
+
+
+def _read_loras(loras) -> list[tuple[Path, float, int, str]]:
+    """Each ``--lora`` file parsed before the model loads: (path, scale, rank, SHA-256); UsageError naming the file
+    that cannot be read, is not safetensors (nothing is unpickled) or holds no LoRA weights."""
+    import hashlib
+
+    from workers.lora.formats import LoraError, read_adapter
+
+    out = []
+    for path, scale in loras:
+        try:
+            sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError as e:
+            raise UsageError(f"--lora: cannot read {str(path)!r}: {e.strerror or e}") from None
+        try:
+            out.append((path, scale, read_adapter(path).rank, sha))
+        except LoraError as e:
+            raise UsageError(f"--lora {str(path)!r}: {e}") from None
+    return out
+
+
+def _lora_names(loras) -> list[str]:
+    """The engine's names of the ``--lora`` files: their order and stem (two files may share a stem)."""
+    import re
+
+    return [f"{i}.{re.sub(r'[^A-Za-z0-9._-]', '-', path.stem)}"[:64] for i, (path, _) in enumerate(loras, 1)]
 
 
 def _edit(card, a: GenerateArgs) -> tuple[dict, dict, tuple[int, int] | None]:

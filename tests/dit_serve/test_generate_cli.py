@@ -159,3 +159,53 @@ def test_generate_edits_a_local_image_and_records_its_hash(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
         assert not (tmp_path / "bad").exists()
+
+
+THICK = os.path.join(os.path.dirname(__file__), "..", "..", "workers", "models", "digits-text-thick.safetensors")
+
+
+def test_generate_applies_an_adapter_file_and_records_it(tmp_path):
+    """--lora FILE[:SCALE]: the shipped ``thick`` adapter thickens the same prompts and seeds' digits; at scale 0 the
+    images are the plain ones exactly; the manifest records the file's name, scale and SHA-256."""
+    import hashlib
+
+    from workers.models.train_digits_lora import ink
+
+    def run(out, *lora):
+        code = main(["generate", "--model", "digits-text", "--prompt", "a handwritten seven", "--prompt", "the number 3",
+                     "--num-per-prompt", "3", "--steps", "10", "--seed", "3", *lora, "--out", str(tmp_path / out)])
+        assert code == 0
+        manifest = json.loads((tmp_path / out / "manifest.json").read_text())
+        pixels = np.stack([np.asarray(Image.open(tmp_path / out / e["file"]), np.float32) / 127.5 - 1
+                           for e in manifest["images"]])
+        return pixels, manifest["params"]["loras"]
+
+    plain, none = run("plain")
+    thick, used = run("thick", "--lora", THICK)
+    zero, _ = run("zero", "--lora", f"{THICK}:0")
+    assert none == [] and (zero == plain).all()
+    assert ink(thick).mean() > ink(plain).mean() + 0.03, (ink(thick).mean(), ink(plain).mean())
+    sha = hashlib.sha256(open(THICK, "rb").read()).hexdigest()
+    assert used == [{"name": "digits-text-thick.safetensors", "scale": 1.0, "sha256": sha}]
+
+
+def test_generate_refuses_a_bad_adapter_in_one_line(tmp_path, capsys):
+    import torch
+
+    from safetensors.torch import save_file
+
+    torch.save({"x": torch.zeros(2)}, tmp_path / "pickled.safetensors")
+    save_file({"transformer_blocks.0.attn1.to_q.lora_A.weight": torch.zeros(4, 7),  # the linear takes 128
+               "transformer_blocks.0.attn1.to_q.lora_B.weight": torch.zeros(128, 4)}, tmp_path / "narrow.safetensors")
+    prompt = ["--model", "digits-text", "--prompt", "a 3"]
+    for extra, message in (
+            (["--lora", str(tmp_path / "none.safetensors")], "--lora: cannot read"),
+            (["--lora", str(tmp_path / "pickled.safetensors")], "is a pickle (torch.save) file"),
+            (["--lora", f"{THICK}:5"], "scale 5 is outside [-4, 4]"),
+            (["--lora", THICK] * 5, "--lora: at most 4 adapters, got 5"),
+            (["--lora", str(tmp_path / "narrow.safetensors")], "transformer_blocks.0.attn1.to_q")):
+        args = ["generate", *prompt, *extra, "--out", str(tmp_path / "bad")]
+        assert _exit_code(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert not (tmp_path / "bad").exists()
