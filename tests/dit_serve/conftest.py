@@ -15,6 +15,15 @@ import pytest
 from dit_serve.server.config import Config
 
 DIGITS_DIR = Path(__file__).resolve().parents[2] / "workers" / "models" / "digits"
+# How many times its stated bound a test waits on what Ray workers do (start, run a job) before calling it hung: a
+# busy machine (a runner shared with other jobs starts a worker in minutes, not seconds) is slow, not failing; a
+# passing test never waits the bound out. DIT_SERVE_TEST_SLACK=1 gives the bare bounds.
+SLACK = float(os.environ.get("DIT_SERVE_TEST_SLACK", "4"))
+
+
+def patient(seconds: float) -> float:
+    """``seconds`` of waiting on the service's workers, stretched by ``SLACK``."""
+    return seconds * SLACK
 
 
 @pytest.fixture(scope="session")

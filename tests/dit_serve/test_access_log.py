@@ -17,7 +17,7 @@ import pytest
 from dit_serve.server.access_log import LOGGER
 from dit_serve.server.service import Service
 
-from .conftest import serving_url, service_config
+from .conftest import service_config, serving_url
 from .test_cli_usage import ROOT
 
 LINE = re.compile(r"^(GET|POST|PUT|DELETE) (\S+) (\d{3}) \d+ ms$")

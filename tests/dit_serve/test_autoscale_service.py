@@ -13,7 +13,7 @@ import ray
 from dit_serve.client import Client
 from dit_serve.server.service import Service
 
-from .conftest import service_config
+from .conftest import patient, service_config
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def local_ray():
 
 
 def _wait_for(cond, timeout: float = 90.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patient(timeout)
     while not (value := cond()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
@@ -54,7 +54,7 @@ def test_scale_from_zero_to_zero_and_back(local_ray, digits_model, tmp_path):
             workers = _wait_for(lambda: httpx.get(f"{svc.url}/v1/workers").json()["data"], what="a worker listed")
             assert [(w["name"], w["resource"]) for w in workers] == [("worker-cpu-0", "CPU")]
             assert "digits" in workers[0]["models"] + workers[0]["loading"]
-            job = client.wait(job, progress=False, timeout=120)
+            job = client.wait(job, progress=False, timeout=patient(120))
             assert job.state == "done" and job.waiting is None
             assert _pngs(svc, job.id) == [f"{i:05d}.png" for i in range(10)]
             assert all(it.attempts == 1 and it.requeues == 0 for it in job.items)
@@ -82,12 +82,12 @@ def test_a_worker_switches_model_once_for_a_backlog_of_the_other_model(local_ray
     with Service(cfg) as svc, Client(svc.url) as client:
         a = client.submit(labels=list(range(8)), num_per_label=2, steps=50, seed=1)  # 16 items: two workers' worth
         _wait_for(lambda: len(svc.scheduler.workers) == 2, what="two workers")
-        a = client.wait(a, progress=False, timeout=120)
+        a = client.wait(a, progress=False, timeout=patient(120))
         assert a.state == "done"
         assert {tuple(w.models) for w in svc.scheduler.workers.values()} == {("digits",)}
         b = client.submit(prompts=["a handwritten seven", "a three"], num_per_prompt=3, steps=10, seed=2,
                           model="digits-text")
-        b = client.wait(b, progress=False, timeout=120)
+        b = client.wait(b, progress=False, timeout=patient(120))
         assert b.state == "done"
         assert svc.scheduler.switches == {"digits-text": 1}
         assert sorted(tuple(w.models) for w in svc.scheduler.workers.values()) == [("digits",), ("digits-text",)]

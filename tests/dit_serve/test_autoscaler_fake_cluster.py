@@ -32,7 +32,7 @@ from dit_serve.client import Client
 from dit_serve.server import reaper
 from dit_serve.server.service import Service
 
-from .conftest import service_config
+from .conftest import patient, service_config
 
 pytestmark = pytest.mark.slow
 RESOURCE = "dit_worker"
@@ -111,7 +111,7 @@ def fake_cluster():
 
 
 def _wait_for(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patient(timeout)
     while not (value := cond()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
@@ -153,7 +153,7 @@ def test_the_real_autoscaler_launches_nodes_for_the_backlog_and_terminates_them_
                           "both workers holding items")
                 fake_cluster.set_max_nodes(1)  # the autoscaler terminates one busy node
                 _wait_for(lambda: len(_worker_nodes()) == 1, 60, "one node terminated")
-            job = client.wait(job, progress=False, timeout=180)
+            job = client.wait(job, progress=False, timeout=patient(180))
             assert job.state == "done" and all(it.state == "done" and it.crashes == 0 for it in job.items)
             assert all(it.attempts == 1 + it.requeues for it in job.items)
             if round_ == 0:  # the terminated node's worker held items: they ran again, once

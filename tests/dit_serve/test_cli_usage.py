@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import patient
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -264,7 +266,7 @@ def test_the_webhooks_example_explains_a_refused_receiver(api, tmp_path):
     url, http, env = api
     environ = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "webhooks.py"), "--url", url, "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=120, env=environ, cwd=ROOT)
+                           str(tmp_path)], capture_output=True, text=True, timeout=patient(120), env=environ, cwd=ROOT)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "allow_hosts = [\"127.0.0.1\"]" in proc.stderr and "loopback" in proc.stderr
 
@@ -319,7 +321,7 @@ def test_keys_list_never_creates_a_store_and_keys_say_which_store(tmp_path):
     def keys(*args):
         environ = {**os.environ, "PYTHONPATH": str(ROOT)}
         return subprocess.run([sys.executable, "-m", "dit_serve.cli", "keys", *args], capture_output=True,
-                              text=True, timeout=120, env=environ, cwd=tmp_path)
+                              text=True, timeout=patient(120), env=environ, cwd=tmp_path)
 
     for args in (["list"], ["revoke", "abc"]):  # another folder, no --config: nothing there to read
         err = one_line(keys(*args))

@@ -13,14 +13,14 @@ from ray.cluster_utils import Cluster
 from dit_serve.client import Client
 from dit_serve.server.service import Service
 
-from .conftest import oracle, service_config
+from .conftest import oracle, patient, service_config
 
 pytestmark = pytest.mark.slow
 RESOURCE = "dit_worker"
 
 
 def _wait_for(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patient(timeout)
     while not (value := cond()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.1)
@@ -50,7 +50,7 @@ def test_workers_follow_nodes(digits_model, tmp_path):
 
             cluster.remove_node(first)  # mid-job: its leased items must return to the queue
             _wait_for(lambda: _ready_nodes(svc) == {second.node_id}, 60, "the first node's worker to go")
-            job = client.wait(job, progress=False, timeout=300)
+            job = client.wait(job, progress=False, timeout=patient(300))
             assert job.state == "done"
             assert max(it.attempts for it in job.items) == 2  # some items ran again on the second node
             pngs = sorted(p.name for p in (tmp_path / "images" / job.id).iterdir())

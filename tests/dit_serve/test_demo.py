@@ -14,7 +14,7 @@ from PIL import Image
 
 from dit_serve.schemas import JobParams, Manifest, ManifestImage
 
-from .conftest import oracle
+from .conftest import oracle, patient
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_demo(digits_model, tmp_path):
     out = tmp_path / "demo"
     r = subprocess.run([sys.executable, "-m", "dit_serve.cli", "demo", "--out", str(out), "--num-per-label", "2"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+                       capture_output=True, text=True, timeout=patient(300), cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     entries = manifest["images"]

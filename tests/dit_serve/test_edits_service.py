@@ -14,7 +14,7 @@ from PIL import Image
 
 from dit_serve.client import Client
 
-from .conftest import running_service
+from .conftest import patient, running_service
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def test_image_to_image_and_inpainting_through_a_worker(tmp_path):
     with running_service(tmp_path / "data", "digits-text") as svc, Client(svc.url) as c:
         kept = c.submit(prompts=["an eight"], num_per_prompt=4, image=source, strength=0.05, seed=10)
         painted = c.submit(prompts=["an eight"], num_per_prompt=4, image=source, mask=_png(mask), seed=20)
-        kept, painted = (c.wait(j, progress=False, timeout=120) for j in (kept, painted))
+        kept, painted = (c.wait(j, progress=False, timeout=patient(120)) for j in (kept, painted))
         assert kept.state == painted.state == "done"
         assert (painted.params.strength, kept.params.strength) == (1.0, 0.05)
         assert (_read(c.images(kept)) == 3).mean() >= 0.75  # close to the source: still a 3

@@ -27,7 +27,7 @@ from dit_serve.server.metrics import Metrics
 from dit_serve.server.service import Service, build_catalog
 from dit_serve.server.store import Store
 
-from .conftest import running_service, service_config
+from .conftest import patient, running_service, service_config
 
 ADMIN = "events-admin-key"  # a configured key: admin of the tenant 'default'
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -496,7 +496,7 @@ def test_wait_resumes_a_dropped_stream_with_last_event_id(api, http):
         assert transport.resumed_from[0] is None and transport.resumed_from[1]
         assert sorted(e.index for e in seen if e.event == "item") == [0, 1, 2]
         assert seen[-1].event == "end" and seen[-1].state == "done"
-        assert c.wait(job_id, progress=False, timeout=60).state == "done"
+        assert c.wait(job_id, progress=False, timeout=patient(60)).state == "done"
 
 
 # -- the whole service: real Ray, a worker with the digits model ---------------------------------------
@@ -531,7 +531,7 @@ def test_wait_returns_as_the_job_ends_and_does_not_poll(svc):
     hooks = {"request": [lambda req: calls.append(req.url.path)]}
     with Client(svc.url, http=httpx.Client(base_url=svc.url, timeout=60, event_hooks=hooks)) as c:
         job = c.submit(labels=[4, 5], steps=100)
-        job = c.wait(job, progress=False, timeout=120)
+        job = c.wait(job, progress=False, timeout=patient(120))
         returned_at = time.time()
     assert job.state == "done" and len(job.items) == 2
     assert returned_at - job.finished_at <= 1.0, returned_at - job.finished_at  # ~0.05 s on an idle machine
@@ -541,7 +541,7 @@ def test_wait_returns_as_the_job_ends_and_does_not_poll(svc):
     async def three():
         async with AsyncClient(svc.url) as c:
             jobs = await asyncio.gather(*[c.submit(labels=[d], num_per_label=2, steps=50) for d in (1, 4, 8)])
-            done = await asyncio.gather(*[c.wait(j, progress=False, timeout=120) for j in jobs])
+            done = await asyncio.gather(*[c.wait(j, progress=False, timeout=patient(120)) for j in jobs])
             return done, time.time()
 
     done, returned_at = asyncio.run(three())

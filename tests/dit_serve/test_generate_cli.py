@@ -172,8 +172,9 @@ def test_generate_applies_an_adapter_file_and_records_it(tmp_path):
     from workers.models.train_digits_lora import ink
 
     def run(out, *lora):
-        code = main(["generate", "--model", "digits-text", "--prompt", "a handwritten seven", "--prompt", "the number 3",
-                     "--num-per-prompt", "3", "--steps", "10", "--seed", "3", *lora, "--out", str(tmp_path / out)])
+        code = main(["generate", "--model", "digits-text", "--prompt", "a handwritten seven", "--prompt",
+                     "the number 3", "--num-per-prompt", "3", "--steps", "10", "--seed", "3", *lora,
+                     "--out", str(tmp_path / out)])
         assert code == 0
         manifest = json.loads((tmp_path / out / "manifest.json").read_text())
         pixels = np.stack([np.asarray(Image.open(tmp_path / out / e["file"]), np.float32) / 127.5 - 1

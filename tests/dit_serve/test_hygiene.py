@@ -18,7 +18,7 @@ import pytest
 
 from dit_serve.server import reaper
 
-from .conftest import serving_url
+from .conftest import patient, serving_url
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -56,7 +56,7 @@ def _alive(procs: dict[tuple[int, int], str]) -> dict[tuple[int, int], str]:
 
 
 def _wait_for_worker(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patient(timeout)
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()[-3000:]
         try:

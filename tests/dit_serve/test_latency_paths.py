@@ -15,7 +15,7 @@ from dit_serve.schemas import JobParams
 from dit_serve.server.service import Service, _bind
 from dit_serve.server.store import Store
 
-from .conftest import service_config
+from .conftest import patient, service_config
 
 
 def test_connections_accepted_on_the_service_socket_have_nagle_off():
@@ -97,12 +97,12 @@ def test_a_submission_is_leased_and_committed_without_waiting_for_ticks(tmp_path
         assert svc.wait_ready(120)
         time.sleep(1.0)  # the worker's first long poll is out
         t0 = time.monotonic()
-        job = client.wait(client.submit([7], steps=5), progress=False, timeout=60)
+        job = client.wait(client.submit([7], steps=5), progress=False, timeout=patient(60))
         took = time.monotonic() - t0
         after = []
         for label in (2, 3):
             t0 = time.monotonic()
-            assert client.wait(client.submit([label], steps=2), progress=False, timeout=60).state == "done"
+            assert client.wait(client.submit([label], steps=2), progress=False, timeout=patient(60)).state == "done"
             after.append(time.monotonic() - t0)
     assert job.state == "done"
     assert took < 10.0, f"one image took {took:.1f} s: leasing or committing waited for a tick"
@@ -211,7 +211,7 @@ def test_metrics_split_a_finished_images_time_into_phases(tmp_path, digits_model
     cfg = service_config(tmp_path, digits_model)
     with Service(cfg) as svc, Client(svc.url) as client:
         assert svc.wait_ready(120)
-        job = client.wait(client.submit([3], steps=30), progress=False, timeout=60)
+        job = client.wait(client.submit([3], steps=30), progress=False, timeout=patient(60))
         text = httpx.get(f"{svc.url}/metrics").text
 
     def sample(name: str, phase: str) -> float:

@@ -13,7 +13,7 @@ import pytest
 
 from dit_serve.server.service import Service
 
-from .conftest import service_config
+from .conftest import patient, service_config
 
 KEY = "fuzz-key-0123456789"
 # Two answers the schema cannot know of, said here rather than hidden:
@@ -48,7 +48,7 @@ def test_schemathesis_finds_nothing_the_schema_does_not_say(digits_model, tmp_pa
                               f"{svc.url}/openapi.json", "--checks", "all", "--max-examples", "10",
                               "--generation-deterministic", "--phases", "examples,coverage,fuzzing", "--header", f"Authorization: Bearer {KEY}",
                               "--request-timeout", "10", "--no-color"],
-                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                             capture_output=True, text=True, timeout=patient(120), cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
 
 

@@ -24,7 +24,7 @@ from PIL import Image
 
 from dit_serve.cli import SERVICE_MODULES, build_parser, main, server_modules
 
-from .conftest import serving_url
+from .conftest import patient, serving_url
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_ONLY = ("torch", "ray", "diffusers", "transformers", "safetensors", "fastapi", "uvicorn", "sqlalchemy",
@@ -84,7 +84,7 @@ class FreshClient:
         self.env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
 
     def run(self, exe: str, *argv, check: bool = True) -> subprocess.CompletedProcess:
-        r = subprocess.run([str(self.bin / exe), *map(str, argv)], capture_output=True, text=True, timeout=180,
+        r = subprocess.run([str(self.bin / exe), *map(str, argv)], capture_output=True, text=True, timeout=patient(180),
                            cwd=self.cwd, env=self.env)
         assert not check or r.returncode == 0, f"{exe} {argv}: {r.stdout[-2000:]}{r.stderr[-3000:]}"
         return r

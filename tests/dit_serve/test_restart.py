@@ -17,7 +17,7 @@ import pytest
 
 from dit_serve.client import Client
 
-from .conftest import oracle
+from .conftest import oracle, patient
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def _serve(config: Path, log: Path) -> subprocess.Popen:
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patient(timeout)
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text()[-3000:]
         try:
@@ -79,7 +79,7 @@ def test_restart_mid_job_loses_nothing(digits_model, tmp_path):
         proc.wait(30)
         proc = _serve(config, log)
         _wait_ready(url, proc, log)
-        job = client.wait(job, progress=False, timeout=180)
+        job = client.wait(job, progress=False, timeout=patient(180))
         assert job.state == "done", job
         assert sorted(p.name for p in (data / "images" / job.id).iterdir()) == [f"{i:05d}.png" for i in range(20)]
         assert max(it.attempts for it in job.items) == 2

@@ -24,7 +24,7 @@ from dit_serve.client import ApiError, AsyncClient, Client
 from dit_serve.schemas import JobParams
 from dit_serve.server.service import Service
 
-from .conftest import oracle, service_config
+from .conftest import oracle, patient, service_config
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB_PARAMS = JobParams(sampler="ddim", steps=10, guidance=1.5)
@@ -52,7 +52,7 @@ def client(svc):
 
 
 def _wait_for(cond, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patient(timeout)
     while not (value := cond()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
@@ -73,7 +73,7 @@ def test_submit_progress_images(svc, client):
         return j if any(0 < it.step < it.total_steps and it.state == "running" for it in j.items) else j.finished
     seen = _wait_for(mid_step, what="an item between steps")
     assert not isinstance(seen, bool), "the job finished before any progress was seen"
-    job = client.wait(job, progress=False, timeout=120)
+    job = client.wait(job, progress=False, timeout=patient(120))
     assert job.state == "done" and job.steps_done == job.steps_total == 20 * job.params.steps
     images = client.images(job)
     assert len(images) == 20 and images[0].size == (8, 8)
@@ -85,7 +85,7 @@ def test_three_concurrent_jobs_with_the_async_client(svc):
     async def run():
         async with AsyncClient(svc.url) as c:
             jobs = await asyncio.gather(*[c.submit(labels=[d], num_per_label=4, seed=10 * d) for d in (1, 4, 8)])
-            done = await asyncio.gather(*[c.wait(j, progress=False, timeout=120) for j in jobs])
+            done = await asyncio.gather(*[c.wait(j, progress=False, timeout=patient(120)) for j in jobs])
             return done, [await c.images(j) for j in done]
 
     jobs, images = asyncio.run(run())
@@ -104,12 +104,12 @@ def test_cancel_stops_running_and_queued_items(svc, client):
     assert after.counts == cancelled.counts and after.counts.get("cancelled", 0) > 0
     assert all(it.state in ("cancelled", "done") for it in after.items)
     _wait_for(lambda: all(w.leases == {} for w in svc.scheduler.workers.values()), 60, "leases to be dropped")
-    quick = client.wait(client.submit(labels=[5], steps=10), progress=False, timeout=60)
+    quick = client.wait(client.submit(labels=[5], steps=10), progress=False, timeout=patient(60))
     assert quick.state == "done"  # the worker is free again
 
 
 def test_openai_images_endpoint(svc):
-    with httpx.Client(base_url=svc.url, timeout=120) as http:
+    with httpx.Client(base_url=svc.url, timeout=patient(120)) as http:
         r = http.post("/v1/images/generations", json={"model": "digits", "prompt": "seven", "n": 3,
                                                       "size": "8x8", "response_format": "b64_json"})
         assert r.status_code == 200, r.text
@@ -123,7 +123,7 @@ def test_openai_images_endpoint(svc):
 
 
 def test_archive_and_metrics(svc, client):
-    job = client.wait(client.submit(labels=[0, 1], steps=20), progress=False, timeout=60)
+    job = client.wait(client.submit(labels=[0, 1], steps=20), progress=False, timeout=patient(60))
     path = client.archive(job, svc.config.store.data_dir / "a.zip")
     with zipfile.ZipFile(path) as z:
         assert sorted(z.namelist()) == ["00000.png", "00001.png", "manifest.json"]
@@ -166,7 +166,7 @@ def test_cli_submit_status_fetch(svc, tmp_path, capsys):
 
 
 def test_finished_jobs_are_deleted_after_the_retention(svc, client):
-    done = client.wait(client.submit(labels=[5], steps=5), progress=False, timeout=60)
+    done = client.wait(client.submit(labels=[5], steps=5), progress=False, timeout=patient(60))
     assert _pngs(svc, done.id) == ["00000.png"]
     running = client.submit(labels=[6] * 4, steps=400)
     svc.retention.seconds = 1.0
@@ -218,7 +218,7 @@ def test_a_webhook_is_delivered_signed_and_retried(svc, client):
     try:
         job = client.submit(labels=[2, 3], steps=5, webhook_url=receiver.url)
         assert job.webhook.state == "pending" and job.webhook.url == receiver.url
-        job = client.wait(job, progress=False, timeout=60)
+        job = client.wait(job, progress=False, timeout=patient(60))
         _wait_for(lambda: client.get(job).webhook.state == "sent", timeout=30, what="the webhook's delivery")
         assert len(receiver.posts) == 2  # a 500, then a retry that got through
         headers, body = receiver.posts[-1]
@@ -231,7 +231,7 @@ def test_a_webhook_is_delivered_signed_and_retried(svc, client):
         assert receiver.posts[0][0]["X-Dit-Serve-Delivery"] != headers["X-Dit-Serve-Delivery"]
 
         dead = client.submit(labels=[4], steps=5, webhook_url="http://127.0.0.1:9/nobody-listens")
-        client.wait(dead, progress=False, timeout=60)
+        client.wait(dead, progress=False, timeout=patient(60))
         _wait_for(lambda: client.get(dead).webhook.state == "failed", timeout=30, what="the webhook to give up")
         hook = client.get(dead).webhook
         assert hook.attempts == 3 and "ConnectError" in hook.error
@@ -248,7 +248,7 @@ def test_a_webhook_is_delivered_signed_and_retried(svc, client):
 ])
 def test_examples(svc, tmp_path, script, args):
     r = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--url", svc.url, "--out", str(tmp_path),
-                        *args], capture_output=True, text=True, timeout=180, cwd=ROOT)
+                        *args], capture_output=True, text=True, timeout=patient(180), cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "wrote" in r.stdout or "PNGs" in r.stdout
     assert list(tmp_path.glob("*.png")) or list(tmp_path.glob("*.zip"))
@@ -260,7 +260,7 @@ def test_split_roles_on_postgres(svc, digits_model, postgres_url, tmp_path):
     cfg = service_config(tmp_path, digits_model, store={"url": postgres_url})
     with Service(cfg, roles=("scheduler",)) as sched, Service(cfg, roles=("api",)) as api, Client(api.url) as c:
         assert sched.store.engine.dialect.name == "postgresql" and api.scheduler is None
-        job = c.wait(c.submit(labels=list(range(10)), seed=5), progress=False, timeout=180)
+        job = c.wait(c.submit(labels=list(range(10)), seed=5), progress=False, timeout=patient(180))
         assert job.state == "done" and oracle(c.images(job), list(range(10))) >= 0.8
         assert httpx.get(f"{api.url}/healthz").json()["workers"] is None  # the API process runs none
         # ... but tells of the scheduler's, from the store
@@ -275,7 +275,7 @@ def test_a_killed_worker_loses_nothing(svc, client):
     _wait_for(lambda: client.get(job, items=False).steps_done > 0, what="the job to start")
     (victim,) = svc.scheduler.workers.values()
     ray.kill(victim.handle, no_restart=True)
-    job = client.wait(job, progress=False, timeout=180)
+    job = client.wait(job, progress=False, timeout=patient(180))
     assert job.state == "done"
     assert max(it.attempts for it in job.items) == 2  # two runs of the items the worker held ...
     assert {(it.attempts - 1, it.requeues, it.crashes) for it in job.items} <= {(0, 0, 0), (1, 1, 1)}  # ... uncharged
@@ -354,7 +354,7 @@ def test_a_text_model_end_to_end(svc, tmp_path):
         images = c.images(job)
         assert [im.size for im in images] == [(16, 16)] * 4 and images[0].mode == "RGB"
         assert images[0].tobytes() != images[1].tobytes()  # seeds 1 and 2
-        r = httpx.post(f"{text_svc.url}/v1/images/generations", timeout=60,
+        r = httpx.post(f"{text_svc.url}/v1/images/generations", timeout=patient(60),
                        json={"prompt": "a dog", "n": 2, "steps": 3, "response_format": "b64_json"})
         assert r.status_code == 200, r.text
         assert len(r.json()["data"]) == 2 and Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).size == (16, 16)
@@ -374,12 +374,12 @@ def test_mmdit_models_in_one_worker_end_to_end(tmp_path):
                      width=32, height=16)
         b = c.submit(prompts=["a dog"], num_per_prompt=2, model="flux-tiny", steps=3, width=90, height=60,
                      exact_size=True)
-        a, b = c.wait(a, progress=False, timeout=180), c.wait(b, progress=False, timeout=180)
+        a, b = c.wait(a, progress=False, timeout=patient(180)), c.wait(b, progress=False, timeout=patient(180))
         assert a.state == "done" and [im.size for im in c.images(a)] == [(32, 16)] * 2
         assert b.state == "done" and (b.params.width, b.params.height) == (80, 48)  # rounded down, as FluxPipeline
         assert "makes 80x48 (rounded down" in b.params.warnings[0]                  # does, and said
         assert [im.size for im in c.images(b)] == [(90, 60)] * 2                 # then resized to the asked one
-        r = httpx.post(f"{svc.url}/v1/images/generations", timeout=120,
+        r = httpx.post(f"{svc.url}/v1/images/generations", timeout=patient(120),
                        json={"model": "flux-tiny", "prompt": "a tree", "size": "64x96", "steps": 2,
                              "response_format": "b64_json"})
         assert r.status_code == 200, r.text
@@ -390,7 +390,7 @@ def test_previews_arrive_before_their_item_and_wait_gets_pil_images(svc, client)
     job = client.submit(labels=[3, 7], seed=5, steps=400, preview_every=2)
     assert job.params.preview_every == 2
     events = []
-    for ev in client.events(job, timeout=120):
+    for ev in client.events(job, timeout=patient(120)):
         events.append(ev)
         if ev.event == "preview" and len([e for e in events if e.event == "preview"]) == 1:
             r = httpx.get(f"{svc.url}{ev.url}", timeout=10)  # may have ended meanwhile: then a 404
@@ -410,7 +410,7 @@ def test_previews_arrive_before_their_item_and_wait_gets_pil_images(svc, client)
 
     got = []
     job = client.submit(labels=[1], seed=6, steps=400, preview_every=2)
-    done = client.wait(job, progress=False, timeout=120, on_preview=lambda i, s, im: got.append((i, s, im)))
+    done = client.wait(job, progress=False, timeout=patient(120), on_preview=lambda i, s, im: got.append((i, s, im)))
     assert done.state == "done" and got and all(i == 0 and im.size == (8, 8) for i, _, im in got)
     assert [s for _, s, _ in got] == sorted({s for _, s, _ in got})
 
@@ -446,11 +446,11 @@ def test_an_adapter_uploaded_to_the_service_changes_only_the_images_that_name_it
         prompts = ["the digit three", "the digit seven"]
         plain = c.submit(prompts=prompts, seed=5, steps=6)
         styled = c.submit(prompts=prompts, seed=5, steps=6, loras=[("bold", 1.5)])
-        plain, styled = (c.wait(j, progress=False, timeout=120) for j in (plain, styled))
+        plain, styled = (c.wait(j, progress=False, timeout=patient(120)) for j in (plain, styled))
         assert plain.state == styled.state == "done"
         assert [lo.name for lo in styled.params.loras] == ["bold"] and not plain.params.loras
         a, b = c.images(plain), c.images(styled)
-        again = c.images(c.wait(c.submit(prompts=prompts, seed=5, steps=6), progress=False, timeout=120))
+        again = c.images(c.wait(c.submit(prompts=prompts, seed=5, steps=6), progress=False, timeout=patient(120)))
         assert [x.tobytes() for x in a] == [x.tobytes() for x in again]  # without it: the same images
         assert all(x.tobytes() != y.tobytes() for x, y in zip(a, b))   # with it: changed
         # /metrics: the worker's adapters (resident, loads, images per adapter), from its polled reports

@@ -12,7 +12,7 @@ import pytest
 from dit_serve.client import Client
 from dit_serve.server.service import Service
 
-from .conftest import oracle, service_config
+from .conftest import oracle, patient, service_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -38,7 +38,7 @@ def test_a_gpu_worker_serves_a_job_through_graphs(digits_model, tmp_path):
         assert set(info["backends"].values()) == {"full"}  # class-conditional DiTs: whole-step graphs
 
         job = client.submit(list(range(10)), num_per_label=10, seed=5, steps=50)
-        job = client.wait(job, progress=False, timeout=300)
+        job = client.wait(job, progress=False, timeout=patient(300))
         assert job.state == "done" and job.num_items == 100
         assert oracle(client.images(job), [it.label for it in job.items]) >= 0.9
 
