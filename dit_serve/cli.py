@@ -12,7 +12,7 @@
     dit-serve loras [upload|delete]          adapters (LoRA): list, register a .safetensors, delete;
                                              submit --lora NAME[:SCALE] (repeatable) applies one
     dit-serve keys create|list|revoke        tenants' API keys, in the service's store
-    dit-serve generate ...                   run locally, no service
+    dit-serve generate ...                   run locally, no service (--lora FILE[:SCALE] applies an adapter file)
     dit-serve demo                           the main job: service + SDK + images, then shut down
 
 The client commands talk to $DIT_SERVE_URL (else http://127.0.0.1:8000) with the key in $DIT_SERVE_API_KEY;
