@@ -396,3 +396,48 @@ def test_the_page_lists_the_workers_and_the_models_they_hold(svc, browser):
     assert _text(browser, "#workers li").startswith("worker-cpu-0ready" + "digits")
     assert _js(browser, "return document.querySelector('#workers-empty').hidden")
     assert _js_errors(browser) == []
+
+
+@pytest.fixture(scope="module")
+def adapted(tmp_path_factory):
+    """An API-only service of digits-text with an API key and adapters on (no Ray, no worker)."""
+    cfg = service_config(tmp_path_factory.mktemp("web-loras"), "digits-text", server={"api_keys": [KEY]},
+                         workers={"lora_slots": 2})
+    with Service(cfg, roles=("api",)) as svc:
+        yield svc
+
+
+def test_the_form_lists_the_models_adapters_and_a_job_applies_the_ones_typed(adapted, browser):
+    """An adapter registered for the model shows in the form (name and rank, offered as the field's completions);
+    ``name:scale`` typed there becomes the job's ``loras``; a scale the service refuses is shown as its message,
+    the field marked, and no job made."""
+    from pathlib import Path
+
+    thick = Path(__file__).resolve().parents[2] / "workers" / "models" / "digits-text-thick.safetensors"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{adapted.url}/v1/loras", headers=auth, data={"name": "thick", "model": "digits-text"},
+                   files={"file": ("thick.safetensors", thick.read_bytes())})
+    assert r.status_code == 201, r.text
+    browser.get(f"{adapted.url}/")
+    browser.execute_script("sessionStorage.setItem('dit-serve.api-key', arguments[0])", KEY)
+    browser.get(f"{adapted.url}/")
+    _wait(browser, lambda d: "thick" in _text(d, "#lora-list"), what="the adapter listed")
+    assert _text(browser, "#lora-list") == "Adapters: thick (rank 4)"
+    assert _js(browser, "return [...document.querySelectorAll('#lora-names option')].map(o => o.value)") == ["thick"]
+    _fill(browser, "#f-prompts", "a bold 3")
+    _fill(browser, "#f-count", 1)
+    _fill(browser, "#f-steps", 5)
+    _fill(browser, "#f-loras", "thick:9")
+    _find(browser, "#submit").click()
+    _wait(browser, lambda d: "thick" in _text(d, "#form-error"), what="the refusal")
+    assert "scale 9 is outside [-4, 4]" in _text(browser, "#form-error")
+    assert _js(browser, "return document.querySelector('#f-loras').getAttribute('aria-invalid')") == "true"
+    assert httpx.get(f"{adapted.url}/v1/jobs", headers=auth).json()["data"] == []
+    _fill(browser, "#f-loras", "thick:0.6")
+    _find(browser, "#submit").click()
+    _wait(browser, lambda d: d.current_url.split("#", 1)[-1].startswith("/jobs/"), what="the job page")
+    job_id = browser.current_url.split("#/jobs/", 1)[1]
+    params = httpx.get(f"{adapted.url}/v1/jobs/{job_id}", headers=auth).json()["params"]
+    assert [(u["name"], u["scale"]) for u in params["loras"]] == [("thick", 0.6)]
+    assert len(params["loras"][0]["sha256"]) == 64
+    assert _js_errors(browser) == []

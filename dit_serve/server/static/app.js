@@ -256,8 +256,9 @@ async function submitJob(e) {
     location.hash = `#/jobs/${job.id}`;
   } catch (err) {
     showError($("form-error"), err);
+    const top = (err.param ?? "").split(".")[0]; // "loras.0": the loras field
     const field = { num_per_label: "count", num_per_prompt: "count", width: "size", height: "size",
-                    image_b64: "image", mask_b64: "mask" }[err.param] ?? err.param;
+                    image_b64: "image", mask_b64: "mask" }[top] ?? top;
     $("job-form").querySelector(`[name="${CSS.escape(field ?? "")}"]`)?.setAttribute("aria-invalid", "true");
   } finally {
     button.disabled = false;
