@@ -143,8 +143,6 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     import torch
     from tqdm import tqdm
 
-    from workers.config import WorkerConfig
-    from workers.engine import Engine
     from workers.loading import load_model, run_dtype
     from workers.request.spec import ItemSpec
 
@@ -160,15 +158,7 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     guidance = model.defaults["guidance"] if a.guidance is None else a.guidance
     n = len(conds)
     max_batch = min(64, 1 << (n - 1).bit_length())
-    lora = dict(lora_slots=len(adapters), lora_max_rank=max(r for _, _, r, _ in adapters),
-                lora_per_request=len(adapters)) if adapters else {}
-    engine = Engine(model, WorkerConfig(backend=a.backend, max_batch=max_batch, **lora))
-    for name, (path, _) in zip(_lora_names(a.loras), a.loras):
-        try:
-            engine.add_lora(name, path, model.name)
-        except ValueError as e:
-            raise UsageError(f"--lora {str(path)!r}: {e}") from None
-    loras = tuple((name, scale) for name, (_, scale) in zip(_lora_names(a.loras), a.loras))
+    engine, loras = _engine(model, a, max_batch, adapters)
     reqs = [ItemSpec(id=str(i), seed=a.seed + i, sampler=sampler, steps=steps, guidance=guidance, eta=a.eta,
                      loras=loras, **size, **edit, **c) for i, c in enumerate(conds)]
     created = not a.out.exists()
@@ -192,6 +182,24 @@ def run_generate(a: GenerateArgs, progress: bool = True) -> Path:
     manifest = Manifest(job=None, model=model.name, state="done", params=params, grid="grid.png", images=images)
     cols = a.num_per_prompt if text else a.num_per_label
     return write_outputs(a.out, staging, manifest, [r.image for r in results], cols)
+
+
+def _engine(model, a: GenerateArgs, max_batch: int, adapters) -> tuple[object, tuple[tuple[str, float], ...]]:
+    """The engine over ``model`` with the ``--lora`` files registered (a bank of one slot each), and the
+    requests' ``loras``; UsageError naming a file the model cannot take."""
+    from workers.config import WorkerConfig
+    from workers.engine import Engine
+
+    lora = dict(lora_slots=len(adapters), lora_max_rank=max(r for _, _, r, _ in adapters),
+                lora_per_request=len(adapters)) if adapters else {}
+    engine = Engine(model, WorkerConfig(backend=a.backend, max_batch=max_batch, **lora))
+    names = _lora_names(a.loras)
+    for name, (path, _) in zip(names, a.loras):
+        try:
+            engine.add_lora(name, path, model.name)
+        except ValueError as e:
+            raise UsageError(f"--lora {str(path)!r}: {e}") from None
+    return engine, tuple((name, scale) for name, (_, scale) in zip(names, a.loras))
 
 
 def _read_loras(loras) -> list[tuple[Path, float, int, str]]:
