@@ -1,6 +1,6 @@
 """Per-request LoRA inside the graphs for FLUX.2, Qwen-Image, Z-Image and Sana (GPU; tiny models, float32): rows
 with adapters A (on every linear the bank holds), B (on every other one), A + B and none, mixed in each bucket,
-replay what the eager engine computes (1e-5 of the largest value), with each kernel of the rows' terms, in
+replay what the eager engine computes (1e-5 of the largest value; Sana's with Triton 1e-4), with each kernel of the rows' terms, in
 ``full`` and ``breakable`` graphs, with no capture failure and no fallback. (FLUX.1 and SD3:
 ``test_engine_lora_gpu.py``; against diffusers' adapters on a CPU: ``test_peft_families.py``.)"""
 
@@ -48,8 +48,12 @@ def test_rows_with_adapters_replay_what_eager_computes(model_dir, backend, kerne
     specs = [_req(model, i, row) for i, row in enumerate(ROWS)]
     specs.append(dataclasses.replace(specs[3], id="r3-with-a", loras=(("a", 1.0),)))  # row 3's request, adapted
     got, want = graphs.generate(specs), eager.generate(specs)
-    for g, w in zip(got, want):  # float32: 1e-5 of the largest value held for all but Sana's rows (1.1e-5 on an H100)
-        assert float((g.latents - w.latents).abs().max() / w.latents.abs().max()) <= 3e-5, g.request.id
+    # float32, 1e-5 of the largest value; Sana's with the Triton kernel 1e-4: its rows come 1.1e-5 to 4e-5 from eager's
+    # gathered products on an H100 (the kernel's shrink sums its K blocks in another order, and Sana's linear
+    # attention, summing over every token, carries that further; its graphs without adapters hold 1e-5)
+    tol = 1e-4 if model_dir.name == "sana" and kernel == "triton" else 1e-5
+    for g, w in zip(got, want):
+        assert float((g.latents - w.latents).abs().max() / w.latents.abs().max()) <= tol, g.request.id
     assert (got[-1].latents - got[3].latents).abs().max() > 1e-3  # the adapter changes the image
     stats = pooled(graphs.stats()["groups"].values())
     assert fallbacks(stats) == 0 and sum(s["replays"] for s in stats["buckets"].values()) > 0
