@@ -1,7 +1,7 @@
 """Per-request LoRA inside the graphs for FLUX.2, Qwen-Image, Z-Image and Sana (GPU; tiny models, float32): rows
 with adapters A (on every linear the bank holds), B (on every other one), A + B and none, mixed in each bucket,
-replay what the eager engine computes (1e-5 of the largest value; Sana's with Triton 1e-4), with each kernel of the rows' terms, in
-``full`` and ``breakable`` graphs, with no capture failure and no fallback. (FLUX.1 and SD3:
+replay what the eager engine computes (1e-5 of the largest value; Sana's with Triton 1e-4), with each kernel of
+the rows' terms, in ``full`` and ``breakable`` graphs, with no capture failure and no fallback. (FLUX.1 and SD3:
 ``test_engine_lora_gpu.py``; against diffusers' adapters on a CPU: ``test_peft_families.py``.)"""
 
 from __future__ import annotations
