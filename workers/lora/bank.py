@@ -106,41 +106,53 @@ class LoraBank:
         check_shapes(adapter, self.shapes, self.max_rank, self.kind, self.outside)
 
     # -- loading --------------------------------------------------------------------------------------------
-    def load(self, slot: int, name: str, adapter: Adapter, stream: torch.cuda.Stream | None = None) -> None:
-        """Write ``adapter`` into ``slot`` in place (module docstring), on ``stream`` when given (CUDA)."""
-        self._check_slot(slot)
+    def stage(self, adapter: Adapter) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor] | None]]:
+        """``adapter`` as this bank holds it, on the host: which targets it has ((targets,) int32), and each target's
+        A (R, in) and B (out, R), zero-padded to the bank's rank with alpha / r folded into B (in float32, then the
+        bank's dtype), None where it has none; pinned where the bank is on CUDA, so that a ``load`` of it only queues
+        copies. ``workers.lora.serving`` makes it once, when the adapter is registered."""
         self.check(adapter)
+        cuda = self._device().type == "cuda"
+        pin = (lambda t: t.pin_memory()) if cuda else (lambda t: t)
+        present = pin(torch.tensor([t in adapter.weights for t in self.targets], dtype=torch.int32))
+        factors = {}
+        for target in self.targets:
+            w = adapter.weights.get(target)
+            if w is None:
+                factors[target] = None
+                continue
+            a, b = self.a[target], self.b[target]                                   # (S+1, R, in), (S+1, out, R)
+            host_a, host_b = torch.zeros(a.shape[1:], dtype=a.dtype), torch.zeros(b.shape[1:], dtype=b.dtype)
+            host_a[: w.rank] = w.a
+            host_b[:, : w.rank] = w.b.float() * w.scale
+            factors[target] = (pin(host_a), pin(host_b))
+        return present, factors
+
+    def load(self, slot: int, name: str, adapter: Adapter, stream: torch.cuda.Stream | None = None,
+             staged: tuple | None = None) -> None:
+        """Write ``adapter`` into ``slot`` in place (module docstring), on ``stream`` when given (CUDA), from its
+        ``stage`` (made here when not given)."""
+        self._check_slot(slot)
+        present, factors = staged if staged is not None else self.stage(adapter)
         self._settle(slot)
         self.names[slot] = None  # until written: no row may name it (slot_of)
         cuda = self._device().type == "cuda"
-        staged: list[torch.Tensor] = []
         if stream is not None:  # after the steps queued so far: the last step of a request that used the slot
             stream.wait_stream(torch.cuda.current_stream(self._device()))  # may still be reading it
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            present = torch.tensor([t in adapter.weights for t in self.targets], dtype=torch.int32)
-            if cuda:
-                present = present.pin_memory()
-                staged.append(present)
             self._live[:, slot].copy_(present, non_blocking=cuda)
             for target in self.targets:
                 a, b = self.a[target][slot], self.b[target][slot]                      # (R, in), (out, R)
-                w = adapter.weights.get(target)
-                if w is None:
+                if factors[target] is None:
                     a.zero_()
                     b.zero_()
-                    continue
-                host_a, host_b = torch.zeros(a.shape, dtype=a.dtype), torch.zeros(b.shape, dtype=b.dtype)
-                host_a[: w.rank] = w.a
-                host_b[:, : w.rank] = w.b.float() * w.scale  # alpha / r folded into B, in float32, then the dtype
-                if cuda:
-                    host_a, host_b = host_a.pin_memory(), host_b.pin_memory()
-                    staged += [host_a, host_b]
-                a.copy_(host_a, non_blocking=cuda)
-                b.copy_(host_b, non_blocking=cuda)
+                else:
+                    a.copy_(factors[target][0], non_blocking=cuda)
+                    b.copy_(factors[target][1], non_blocking=cuda)
             if cuda:
                 event = torch.cuda.Event()
                 event.record()
-                self._pending[slot] = (event, staged)
+                self._pending[slot] = (event, [present, *(t for f in factors.values() if f for t in f)])
         self.names[slot] = name
         self.touch(slot)
         self.loads += 1

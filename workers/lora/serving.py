@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -45,6 +45,7 @@ MODEL_KEY = "dit_serve.model"  # an adapter file's metadata key naming the model
 class Registered:
     adapter: Adapter
     models: tuple[str, ...]   # the served models it validated against
+    staged: dict[str, tuple] = field(default_factory=dict)  # model -> its bank's host copy (LoraBank.stage)
 
 
 class Loras:
@@ -78,6 +79,7 @@ class Loras:
         self.transformers.pop(name, None)
         for adapter, reg in list(self.adapters.items()):
             reg.models = tuple(m for m in reg.models if m != name)
+            reg.staged.pop(name, None)
             if not reg.models:
                 del self.adapters[adapter]
 
@@ -97,7 +99,8 @@ class Loras:
             raise
         self.refused.pop(name, None)
         self.removing.discard(name)
-        self.adapters[name] = Registered(adapter, models)
+        # staged now, once: a load between steps then only queues copies (pinned host memory on CUDA)
+        self.adapters[name] = Registered(adapter, models, {m: self.banks[m].stage(adapter) for m in models})
         return self.describe()[name]
 
     def _models_for(self, adapter: Adapter, model: str | None) -> tuple[str, ...]:
@@ -171,7 +174,8 @@ class Loras:
                 return False
             if bank.names[slot] is not None:
                 bank.evict(slot)
-            bank.load(slot, name, self.adapters[name].adapter, stream=self._stream(bank))
+            reg = self.adapters[name]
+            bank.load(slot, name, reg.adapter, stream=self._stream(bank), staged=reg.staged.get(model))
             in_use.add(slot)
         return True
 

@@ -90,3 +90,19 @@ def test_reloading_a_slot_changes_only_the_rows_that_name_it():
         bank.row_slots = bank.row_scales = None
     assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2])
     assert (after[1] - before[1]).abs().max() > 1e-3
+
+
+def test_a_load_from_the_adapters_stage_equals_one_that_stages_it_itself():
+    """``stage`` (made once, at registration) holds what ``load`` writes: the same bank either way, and the stage
+    is not changed by a load."""
+    transformer = tiny_flux()
+    adapter = random_adapter(transformer, 1, every=2)
+    staged_bank, plain_bank = (LoraBank(transformer, slots=2, max_rank=4, per_request=1) for _ in range(2))
+    staged = staged_bank.stage(adapter)
+    before = {t: tuple(f.clone() for f in fs) for t, fs in staged[1].items() if fs is not None}
+    staged_bank.load(2, "x", adapter, staged=staged)
+    plain_bank.load(2, "x", adapter)
+    for t in staged_bank.targets:
+        assert torch.equal(staged_bank.a[t], plain_bank.a[t]) and torch.equal(staged_bank.b[t], plain_bank.b[t])
+    assert torch.equal(staged_bank._live, plain_bank._live) and staged_bank._live[:, 2].sum() == len(before)
+    assert all(torch.equal(staged[1][t][i], before[t][i]) for t in before for i in (0, 1))
