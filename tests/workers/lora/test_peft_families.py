@@ -47,10 +47,9 @@ def _adapter(model_dir, tmp_path, name: str, targets: list[str], seed: int, **co
     return tmp_path / name / "pytorch_lora_weights.safetensors"
 
 
-@pytest.mark.parametrize("family", ["flux2", "qwenimage", "zimage", "sana"])
-def test_rows_equal_the_engine_over_diffusers_adapters(tmp_path, family):
-    model_dir = _make(family, tmp_path)
-    config = WorkerConfig(backend="eager", max_batch=4)
+def served(model_dir, config: WorkerConfig):
+    """An engine over ``model_dir`` with a bank of 2 slots of rank 4; its model; the bank's attention projections
+    and every other one of its other linears (the two adapters' targets)."""
     engine = Engine(load_model(model_dir), config.model_copy(update=dict(lora_slots=2, lora_max_rank=4,
                                                                          lora_per_request=2)))
     model = engine.models[next(iter(engine.models))]
@@ -58,6 +57,14 @@ def test_rows_equal_the_engine_over_diffusers_adapters(tmp_path, family):
     on_attention = [t for t in held if t.endswith(ATTENTION)]
     elsewhere = [t for t in held if not t.endswith(ATTENTION)][::2]
     assert on_attention and elsewhere
+    return engine, model, on_attention, elsewhere
+
+
+@pytest.mark.parametrize("family", ["flux2", "qwenimage", "zimage", "sana"])
+def test_rows_equal_the_engine_over_diffusers_adapters(tmp_path, family):
+    model_dir = _make(family, tmp_path)
+    config = WorkerConfig(backend="eager", max_batch=4)
+    engine, model, on_attention, elsewhere = served(model_dir, config)
     files = {"a": _adapter(model_dir, tmp_path, "a", on_attention, 1, r=4, lora_alpha=8),
              "b": _adapter(model_dir, tmp_path, "b", elsewhere, 2, r=2, lora_alpha=3)}
     for name, file in files.items():

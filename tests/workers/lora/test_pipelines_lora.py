@@ -13,15 +13,14 @@ import importlib
 import pytest
 import torch
 
+from tests.workers.lora.test_peft_families import served
 from workers.config import WorkerConfig
-from workers.engine import Engine
 from workers.loading import load_model
 from workers.request.spec import ItemSpec
 
 pytest.importorskip("peft")
 
 ROWS = [[("a", 0.8)], [("a", 0.5), ("b", 1.2)], [], [("b", -0.7)]]
-ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
 PROMPTS = ("a red fox", "a blue house", "a green tree", "a cat")
 
 
@@ -79,14 +78,7 @@ def _published(cls, model_dir, folder, name: str, targets: list[str], seed: int,
 def test_each_row_equals_the_pipeline_with_its_adapters_set(tmp_path, family):
     tests, make, cls, pipeline = _family(family)
     model_dir = make(tmp_path / family)
-    config = WorkerConfig(backend="eager", max_batch=4)
-    engine = Engine(load_model(model_dir), config.model_copy(update=dict(lora_slots=2, lora_max_rank=4,
-                                                                         lora_per_request=2)))
-    model = engine.models[next(iter(engine.models))]
-    held = engine.lora.banks[model.name].targets
-    on_attention = [t for t in held if t.endswith(ATTENTION)]
-    elsewhere = [t for t in held if not t.endswith(ATTENTION)][::2]
-    assert on_attention and elsewhere
+    engine, model, on_attention, elsewhere = served(model_dir, WorkerConfig(backend="eager", max_batch=4))
     files = {"a": _published(cls, model_dir, tmp_path, "a", on_attention, 1, r=4, lora_alpha=8),
              "b": _published(cls, model_dir, tmp_path, "b", elsewhere, 2, r=2, lora_alpha=3)}
     for name, file in files.items():
