@@ -121,8 +121,9 @@ def parse(argv: list[str] | None) -> list[tuple[object, argparse.Namespace]]:
     p.add_argument("--images", type=int, default=16, help="lora-step and lora-load: rows of the step")
     p.add_argument("--per-request", type=int, default=4, help="LoRA sections: adapter places a row (lora_per_request; "
                                                               "a request names one, the others stay empty)")
-    p.add_argument("--lora-kernels", nargs="+", choices=("bmm", "triton"), default=["bmm", "triton"],
-                   help="lora-step: each kernel of the rows' terms (lora_kernel); the other sections run the first")
+    p.add_argument("--lora-kernels", nargs="+", choices=("bmm", "triton"), default=["triton", "bmm"],
+                   help="lora-step: each kernel of the rows' terms (lora_kernel); the other sections run the first "
+                        "(by default the worker's, triton)")
     p.add_argument("--lora-targets", nargs="*", default=[], metavar="REGEX",
                    help="LoRA sections: the linears the bank holds (lora_targets; default: every one the step "
                         "reaches); 'adapters' names the adapters' own targets")

@@ -97,6 +97,13 @@ def lora_engine(preset: str, model, files: list[Path], args, max_batch: int, ker
     return engine, warm_s
 
 
+def ran(kernel: str, model) -> str:
+    """The kernel an engine asked for ``kernel`` runs on ``model``: ``bmm`` where Triton does not run."""
+    from workers.kernels import lora as lora_kernel
+
+    return kernel if kernel == "bmm" or lora_kernel.runs_on(model.device, model.dtype) else "bmm"
+
+
 def resident(engine, model, names: list[str]) -> None:
     """Load ``names`` into the bank now (each into its own slot) and wait for the copies."""
     in_use: set[int] = set()
@@ -144,10 +151,7 @@ def step_section(preset: str, model, files, args, block: dict) -> None:
         names = [f"a{i}" for i in range(len(files))]
         resident(engine, model, names)
         slots = [engine.lora.banks[model.name].slot_of(names[i % len(names)]) for i in range(args.images)]
-        from workers.kernels import lora as lora_kernel
-
-        runs = kernel == "bmm" or lora_kernel.runs_on(model.device, model.dtype)
-        got = out["kernels"][kernel] = {"ran": kernel if runs else "bmm"}
+        got = out["kernels"][kernel] = {"ran": ran(kernel, model)}
         for label, rows in (("bank_slot_0", None), ("across_adapters", slots)):
             runner, inputs = runner_and_inputs(engine, model, args.images, rows)
             with torch.no_grad():
@@ -196,7 +200,8 @@ def load_section(preset: str, model, files, args, block: dict) -> None:
         steady = harness.stats(harness.wall_ms(lambda: runner.run(**inputs), iters))
         with_loads = harness.stats(harness.wall_ms(lambda: (load(), runner.run(**inputs)), iters))
         alone = harness.stats(harness.wall_ms(load_until_ready, iters))
-    block[preset] = {"step_ms": steady, "step_with_a_load_ms": with_loads,
+    block[preset] = {"lora_kernel": ran(args.lora_kernels[0], model), "step_ms": steady,
+                     "step_with_a_load_ms": with_loads,
                      "load_call_ms": harness.stats(calls), "load_alone_ms": alone,
                      "adapter_mib": round(sum(f.stat().st_size for f in files) / len(files) / 2**20, 1)}
     del engine
@@ -248,7 +253,7 @@ def mixed_section(system: str, model, files, args, block: dict) -> None:
                      built[label], [model], targets, jobs, args.inflight, stop, args.steps,
                      items=lambda j: items(j, label == "adapters")))
                  for label in engines}
-    out = block[system] = {}
+    out = block[system] = {} if system == "diffusers" else {"lora_kernel": ran(args.lora_kernels[0], model)}
     built: dict = {}
     for label, run in modes.items():
         if system != "diffusers":
@@ -290,10 +295,11 @@ def markdown(result: dict) -> str:
                                 for p, b in s.items() for k, kb in b.get("kernels", {}).items()])
     if ld := result.get("load"):
         lines += ["", f"## Loading an adapter between steps of {result['images']} rows (median ms)", ""]
-        lines += harness.table(["preset", "step", "a load, then the step", "load call (host)", "load until copied",
-                                "adapter MiB"],
-                               [[p, b["step_ms"]["median"], b["step_with_a_load_ms"]["median"],
-                                 b["load_call_ms"]["median"], b["load_alone_ms"]["median"], b["adapter_mib"]]
+        lines += harness.table(["preset", "lora_kernel", "step", "a load, then the step", "load call (host)",
+                                "load until copied", "adapter MiB"],
+                               [[p, b.get("lora_kernel", ""), b["step_ms"]["median"],
+                                 b["step_with_a_load_ms"]["median"], b["load_call_ms"]["median"],
+                                 b["load_alone_ms"]["median"], b["adapter_mib"]]
                                 for p, b in ld.items() if "step_ms" in b])
     if m := result.get("mixed"):
         loads = result["loads"]
@@ -303,8 +309,9 @@ def markdown(result: dict) -> str:
             for label in ("no adapters", "adapters"):
                 if label in b:
                     cells = [f"{r['images_per_s']:.2f} ({r['p50_ms']:.0f} / {r['p99_ms']:.0f})" for r in b[label]["loads"]]
-                    rows.append([system, label, b[label]["max_images_per_s"], *cells])
-        lines += harness.table(["system", "requests", "max sustained", *(f"at {x} images/s" for x in loads)], rows)
+                    rows.append([system, b.get("lora_kernel", ""), label, b[label]["max_images_per_s"], *cells])
+        lines += harness.table(["system", "lora_kernel", "requests", "max sustained",
+                                *(f"at {x} images/s" for x in loads)], rows)
         ratios = {s: b["with_over_without"] for s, b in m.items() if "with_over_without" in b}
         lines += ["", "With adapters over without (max sustained): " + ", ".join(f"{s} {r}" for s, r in ratios.items())]
     return "\n".join(lines + harness.notes(result, SECTION))

@@ -72,7 +72,15 @@ def test_lora_times_a_step_across_adapters_and_a_load_between_steps(tmp_path):
     for k in s["kernels"].values():
         assert s["without_adapters"]["n"] == k["across_adapters"]["n"] == 3 and k["ratio"] > 0
     assert ld["load_call_ms"]["n"] >= 3 and ld["load_alone_ms"]["median"] > 0
+    assert ld["lora_kernel"] == "bmm"  # the first asked, triton, as recorded: it does not run on a CPU
     assert "One step of 4 images" in (tmp_path / "lora_tiny-sd3.md").read_text()
+
+
+def test_the_lora_sections_but_lora_step_run_the_kernel_a_worker_runs_by_default():
+    from workers.config import WorkerConfig
+
+    [(_, args)] = workload.parse(["--sections", "lora-mix"])
+    assert args.lora_kernels[0] == WorkerConfig.model_fields["lora_kernel"].default == "triton"
 
 
 def test_edits_times_image_to_image_against_its_pipeline_and_the_inpainting_blend(tmp_path):
