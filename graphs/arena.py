@@ -29,10 +29,13 @@ ALIGN = 256  # bytes; cudaMalloc itself returns at least 256-byte aligned pointe
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Shape of one sample (no batch dimension) and dtype of a static tensor."""
+    """Shape of one sample (no batch dimension) and dtype of a static tensor; for an input, ``pad``: the value
+    a replay's padding rows are set to (None: they keep whatever the buffer held, which a row-independent step
+    never reads into a real row; a value where stale rows would cost work, e.g. an adapter slot the kernels skip)."""
 
     shape_per_sample: tuple[int, ...]
     dtype: torch.dtype
+    pad: float | int | None = None
 
     def __post_init__(self) -> None:
         shape = tuple(self.shape_per_sample)

@@ -75,6 +75,24 @@ def test_padding_rows_do_not_change_real_rows():
     assert runner.stats()["buckets"][4]["eager_fallbacks"] == 1 + 1 + 1 + 2
 
 
+def test_an_input_with_a_pad_value_sets_the_padding_rows_to_it():
+    seen = []
+
+    def step(x, t, slot):
+        seen.append(slot.clone())
+        return rowwise(x, t)
+
+    runner = GraphRunner(step, {**INPUTS, "slot": TensorSpec((2,), torch.int64, pad=0)}, OUTPUTS, max_batch=4,
+                         device="cpu")
+    runner.replay_ms = {1: 10.0, 2: 10.0, 4: 1.0}
+    runner.run(**make_inputs(4), slot=torch.full((4, 2), 7))
+    live = make_inputs(3, seed=3)
+    assert_same(runner.run(**live, slot=torch.full((3, 2), 5)), rowwise(**live))
+    assert seen[-1].tolist() == [[5, 5]] * 3 + [[0, 0]]  # the padding row: the pad, not the stale 7s
+    runner.run(**make_inputs(4), slot=torch.full((4, 2), 6))
+    assert seen[-1].tolist() == [[6, 6]] * 4
+
+
 def test_results_are_fresh_tensors_not_static_views():
     runner = make_runner()
     first_in = make_inputs(4, seed=1)

@@ -88,9 +88,10 @@ from workers.speed.terms import set_row_term
 
 
 def lora_specs(per_request: int) -> dict[str, TensorSpec]:
-    """The step's per-row LoRA inputs: up to ``per_request`` adapter slots per row and their scales."""
-    return {"lora_slots": TensorSpec((per_request,), torch.int64),
-            "lora_scales": TensorSpec((per_request,), torch.float32)}
+    """The step's per-row LoRA inputs: up to ``per_request`` adapter slots per row and their scales; a replay's
+    padding rows get slot 0 at scale 0 (no adapter: the Triton kernel skips them)."""
+    return {"lora_slots": TensorSpec((per_request,), torch.int64, pad=0),
+            "lora_scales": TensorSpec((per_request,), torch.float32, pad=0)}
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
