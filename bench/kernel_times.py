@@ -11,6 +11,10 @@ Sections (``--sections``):
              (B, T, heads, d) layout the projections write; on Hopper with the cuDNN frontend also the FP8
              attention (``workers.kernels.fp8_attention``: quantization, kernel and the output back), its error
              against float32 attention (rms of the difference over the reference's)
+  lora       a linear's per-row LoRA term added in place (rank 64, the rows spread over 8 adapters) at the three
+             LoRA benchmark models' projection shapes: the gathered products (``bmm``) and the Triton kernels
+             (``workers.kernels.lora``) at each candidate blocking (``Tiles``), beside the linear itself and
+             ``y += z`` over its output (the output's read and write an in-place term cannot avoid)
 
 On a GPU each call is captured 20 times in a CUDA graph and replayed (harness.replay_us: the GPU's time
 without the host's launches); on a CPU timed plainly. Writes docs/benchmarks/kernels.{json,md}. (Not named
@@ -33,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
-SECTIONS = ("quant", "gelu", "attention")
+SECTIONS = ("quant", "gelu", "attention", "lora")
 QUANT = [  # (where, rows, K, GELU folded in)
     ("dit-xl-2-256, 64 images: q/k/v, out", 32768, 1152, "none"),
     ("dit-xl-2-256, 64 images: ff out", 32768, 4608, "tanh"),
@@ -55,8 +59,15 @@ ATTENTION = [  # (where, B, T, heads, d)
     ("flux-dev-512, 1 image", 1, 1536, 24, 128),
     ("flux-dev-1024, 1 image", 1, 4608, 24, 128),
 ]
+LORA = [  # (where, rows, tokens, in, out): a step of 16 images, classifier-free guidance's copies included
+    ("pixart-sigma-512, 16 images: attention projections", 32, 1024, 1152, 1152),
+    ("sd35-medium-1024, 16 images: image attention projections", 32, 4096, 1536, 1536),
+    ("flux-dev-1024, 16 images: double-block image projections", 16, 4096, 3072, 3072),
+]
+LORA_TILES = [(t, 64, o, w, 3) for t in (64, 128) for o in (64, 128) for w in (4, 8)]  # (t, k, o, warps, stages)
 SMOKE = {"quant": [("small", 64, 1152, "none"), ("small ff", 64, 4608, "tanh")],
-         "gelu": [("small", 32, 64), ("small", 128, 64)], "attention": [("small", 2, 64, 4, 72)]}
+         "gelu": [("small", 32, 64), ("small", 128, 64)], "attention": [("small", 2, 64, 4, 72)],
+         "lora": [("small", 4, 64, 64, 64)]}
 
 
 def us(fn) -> float:
@@ -109,6 +120,41 @@ def attention(where: str, b: int, t: int, h: int, d: int, device: str, dtype) ->
     return row
 
 
+def lora(where: str, n: int, t: int, fin: int, fout: int, device: str, dtype, rank: int = 64, places: int = 4,
+         adapters: int = 8) -> dict:
+    """A linear's per-row LoRA term added in place (rank ``rank``, each row one of ``adapters`` adapters in the
+    first of ``places`` places, the others empty) by the gathered products (``bmm``) and by the Triton kernels at
+    each of LORA_TILES; beside them the linear itself and ``y += z`` over its output (``out += x`` shaped: the
+    reads and writes an in-place term cannot avoid where in = out)."""
+    from workers.kernels import lora as lora_kernel
+    from workers.lora.linear import lora_add
+
+    g = torch.Generator().manual_seed(fin)
+    x = torch.randn(n, t, fin, generator=g).to(device, dtype)
+    w = (torch.randn(fout, fin, generator=g) * 0.02).to(device, dtype)
+    a = (torch.randn(adapters + 1, rank, fin, generator=g) * 0.02).to(device, dtype)
+    b = (torch.randn(adapters + 1, fout, rank, generator=g) * 0.02).to(device, dtype)
+    a[0], b[0] = 0, 0  # the empty slot
+    live = torch.ones(adapters + 1, dtype=torch.int32, device=device)
+    live[0] = 0
+    slots = torch.zeros(n, places, dtype=torch.int64, device=device)
+    slots[:, 0] = torch.arange(n, device=device) % adapters + 1
+    scales = torch.zeros(n, places, device=device)
+    scales[:, 0] = 1.0
+    y, z = torch.zeros(n, t, fout, device=device, dtype=dtype), torch.randn(n, t, fout, generator=g).to(device, dtype)
+    row = {"where": where, "shape": [n, t, fin, fout], "rank": rank,
+           "us": {"linear": us(lambda: torch.matmul(x, w.t(), out=y)), "y += z": us(lambda: y.add_(z)),
+                  "bmm": us(lambda: lora_add(x, a, b, slots, scales, y, "bmm"))}}
+    if lora_kernel.available(x):
+        for tiles in map(lambda c: lora_kernel.Tiles(*c), LORA_TILES):
+            name = f"triton t{tiles.t} o{tiles.o} w{tiles.warps}"
+            row["us"][name] = us(lambda tiles=tiles: lora_kernel.add_rows_(x, a, b, live, slots, scales, y, tiles))
+        best = min((v, k) for k, v in row["us"].items() if k.startswith("triton"))
+        row["best"] = {"tiles": best[1], "us": best[0], "over_y_plus_z": round(best[0] / row["us"]["y += z"], 3),
+                       "default": f"triton t{lora_kernel.TILES.t} o{lora_kernel.TILES.o} w{lora_kernel.TILES.warps}"}
+    return row
+
+
 def markdown(result: dict) -> str:
     lines = ["# Kernels alone (median us a call)", "", harness.hardware_line(result["env"])]
     for section in SECTIONS:
@@ -129,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="small shapes on a CPU")
     args = p.parse_args(argv)
     device, dtype = harness.device_and_dtype(args.smoke)
-    shapes = SMOKE if args.smoke else {"quant": QUANT, "gelu": GELU, "attention": ATTENTION}
+    shapes = SMOKE if args.smoke else {"quant": QUANT, "gelu": GELU, "attention": ATTENTION, "lora": LORA}
     result = {"env": harness.environment(device), "errors": {}}
     run = {"quant": lambda s: quant(*s, device), "gelu": lambda s: gelu(*s, device, dtype),
-           "attention": lambda s: attention(*s, device, dtype)}
+           "attention": lambda s: attention(*s, device, dtype), "lora": lambda s: lora(*s, device, dtype)}
     report = harness.Report(harness.out_dir(args.out, args.smoke), "kernels", markdown)
     with torch.no_grad():
         for section in args.sections:

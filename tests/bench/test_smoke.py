@@ -32,9 +32,10 @@ def test_workload_runs_one_image_end_to_end_and_a_tiny_mix(tmp_path):
 
 
 def test_kernels_times_each_section_on_small_shapes(tmp_path):
-    kernel_times.main(["--smoke", "--sections", "quant", "gelu", "--out", str(tmp_path)])
+    kernel_times.main(["--smoke", "--sections", "quant", "gelu", "lora", "--out", str(tmp_path)])
     r = json.loads((tmp_path / "kernels.json").read_text())
     assert len(r["quant"]) == 2 and set(r["gelu"][0]["us"]) == {"separate", "epilogue"}
+    assert {"linear", "y += z", "bmm"} <= set(r["lora"][0]["us"])  # no Triton on a CPU: no tile candidates
 
 
 def test_quality_compares_fastest_with_default(tmp_path):

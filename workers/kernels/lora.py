@@ -35,6 +35,7 @@ slots are read on the GPU; nothing on the host). ``available`` says where they r
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -44,9 +45,20 @@ try:  # Triton ships with CUDA builds of PyTorch; CPU builds have none
 except ImportError:  # pragma: no cover - exercised on CPU-only installs
     triton = None
 
-BLOCK_T = 64   # tokens per program
-BLOCK_K = 64   # the input features a shrink step multiplies
-BLOCK_O = 64   # outputs per expand program
+@dataclass(frozen=True)
+class Tiles:
+    """The kernels' blocking: tokens per program (``t``), the input features a shrink step multiplies (``k``),
+    outputs per expand program (``o``), and Triton's ``warps`` and pipeline ``stages`` per program.
+    ``bench/kernel_times.py --sections lora`` times candidates at the families' shapes."""
+
+    t: int = 64
+    k: int = 64
+    o: int = 64
+    warps: int = 4
+    stages: int = 3
+
+
+TILES = Tiles()
 
 
 def runs_on(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -131,7 +143,7 @@ def _rows3(t: torch.Tensor, n: int, width: int) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, live: torch.Tensor, slots: torch.Tensor,
-            scales: torch.Tensor, y: torch.Tensor, add: bool) -> None:
+            scales: torch.Tensor, y: torch.Tensor, add: bool, tiles: Tiles = TILES) -> None:
     """The kernels over ``x`` (N, T, in) into ``y`` (N, T, out): the term stored, or added (``add``)."""
     n, t, fin = x.shape
     (_, r, _), fout, p = a.shape, b.shape[1], slots.shape[1]
@@ -140,12 +152,20 @@ def _launch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, live: torch.Tenso
     live = live.to(torch.int32).contiguous()
     h = torch.empty((n, t, p * r), dtype=x.dtype, device=x.device)
     block_r, ieee = _pow2(r), x.dtype == torch.float32
-    _shrink[(n, triton.cdiv(t, BLOCK_T), p)](
+    run = {"num_warps": tiles.warps, "num_stages": tiles.stages}
+    _shrink[(n, triton.cdiv(t, tiles.t), p)](
         x, a, live, slots, h, t, fin, r, p, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
-        h.stride(0), h.stride(1), BLOCK_T=BLOCK_T, BLOCK_R=block_r, BLOCK_K=BLOCK_K, IEEE=ieee)
-    _expand[(n, triton.cdiv(t, BLOCK_T), triton.cdiv(fout, BLOCK_O))](
+        h.stride(0), h.stride(1), BLOCK_T=tiles.t, BLOCK_R=block_r, BLOCK_K=tiles.k, IEEE=ieee, **run)
+    _expand[(n, triton.cdiv(t, tiles.t), triton.cdiv(fout, tiles.o))](
         h, b, live, slots, scales, y, t, fout, r, p, h.stride(0), h.stride(1), b.stride(0), b.stride(1),
-        y.stride(0), y.stride(1), BLOCK_T=BLOCK_T, BLOCK_O=BLOCK_O, BLOCK_R=block_r, IEEE=ieee, ADD=add)
+        y.stride(0), y.stride(1), BLOCK_T=tiles.t, BLOCK_O=tiles.o, BLOCK_R=block_r, IEEE=ieee, ADD=add, **run)
+
+
+def add_rows_(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, live: torch.Tensor, slots: torch.Tensor,
+              scales: torch.Tensor, out: torch.Tensor, tiles: Tiles = TILES) -> None:
+    """``lora_add_`` on (N, T, in) rows into a contiguous (N, T, out) ``out`` with the given ``tiles``, outside
+    the custom op: for timing candidates of the blocking."""
+    _launch(x, a, b, live, slots, scales, out, add=True, tiles=tiles)
 
 
 @torch.library.custom_op("dit_serve::lora_rows", mutates_args=())

@@ -158,6 +158,24 @@ def test_the_kernels_on_cuda_in_a_graph_and_compiled(case, dtype, tol):
     assert torch.equal(got[..., :8], before[..., :8])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_every_blocking_the_benchmark_times_adds_the_same_term(case):
+    """``add_rows_`` at each of ``bench/kernel_times.py``'s candidate blockings equals the default's sum."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from kernel_times import LORA_TILES
+    from workers.kernels.lora import Tiles, add_rows_, lora_rows
+
+    x, a, b, slots, scales = _inputs(case, "cuda", torch.float32)
+    x = x if x.dim() == 3 else x[:, None]
+    live, base = _live(a), torch.randn(*x.shape[:-1], b.shape[1], device="cuda")
+    want = base + lora_rows(x, a, b, live, slots, scales)
+    for tiles in map(lambda c: Tiles(*c), LORA_TILES):
+        got = base.clone()
+        add_rows_(x, a, b, live, slots, scales, got, tiles)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=lambda m, tiles=tiles: f"{tiles}: {m}")
+
+
 ENGINE = """
 import tempfile
 from pathlib import Path
