@@ -99,7 +99,7 @@ def running_service(data_dir: Path, model: str):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a stray cluster
     try:
         with Service(service_config(data_dir, model)) as service:
-            assert service.wait_ready(120), "the worker did not start"
+            assert service.wait_ready(patient(120)), "the worker did not start"
             yield service
     finally:
         ray.shutdown()

@@ -165,7 +165,7 @@ def test_the_local_ray_keeps_no_idle_worker_processes(digits_model, tmp_path):
             return b"\x89" * 300_000
 
     with Service(service_config(tmp_path, digits_model, ray={"num_cpus": 8})) as svc:
-        assert svc.wait_ready(120)
+        assert svc.wait_ready(patient(120))
         assert sys.getswitchinterval() == SWITCH_INTERVAL_S
         ref = Answer.remote().png_sized.remote()
         assert len(ray.get(ref)) == 300_000

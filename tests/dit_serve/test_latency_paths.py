@@ -94,7 +94,7 @@ def test_a_submission_is_leased_and_committed_without_waiting_for_ticks(tmp_path
     cfg = service_config(tmp_path, digits_model, scheduler={"tick_seconds": 30.0, "heartbeat_seconds": 60.0},
                          store={"lease_seconds": 120.0})
     with Service(cfg) as svc, Client(svc.url) as client:
-        assert svc.wait_ready(120)
+        assert svc.wait_ready(patient(120))
         time.sleep(1.0)  # the worker's first long poll is out
         t0 = time.monotonic()
         job = client.wait(client.submit([7], steps=5), progress=False, timeout=patient(60))
@@ -185,7 +185,7 @@ def test_a_worker_gets_its_next_items_before_the_finished_ones_are_committed(tmp
                         lambda: ray.remote(max_restarts=0, concurrency_groups={"poll": 1})(BatchWorker))
     cfg = service_config(tmp_path, digits_model, workers={"max_batch": 2})
     with Service(cfg, roles=("scheduler",)) as sched:
-        assert sched.wait_ready(60)
+        assert sched.wait_ready(patient(60))
         job_id = sched.store.create_job("digits", JobParams(sampler="ddim", steps=5, guidance=1.0), [1] * 6, list(range(6)))
         deadline = time.monotonic() + 60
         while not sched.store.get_job(job_id).finished:
@@ -210,7 +210,7 @@ def test_metrics_split_a_finished_images_time_into_phases(tmp_path, digits_model
 
     cfg = service_config(tmp_path, digits_model)
     with Service(cfg) as svc, Client(svc.url) as client:
-        assert svc.wait_ready(120)
+        assert svc.wait_ready(patient(120))
         job = client.wait(client.submit([3], steps=30), progress=False, timeout=patient(60))
         text = httpx.get(f"{svc.url}/metrics").text
 

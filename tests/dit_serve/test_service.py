@@ -39,7 +39,7 @@ def svc(digits_model, tmp_path_factory):
                              webhooks={"secret": "example-webhook-secret",  # examples/webhooks.py checks it
                                        "allow_hosts": ("127.0.0.1",)})  # its receivers listen here
         with Service(cfg) as service:
-            assert service.wait_ready(120), "the worker did not start"
+            assert service.wait_ready(patient(120)), "the worker did not start"
             yield service
     finally:
         ray.shutdown()
@@ -347,7 +347,7 @@ def test_a_text_model_end_to_end(svc, tmp_path):
     model_dir = make_tiny_pixart(tmp_path / "models" / "pixart-tiny")
     cfg = service_config(tmp_path / "data", str(model_dir), workers={"max_batch": 4})
     with Service(cfg) as text_svc, Client(text_svc.url) as c:
-        assert text_svc.wait_ready(120)
+        assert text_svc.wait_ready(patient(120))
         job = c.wait(c.submit(prompts=["a red cat", "a blue house"], num_per_prompt=2, steps=4, seed=1,
                               negative_prompt="small"), progress=False, timeout=120)
         assert job.state == "done" and [it.prompt for it in job.items] == ["a red cat"] * 2 + ["a blue house"] * 2
@@ -369,7 +369,7 @@ def test_mmdit_models_in_one_worker_end_to_end(tmp_path):
     sd3, flux = make_tiny_sd3(tmp_path / "models" / "sd3-tiny"), make_tiny_flux(tmp_path / "models" / "flux-tiny")
     cfg = service_config(tmp_path / "data", str(sd3), workers={"max_batch": 4, "models": (str(sd3), str(flux))})
     with Service(cfg) as svc, Client(svc.url) as c:
-        assert svc.wait_ready(180)
+        assert svc.wait_ready(patient(180))
         a = c.submit(prompts=["a red cat", "a blue house"], model="sd3-tiny", steps=3, negative_prompt="blurry",
                      width=32, height=16)
         b = c.submit(prompts=["a dog"], num_per_prompt=2, model="flux-tiny", steps=3, width=90, height=60,
@@ -441,7 +441,7 @@ def test_an_adapter_uploaded_to_the_service_changes_only_the_images_that_name_it
     cfg = service_config(tmp_path / "data", "digits-text", workers={"max_batch": 8, "lora_slots": 2,
                                                                     "lora_max_rank": 8})
     with Service(cfg) as svc, Client(svc.url) as c:
-        assert svc.wait_ready(120)
+        assert svc.wait_ready(patient(120))
         assert c.upload_lora(adapter, "bold", "digits-text").name == "bold"
         prompts = ["the digit three", "the digit seven"]
         plain = c.submit(prompts=prompts, seed=5, steps=6)
