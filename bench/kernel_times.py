@@ -146,7 +146,7 @@ def lora(where: str, n: int, t: int, fin: int, fout: int, device: str, dtype, ra
            "us": {"linear": us(lambda: torch.matmul(x, w.t(), out=y)), "y += z": us(lambda: y.add_(z)),
                   "bmm": us(lambda: lora_add(x, a, b, slots, scales, y, "bmm"))}}
     if lora_kernel.available(x):
-        for tiles in map(lambda c: lora_kernel.Tiles(*c), LORA_TILES):
+        for tiles in (lora_kernel.Tiles(*c) for c in LORA_TILES):
             name = f"triton t{tiles.t} o{tiles.o} w{tiles.warps}"
             row["us"][name] = us(lambda tiles=tiles: lora_kernel.add_rows_(x, a, b, live, slots, scales, y, tiles))
         best = min((v, k) for k, v in row["us"].items() if k.startswith("triton"))

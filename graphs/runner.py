@@ -25,8 +25,9 @@ Contract
   once.
 * What is copied in/out: ``run(**live)`` with leading dimension n plans replays with
   ``split_batch(n, buckets, replay_ms)``; for each chunk it copies the live rows into the static
-  slice (padding rows keep stale values, or take the input's ``TensorSpec.pad``), replays (or calls the step eagerly), and copies the real
-  rows out into fresh tensors, so the next replay cannot overwrite a result (pitfall 4).
+  slice (padding rows keep stale values, or take the input's ``TensorSpec.pad``), replays (or calls the
+  step eagerly), and copies the real rows out into fresh tensors, so the next replay cannot overwrite a
+  result (pitfall 4).
 * Concurrency: one lock per runner (its arena and its pool): replays never overlap (pitfall 10).
   GPU work runs on the runner's stream, ordered after the caller's current stream on entry and
   before it on exit, so callers on any stream see finished results.

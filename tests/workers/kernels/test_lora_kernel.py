@@ -170,7 +170,7 @@ def test_every_blocking_the_benchmark_times_adds_the_same_term(case):
     x = x if x.dim() == 3 else x[:, None]
     live, base = _live(a), torch.randn(*x.shape[:-1], b.shape[1], device="cuda")
     want = base + lora_rows(x, a, b, live, slots, scales)
-    for tiles in map(lambda c: Tiles(*c), LORA_TILES):
+    for tiles in (Tiles(*c) for c in LORA_TILES):
         got = base.clone()
         add_rows_(x, a, b, live, slots, scales, got, tiles)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=lambda m, tiles=tiles: f"{tiles}: {m}")
