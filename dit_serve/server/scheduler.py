@@ -108,10 +108,15 @@ class _Worker:
     pinned: dict[str, float] = field(default_factory=dict)  # custom resources it took for pinned models (placement)
     loras: set[str] = field(default_factory=set)  # adapters it reports registered (its poll's ``loras``)
     pushed: dict[str, str] = field(default_factory=dict)  # adapters this scheduler sent it: name -> the file's sha256
+    resident: dict[str, set[str]] = field(default_factory=dict)  # per model, the adapters in its device bank (polled)
 
     def holds(self, name: str, sha256: str) -> bool:
         """Whether it has adapter ``name`` as registered now (sent by us at that hash, or its own and never sent)."""
         return self.pushed.get(name) == sha256 or (name in self.loras and name not in self.pushed)
+
+    def has_ready(self, model: str, loras) -> bool:
+        """Whether every adapter of ``loras`` is registered here and, as last polled, loaded in ``model``'s bank."""
+        return all(self.holds(u.name, u.sha256) and u.name in self.resident.get(model, ()) for u in loras)
 
     @property
     def name(self) -> str:
@@ -528,6 +533,8 @@ class Scheduler:
                 log.info("%s serves %s now", w.name, ", ".join(w.models) or "no model")
         if "loras" in report:
             w.loras = set(report["loras"])
+        if isinstance(lora := (report.get("stats") or {}).get("lora"), dict):
+            w.resident = {m: set(names) for m, names in lora.get("resident", {}).items()}
         self._measure(w, report)
         for key, (done, _total) in report["progress"].items():
             if key in w.leases:
@@ -651,17 +658,21 @@ class Scheduler:
 
     # -- adapters ----------------------------------------------------------------------------------
     def _route_loras(self, w: _Worker, leases: list[Lease]) -> list[tuple[_Worker, list[Lease]]]:
-        """Where the leased items go: an item naming adapters ``w`` lacks goes to another ready worker of its model
-        with room that holds them all, if there is one; else to ``w``. Before a worker gets an item, it has the
-        item's adapters: each one it lacks is sent to it (``add_lora``, ahead of ``submit`` in the actor's call
-        order) once. An item whose adapter was deleted (or changed) since its job was submitted fails, saying so."""
+        """Where the leased items go: an item naming adapters goes to ``w`` if their weights are in its device bank
+        (as last polled); else to another ready worker of its model with room whose bank has them, else to ``w`` if
+        it has them registered, else to another with room that has them registered; else to ``w``. Before a worker
+        gets an item, it has the item's adapters: each one it lacks is sent to it (``add_lora``, ahead of ``submit``
+        in the actor's call order) once. An item whose adapter was deleted (or changed) since its job was submitted
+        fails, saying so."""
         out: dict[str, tuple[_Worker, list[Lease]]] = {}
         room = {v.key: self.cfg.inflight() - len(v.leases) for v in self.workers.values() if v.ready and v is not w}
         for ls in leases:
-            target = w
-            if ls.params.loras and not all(w.holds(u.name, u.sha256) for u in ls.params.loras):
-                target = next((v for v in self.workers.values() if room.get(v.key, 0) > 0 and ls.model in v.models
-                               and all(v.holds(u.name, u.sha256) for u in ls.params.loras)), w)
+            target, uses = w, ls.params.loras
+            if uses and not w.has_ready(ls.model, uses):
+                others = [v for v in self.workers.values() if room.get(v.key, 0) > 0 and ls.model in v.models]
+                target = next((v for v in others if v.has_ready(ls.model, uses)), None) or (
+                    w if all(w.holds(u.name, u.sha256) for u in uses)
+                    else next((v for v in others if all(v.holds(u.name, u.sha256) for u in uses)), w))
                 if target is not w:
                     room[target.key] -= 1
             if (why := self._push_loras(target, ls)) is not None:

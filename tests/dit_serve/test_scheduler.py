@@ -212,3 +212,53 @@ def test_a_worker_gets_an_items_adapters_before_the_item_and_workers_holding_the
     assert calls == []
     failed = store.get_job(doomed[0] if isinstance(doomed, tuple) else doomed)
     assert failed.state == "failed" and "adapter 'ink' was deleted" in failed.items[0].error
+
+
+def test_an_item_goes_to_a_worker_whose_bank_holds_its_adapter_before_one_that_only_registered_it(tmp_path):
+    """Two workers both registered adapter "ink"; only b's poll says it is loaded in its device bank: an item naming
+    it that a's lease took goes to b (no load, no adapter switch), and stays with a once a's bank holds it too or b
+    has no room."""
+    from types import SimpleNamespace
+
+    from dit_serve.schemas import JobParams, LoraUse
+    from dit_serve.server.config import SchedulerConfig
+    from dit_serve.server.scheduler import Scheduler, _Worker
+    from dit_serve.server.store import Store
+
+    store = Store(f"sqlite:///{tmp_path}/s.db", tmp_path)
+    lora = store.put_lora("ink", b"adapter bytes", "default", True, "digits", "dit", "peft", 2, 1)
+    calls: list[tuple] = []
+
+    def handle(name):
+        return SimpleNamespace(**{m: SimpleNamespace(remote=lambda *a, m=m: calls.append((name, m, *a)))
+                                  for m in ("submit", "add_lora", "remove_lora")})
+
+    def job():
+        return store.submit("digits", JobParams(sampler="ddim", steps=5, guidance=1.0,
+                                                loras=[LoraUse(name="ink", scale=0.5, sha256=lora.sha256)]), [1], [0])
+
+    def report(resident):
+        return {"progress": {}, "finished": [], "failed": [], "loras": ["ink"],
+                "stats": {"lora": {"resident": {"digits": resident}}}}
+
+    sched = Scheduler(store, WorkerConfig(max_batch=4, max_inflight=1), SchedulerConfig(group_shapes=False), 30.0)
+    a = _Worker("a", None, handle("a"), None, models=["digits"])
+    b = _Worker("b", None, handle("b"), None, models=["digits"])
+    sched.workers.update(a=a, b=b)
+    sched._apply_report(a, report([]))
+    sched._apply_report(b, report(["ink"]))
+    assert b.resident == {"digits": {"ink"}} and a.has_ready("digits", [LoraUse(name="ink", scale=1, sha256="x")]) \
+        is False
+    job()
+    sched._fill(a, expect=True)
+    assert [c[:2] for c in calls] == [("b", "submit")] and len(b.leases) == 1 and not a.leases
+    calls.clear()
+    job()  # b has no room now (max_inflight 1): a has it registered, so a runs it, nothing sent
+    sched._fill(a, expect=True)
+    assert [c[:2] for c in calls] == [("a", "submit")]
+    calls.clear()
+    a.leases, b.leases = {}, {}
+    sched._apply_report(a, report(["ink"]))
+    job()
+    sched._fill(a, expect=True)  # both banks hold it: a keeps its own item
+    assert [c[:2] for c in calls] == [("a", "submit")]
