@@ -1,17 +1,17 @@
 """A FLUX.2 pipeline directory in the layout of ``black-forest-labs/FLUX.2-klein-4B`` (``Flux2KleinPipeline``; its
-base variant with ``--base``) or ``black-forest-labs/FLUX.2-dev`` (``Flux2Pipeline``, ``--dev``), shrunk to run on
-a CPU in seconds, with random weights: the transformer (sharded safetensors with its index), the text encoder
-(sharded, as the real ones: Qwen3ForCausalLM with as many layers as the pipeline reads, 27; or
-Mistral3ForConditionalGeneration with a tiny Pixtral vision tower and 30 text layers), its tokenizer made here
-(a byte-level BPE over a small vocabulary with the real special tokens and chat template in
-tokenizer_config.json; for [dev] a PixtralProcessor around one), AutoencoderKLFlux2 (32 channels at /8, batch-norm
-statistics of its patchified latents set away from 0 and 1 so that the normalisation shows), and the
-scheduler's config. Nothing is downloaded.
+base variant with ``--base``; ``-9B``'s proportions with ``--9b``) or ``black-forest-labs/FLUX.2-dev``
+(``Flux2Pipeline``, ``--dev``), shrunk to run on a CPU in seconds, with random weights: the transformer (sharded
+safetensors with its index), the text encoder (sharded, as the real ones: Qwen3ForCausalLM with as many layers as
+the pipeline reads, 27, for 9B the real 36; or Mistral3ForConditionalGeneration with a tiny Pixtral vision tower
+and 30 text layers), its tokenizer made here (a byte-level BPE over a small vocabulary with the real special tokens
+and chat template in tokenizer_config.json; for [dev] a PixtralProcessor around one), AutoencoderKLFlux2 (32 channels
+at /8, batch-norm statistics of its patchified latents set away from 0 and 1 so that the normalisation shows), and
+the scheduler's config. Nothing is downloaded.
 
 Images 64x64 (latents 128 x 4 x 4, 16 tokens), also 96x64 and 64x96; prompts of ``MAX_TOKENS`` tokens after the
 chat template (``DEV_MAX_TOKENS`` for [dev], whose system message comes first).
 
-    python -m workers.models.tiny_flux2 OUT_DIR [--base | --dev]
+    python -m workers.models.tiny_flux2 OUT_DIR [--base] [--9b] | OUT_DIR --dev
 """
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ DEV_MAX_TOKENS = 80  # [dev]: Flux2Pipeline's system message (about 35 tokens he
 IMAGE_SIZE = 64
 SIZES = ("64x64", "96x64", "64x96")  # width x height
 WIDTH = 16  # the text encoder's hidden size: joint_attention_dim is three of it
+# FLUX.2-klein-9B beside -4B (their published configs): Qwen3-8B (4096 wide, its LM head untied) for Qwen3-4B (2560,
+# tied), so joint_attention_dim 12288 for 7680; 32 heads of 128 for 24; 8 double and 24 single blocks for 5 and 20.
+# Both encoders have 36 layers, of which the pipeline reads 9, 18 and 27. Here: wider, untied, more heads and blocks.
+KLEIN_9B_ENCODER = dict(hidden_size=24, num_hidden_layers=36, tie_word_embeddings=False)
+KLEIN_9B_TRANSFORMER = dict(num_layers=2, num_single_layers=2, num_attention_heads=3)
 WORDS = ("a an the red blue green cat dog tree house small big drawn photo of on in with user assistant system "
          "you are ai that about image").split()
 # [dev]'s tokenizer knows the words of Flux2Pipeline's system message too
@@ -222,17 +227,22 @@ def save_tokenizer(tok, path: Path) -> None:
     (path / "chat_template.jinja").unlink(missing_ok=True)
 
 
-def make_tiny_flux2(path: Path, seed: int = 0, base: bool = False, dev: bool = False) -> Path:
+def make_tiny_flux2(path: Path, seed: int = 0, base: bool = False, dev: bool = False, nine_b: bool = False) -> Path:
     """FLUX.2 [klein]'s layout, step-distilled (``is_distilled``: one forward per image, guidance ignored) or
-    ``base`` (classifier-free guidance); or [dev]'s (``dev``: Mistral3 and the embedded guidance scale)."""
+    ``base`` (classifier-free guidance), in 4B's proportions or 9B's (``nine_b``: ``KLEIN_9B_*``); or [dev]'s
+    (``dev``: Mistral3 and the embedded guidance scale)."""
     import torch
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
     path = Path(path)
     torch.manual_seed(seed)
-    encoder_class, tokenizer_class = _write_mistral(path) if dev else _write_qwen(path)
-    Flux2Transformer2DModel(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                            num_attention_heads=2, joint_attention_dim=3 * WIDTH, axes_dims_rope=(4, 4, 4, 4),
+    nine_b = nine_b and not dev
+    encoder = KLEIN_9B_ENCODER if nine_b else {}
+    encoder_class, tokenizer_class = _write_mistral(path) if dev else _write_qwen(path, **encoder)
+    blocks = {"num_layers": 1, "num_single_layers": 1, "num_attention_heads": 2,
+              **(KLEIN_9B_TRANSFORMER if nine_b else {})}
+    Flux2Transformer2DModel(patch_size=1, in_channels=128, attention_head_dim=16, **blocks,
+                            joint_attention_dim=3 * encoder.get("hidden_size", WIDTH), axes_dims_rope=(4, 4, 4, 4),
                             guidance_embeds=dev
                             ).save_pretrained(path / "transformer", safe_serialization=True, max_shard_size="100KB")
     vae = AutoencoderKLFlux2(block_out_channels=[8, 8, 16, 16], layers_per_block=1, norm_num_groups=8,
@@ -253,17 +263,18 @@ def make_tiny_flux2(path: Path, seed: int = 0, base: bool = False, dev: bool = F
     return path
 
 
-def _write_qwen(path: Path) -> tuple[str, str]:
-    """text_encoder/ (Qwen3ForCausalLM, 27 layers: the pipeline reads hidden states 9, 18, 27) and tokenizer/."""
+def _write_qwen(path: Path, **config) -> tuple[str, str]:
+    """text_encoder/ (Qwen3ForCausalLM, 27 layers: the pipeline reads hidden states 9, 18, 27; ``config`` overrides,
+    ``KLEIN_9B_ENCODER``) and tokenizer/."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tok = qwen_tokenizer()
     save_tokenizer(tok, path / "tokenizer")
     ids = tok.convert_tokens_to_ids(list(QWEN_SPECIALS))
-    Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=WIDTH, intermediate_size=32, num_hidden_layers=27,
-                                 num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=512,
-                                 rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=ids[0],
-                                 eos_token_id=ids[2])
+    config = {"hidden_size": WIDTH, "num_hidden_layers": 27, "tie_word_embeddings": True, **config}
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), intermediate_size=32, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=8, max_position_embeddings=512, rope_theta=1000000.0,
+                                 bos_token_id=ids[0], eos_token_id=ids[2], **config)
                      ).save_pretrained(path / "text_encoder", safe_serialization=True, max_shard_size="100KB")
     return "Qwen3ForCausalLM", "Qwen2TokenizerFast"
 
@@ -293,5 +304,8 @@ if __name__ == "__main__":
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--base", action="store_true", help="FLUX.2 [klein] base's layout (classifier-free guidance)")
     group.add_argument("--dev", action="store_true", help="FLUX.2 [dev]'s layout (Mistral3, embedded guidance)")
+    parser.add_argument("--9b", dest="nine_b", action="store_true", help="[klein] in 9B's proportions (Qwen3-8B's)")
     args = parser.parse_args()
-    print(make_tiny_flux2(args.out, base=args.base, dev=args.dev))
+    if args.dev and args.nine_b:
+        parser.error("--9b is a [klein] layout: not with --dev")
+    print(make_tiny_flux2(args.out, base=args.base, dev=args.dev, nine_b=args.nine_b))

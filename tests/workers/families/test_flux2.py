@@ -1,7 +1,7 @@
 """FLUX.2 through our engine equals diffusers' Flux2KleinPipeline and Flux2Pipeline: tiny random pipeline
-directories in the real layouts of FLUX.2-klein-4B (step-distilled), its base variant (classifier-free guidance)
-and FLUX.2-dev (embedded guidance), made here, offline (``workers.models.tiny_flux2``); the same initial latents;
-float32 on the CPU.
+directories in the real layouts of FLUX.2-klein-4B (step-distilled), its base variant (classifier-free guidance),
+FLUX.2-klein-9B (Qwen3-8B's proportions) and FLUX.2-dev (embedded guidance), made here, offline
+(``workers.models.tiny_flux2``); the same initial latents; float32 on the CPU.
 
 Tolerance: max |ours - reference| <= 1e-4 * max(1, max |reference|) on the final latents ([klein]: the VAE's
 latents the pipeline returns, ours de-normalised and unpatchified by ``Flux2VAE.latents``; [dev]: the packed,
@@ -22,11 +22,13 @@ import torch
 from workers.config import WorkerConfig
 from workers.engine import Engine
 from workers.families import family_named
-from workers.families.flux2 import DEV_ENCODER_PARAMS, DEV_PARAMS, KLEIN, KLEIN_ENCODER_PARAMS, KLEIN_PARAMS
+from workers.families.flux2 import (DEV_ENCODER_PARAMS, DEV_PARAMS, KLEIN, KLEIN_DISTILLED, KLEIN_ENCODER_PARAMS,
+                                    KLEIN_PARAMS)
 from workers.families.flux2.runtime import (empirical_mu, image_ids, pack, patchify, prompt_embeds, prompt_ids,
                                             text_ids, unpack, unpatchify)
 from workers.loading import ModelError, load_model
-from workers.models.tiny_flux2 import DEV_MAX_TOKENS, IMAGE_SIZE, MAX_TOKENS, make_tiny_flux2
+from workers.models.tiny_flux2 import (DEV_MAX_TOKENS, IMAGE_SIZE, KLEIN_9B_ENCODER, MAX_TOKENS, WIDTH,
+                                       make_tiny_flux2)
 from workers.request.cards import CardError, read_card
 from workers.request.spec import ItemSpec
 
@@ -44,6 +46,12 @@ def klein_dir(tmp_path_factory):
 def base_dir(klein_dir, tmp_path_factory):
     """[klein] base: the same weights without ``is_distilled`` (Flux2KleinPipeline's default: CFG)."""
     return _layout_copy(klein_dir, tmp_path_factory.mktemp("flux2") / "klein-base", index={"is_distilled": None})
+
+
+@pytest.fixture(scope="module")
+def klein9_dir(tmp_path_factory):
+    """[klein] 9B's layout: a wider Qwen3 of 36 layers with its LM head untied, a wider transformer."""
+    return make_tiny_flux2(tmp_path_factory.mktemp("flux2") / "klein-9b", seed=2, nine_b=True)
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +175,23 @@ def test_a_wrong_encoder_token_limit_or_bare_transformer_is_a_card_error(klein_d
         read_card(klein_dir / "transformer")
 
 
+def test_the_9b_layout_and_its_base_read_as_klein_as_4b_does(klein_dir, klein9_dir, tmp_path):
+    """FLUX.2-klein-9B differs from 4B in sizes only (Qwen3-8B for Qwen3-4B, a wider transformer): the card reads
+    model_index.json's class and is_distilled and the encoder's model_type, so 9B's card is 4B's but for its path,
+    and its base variant's is [klein] base's (CFG, 50 steps at 4.0)."""
+    import dataclasses
+
+    nine, four = read_card(klein9_dir), read_card(klein_dir)
+    width = KLEIN_9B_ENCODER["hidden_size"]
+    assert json.loads((klein9_dir / "transformer" / "config.json").read_text())["joint_attention_dim"] == 3 * width
+    blank = dict(name="", path="", tokenizer_file="")
+    assert dataclasses.replace(nine, **blank) == dataclasses.replace(four, **blank)
+    assert (nine.family, nine.guidance_mode, nine.defaults) == ("flux2", "none", KLEIN_DISTILLED["defaults"])
+    assert nine.tokenizer_file.endswith("klein-9b/tokenizer/tokenizer.json")
+    base9 = read_card(_layout_copy(klein9_dir, tmp_path / "klein-base-9b", index={"is_distilled": None}))
+    assert (base9.guidance_mode, base9.defaults) == ("cfg", {"sampler": "flow_euler", "steps": 50, "guidance": 4.0})
+
+
 # -- loading -------------------------------------------------------------------------------------------------
 def test_sharded_checkpoints_load_as_diffusers_loads_them(klein_dir, klein):
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
@@ -256,6 +281,47 @@ def test_prompt_embeddings_are_the_pipelines(variant, klein, dev):
     assert torch.equal(ids[0], text_ids(model.card.max_tokens, "cpu"))
     mask = prompt_ids(model, texts)[1]
     assert (mask[0].sum() < mask[1].sum() < model.card.max_tokens) and (mask[:, 0] == 1).all()  # padded on the right
+
+
+def test_the_9b_encoder_recipe_is_qwen3_8bs_hidden_states_9_18_27_side_by_side(klein9_dir, klein_dir, tmp_path):
+    """[klein] 9B loads its untied Qwen3 and stacks hidden states 9, 18 and 27 of its 36 (not the last three) into
+    the transformer's joint_attention_dim, 3 x its width: Flux2KleinPipeline.encode_prompt's embeddings. The 9B
+    transformer with 4B's narrower encoder is refused at load, naming both widths."""
+    from transformers import Qwen3ForCausalLM
+
+    model = load_model(klein9_dir)
+    encoder = model.text_encoder
+    width, layers = KLEIN_9B_ENCODER["hidden_size"], KLEIN_9B_ENCODER["num_hidden_layers"]
+    assert type(encoder) is Qwen3ForCausalLM and model.pipeline == KLEIN
+    assert (encoder.config.hidden_size, encoder.config.num_hidden_layers, encoder.config.tie_word_embeddings) == (
+        width, layers, False)
+    assert not torch.equal(encoder.lm_head.weight, encoder.model.embed_tokens.weight)  # its own head, loaded
+    texts = ["a red cat", "The big blue house, drawn", ""]
+    ours = prompt_embeds(model, texts)
+    ref = _pipeline(model).encode_prompt(texts, max_sequence_length=MAX_TOKENS)[0]
+    assert ours.shape == ref.shape == (3, MAX_TOKENS, 3 * width) == (3, MAX_TOKENS,
+                                                                     model.transformer.config.joint_attention_dim)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    ids, mask = prompt_ids(model, texts)
+    with torch.no_grad():
+        states = encoder.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    assert len(states) == layers + 1
+    for i, k in enumerate((9, 18, 27)):                                       # (3, L, W) each
+        torch.testing.assert_close(ours[..., i * width:(i + 1) * width], states[k], rtol=1e-6, atol=1e-6)
+    mixed = _layout_copy(klein9_dir, tmp_path / "mixed", drop="text_encoder")
+    shutil.copytree(klein_dir / "text_encoder", mixed / "text_encoder")
+    refusal = (f"the text encoder \\(27 layers of {WIDTH}\\) does not fit the transformer: Flux2KleinPipeline "
+               f"stacks .* the transformer's joint_attention_dim is {3 * width}")
+    with pytest.raises(ModelError, match=refusal):
+        load_model(mixed)
+
+
+def test_klein_9b_prompts_batched_equal_the_pipeline(klein9_dir):
+    model = load_model(klein9_dir)
+    specs = [ItemSpec(id="a", seed=1, sampler="flow_euler", steps=4, guidance=1.0, prompt="a red cat"),
+             ItemSpec(id="w", seed=2, sampler="flow_euler", steps=3, guidance=1.0, prompt="a green tree", width=96,
+                      height=64)]
+    _assert_equal_to_pipeline(model, specs, Engine(model, EAGER).generate(specs))
 
 
 def test_encodings_are_cached_by_the_prompt_as_given(base):

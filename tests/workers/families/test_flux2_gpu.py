@@ -19,18 +19,16 @@ velocity), 1e-2 on ``hist_next`` (x - sigma v, where one bf16 rounding of the ve
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
 from workers.config import WorkerConfig
 
 from .gpu_stats import fallbacks, pooled
+from .gpu_steps import BF16_TOLERANCES, PROMPTS, assert_replays_equal_eager, on_full_size, runner_outputs
 
 pytestmark = pytest.mark.gpu
 
-PROMPTS = ("a red cat", "the big blue house", "a dog", "small green tree drawn", "a photo of a cat")
 VARIANTS = ("klein", "base", "dev")
 
 
@@ -88,60 +86,9 @@ def test_tiny_graphs_engine_replays_what_eager_computes(tiny, variant):
     assert 4 in replayed and replayed - {4}, replayed
 
 
-def _live(model, family, plan, b: int, shape) -> dict[str, torch.Tensor]:
-    """The step's inputs for b rows at step 1 of ``plan``: b of PROMPTS (negative prompts too under CFG), guidance
-    scales 1 to 4 (so a CFG batch holds rows with and without guidance)."""
-    from samplers import gather_rows
-    from workers.request.spec import ItemSpec
-
-    specs = [ItemSpec(id=str(i), seed=i, sampler="flow_euler", steps=plan.num_steps, guidance=1.0 + i % 4,
-                      prompt=PROMPTS[i % 5], negative_prompt=PROMPTS[(i + 2) % 5] if i % 2 else "") for i in range(b)]
-    enc, dev = family.encode(model, specs), model.device
-    t, coeffs = gather_rows([plan] * b, [1] * b)
-    gen = torch.Generator(dev).manual_seed(b)
-    x = torch.randn(b, *shape, device=dev, generator=gen)
-    return dict(x=x, t=t.to(dev), coeffs=coeffs.to(dev), guidance=torch.tensor([s.guidance for s in specs]).to(dev),
-                hist=torch.randn(x.shape, device=dev, generator=gen), noise=torch.zeros_like(x),
-                **{k: torch.stack([c[k] for c in enc]).to(dev) for k in enc[0]})
-
-
-def _runner_outputs(model, buckets=(1, 2, 4), steps: int = 4) -> tuple[dict, dict]:
-    """{(backend, b, output): CPU tensor} for an eager and a full GraphRunner over the family's step at the
-    model's native shape, each bucket run alone (greedy plans: b rows in bucket b), and the full runner's stats."""
-    from graphs import GraphRunner
-    from samplers import make_plan
-    from workers.engine import step_specs
-    from workers.families import family_of
-
-    family, shape = family_of(model), tuple(model.latent_shape)
-    plan = make_plan("flow_euler", steps, model.schedule, **family.plan_kwargs(model, shape))
-    live = {b: _live(model, family, plan, b, shape) for b in buckets}
-    outs, stats = {}, {}
-    for backend in ("eager", "full"):
-        inputs, outputs = step_specs(model, shape)
-        runner = GraphRunner(family.make_step(model, shape), inputs, outputs, max_batch=max(buckets),
-                             backend=backend, device=model.device)
-        runner.warmup(example=live[max(buckets)])
-        runner.replay_ms = {}
-        for b in buckets:
-            assert runner.plan(b) == (b,)
-            out = runner.run(**live[b])
-            outs.update({(backend, b, k): v.float().cpu() for k, v in out.items()})
-        stats = runner.stats()
-        del runner
-    return outs, stats
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tiny_every_bucket_replays_what_eager_computes(tiny, variant):
-    outs, stats = _runner_outputs(tiny[variant])
-    assert stats["backend"] == "full" and stats["totals"]["captures"] == 3
-    assert stats["totals"]["eager_fallbacks"] == 0 and stats["totals"]["replays"] == 3
-    for b in (1, 2, 4):
-        for key in ("x_next", "hist_next"):
-            want, got = outs["eager", b, key], outs["full", b, key]
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            assert torch.isfinite(got).all() and err <= 1e-5, (variant, b, key, err)
+    assert_replays_equal_eager(*runner_outputs(tiny[variant]))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -170,23 +117,4 @@ def test_tiny_sizes_share_one_pool_and_replay_what_eager_computes(tiny, variant)
 # -- full size -----------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_full_size_klein_buckets_replay_what_eager_computes():
-    from workers.loading import load_model
-
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_allocated()
-    model = load_model("flux2-klein-1024", device="cuda", dtype=torch.bfloat16)
-    try:
-        outs, stats = _runner_outputs(model)
-    finally:  # one full-size model resident at a time
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()
-    assert torch.cuda.memory_allocated() - before < 2**30, "the model was not freed"
-    assert stats["backend"] == "full" and stats["totals"]["captures"] == 3
-    assert stats["totals"]["eager_fallbacks"] == 0 and stats["totals"]["replays"] == 3
-    for b in (1, 2, 4):
-        for key, tol in (("x_next", 1e-3), ("hist_next", 1e-2)):
-            want, got = outs["eager", b, key], outs["full", b, key]
-            assert torch.isfinite(got).all()
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            assert err <= tol, (b, key, err)
+    assert_replays_equal_eager(*on_full_size("flux2-klein-1024", runner_outputs), tolerances=BF16_TOLERANCES)

@@ -17,10 +17,16 @@ The tiny random Qwen-Image in the real layout (workers.models.tiny_qwenimage) on
   too): the images and latents eager makes within bf16 rounding, as tests/workers/speed/test_fused_gpu.py
   asserts for the other families (5% of the largest eager value at most, 2% in the median), from one
   compile for every bucket. Slow (a cold Inductor compile).
+
+Full size (``qwen-image-1024``, random weights, bf16, marked slow: the 20.4B MMDiT and Qwen2.5-VL-7B, about 54 GiB):
+a ``full`` GraphRunner over the step replays what an eager one computes for buckets 1, 2 and 4, each bucket alone,
+rows of scales 1 to 4 (true CFG and the plain prompt's forward, chosen per row) with negative prompts and none in
+one batch: 1e-3 on ``x_next`` and 1e-2 on ``hist_next`` (``gpu_steps``), as FLUX.2 [klein], Z-Image and Sana.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 import pytest
@@ -29,6 +35,7 @@ import torch
 from workers.config import WorkerConfig
 
 from .gpu_stats import fallbacks, pooled
+from .gpu_steps import BF16_TOLERANCES, assert_replays_equal_eager, on_full_size, runner_outputs
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
@@ -145,3 +152,10 @@ def test_bf16_fused_graphs_make_what_eager_makes_from_one_compile(tiny_dir):
     assert stats["compile"]["compiled"] and stats["compile"]["fallback_reason"] is None, stats["compile"]
     assert stats["compile"]["graphs"] == 1 and stats["compile"]["one_row_graphs"] <= 1, stats["compile"]
     assert fallbacks(stats) == 0, stats
+
+
+# -- full size -----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_full_size_buckets_replay_what_eager_computes():
+    check = functools.partial(runner_outputs, prompts=PROMPTS)
+    assert_replays_equal_eager(*on_full_size("qwen-image-1024", check), tolerances=BF16_TOLERANCES)
