@@ -87,6 +87,22 @@ def adapter_state(transformer) -> dict[str, torch.Tensor]:
     return state
 
 
+def training_data(encoder, tokenizer, device: str, seed: int, per_digit: int) -> tuple:
+    """What ``train`` draws its batches from, as ``base.denoising_loss`` takes it: the thickened training digits
+    (N, 1, 8, 8) and their labels (N,), each digit's ``per_digit`` pooled prompts embedded ((10, P, L, D) text,
+    (10, P, L) mask), the empty prompt's ((1, L, D), (1, L)), and the DDPM schedule's alpha-bar (1000,)."""
+    x_train, y_train, _, _ = load_split()
+    x = torch.as_tensor(thicken(x_train), dtype=torch.float32).view(-1, 1, 8, 8).to(device)  # (N, 1, 8, 8)
+    y = torch.as_tensor(y_train, dtype=torch.long).to(device)                                 # (N,)
+    prompts = [p for ps in base.prompt_pool(per_digit, seed) for p in ps]
+    text, mask = base.embed(encoder, tokenizer, prompts, device)
+    text, mask = text.view(10, per_digit, *text.shape[1:]), mask.view(10, per_digit, -1)  # (10, P, L, D)
+    empty = base.embed(encoder, tokenizer, [""], device)                                  # (1, L, D), (1, L)
+    betas = torch.linspace(base.SCHEDULER["beta_start"], base.SCHEDULER["beta_end"], 1000, dtype=torch.float64)
+    abar = torch.cumprod(1 - betas, 0).float().to(device)  # (1000,)
+    return x, y, (text, mask), empty, abar
+
+
 def train(steps: int, batch: int, lr: float, seed: int, device: str, model_dir: Path,
           drop: float = 0.1, per_digit: int = 500) -> tuple[dict[str, torch.Tensor], dict]:
     """The LoRA factors after ``steps`` of epsilon prediction on the thickened digits; (file state, info).
@@ -95,21 +111,13 @@ def train(steps: int, batch: int, lr: float, seed: int, device: str, model_dir: 
     transformer, encoder, tokenizer = load_frozen(model_dir, device)
     params = add_lora(transformer)
     transformer.train()
-    x_train, y_train, _, _ = load_split()
-    x = torch.as_tensor(thicken(x_train), dtype=torch.float32).view(-1, 1, 8, 8).to(device)  # (N, 1, 8, 8)
-    y = torch.as_tensor(y_train, dtype=torch.long).to(device)                                 # (N,)
-    prompts = [p for ps in base.prompt_pool(per_digit, seed) for p in ps]
-    text, mask = base.embed(encoder, tokenizer, prompts, device)
-    text, mask = text.view(10, per_digit, *text.shape[1:]), mask.view(10, per_digit, -1)  # (10, P, L, D)
-    empty_text, empty_mask = base.embed(encoder, tokenizer, [""], device)                # (1, L, D), (1, L)
-    betas = torch.linspace(base.SCHEDULER["beta_start"], base.SCHEDULER["beta_end"], 1000, dtype=torch.float64)
-    abar = torch.cumprod(1 - betas, 0).float().to(device)  # (1000,)
+    x, y, prompts, empty, abar = training_data(encoder, tokenizer, device, seed, per_digit)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     gen = torch.Generator(device=device).manual_seed(seed)
     t0 = time.time()
     for step in range(steps):  # train_digits_text's loss, the LoRA's parameters alone trained
-        loss = base.denoising_loss(transformer, x, y, (text, mask), (empty_text, empty_mask), abar, batch, drop, gen)
+        loss = base.denoising_loss(transformer, x, y, prompts, empty, abar, batch, drop, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -120,6 +128,14 @@ def train(steps: int, batch: int, lr: float, seed: int, device: str, model_dir: 
             "targets": list(TARGETS), "footprint": list(FOOTPRINT), "device": device,
             "train_seconds": round(time.time() - t0, 1), "final_loss": round(loss.item(), 5)}
     return adapter_state(transformer), info
+
+
+def save(state: dict[str, torch.Tensor], info: dict, out: Path) -> None:
+    """The adapter file at ``out``: ``train``'s factors, its settings and final loss in the metadata ("training")."""
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out), metadata={"format": "pt", "training": json.dumps(info)})
 
 
 def measure(adapter: Path, per_digit: int, seed: int = 0) -> dict:
@@ -200,10 +216,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     state, info = train(args.steps, args.batch, args.lr, args.seed, "cpu", MODEL_DIR)
-    from safetensors.torch import save_file
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(args.out), metadata={"format": "pt", "training": json.dumps(info)})
+    save(state, info, args.out)
     figures = measure(args.out, args.per_digit)
     log.info("measured %s", figures)
     write_card(args.out, info, figures, args.per_digit)

@@ -6,6 +6,9 @@ bit-identical to an engine that serves no adapters. Figures measured on this bat
 2 per digit, dpmpp_2m, 20 steps, guidance 3.0, one CPU thread): mean ink 0.320 without, 0.442 with (every row
 gains; the smallest gain 0.086), the oracle reads 20 of 20 rows with it and without. The asserted margins are about half
 of those (``workers/models/digits-text-thick.md``: the same on 200 prompts).
+
+The recipe itself (``workers.models.train_digits_lora``), run for a few steps into a tmp dir: a file laid out as the
+shipped one, a lower loss on thickened digits, and an adapter the engine serves.
 """
 
 from __future__ import annotations
@@ -69,3 +72,76 @@ def test_rows_naming_thick_draw_thicker_readable_digits_and_their_batch_mates_do
     assert np.mean(gain > 0) >= 0.9, gain
     assert oracle_accuracy(thick, labels) >= MIN_ORACLE_THICK
     assert served.stats()["lora"]["rows"]["thick"] == n
+
+
+# -- the recipe ----------------------------------------------------------------------------------------------------
+TRAIN_STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The recipe run for TRAIN_STEPS steps (batch 64, its learning rate, 20 prompts a digit) into a tmp dir."""
+    state, info = recipe.train(TRAIN_STEPS, 64, 3e-3, 0, "cpu", recipe.MODEL_DIR, per_digit=20)
+    out = tmp_path_factory.mktemp("lora") / "thick.safetensors"
+    recipe.save(state, info, out)
+    return out
+
+
+def test_the_recipe_writes_an_adapter_laid_out_as_the_shipped_one(trained):
+    """A rank-4 PEFT file over every block's TARGETS, its keys, shapes and dtypes the shipped file's, its training
+    in the metadata; B (zero at the start) trained away from zero in every module."""
+    import json
+
+    from safetensors import safe_open
+
+    from workers.lora.formats import read_adapter
+
+    adapter = read_adapter(trained)
+    assert adapter.format == "peft" and adapter.rank == recipe.RANK
+    assert sorted(adapter.weights) == sorted(read_adapter(ADAPTER).weights)
+    assert all(w.scale == recipe.ALPHA / recipe.RANK for w in adapter.weights.values())
+    assert all(w.b.abs().max() > 0 for w in adapter.weights.values())
+    with safe_open(str(trained), "pt") as ours, safe_open(str(ADAPTER), "pt") as shipped:
+        assert sorted(ours.keys()) == sorted(shipped.keys())
+        for key in shipped.keys():
+            a, b = ours.get_tensor(key), shipped.get_tensor(key)
+            assert (a.shape, a.dtype) == (b.shape, b.dtype), key
+        info = json.loads(ours.metadata()["training"])
+    assert (info["steps"], info["rank"], info["targets"]) == (TRAIN_STEPS, recipe.RANK, list(recipe.TARGETS))
+
+
+def test_training_lowers_the_loss_on_thick_digits(trained):
+    """The denoising loss on one fixed draw of 1024 thickened digits (steps, noise, prompts of another pool): the
+    base alone (B = 0) against the base with the trained factors as the adapter reader maps them onto its modules.
+    Measured: 0.146 -> 0.114 after 10 steps (0.131 after 5, 0.098 after 40)."""
+    from workers.lora.formats import read_adapter
+
+    transformer, encoder, tokenizer = recipe.load_frozen(recipe.MODEL_DIR, "cpu")
+    recipe.add_lora(transformer)                                                    # B = 0: the base model
+    data = recipe.training_data(encoder, tokenizer, "cpu", seed=1, per_digit=20)
+
+    def loss() -> float:
+        with torch.no_grad():
+            return base.denoising_loss(transformer.eval(), *data, 1024, 0.1, torch.Generator().manual_seed(7)).item()
+
+    before = loss()
+    modules = dict(transformer.named_modules())
+    with torch.no_grad():
+        for name, w in read_adapter(trained).weights.items():
+            modules[name].lora_A["default"].weight.copy_(w.a)
+            modules[name].lora_B["default"].weight.copy_(w.b)
+    after = loss()
+    assert after < 0.9 * before, (before, after)
+
+
+def test_the_engine_serves_the_trained_adapter_to_the_rows_naming_it(trained):
+    """The engine's loader takes the file (``add_lora``) and applies it to the row naming it only."""
+    cfg = WorkerConfig(backend="eager", max_batch=2, lora_slots=1, lora_max_rank=recipe.RANK, lora_per_request=1)
+    engine = Engine(load_model("digits-text"), cfg)
+    engine.add_lora("fresh", trained.read_bytes())
+    prompts, _ = base.oracle_prompts(1, held_out=False, seed=0)                     # one prompt per digit
+    spec = dict(seed=3, sampler=base.DEFAULTS["sampler"], steps=base.DEFAULTS["steps"],
+                guidance=base.DEFAULTS["guidance"], prompt=prompts[3])
+    with_it, without = engine.generate([ItemSpec(id="t", loras=(("fresh", 1.0),), **spec), ItemSpec(id="p", **spec)])
+    assert (with_it.latents - without.latents).abs().max() > 1e-3
+    assert engine.stats()["lora"]["rows"]["fresh"] == 1
