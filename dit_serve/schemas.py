@@ -137,8 +137,8 @@ class JobRequest(_Request):
     seeds: list[Annotated[int, Field(ge=0, le=MAX_SEED)]] | None = Field(
         None, min_length=1, max_length=MAX_ITEMS, description="one seed per item; overrides `seed`")
     sampler: str | None = Field(None, max_length=50, description="ddpm, ddim, euler, euler_a, dpmpp_2m, "
-                                                                 "flow_euler, flow_dpmpp_2m; the model's default "
-                                                                 "when omitted")
+                                                                 "flow_euler, flow_dpmpp_2m, scm; the model's "
+                                                                 "default when omitted")
     steps: int | None = Field(None, ge=1, le=MAX_STEPS)
     guidance: float | None = Field(None, ge=0, le=MAX_GUIDANCE, description="classifier-free guidance scale")
     eta: float = Field(0.0, ge=0, le=1, description="DDIM eta (0 = deterministic, 1 = DDPM-like)")

@@ -30,6 +30,7 @@ from samplers.schedules import (
     flow_dpm_sigmas,
     flow_sigmas,
     interp,
+    scm_timesteps,
     sigmas,
     spaced_timesteps,
 )
@@ -295,6 +296,27 @@ def flow_dpmpp_2m(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> 
     )  # fmt: skip
 
 
+def scm(num_steps: int, schedule: NoiseSchedule, eta: float = 0.0) -> Plan:
+    """sCM's multistep sampling in TrigFlow (Lu & Song 2024, "Simplifying, Stabilizing, and Scaling Continuous-Time
+    Consistency Models", Algorithm 1), as SCMScheduler (prediction_type "trigflow") on SanaSprintPipeline's grid
+    (samplers.schedules.scm_timesteps: 1.5708, 1.3, 0 at 2 steps).
+
+    TrigFlow noises x0 as x_s = cos(s) x0 + sin(s) z, s from pi/2 (noise) to 0; the network's F at angle s gives
+    denoised = cos(s) x - sin(s) F, and the step noises that afresh to the next angle:
+    x_next = cos(s_next) denoised + sin(s_next) z (the last step, s_next = 0, ends at denoised).
+    x is in units of sigma_data: the scheduler's sample over sigma_data. Its pipeline starts from sigma_data randn,
+    shows the network sample / sigma_data, scales F and the fresh noise by sigma_data and decodes denoised /
+    sigma_data, so sigma_data cancels: x_T = randn, the network sees x, and the end is the latents the VAE decodes.
+    The model timestep is the angle s: a family whose network is no TrigFlow one converts it and its output in the
+    step (Sana Sprint's flow transformer: workers.families.sana.sprint). cos and sin are the scheduler's, in float32
+    (cos(1.5708) is -3.7e-6, not 0). Stochastic from 2 steps on; ``levels``: the img2img rule, cos(s) x0 + sin(s) z.
+    """
+    s = scm_timesteps(num_steps).float()
+    cos, sin = s.cos(), s.sin()
+    return _plan("scm", s[:-1], 1.0, (cos[:-1], sin[:-1]), c_skip=cos[:-1], c_out=-sin[:-1], c_d=cos[1:],
+                 c_z=sin[1:])
+
+
 # name -> builder(num_steps, schedule, eta) -> Plan, plus mu= where the rule says takes_mu; builders trust
 # their input (make_plan checks it).
 SAMPLERS = {
@@ -305,6 +327,7 @@ SAMPLERS = {
     "dpmpp_2m": dpmpp_2m,
     "flow_euler": flow_euler,
     "flow_dpmpp_2m": flow_dpmpp_2m,
+    "scm": scm,
 }
 assert set(SAMPLERS) == set(RULES), "every sampler has its rule (samplers/rules.py)"
 

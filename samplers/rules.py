@@ -43,6 +43,7 @@ RULES: dict[str, SamplerRule] = {
     "dpmpp_2m": SamplerRule(extra_points=1, distinct=True),
     "flow_euler": SamplerRule(predictions=("flow", "flow_prediction"), takes_mu=True, min_steps_shift_terminal=2),
     "flow_dpmpp_2m": SamplerRule(predictions=("flow_prediction",), flow_sigmas=True),
+    "scm": SamplerRule(predictions=("trigflow",)),
 }
 
 
@@ -56,6 +57,7 @@ SCHEDULER_CLASS_DEFAULTS = {
     "DPMSolverMultistepScheduler": {"timestep_spacing": "linspace"},
     # its config has no prediction_type: the model predicts the rectified-flow velocity
     "FlowMatchEulerDiscreteScheduler": {"prediction_type": "flow"},
+    "SCMScheduler": {"prediction_type": "trigflow"},
 }
 
 

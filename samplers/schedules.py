@@ -13,7 +13,7 @@ import torch
 from samplers.rules import SCHEDULER_CLASS_DEFAULTS
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
-PREDICTION_TYPES = ("epsilon", "v_prediction", "flow", "flow_prediction")
+PREDICTION_TYPES = ("epsilon", "v_prediction", "flow", "flow_prediction", "trigflow")
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 TIME_SHIFT_TYPES = ("exponential", "linear")
 FLOW_GRIDS = ("scheduler", "flux")
@@ -45,7 +45,8 @@ class NoiseSchedule:
     beta_end: float = 0.02
     beta_schedule: str = "linear"  # linear | scaled_linear | squaredcos_cap_v2
     prediction_type: str = "epsilon"  # epsilon | v_prediction | flow (rectified-flow velocity) | flow_prediction
-    # (the same velocity, named as DPMSolverMultistepScheduler names it: on its flow sigmas, use_flow_sigmas)
+    # (the same velocity, named as DPMSolverMultistepScheduler names it: on its flow sigmas, use_flow_sigmas) |
+    # trigflow (TrigFlow's F, SCMScheduler's: samplers.plans.scm)
     timestep_spacing: str = "leading"  # leading | trailing | linspace
     steps_offset: int = 0
     clip_sample: bool = False
@@ -245,3 +246,17 @@ def flow_dpm_sigmas(schedule: NoiseSchedule, n: int) -> tuple[torch.Tensor, torc
     s = schedule.flow_shift
     sigma = (s * raw / (1 + (s - 1) * raw)).flip(0)[:-1]
     return (sigma * big_n).trunc(), torch.cat([sigma.float().double(), sigma.new_zeros(1)])
+
+
+# SanaSprintPipeline.__call__'s max_timesteps and intermediate_timesteps (SCMScheduler.set_timesteps' defaults)
+SCM_MAX_TIMESTEP, SCM_INTERMEDIATE_TIMESTEP = 1.57080, 1.3
+
+
+def scm_timesteps(n: int) -> torch.Tensor:
+    """SCMScheduler.set_timesteps(n) as SanaSprintPipeline calls it: the TrigFlow angles (n + 1,) from the noise end,
+    1.5708, down to 0, float64 holding the scheduler's float32 values. At 2 steps [1.5708, 1.3, 0] (its intermediate
+    timestep); at any other count linspace(1.5708, 0, n + 1), where the pipeline must be given
+    intermediate_timesteps=None (the scheduler takes one at 2 steps only)."""
+    if n == 2:
+        return torch.tensor([SCM_MAX_TIMESTEP, SCM_INTERMEDIATE_TIMESTEP, 0.0], dtype=torch.float32).double()
+    return torch.linspace(SCM_MAX_TIMESTEP, 0, n + 1, dtype=torch.float32).double()

@@ -9,10 +9,11 @@ from samplers import COEFFS, SAMPLERS, NoiseSchedule, Plan, make_plan
 VP = NoiseSchedule()
 FLOW = NoiseSchedule(prediction_type="flow")
 FLOW_DPM = NoiseSchedule(prediction_type="flow_prediction", use_flow_sigmas=True)  # DPMSolverMultistep, flow sigmas
+TRIGFLOW = NoiseSchedule(prediction_type="trigflow")  # SCMScheduler's
 
 
 def _schedule(name):
-    return {"flow_euler": FLOW, "flow_dpmpp_2m": FLOW_DPM}.get(name, VP)
+    return {"flow_euler": FLOW, "flow_dpmpp_2m": FLOW_DPM, "scm": TRIGFLOW}.get(name, VP)
 
 
 @pytest.mark.parametrize("name", list(SAMPLERS))
@@ -32,7 +33,8 @@ def test_plan_shapes_and_dtypes(name, steps):
 @pytest.mark.parametrize(
     "name, eta, stochastic",
     [("ddpm", 0, True), ("ddim", 0, False), ("ddim", 0.3, True), ("euler", 0, False),
-     ("euler_a", 0, True), ("dpmpp_2m", 0, False), ("flow_euler", 0, False), ("flow_dpmpp_2m", 0, False)],
+     ("euler_a", 0, True), ("dpmpp_2m", 0, False), ("flow_euler", 0, False), ("flow_dpmpp_2m", 0, False),
+     ("scm", 0, True)],
 )  # fmt: skip
 def test_stochastic_flag(name, eta, stochastic):
     assert make_plan(name, 10, _schedule(name), eta).stochastic is stochastic

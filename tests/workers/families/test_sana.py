@@ -172,10 +172,15 @@ def test_a_missing_part_is_a_card_error_naming_it(sana_dir, tmp_path, part):
     ({"text_encoder/config.json": {"model_type": "t5"}}, "text_encoder/config.json has model_type 't5'"),
     ({"vae/config.json": {"_class_name": "AutoencoderKL"}}, "vae/config.json is a AutoencoderKL"),
     ({"scheduler/scheduler_config.json": {"use_flow_sigmas": False}}, "samples with DPMSolverMultistepScheduler on"),
-    ({"transformer/config.json": {"guidance_embeds": True}}, "guidance_embeds: Sana-Sprint's"),
+    ({"scheduler/scheduler_config.json": {"_class_name": "SCMScheduler", "prediction_type": "trigflow"}},
+     "SCMScheduler: Sana Sprint's, whose model_index.json names SanaSprintPipeline"),
+    ({"transformer/config.json": {"guidance_embeds": True}}, "guidance_embeds: Sana Sprint's transformer"),
     ({"transformer/config.json": {"caption_channels": 64}}, "hidden_size 32 is not the transformer's caption"),
-    ({"model_index.json": {"_class_name": "SanaSprintPipeline"}}, "SanaSprintPipeline is not supported")])
+    ({"model_index.json": {"_class_name": "SanaSprintPipeline"}}, "has no guidance_embeds: SanaSprintPipeline feeds"),
+    ({"model_index.json": {"_class_name": "SanaPAGPipeline"}}, "SanaPAGPipeline is not supported")])
 def test_parts_of_another_kind_are_card_errors(sana_dir, tmp_path, edit, match):
+    """A part SanaPipeline does not run; a Sana Sprint directory's parts under SanaPipeline (and the other way
+    round): Sana Sprint itself loads and runs (test_sana_sprint.py)."""
     with pytest.raises(CardError, match=match):
         read_card(_layout_copy(sana_dir, tmp_path / "bad", edit=edit))
 

@@ -1,6 +1,8 @@
 """Sana (Xie et al. 2024, "SANA: Efficient High-Resolution Image Synthesis with Linear Diffusion Transformers";
-diffusers' ``SanaPipeline``), torch-free: the model card of a pipeline directory, read from its JSON files, and
-the built-in architecture (``sana-1600m-1024``: random weights, ``builtin``). The model runs in ``runtime``.
+diffusers' ``SanaPipeline``) and Sana Sprint (Chen et al. 2025, "SANA-Sprint: One-Step Diffusion with Continuous-Time
+Consistency Distillation"; ``SanaSprintPipeline``), torch-free: the model card of a pipeline directory, read from its
+JSON files, and the built-in architecture (``sana-1600m-1024``: random weights, ``builtin``). The model runs in
+``runtime`` (Sana Sprint's step in ``sprint``).
 
 The layout is ``Efficient-Large-Model/Sana_1600M_1024px_diffusers``'s (and the 512 px, 2K and 4K ones'):
 ``transformer/`` (SanaTransformer2DModel, sharded safetensors), ``vae/`` (AutoencoderDC: the deep-compression
@@ -12,33 +14,48 @@ encoder that is not Gemma-2. The 2K and 4K directories differ only in their conf
 ``sample_size`` (64, 128) and ``interpolation_scale`` (1.0, 2.0: a sin-cos positional embedding; the 512 and
 1024 px models have none) and the 4K scheduler's ``flow_shift`` (6.0; 3.0 elsewhere), all read from the files.
 
+Sana Sprint (``Efficient-Large-Model/Sana_Sprint_1.6B_1024px_diffusers``, ``..._0.6B_...``): the same parts, its
+model_index.json naming ``SanaSprintPipeline``, its transformer embedding the guidance scale (``guidance_embeds``,
+scaled by ``guidance_embeds_scale``; QK-normalised) and its scheduler ``SCMScheduler`` (prediction_type "trigflow",
+``sigma_data``). The three go together: a guidance-embedding transformer under SanaPipeline (which feeds it no
+guidance), SanaSprintPipeline over a transformer without it or with another scheduler, and a sigma_data that is not
+positive are CardErrors.
+
 Sampling. SanaPipeline's defaults: 20 steps of its scheduler at guidance 4.5 with the negative prompt "". On a
 DPMSolverMultistepScheduler flow config the default sampler is ``flow_dpmpp_2m`` (DPM-Solver++(2M) on the flow
 sigmas, ``samplers.plans``); ``flow_euler`` is also offered, as FlowMatchEulerDiscreteScheduler(shift=flow_shift)
 swapped in. Guidance is classifier-free against the negative prompt; at a scale of 1 or less the pipeline runs
-without it (the prompt's prediction alone), and so does each such row of a batch.
+without it (the prompt's prediction alone), and so does each such row of a batch. Sana Sprint samples with ``scm``
+(SCMScheduler's TrigFlow steps, the only sampler its "trigflow" schedule takes) in SanaSprintPipeline's default
+2 steps (1 to 4 are what it was distilled for; any count up to 1000 runs, as the pipeline's), at its default
+embedded guidance 4.5: a network input, one forward per image, no negative prompt (``guidance_mode`` "embedded").
+The scheduler config's own ``max_timesteps`` / ``intermediate_timesteps``, where written, play no part: the pipeline
+passes its own (1.5708 and, at 2 steps, 1.3).
 
 Sizes. The latents are 32 x H/32 x W/32 (patch size 1). The native size is the transformer's ``sample_size``
 times 32 (1024 for Sana_1600M_1024px; ``dit_serve.image_size`` in model_index.json overrides). SanaPipeline
 snaps every request to its aspect-ratio bins (``bins``: PixArt's 512, 1024 and 2048 tables, its own 4096 one,
-by ``sample_size``), so the card lists the bins and makes only those, as PixArt's; ``dit_serve.sizes`` replaces
-them (tiny models, whose sample size has no bins).
+by ``sample_size``; SanaSprintPipeline's, the 1024 one), so the card lists the bins and makes only those, as
+PixArt's; ``dit_serve.sizes`` replaces them (tiny models, whose sample size has no bins).
 
 Text. Prompts are lower-cased and stripped (the pipeline's ``_text_preprocessing`` without ``clean_caption``),
-prefixed with the pipeline's complex human instruction (``COMPLEX_HUMAN_INSTRUCTION``; ``dit_serve.
-complex_human_instruction`` replaces it, [] turns it off) and encoded by Gemma-2 to ``max_tokens`` (300)
-embeddings with their mask; the runtime's docstring has the recipe.
+prefixed with the pipeline's complex human instruction (``COMPLEX_HUMAN_INSTRUCTION``, Sana Sprint's the same;
+``dit_serve.complex_human_instruction`` replaces it, [] turns it off) and encoded by Gemma-2 to ``max_tokens``
+(300) embeddings with their mask; the runtime's docstring has the recipe.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from samplers.rules import prediction_type
 from workers.families.base import Builtin, CardError, Family, ModelCard, listed_sizes, read_json
 from workers.families.sana.bins import sana_bins
 
 DEFAULTS = {"sampler": "flow_dpmpp_2m", "steps": 20, "guidance": 4.5}  # SanaPipeline.__call__'s, its scheduler's
 EULER_DEFAULTS = {**DEFAULTS, "sampler": "flow_euler"}  # a directory saved with FlowMatchEulerDiscreteScheduler
+SPRINT_DEFAULTS = {"sampler": "scm", "steps": 2, "guidance": 4.5}  # SanaSprintPipeline.__call__'s
+SPRINT_PIPELINE = "SanaSprintPipeline"
 MAX_SEQUENCE_LENGTH = 300  # SanaPipeline's max_sequence_length
 # SanaPipeline.__call__'s default complex_human_instruction (joined with "\n", then the prompt appended)
 COMPLEX_HUMAN_INSTRUCTION = (
@@ -78,12 +95,13 @@ SANA_1600M_PARAMS, GEMMA2_2B_PARAMS = 1_604_462_752 + 312_250_275, 2_614_341_888
 
 class Sana(Family):
     name = "sana"
-    pipelines = ("SanaPipeline",)
+    pipelines = ("SanaPipeline", SPRINT_PIPELINE)
     transformers = ("SanaTransformer2DModel",)
     builtins = {"sana-1600m-1024": Builtin(1024, SANA_1600M_PARAMS, GEMMA2_2B_PARAMS)}
     runtime = "workers.families.sana.runtime:SanaRuntime"
     # image-to-image and inpainting (workers.edits) by StableDiffusion3Img2ImgPipeline's and
-    # StableDiffusion3InpaintPipeline's rule (diffusers has none for Sana but Sana Sprint's), the DC-AE's latent
+    # StableDiffusion3InpaintPipeline's rule (diffusers has none for Sana), the DC-AE's latent; Sana Sprint's
+    # image-to-image is SanaSprintImg2ImgPipeline's (scm's levels), its inpainting that with the same blend
     takes_image = True
     takes_mask = True
     # Inductor's dynamic-batch code for Sana on CUDA ends far from eager (the tiny transformer alone: 0.39 of the
@@ -116,18 +134,27 @@ def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict
     tokens = int(extra.get("max_sequence_length", MAX_SEQUENCE_LENGTH))
     if tokens < 1:
         raise CardError(f"{path}/model_index.json: dit_serve.max_sequence_length must be at least 1, got {tokens}")
+    sprint = index.get("_class_name") == SPRINT_PIPELINE
     euler = scheduler.get("_class_name") == "FlowMatchEulerDiscreteScheduler"
+    defaults = SPRINT_DEFAULTS if sprint else EULER_DEFAULTS if euler else DEFAULTS
     tokenizer_json = path / "tokenizer" / "tokenizer.json"
     return ModelCard(
         name, "sana", "text", path=str(path), image_size=size, latent_channels=int(transformer.get("in_channels", 32)),
         latent_size=size // factor, dtype=extra.get("dtype", "bfloat16"), scheduler=scheduler,
-        defaults={**(EULER_DEFAULTS if euler else DEFAULTS), **extra.get("defaults", {})}, max_tokens=tokens,
+        defaults={**defaults, **extra.get("defaults", {})}, max_tokens=tokens,
         sizes=tuple(listed_sizes(path, extra, multiple) or sana_bins(sample_size)), size_multiple=multiple,
-        lowercase_prompts=True, tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() else "")
+        lowercase_prompts=True, tokenizer_file=str(tokenizer_json) if tokenizer_json.is_file() else "",
+        guidance_mode="embedded" if sprint else "cfg")
+
+
+def is_sprint(card: ModelCard) -> bool:
+    """Whether ``card`` is a Sana Sprint model's: its guidance is embedded, which the layout check allows only for
+    SanaSprintPipeline over a guidance-embedding transformer and SCMScheduler."""
+    return card.guidance_mode == "embedded"
 
 
 def _check_layout(path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict) -> None:
-    """CardError for what SanaPipeline's layout lacks or holds in another kind."""
+    """CardError for what SanaPipeline's (or SanaSprintPipeline's) layout lacks or holds in another kind."""
     if not index:
         raise CardError(f"{path} is a bare SanaTransformer2DModel: Sana runs from its whole pipeline directory "
                         "(Efficient-Large-Model/Sana_1600M_1024px_diffusers's layout, with model_index.json)")
@@ -142,9 +169,8 @@ def _check_layout(path: Path, transformer: dict, vae: dict | None, index: dict, 
     if found != GEMMA2:
         raise CardError(f"{path}/text_encoder/config.json has model_type {found!r}; a Sana pipeline's text_encoder is "
                         f"{PARTS['text_encoder'][1]} ({GEMMA2!r})")
-    if transformer.get("guidance_embeds"):
-        raise CardError(f"{path}/transformer/config.json embeds the guidance scale (guidance_embeds: Sana-Sprint's "
-                        "transformer); SanaPipeline's has no guidance input")
+    sprint = index.get("_class_name") == SPRINT_PIPELINE
+    _check_guidance(path, transformer, sprint)
     width, caption = text_encoder.get("hidden_size"), transformer.get("caption_channels", 2304)
     if width != caption:
         raise CardError(f"{path}: the text encoder's hidden_size {width} is not the transformer's caption_channels "
@@ -152,10 +178,39 @@ def _check_layout(path: Path, transformer: dict, vae: dict | None, index: dict, 
     if transformer.get("in_channels", 32) != vae.get("latent_channels", 32):
         raise CardError(f"{path}: the transformer's in_channels {transformer.get('in_channels')} are not the VAE's "
                         f"latent_channels {vae.get('latent_channels')}")
+    if sprint:
+        _check_scm(path, scheduler)
+        return
     kind = scheduler.get("_class_name")
     flow_dpm = kind == "DPMSolverMultistepScheduler" and scheduler.get("use_flow_sigmas") and \
         scheduler.get("prediction_type") == "flow_prediction"
     if not (flow_dpm or kind == "FlowMatchEulerDiscreteScheduler"):
         raise CardError(f"{path}/scheduler/scheduler_config.json is a {kind} ({scheduler.get('prediction_type')!r}); "
                         "a Sana pipeline samples with DPMSolverMultistepScheduler on flow sigmas (use_flow_sigmas, "
-                        "prediction_type 'flow_prediction') or FlowMatchEulerDiscreteScheduler")
+                        "prediction_type 'flow_prediction') or FlowMatchEulerDiscreteScheduler (SCMScheduler: Sana "
+                        f"Sprint's, whose model_index.json names {SPRINT_PIPELINE})")
+
+
+def _check_guidance(path: Path, transformer: dict, sprint: bool) -> None:
+    """The transformer embeds the guidance scale exactly when the pipeline is SanaSprintPipeline: SanaPipeline feeds
+    it none, and SanaSprintPipeline feeds one to every transformer."""
+    embeds = bool(transformer.get("guidance_embeds"))
+    if embeds and not sprint:
+        raise CardError(f"{path}/transformer/config.json embeds the guidance scale (guidance_embeds: Sana Sprint's "
+                        f"transformer), which SanaPipeline does not feed: a Sana Sprint directory's model_index.json "
+                        f"names {SPRINT_PIPELINE}")
+    if sprint and not embeds:
+        raise CardError(f"{path}/transformer/config.json has no guidance_embeds: {SPRINT_PIPELINE} feeds the "
+                        "guidance scale to its transformer, which this one does not take (a SanaPipeline model's)")
+
+
+def _check_scm(path: Path, scheduler: dict) -> None:
+    """Sana Sprint's scheduler: SCMScheduler on TrigFlow (``samplers.plans.scm``) with a positive sigma_data."""
+    kind, predicts = scheduler.get("_class_name"), prediction_type(scheduler)
+    if kind != "SCMScheduler" or predicts != "trigflow":
+        raise CardError(f"{path}/scheduler/scheduler_config.json is a {kind} ({predicts!r}); a Sana Sprint pipeline "
+                        "samples with SCMScheduler (prediction_type 'trigflow')")
+    sigma_data = scheduler.get("sigma_data", 0.5)
+    if isinstance(sigma_data, bool) or not isinstance(sigma_data, (int, float)) or not sigma_data > 0:
+        raise CardError(f"{path}/scheduler/scheduler_config.json: sigma_data must be a positive number, got "
+                        f"{sigma_data!r}")

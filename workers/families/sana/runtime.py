@@ -25,6 +25,9 @@ and combines them as the pipeline: uncond + g (cond - uncond) where g > 1; where
 classifier-free guidance and uses the prompt's prediction alone, and so does each such row here (a select on the
 row's scale, no branch). The model predicts the flow velocity; the sampler update is ``samplers.sampler_step``.
 
+Sana Sprint (a card whose guidance is embedded, ``is_sprint``) encodes the prompt alone, the same way, and runs its
+own step (``sprint``: the TrigFlow angle as the flow time, the scale embedded, one forward per image).
+
 Decoding: AutoencoderDC's ``decode(latents / scaling_factor).sample``, as the pipeline; its config has no
 ``out_channels``, so the LoadedModel's VAE is ``DCAE``, a thin adapter that says so. The 4K model's (a
 transformer of sample_size 128) decodes in tiles of 1024 px with a stride of 896, as the model's own
@@ -42,7 +45,7 @@ from graphs import TensorSpec
 from samplers import cfg_combine, model_input, sampler_step
 from workers.families.encoders import place_encoder
 from workers.families.base import NO_CFG
-from workers.families.sana import COMPLEX_HUMAN_INSTRUCTION, Sana, builtin
+from workers.families.sana import COMPLEX_HUMAN_INSTRUCTION, Sana, builtin, is_sprint, sprint
 from workers.families.textcache import encodings
 from workers.loading import (LoadedModel, ModelError, assemble, cast, instantiate, load_checked_encoder, load_sharded,
                              read_config, weight_files)
@@ -82,7 +85,9 @@ class DCAE(torch.nn.Module):
 class SanaRuntime(Sana):
     def reference_pipeline(self, model):
         """SanaPipeline over the model's modules (the DC-AE itself, not its adapter) with its card's scheduler:
-        DPM-Solver++ on flow sigmas, or flow Euler for a directory saved with one."""
+        DPM-Solver++ on flow sigmas, or flow Euler for a directory saved with one; Sana Sprint's SanaSprintPipeline."""
+        if is_sprint(model.card):
+            return sprint.reference_pipeline(model)
         import diffusers as d
 
         cfg = model.card.scheduler
@@ -95,6 +100,8 @@ class SanaRuntime(Sana):
         return pipe
 
     def reference_call(self, model, specs) -> dict:
+        if is_sprint(model.card):
+            return sprint.reference_call(model, specs)
         s = specs[0]
         w, h = (s.width, s.height) if s.width else model.card.native_size
         return dict(prompt=[x.prompt for x in specs], negative_prompt=[x.negative_prompt for x in specs],
@@ -125,13 +132,17 @@ class SanaRuntime(Sana):
     def cond_specs(self, model) -> dict[str, TensorSpec]:
         length, width = model.card.max_tokens, model.text_encoder.config.hidden_size
         embeds, mask = TensorSpec((length, width), model.dtype), TensorSpec((length,), model.dtype)
+        if is_sprint(model.card):  # no negative prompt
+            return {"prompt_embeds": embeds, "prompt_mask": mask}
         return {"prompt_embeds": embeds, "prompt_mask": mask, "neg_embeds": embeds, "neg_mask": mask}
 
     def encode(self, model, specs) -> list[dict[str, torch.Tensor]]:
-        """Each request's prompt (with the instruction) and negative prompt (without), cache misses encoded in
-        one batch per role."""
+        """Each request's prompt (with the instruction) and negative prompt (without; Sana Sprint's: none), cache
+        misses encoded in one batch per role."""
         texts = [(s.prompt.lower().strip(), s.negative_prompt.lower().strip()) for s in specs]
         prompts = encodings(model, sorted({("prompt", p) for p, _ in texts}), lambda k: _encode(model, k), CACHE_SIZE)
+        if is_sprint(model.card):
+            return [dict(zip(("prompt_embeds", "prompt_mask"), prompts["prompt", p])) for p, _ in texts]
         negatives = encodings(model, sorted({("negative", n) for _, n in texts}), lambda k: _encode(model, k),
                               CACHE_SIZE)
         return [{"prompt_embeds": prompts["prompt", p][0], "prompt_mask": prompts["prompt", p][1],
@@ -140,11 +151,12 @@ class SanaRuntime(Sana):
 
     def step_variants(self, model) -> tuple[str, ...]:
         """Its step, and ``NO_CFG``: the step of rows whose scale is at most 1, which the pipeline runs
-        without the negative forward (one forward per image instead of two)."""
-        return ("", NO_CFG)
+        without the negative forward (one forward per image instead of two). Sana Sprint's one step has one forward
+        per image at any scale."""
+        return ("",) if is_sprint(model.card) else ("", NO_CFG)
 
     def variant_of(self, model, spec) -> str:
-        return NO_CFG if spec.guidance <= 1 else ""
+        return NO_CFG if spec.guidance <= 1 and not is_sprint(model.card) else ""
 
     def encode_image(self, model, pixels, generators=None):
         """The DC-AE's latent times its scaling factor (``DCAE.encode_latents``): deterministic, no generator drawn."""
@@ -154,7 +166,10 @@ class SanaRuntime(Sana):
         """One whole denoising step for latents of ``shape`` (32, h, w; nothing in it depends on the shape: the
         transformer embeds any grid, the 2K and 4K ones' sin-cos table made for it): both CFG halves in one
         forward (prompt rows, then negative rows) with the text masks as the per-head bias diffusers makes of
-        them (``head_bias``), guidance where the row's scale is above 1, sampler update."""
+        them (``head_bias``), guidance where the row's scale is above 1, sampler update. Sana Sprint's:
+        ``sprint.make_sprint_step``."""
+        if is_sprint(model.card):
+            return sprint.make_sprint_step(model, head_bias)
         transformer, dtype = model.transformer, model.dtype
         c = model.latent_shape[0]
         heads = transformer.transformer_blocks[0].attn2.heads
