@@ -86,7 +86,7 @@ def describe(config: Setup) -> dict:
     import dataclasses
 
     return {"backend": config.worker.backend, "max_batch": config.worker.max_batch,
-            **dataclasses.asdict(config.speed)}
+            "text_encoder_device": config.worker.text_encoder_device, **dataclasses.asdict(config.speed)}
 
 
 def unavailable(precision: str, device: str) -> str | None:
@@ -124,13 +124,96 @@ def tiny_model(family: str, root: Path | None = None) -> Path:
     return path
 
 
-def load(model: str | Path, precision: str = "bf16", smoke: bool = False):
+def load(model: str | Path, precision: str = "bf16", smoke: bool = False, text_encoder_device: str = ""):
     """A loaded model: a built-in's random weights (made on the GPU) or a directory; ``precision`` as the
-    loader takes it."""
+    loader takes it; its text encoders on ``text_encoder_device`` ("": with the transformer), as a worker with
+    that ``WorkerConfig.text_encoder_device`` loads them."""
     from workers.loading import load_model
 
     device, dtype = device_and_dtype(smoke)
-    return load_model(model, device=device, dtype=dtype, precision=precision)
+    return load_model(model, device=device, dtype=dtype, precision=precision,
+                      encoder_device=text_encoder_device or None)
+
+
+# -- text encoders on the host ------------------------------------------------------------------------
+TEXT_ENCODER_DEVICES = {"gpu": "", "cpu": "cpu"}  # --text-encoder-device -> WorkerConfig.text_encoder_device
+TEXT_ENCODER_HELP = ("where text encoders run (WorkerConfig.text_encoder_device): gpu, with the transformer; cpu, "
+                     "on the host: ours loads them there as such a worker does; diffusers' pipeline runs over the "
+                     "same host encoders, its token ids moved to them and the embeddings back to its GPU (not "
+                     "enable_model_cpu_offload, which brings each module to the GPU for its turn)")
+
+
+def text_encoders(model) -> list:
+    """``model``'s text encoder modules (``text_encoder``, ``text_encoder_2``, ...), each once."""
+    found = [v for k, v in sorted(vars(model).items())
+             if k.startswith("text_encoder") and isinstance(v, torch.nn.Module)]
+    return [m for i, m in enumerate(found) if all(m is not o for o in found[:i])]
+
+
+def encoder_device(model) -> str | None:
+    """Where ``model``'s text encoders are ("cpu", "cuda:0"; the first's), None for a model without one."""
+    for encoder in text_encoders(model):
+        return str(next(encoder.parameters()).device)
+    return None
+
+
+def _to_own_device(module, args, kwargs):
+    """A forward pre-hook: the module's tensor arguments moved to the device of its weights."""
+    device = next(module.parameters()).device
+    move = lambda v: v.to(device) if isinstance(v, torch.Tensor) and v.device != device else v  # noqa: E731
+    return tuple(move(v) for v in args), {k: move(v) for k, v in kwargs.items()}
+
+
+def feed_encoders(model) -> None:
+    """Let a diffusers pipeline over ``model`` run with its text encoders on another device than its transformer
+    (the host): the pipeline computes on the transformer's GPU (``DiffusionPipeline.device`` prefers an accelerator)
+    and puts the token ids there, so each such encoder gets a pre-hook moving its inputs to its own device; the
+    pipeline moves the embeddings it keeps to its device itself (``prompt_embeds.to(device=device)``). Once per
+    encoder; nothing for encoders beside the transformer."""
+    for encoder in text_encoders(model):
+        if next(encoder.parameters()).device.type == torch.device(model.device).type:
+            continue
+        if not any(h is _to_own_device for h in encoder._forward_pre_hooks.values()):
+            encoder.register_forward_pre_hook(_to_own_device, with_kwargs=True)
+
+
+class EncodeClock:
+    """Milliseconds the host spends in a model's text encoders while it is open: each call of an encoder, or of the
+    language model inside it (``get_decoder()``: FLUX.2's encode calls that, its pipeline the encoder), timed once
+    (a call inside another is part of it). For encoders on the host: a GPU encoder's kernels run after its call
+    returns. ``take()``: the milliseconds since the last take."""
+
+    def __init__(self, model) -> None:
+        self.modules = []
+        for encoder in text_encoders(model):
+            inner = encoder.get_decoder() if hasattr(encoder, "get_decoder") else encoder
+            self.modules += [encoder] + ([inner] if isinstance(inner, torch.nn.Module) and inner is not encoder else [])
+        self.depth, self.start, self.ms, self.handles = 0, 0.0, 0.0, []
+
+    def __enter__(self) -> "EncodeClock":
+        for m in self.modules:
+            self.handles += [m.register_forward_pre_hook(self._enter), m.register_forward_hook(self._leave,
+                                                                                                always_call=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _enter(self, module, args) -> None:
+        self.depth += 1
+        if self.depth == 1:
+            self.start = time.perf_counter()
+
+    def _leave(self, module, args, output) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.ms += (time.perf_counter() - self.start) * 1e3
+
+    def take(self) -> float:
+        ms, self.ms = self.ms, 0.0
+        return ms
 
 
 def build_engine(models, config: Setup, sizes=()) -> tuple[object, float]:

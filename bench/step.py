@@ -12,20 +12,22 @@ counts, each system (bench/harness.py's ``SYSTEMS``) runs one step of B images a
   default, fast, fastest   our engine's runner, built and warmed as a worker builds it from the preset
                  (``harness.engine_config``), replaying its captured step
 
-Inputs are what a request makes (the engine's warm-up example: a prompt or class 0, the card's sampler at
-its middle step), tiled over B rows with seeded noise. Reported per system: median ms of a step at each B
-(synchronised, its host work included) and its p10/p90, the warm-up (capture and compile) seconds, the graph
-pool, and the largest difference of x_next from ``default``'s on the same inputs (relative to its norm: what
+Inputs are what a request makes (the engine's warm-up example: a prompt or class 0, the card's sampler at its
+middle step), tiled over B rows with seeded noise; the prompt encoded where --text-encoder-device says (the host,
+for a model whose encoder and transformer do not fit one GPU together). Reported per system: median ms of a step
+at each B (synchronised, its host work included) and its p10/p90, the warm-up (capture and compile) seconds, the
+graph pool, and the largest difference of x_next from ``default``'s on the same inputs (relative to its norm: what
 compile and FP8 change). Each B's work is counted once (``step_flops``: the floating-point operations of the
 step's matrix products, convolutions and attention, by ``torch.utils.flop_counter`` over one eager step, CFG's
-rows included), so each system's step also reads as TFLOP/s, against the peak of the device's bf16 matrix
-products measured in the same run (``measured_peak``: an 8192-square product). ``--profile`` adds the step's
-kernels by group (matrix products, attention, normalisation, fused/elementwise, copies) and the heaviest ten, from
+rows included), so each system's step also reads as TFLOP/s, against the peak of the device's bf16 matrix products
+measured in the same run (``measured_peak``: an 8192-square product). ``--profile`` adds the step's kernels by
+group (matrix products, attention, normalisation, fused/elementwise, copies) and the heaviest ten, from
 torch.profiler (operators on a CPU).
 Writes docs/benchmarks/step_<model>.{json,md}.
 
     python bench/step.py --model dit-xl-2-256 --images 1 64
     python bench/step.py --model flux-dev-1024 --images 1 --systems diffusers fast fastest --profile
+    python bench/step.py --model flux2-dev-1024 --images 1 4 --systems diffusers default --text-encoder-device cpu
     python bench/step.py --smoke [--family pixart]     # a tiny random model of the family on a CPU, seconds
 """
 
@@ -180,6 +182,7 @@ def pipeline_step_ms(model, images: int, reps: int = 2) -> list[float]:
     specs = [ItemSpec(id=str(i), seed=i, sampler=d["sampler"], steps=int(d["steps"]), guidance=float(d["guidance"]),
                       prompt="a photograph of a red fox in fresh snow") for i in range(images)]
     pipe = family.reference_pipeline(model)
+    harness.feed_encoders(model)  # text encoders on the host: their inputs moved there
     out: list[float] = []
     for rep in range(reps):
         marks: list[float] = []
@@ -296,12 +299,12 @@ def compare(block: dict, images: int, x: torch.Tensor, reference: dict) -> None:
 def run_preset(name: str, args, models: dict, result: dict, reference: dict) -> None:
     family = models["bf16"].card.family
     config, precision = harness.engine_config(name, family, max_batch=max(args.images),
-                                              compile_cache=str(args.cache))
+                                              compile_cache=str(args.cache), text_encoder_device=args.encoders)
     if (why := harness.unavailable(precision, harness.device_and_dtype(args.smoke)[0])) is not None:
         result["systems"][name] = {"skipped": why}
         return
     if precision not in models:  # the same seeded weights, loaded again with the precision's linears
-        models[precision] = harness.load(args.model, precision, args.smoke)
+        models[precision] = harness.load(args.model, precision, args.smoke, args.encoders)
     model = models[precision]
     from workers.families import family_of
 
@@ -394,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="report folder (default docs/benchmarks; a temp folder with --smoke)")
     p.add_argument("--smoke", action="store_true", help="a tiny random model on a CPU (--family picks which)")
     p.add_argument("--family", choices=harness.FAMILIES, default="dit", help="--smoke's model family")
+    p.add_argument("--text-encoder-device", choices=tuple(harness.TEXT_ENCODER_DEVICES), default="gpu",
+                   help=harness.TEXT_ENCODER_HELP)
     args = p.parse_args(argv)
+    args.encoders = harness.TEXT_ENCODER_DEVICES[args.text_encoder_device]
     if args.smoke:
         args.model, args.images = harness.tiny_model(args.family), [1, 2]
         if "--systems" not in (argv if argv is not None else sys.argv):
@@ -403,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": Path(str(args.model)).name, "images": args.images, "systems": {}, "errors": {},
               "env": harness.environment(harness.device_and_dtype(args.smoke)[0])}
     report = harness.Report(harness.out_dir(args.out, args.smoke), report_name(args.model), markdown)
-    models = {"bf16": harness.load(args.model, "bf16", args.smoke)}
+    models = {"bf16": harness.load(args.model, "bf16", args.smoke, args.encoders)}
     harness.attempt(result, "flops", lambda: result.update(
         flops=step_flops(models["bf16"], args.images), peak=measured_peak(args.smoke)), report)
     reference: dict = {}

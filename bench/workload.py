@@ -6,8 +6,10 @@ docs/benchmarks, named after the first of --models. Any family, workload_<model>
 
   e2e          one image, conditioning to pixels (the card's sampler, steps and guidance; text encoding and
                VAE decode included), a prompt or label never seen before in every run (the encoding cache
-               cleared): each preset's engine (warmed first) against the pipeline, median of --reps runs
-               after one warm-up.
+               cleared), at each size the first of --models makes of --sizes (its native size if none): each
+               preset's engine (warmed at that size first) against the pipeline at the same size, median of --reps
+               runs after one warm-up; a table per size. With --text-encoder-device cpu, the text encoders run on
+               the host for both (the option's help says how) and each run's host encode time is reported.
   mixed        requests of 1 image (70%), 2-8 (25%) or --largest/2 to --largest (5%), each at one of the
                models and sizes asked (--models, --sizes; 1:1 by request), seeded Poisson arrivals at each
                offered load (images/s), one single-threaded clock (a request's latency runs from its arrival
@@ -63,6 +65,8 @@ every group asked. ``--smoke`` runs a tiny random model of --family on a CPU, wi
     python bench/workload.py --models dit-xl-2-256 dit-xl-2-512 --sections mixed     # two models, one mix
     python bench/workload.py --models pixart-sigma-512 --sizes 512x512 512x768 768x512 --systems diffusers fast fastest
     python bench/workload.py --models flux-dev-1024 --sections e2e --systems diffusers fast fastest
+    python bench/workload.py --models flux-dev-1024 --sections e2e --sizes 512x512 1024x1024 --systems diffusers default
+    python bench/workload.py --models flux2-dev-1024 --sections e2e --sizes 512x512 --text-encoder-device cpu
     python bench/workload.py --models flux-dev-1024 --sections img2img blend edit-mix --systems diffusers fast
     python bench/workload.py --models flux-dev-1024 --sections img2img --sizes 1024x1024 512x512 --systems fast
     python bench/workload.py --models flux-dev-1024 --sections lora-step lora-load lora-mix --systems diffusers fast
@@ -101,8 +105,10 @@ def parse(argv: list[str] | None) -> list[tuple[object, argparse.Namespace]]:
                    help=f"of {', '.join(SECTIONS)} (default: e2e mixed; with --smoke: {' '.join(plain.NAMES)})")
     p.add_argument("--systems", nargs="+", choices=shared.SYSTEMS, metavar="SYSTEM",
                    help=f"of {', '.join(shared.SYSTEMS)} ({by_group('systems')}; with --smoke: diffusers default)")
-    p.add_argument("--sizes", nargs="*", default=[], help="WxH sizes: asked in mixed's mix, made by img2img "
-                                                          "(default: each model's native)")
+    p.add_argument("--sizes", nargs="*", default=[], help="WxH sizes: made by e2e and img2img (one table each), "
+                                                          "asked in mixed's mix (default: each model's native)")
+    p.add_argument("--text-encoder-device", choices=tuple(harness.TEXT_ENCODER_DEVICES), default="gpu",
+                   help=harness.TEXT_ENCODER_HELP + "; not the LoRA sections")
     p.add_argument("--loads", type=float, nargs="*", help=f"offered images/s of the mixes ({by_group('loads')})")
     p.add_argument("--largest", type=int, help=f"the mix's largest request ({by_group('largest')})")
     p.add_argument("--inflight", type=int, help="images in flight (engine) or per call (diffusers) "
@@ -140,6 +146,8 @@ def parse(argv: list[str] | None) -> list[tuple[object, argparse.Namespace]]:
     asked = [(group, [s for s in args.sections if s in group.NAMES]) for group in GROUPS]
     asked = [(group, sections) for group, sections in asked if sections]
     for group, _ in asked:
+        if group is lora and args.text_encoder_device != "gpu":
+            p.error("--text-encoder-device cpu: the LoRA sections load text encoders with the transformer")
         if args.smoke and (args.family or group.DEFAULTS["family"]) not in group.SMOKE_FAMILIES:
             p.error(f"--smoke --family {args.family}: the {group.REPORT} sections run "
                     f"{', '.join(group.SMOKE_FAMILIES)}")

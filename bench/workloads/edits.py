@@ -110,7 +110,7 @@ def e2e(system: str, models: shared.Models, args, block: dict) -> None:
             one = lambda: call_edit(pipe, model, [shared.item(model, "e2e", 0, next(fresh), size, args.steps)],
                                     "image", args.strength, size)
         else:
-            config, why, precision = shared.engine_for(system, models.family(), args.e2e_batch, args.smoke)
+            config, why, precision = shared.engine_for(system, models, args.e2e_batch)
             if why:
                 row[system] = {"skipped": why}
                 continue
@@ -133,7 +133,7 @@ def blend(system: str, models: shared.Models, args, block: dict) -> None:
 
     if system == "diffusers":
         return
-    config, why, precision = shared.engine_for(system, models.family(), args.e2e_batch, args.smoke)
+    config, why, precision = shared.engine_for(system, models, args.e2e_batch)
     if why:
         block[system] = {"skipped": why}
         return
@@ -170,7 +170,7 @@ def kinds_of(jobs: list, seed: int = 5) -> dict[int, str]:
 def mixed(system: str, models: shared.Models, args, block: dict) -> None:
     precision = "bf16"
     if system != "diffusers":
-        config, why, precision = shared.engine_for(system, models.family(), args.inflight, args.smoke)
+        config, why, precision = shared.engine_for(system, models, args.inflight)
         if why:
             block[system] = {"skipped": why}
             return
@@ -256,7 +256,7 @@ def run(args, report: harness.Report | None = None) -> dict:
     """The asked sections' result for the first of --models: each asked system in turn, diffusers first (each
     engine patches the model it runs in place)."""
     name = Path(str(args.models[0])).name
-    models = shared.Models(args.models[:1], args.smoke)
+    models = shared.Models(args.models[:1], args.smoke, harness.TEXT_ENCODER_DEVICES[args.text_encoder_device])
     args.sizes = args.sizes or [tuple(models.get("bf16", engine=False)[0].card.native_size)]
     result = {"model": name, "strength": args.strength, "loads": args.loads,
               "settings": {k: str(v) for k, v in vars(args).items() if k != "out"},

@@ -24,24 +24,47 @@ SMOKE_FAMILIES = harness.FAMILIES
 
 # -- sections ----------------------------------------------------------------------------------------
 def e2e(system: str, models: Models, args, block: dict) -> None:
+    """One image at each size the first model makes of --sizes (its native one if none), a row set per size."""
     fresh = iter(range(10_000))
     if system == "diffusers":
         model = models.get("bf16", engine=False)[0]
         pipe = pipeline(model)
-        one = lambda: call_pipeline(pipe, model, [item(model, "e2e", 0, next(fresh), steps=args.steps)])
     else:
-        config, why, precision = engine_for(system, models.family(), args.e2e_batch, args.smoke)
+        config, why, precision = engine_for(system, models, args.e2e_batch)
         if why:
             block[system] = {"skipped": why}
             return
         model = models.get(precision)[0]
-        engine, warm_s = harness.build_engine(model, config)
-        block.setdefault("warmup_s", {})[system] = round(warm_s, 2)
+    for _, size in targets_of([model], args.sizes):
+        row = block.setdefault(f"{size[0]}x{size[1]}", {})
+        make = lambda: item(model, "e2e", 0, next(fresh), size, args.steps)  # noqa: E731
+        if system == "diffusers":
+            row[system] = one_image(model, lambda: call_pipeline(pipe, model, [make()]), args)
+            continue
+        engine, warm_s = harness.build_engine(model, config, sizes=[size])
+        row.setdefault("warmup_s", {})[system] = round(warm_s, 2)
 
         def one():
             model.cache.clear()
-            engine.generate([item(model, "e2e", 0, next(fresh), steps=args.steps)])
-    block[system] = harness.stats(harness.wall_ms(one, args.reps, warmup=1), digits=1)
+            engine.generate([make()])
+        row[system] = {**one_image(model, one, args), "config": harness.describe(config)}
+        del engine, one  # its graphs go before the next size's are captured
+        harness.free()
+
+
+def one_image(model, one, args) -> dict:
+    """``stats`` of --reps runs of ``one()`` after one warm-up, and where the text encoders ran; with them on the
+    host (--text-encoder-device cpu), each run's host encode time too."""
+    where = {"text_encoder": w} if (w := harness.encoder_device(model)) else {}
+    if args.text_encoder_device != "cpu" or not where:
+        return {**harness.stats(harness.wall_ms(one, args.reps, warmup=1), digits=1), **where}
+    encode: list[float] = []
+    with harness.EncodeClock(model) as clock:
+        def run():
+            one()
+            encode.append(clock.take())
+        row = harness.stats(harness.wall_ms(run, args.reps, warmup=1), digits=1)
+    return {**row, **where, "encode_ms": harness.stats(encode[1:], digits=1)}  # the warm-up's left out
 
 
 def mixed(system: str, models: Models, args, block: dict) -> None:
@@ -50,7 +73,7 @@ def mixed(system: str, models: Models, args, block: dict) -> None:
         pipes = [pipeline(m) for m in ms]
         run = lambda jobs, stop: run_static(pipes, ms, targets, jobs, args.inflight, stop, args.steps)
     else:
-        config, why, precision = engine_for(system, models.family(), args.inflight, args.smoke)
+        config, why, precision = engine_for(system, models, args.inflight)
         if why:
             block[system] = {"skipped": why}
             return
@@ -79,7 +102,7 @@ def mixed(system: str, models: Models, args, block: dict) -> None:
 
 def consistency(system: str, models: Models, args, block: dict) -> None:
     """Each of --requests images alone, then all together: the uint8 pixels' differences."""
-    config, why, precision = engine_for(system, models.family(), args.inflight, args.smoke)
+    config, why, precision = engine_for(system, models, args.inflight)
     if why:
         block[system] = {"skipped": why}
         return
@@ -102,10 +125,7 @@ SECTION = {"e2e": e2e, "mixed": mixed, "consistency": consistency}
 def markdown(result: dict) -> str:
     lines = [f"# Workloads: {', '.join(result['models'])}", "", harness.hardware_line(result["env"])]
     if e := result.get("e2e"):
-        lines += ["", "## One image end to end (ms)", ""]
-        lines += harness.table(["system", "median", "p10", "p90", "warm-up s"],
-                               [[s, b.get("median"), b.get("p10"), b.get("p90"), e.get("warmup_s", {}).get(s)]
-                                for s, b in e.items() if s in SYSTEMS and "median" in b])
+        lines += e2e_tables(e, result["settings"].get("text_encoder_device", "gpu"))
     if m := result.get("mixed"):
         loads = result["loads"]
         lines += ["", f"## Mixed workload at {', '.join(f'{n} {w}x{h}' for n, (w, h) in m.get('targets', []))}: "
@@ -124,6 +144,31 @@ def markdown(result: dict) -> str:
     return "\n".join(lines + harness.notes(result, SECTION))
 
 
+def e2e_tables(e: dict, text_encoder_device: str) -> list[str]:
+    """One table per size made: each system's ms, its ratio to diffusers', and where its text encoders ran (with
+    them on the host, the host's encode ms and its share of the image)."""
+    lines = []
+    for size, rows in e.items():
+        if size in SYSTEMS:  # a system skipped at every size: the notes say why
+            continue
+        lines += ["", f"## One image end to end at {size} (ms)", ""]
+        if text_encoder_device == "cpu":
+            lines += ["Text encoders on the host (`--text-encoder-device cpu`): ours as a worker with "
+                      "`text_encoder_device = \"cpu\"`, diffusers' pipeline over the same encoders (token ids in, "
+                      "embeddings out); host encode: the encoders' own time.", ""]
+        base = rows.get("diffusers", {}).get("median")
+        timed = {s: r for s, r in rows.items() if s in SYSTEMS and "median" in r}
+        share = any("encode_ms" in r for r in timed.values())
+        cells = lambda r: [r["encode_ms"]["median"], f"{r['encode_ms']['median'] / r['median']:.0%}"]  # noqa: E731
+        lines += harness.table(["system", "median", "p10", "p90", "vs diffusers", "warm-up s", "text encoder",
+                                *(["host encode", "encode share"] if share else [])],
+                               [[s, r["median"], r["p10"], r["p90"], round(r["median"] / base, 3) if base else None,
+                                 rows.get("warmup_s", {}).get(s), r.get("text_encoder"),
+                                 *((cells(r) if "encode_ms" in r else [None, None]) if share else [])]
+                                for s, r in timed.items()])
+    return lines
+
+
 def run(args, report: harness.Report | None = None) -> dict:
     """The asked sections' result: each asked system in turn, diffusers first (each engine patches the model it
     runs in place)."""
@@ -131,7 +176,7 @@ def run(args, report: harness.Report | None = None) -> dict:
     result = {"models": names, "loads": args.loads, "settings": {k: v for k, v in vars(args).items()
                                                                  if k not in ("models", "out")},
               "env": harness.environment(harness.device_and_dtype(args.smoke)[0]), "errors": {}}
-    models = Models(args.models, args.smoke)
+    models = Models(args.models, args.smoke, harness.TEXT_ENCODER_DEVICES[args.text_encoder_device])
     for section in [NAMES[s] for s in args.sections]:
         block = result.setdefault(section, {})
         for system in [s for s in SYSTEMS if s in args.systems and not (section == "consistency" and s == "diffusers")]:

@@ -73,10 +73,12 @@ def item(model, rid: str, seed: int, cond: int, size=(0, 0), steps: int | None =
 # -- diffusers' pipelines ----------------------------------------------------------------------------
 def pipeline(model):
     """The family's diffusers pipeline over the loaded model's modules, with the card's scheduler
-    (``Family.reference_pipeline``)."""
+    (``Family.reference_pipeline``); where its text encoders are on the host, fed there (``harness.feed_encoders``)."""
     from workers.families import family_of
 
-    return family_of(model).reference_pipeline(model)
+    pipe = family_of(model).reference_pipeline(model)
+    harness.feed_encoders(model)  # text encoders on the host: their inputs moved there
+    return pipe
 
 
 def call_pipeline(pipe, model, specs: list) -> np.ndarray:
@@ -89,18 +91,21 @@ def call_pipeline(pipe, model, specs: list) -> np.ndarray:
 
 # -- systems -----------------------------------------------------------------------------------------
 class Models:
-    """The run's models at one precision at a time (a new precision drops the last one's weights first).
-    An engine rewrites the model it runs in place, so diffusers (``engine=False``) gets them loaded again
-    once an engine has had them."""
+    """The run's models at one precision at a time (a new precision drops the last one's weights first), their
+    text encoders on ``text_encoder_device`` ("": with the transformer; the engine configs say the same:
+    ``engine_for``). An engine rewrites the model it runs in place, so diffusers (``engine=False``) gets them
+    loaded again once an engine has had them."""
 
-    def __init__(self, names: list, smoke: bool) -> None:
+    def __init__(self, names: list, smoke: bool, text_encoder_device: str = "") -> None:
         self.names, self.smoke, self.precision, self.loaded, self.patched = names, smoke, None, [], False
+        self.text_encoder_device = text_encoder_device
 
     def get(self, precision: str, engine: bool = True) -> list:
         if precision != self.precision or (self.patched and not engine):
             self.loaded = []
             harness.free()
-            self.loaded, self.precision = [harness.load(n, precision, self.smoke) for n in self.names], precision
+            self.loaded = [harness.load(n, precision, self.smoke, self.text_encoder_device) for n in self.names]
+            self.precision = precision
             self.patched = False
         self.patched |= engine
         return self.loaded
@@ -109,10 +114,12 @@ class Models:
         return (self.loaded or self.get("bf16", engine=False))[0].card.family
 
 
-def engine_for(preset: str, family: str, inflight: int, smoke: bool):
-    """A preset's engine config and precision for a model of ``family``, or the reason it cannot run here."""
-    config, precision = harness.engine_config(preset, family, max_batch=inflight)
-    if (why := harness.unavailable(precision, harness.device_and_dtype(smoke)[0])) is not None:
+def engine_for(preset: str, models: Models, inflight: int):
+    """A preset's engine config and precision for the run's models (their family; their text encoders where
+    ``models`` loads them), or the reason it cannot run here."""
+    config, precision = harness.engine_config(preset, models.family(), max_batch=inflight,
+                                              text_encoder_device=models.text_encoder_device)
+    if (why := harness.unavailable(precision, harness.device_and_dtype(models.smoke)[0])) is not None:
         return None, why, precision
     return config, None, precision
 

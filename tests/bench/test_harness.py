@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import harness  # noqa: E402
@@ -87,3 +90,52 @@ def test_each_part_saves_the_report_so_far_marked_partial_and_the_end_saves_the_
     report.save(result)
     assert "partial" not in json.loads((tmp_path / "step_x.json").read_text()) and "partial" not in result
     assert (tmp_path / "step_x.md").read_text() == "# rows\n- a: 1.5\n- b: 2.0\n"
+
+
+class _Encoder(torch.nn.Module):
+    """An encoder whose language model (``get_decoder()``, as transformers') takes 50 ms a call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.language_model = _Sleep()
+
+    def get_decoder(self):
+        return self.language_model
+
+    def forward(self, x):
+        return self.language_model(x)
+
+
+class _Sleep(torch.nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(2, 2)
+
+    def forward(self, x):
+        time.sleep(0.05)
+        return x
+
+
+def test_the_encode_clock_times_an_encoder_once_whether_it_or_the_language_model_inside_it_is_called():
+    model = SimpleNamespace(text_encoder=_Encoder(), device="cpu")
+    with harness.EncodeClock(model) as clock:
+        model.text_encoder(torch.ones(1))        # pipeline: encoder -> language model, one 50 ms call (not 100)
+        outer = clock.take()
+        model.text_encoder.language_model(torch.ones(1))  # ours (FLUX.2): the language model alone
+        inner = clock.take()
+    assert 45 <= outer < 95 and 45 <= inner < 95
+    model.text_encoder(torch.ones(1))
+    assert clock.take() == 0.0 and not model.text_encoder._forward_hooks  # its hooks gone with the block
+
+
+def test_encoders_away_from_the_transformer_get_their_inputs_moved_once_and_the_others_nothing():
+    away = SimpleNamespace(text_encoder=torch.nn.Linear(2, 2), text_encoder_2=torch.nn.Linear(2, 2), device="meta")
+    away.text_encoder_3 = away.text_encoder  # shared modules count once
+    for _ in range(2):
+        harness.feed_encoders(away)
+    assert [len(m._forward_pre_hooks) for m in harness.text_encoders(away)] == [1, 1]
+    x = torch.ones(1, 2)  # already on the encoder's device: passed through, positional or by name
+    assert torch.equal(away.text_encoder(input=x), away.text_encoder.forward(x))
+    assert harness.encoder_device(away) == "cpu"
+    here = SimpleNamespace(text_encoder=torch.nn.Linear(2, 2), device="cpu")
+    harness.feed_encoders(here)
+    assert not here.text_encoder._forward_pre_hooks and harness.encoder_device(SimpleNamespace(device="cpu")) is None

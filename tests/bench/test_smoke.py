@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import kernel_times  # noqa: E402
 import quality  # noqa: E402
@@ -14,10 +16,11 @@ import workload  # noqa: E402
 
 
 def test_step_times_diffusers_and_the_default_engine_on_a_tiny_dit(tmp_path):
-    assert step.main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert step.main(["--smoke", "--text-encoder-device", "cpu", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "step_tiny-dit.json").read_text())
     assert set(r["systems"]) == {"diffusers", "default"} and r["systems"]["default"]["ms"]["2"]["n"] == 3
-    assert r["systems"]["default"]["config"]["backend"] == "graphs"
+    config = r["systems"]["default"]["config"]
+    assert config["backend"] == "graphs" and config["text_encoder_device"] == "cpu"  # the worker's field, as given
     # each count's work, once, and the device's measured peak: the step as TFLOP/s against it
     assert 0 < r["flops"]["1"] < r["flops"]["2"] and r["peak"]["tflops"] > 0
     assert "Achieved TFLOP/s" in (tmp_path / "step_tiny-dit.md").read_text()
@@ -27,8 +30,31 @@ def test_workload_runs_one_image_end_to_end_and_a_tiny_mix(tmp_path):
     argv = ["--smoke", "--sections", "e2e", "mixed", "--systems", "default", "--loads", "--out", str(tmp_path)]
     assert workload.main(argv) == 0
     r = json.loads((tmp_path / "workload_tiny-dit.json").read_text())
-    assert r["e2e"]["default"]["n"] == 2 and r["mixed"]["default"]["backlog"]["unfinished"] == 0
-    assert "One image end to end" in (tmp_path / "workload_tiny-dit.md").read_text()
+    assert list(r["e2e"]) == ["16x16"]  # no --sizes: the card's native size only
+    assert r["e2e"]["16x16"]["default"]["n"] == 2 and r["mixed"]["default"]["backlog"]["unfinished"] == 0
+    assert "One image end to end at 16x16" in (tmp_path / "workload_tiny-dit.md").read_text()
+
+
+def test_workload_e2e_makes_each_size_asked_with_the_text_encoders_on_the_host(tmp_path):
+    argv = ["--smoke", "--family", "flux", "--sections", "e2e", "--sizes", "96x64", "64x64",
+            "--text-encoder-device", "cpu", "--out", str(tmp_path)]
+    assert workload.main(argv) == 0
+    r = json.loads((tmp_path / "workload_tiny-flux.json").read_text())
+    assert set(r["e2e"]) == {"96x64", "64x64"}  # one row set per size, ours and diffusers' pipeline at it
+    for rows in r["e2e"].values():
+        ours, theirs = rows["default"], rows["diffusers"]
+        assert ours["n"] == theirs["n"] == 2 and ours["text_encoder"] == theirs["text_encoder"] == "cpu"
+        assert ours["config"]["text_encoder_device"] == "cpu"  # the option reached the engine's WorkerConfig
+        assert 0 < ours["encode_ms"]["median"] <= ours["median"] and theirs["encode_ms"]["n"] == 2
+    md = (tmp_path / "workload_tiny-flux.md").read_text()
+    assert "One image end to end at 96x64" in md and "| encode share |" in md
+
+
+def test_workload_refuses_host_text_encoders_for_the_lora_sections():
+    with pytest.raises(SystemExit):
+        workload.parse(["--sections", "lora-step", "--text-encoder-device", "cpu"])
+    [(_, args)] = workload.parse(["--sections", "e2e"])
+    assert args.text_encoder_device == "gpu" and args.sizes == []
 
 
 def test_kernels_times_each_section_on_small_shapes(tmp_path):
