@@ -33,7 +33,6 @@ last image), when the night batch was done, node starts and model switches.
 from __future__ import annotations
 
 import argparse
-import heapq
 import math
 import random
 import sys

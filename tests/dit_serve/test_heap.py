@@ -1,6 +1,5 @@
 """The heap housekeeping of long-running processes: on glibc, trimming returns freed pages."""
 
-import ctypes.util
 import threading
 
 import pytest

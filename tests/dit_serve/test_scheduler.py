@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from workers.config import WorkerConfig
 from dit_serve.server.scheduler import SlotPlan, plan_slots
 
@@ -158,11 +160,18 @@ def test_a_worker_gets_a_models_items_once_it_reports_serving_it_and_one_that_fa
     assert len(store.lease("other", ["digits", "digits-text"], 4, ttl=30)) == 2  # both items back in the queue
 
 
+def _recording_handle(calls: list, name: str):
+    """A stand-in actor handle whose ``submit``, ``add_lora`` and ``remove_lora`` calls append (name, method, *args)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{m: SimpleNamespace(remote=lambda *a, m=m: calls.append((name, m, *a)))
+                              for m in ("submit", "add_lora", "remove_lora")})
+
+
 def test_a_worker_gets_an_items_adapters_before_the_item_and_workers_holding_them_are_preferred(tmp_path):
     """Adapters reach a worker once (``add_lora`` ahead of ``submit``, in the actor's call order); a worker whose
     poll reports an adapter gets items naming it instead of one that lacks it; an item whose adapter was deleted
     after its job was submitted fails with the reason."""
-    from types import SimpleNamespace
 
     from dit_serve.schemas import JobParams, LoraUse
     from dit_serve.server.config import SchedulerConfig
@@ -173,9 +182,7 @@ def test_a_worker_gets_an_items_adapters_before_the_item_and_workers_holding_the
     lora = store.put_lora("ink", b"adapter bytes", "default", True, "digits", "dit", "peft", 2, 1)
     calls: list[tuple] = []
 
-    def handle(name):
-        return SimpleNamespace(**{m: SimpleNamespace(remote=lambda *a, m=m: calls.append((name, m, *a)))
-                                  for m in ("submit", "add_lora", "remove_lora")})
+    handle = partial(_recording_handle, calls)
 
     def job(loras):
         params = JobParams(sampler="ddim", steps=5, guidance=1.0, loras=[LoraUse(name=n, scale=0.5, sha256=lora.sha256)
@@ -218,7 +225,6 @@ def test_an_item_goes_to_a_worker_whose_bank_holds_its_adapter_before_one_that_o
     """Two workers both registered adapter "ink"; only b's poll says it is loaded in its device bank: an item naming
     it that a's lease took goes to b (no load, no adapter switch), and stays with a once a's bank holds it too or b
     has no room."""
-    from types import SimpleNamespace
 
     from dit_serve.schemas import JobParams, LoraUse
     from dit_serve.server.config import SchedulerConfig
@@ -229,9 +235,7 @@ def test_an_item_goes_to_a_worker_whose_bank_holds_its_adapter_before_one_that_o
     lora = store.put_lora("ink", b"adapter bytes", "default", True, "digits", "dit", "peft", 2, 1)
     calls: list[tuple] = []
 
-    def handle(name):
-        return SimpleNamespace(**{m: SimpleNamespace(remote=lambda *a, m=m: calls.append((name, m, *a)))
-                                  for m in ("submit", "add_lora", "remove_lora")})
+    handle = partial(_recording_handle, calls)
 
     def job():
         return store.submit("digits", JobParams(sampler="ddim", steps=5, guidance=1.0,

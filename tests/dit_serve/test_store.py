@@ -596,8 +596,6 @@ def test_webhooks_are_claimed_once_finished_and_retried(store):
 
 
 def test_temp_files_of_killed_writers_are_swept(store):
-    import os
-
     job_id = _job(store, 1)
     folder = store.data_dir / "images" / job_id
     folder.mkdir(parents=True)

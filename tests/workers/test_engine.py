@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from workers.config import WorkerConfig
-from workers.speed import SpeedConfig
 from workers.engine import Engine
 from workers.request.spec import ItemSpec
 from workers.loading import load_model

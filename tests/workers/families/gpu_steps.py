@@ -36,18 +36,21 @@ def live_inputs(model, family, plan, b: int, shape, prompts=PROMPTS) -> dict[str
                 **{k: torch.stack([c[k] for c in enc]).to(dev) for k in enc[0]})
 
 
-def runner_outputs(model, buckets=(1, 2, 4), steps: int = 4, backend: str = "full",
-                   prompts=PROMPTS) -> tuple[dict, dict]:
+def runner_outputs(model, buckets=(1, 2, 4), steps: int = 4, backend: str = "full", prompts=PROMPTS,
+                   live: Callable[[int], dict] | None = None) -> tuple[dict, dict]:
     """{(backend, b, output): CPU tensor} for an eager and a ``backend`` GraphRunner over the family's step at the
-    model's native shape, each bucket run alone (greedy plans: b rows in bucket b), and the graph runner's stats."""
+    model's native shape, each bucket run alone (greedy plans: b rows in bucket b), and the graph runner's stats.
+    ``live(b)``: the step's inputs for b rows (default ``live_inputs`` at step 1 of a flow Euler plan of ``steps``)."""
     from graphs import GraphRunner
     from samplers import make_plan
     from workers.engine import step_specs
     from workers.families import family_of
 
     family, shape = family_of(model), tuple(model.latent_shape)
-    plan = make_plan("flow_euler", steps, model.schedule, **family.plan_kwargs(model, shape))
-    live = {b: live_inputs(model, family, plan, b, shape, prompts) for b in buckets}
+    if live is None:
+        plan = make_plan("flow_euler", steps, model.schedule, **family.plan_kwargs(model, shape))
+        live = lambda b: live_inputs(model, family, plan, b, shape, prompts)  # noqa: E731
+    live = {b: live(b) for b in buckets}
     outs, stats = {}, {}
     for kind in ("eager", backend):
         inputs, outputs = step_specs(model, shape)

@@ -22,6 +22,7 @@ import torch
 from workers.config import WorkerConfig
 
 from .gpu_stats import fallbacks, pooled
+from .gpu_steps import runner_outputs
 
 pytestmark = [pytest.mark.gpu,  # skipped without CUDA (tests/conftest.py)
               pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")]
@@ -90,26 +91,7 @@ def _live(model, b: int) -> dict[str, torch.Tensor]:
 def _replays_and_eager(model, buckets=(1, 2, 4), backend="full") -> tuple[dict, dict]:
     """{(backend, b, output): CPU tensor} of the family's step per bucket, run by a GraphRunner of ``backend`` and
     by an eager one (greedy plans: b rows in bucket b), and the graph runner's stats."""
-    from graphs import GraphRunner
-    from workers.engine import step_specs
-    from workers.families import family_of
-
-    shape = tuple(model.latent_shape)
-    live = {b: _live(model, b) for b in buckets}
-    outs, stats = {}, {}
-    for kind in ("eager", backend):
-        inputs, outputs = step_specs(model, shape)
-        runner = GraphRunner(family_of(model).make_step(model, shape), inputs, outputs, max_batch=max(buckets),
-                             backend=kind, device=model.device)
-        runner.warmup(example=live[max(buckets)])
-        runner.replay_ms = {}
-        for b in buckets:
-            assert runner.plan(b) == (b,)
-            out = runner.run(**live[b])
-            outs.update({(kind, b, k): v.float().cpu() for k, v in out.items()})
-        stats = runner.stats()
-        del runner
-    return outs, stats
+    return runner_outputs(model, buckets, backend=backend, live=lambda b: _live(model, b))
 
 
 def test_tiny_every_bucket_replays_what_the_step_computes_eagerly(tiny):

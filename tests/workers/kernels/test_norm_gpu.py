@@ -10,7 +10,6 @@ next to a code boundary can round either way: at most 2% of codes differ, each b
 
 from __future__ import annotations
 
-from workers.speed import SpeedConfig
 from workers.speed.apply import to_precision
 
 import pytest
