@@ -3,8 +3,8 @@ on a CPU in seconds, with random weights: transformer (SanaTransformer2DModel, s
 as the real checkpoint), Gemma-2 text encoder (Gemma2Model, sharded, as the real one) and a Gemma tokenizer made
 offline (``workers.families.sana.builtin.gemma_tokenizer``), a 32x, 32-channel DC-AE (AutoencoderDC with Sana's
 scaling factor), and the real scheduler config (DPMSolverMultistepScheduler on flow sigmas, flow_shift 3; or
-FlowMatchEulerDiscreteScheduler, as diffusers' conversion script writes with ``--scheduler_type flow-euler``).
-Nothing is downloaded.
+FlowMatchEulerDiscreteScheduler, as diffusers' conversion script writes with ``--scheduler_type flow-euler``);
+or Sana Sprint's (``make_tiny_sana_sprint``: SanaSprintPipeline, SCMScheduler). Nothing is downloaded.
 
 Images 128x128 (latents 32x4x4, 16 tokens), also 192x128 and 128x192 (``dit_serve.sizes``: a sample size of 4
 has no reference bins); prompts of ``MAX_TOKENS`` tokens after the complex human instruction.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 MAX_TOKENS = 16
@@ -69,6 +70,31 @@ def make_tiny_sana(path: Path, seed: int = 0, flow_euler: bool = False, interpol
         "scheduler": ["diffusers", type(scheduler).__name__], "text_encoder": ["transformers", "Gemma2Model"],
         "tokenizer": ["transformers", "GemmaTokenizerFast"], "transformer": ["diffusers", "SanaTransformer2DModel"],
         "vae": ["diffusers", "AutoencoderDC"], "dit_serve": extra}, indent=2))
+    return path
+
+
+def make_tiny_sana_sprint(path: Path, seed: int = 0) -> Path:
+    """The tiny Sana directory (``make_tiny_sana``) made Sana Sprint's: its transformer replaced by one with
+    guidance_embeds and Sprint's QK norm (rms_norm_across_heads), sharded as the real one; SCMScheduler's config as
+    diffusers' conversion script writes it; model_index.json naming SanaSprintPipeline and SCMScheduler."""
+    import torch
+    from diffusers import SanaTransformer2DModel, SCMScheduler
+
+    path = make_tiny_sana(path, seed=seed)
+    shutil.rmtree(path / "transformer")
+    shutil.rmtree(path / "scheduler")
+    torch.manual_seed(seed + 1)
+    SanaTransformer2DModel(in_channels=32, out_channels=32, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+                           num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16,
+                           caption_channels=32, sample_size=IMAGE_SIZE // 32, patch_size=1, guidance_embeds=True,
+                           qk_norm="rms_norm_across_heads"
+                           ).save_pretrained(path / "transformer", safe_serialization=True, max_shard_size="40KB")
+    SCMScheduler(num_train_timesteps=1000, prediction_type="trigflow", sigma_data=0.5).save_pretrained(
+        path / "scheduler")
+    index = json.loads((path / "model_index.json").read_text())
+    index.update({"_class_name": "SanaSprintPipeline", "_diffusers_version": "0.33.0.dev0",
+                  "scheduler": ["diffusers", "SCMScheduler"]})
+    (path / "model_index.json").write_text(json.dumps(index, indent=2))
     return path
 
 

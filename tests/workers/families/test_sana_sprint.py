@@ -27,7 +27,7 @@ from workers.engine import Engine
 from workers.families import family_named
 from workers.families.sana import COMPLEX_HUMAN_INSTRUCTION
 from workers.loading import load_model
-from workers.models.tiny_sana import IMAGE_SIZE, MAX_TOKENS, make_tiny_sana
+from workers.models.tiny_sana import IMAGE_SIZE, MAX_TOKENS, make_tiny_sana_sprint
 from workers.request.cards import CardError, read_card
 from workers.request.spec import ItemSpec
 
@@ -36,30 +36,6 @@ from . import edit_cases
 EAGER = WorkerConfig(backend="eager", max_batch=4)
 LONG = "a red cat sitting on a wooden table at sunset with a small dog and a big green tree near the blue house"
 TOL = 1e-4
-
-
-def make_tiny_sana_sprint(path: Path, seed: int = 0) -> Path:
-    """The tiny Sana directory (workers.models.tiny_sana) made Sana Sprint's: its transformer replaced by one with
-    guidance_embeds and Sprint's QK norm (rms_norm_across_heads), sharded as the real one; SCMScheduler's config as
-    diffusers' conversion script writes it; model_index.json naming SanaSprintPipeline and SCMScheduler."""
-    from diffusers import SanaTransformer2DModel, SCMScheduler
-
-    path = make_tiny_sana(path, seed=seed)
-    shutil.rmtree(path / "transformer")
-    shutil.rmtree(path / "scheduler")
-    torch.manual_seed(seed + 1)
-    SanaTransformer2DModel(in_channels=32, out_channels=32, num_attention_heads=2, attention_head_dim=8, num_layers=2,
-                           num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16,
-                           caption_channels=32, sample_size=IMAGE_SIZE // 32, patch_size=1, guidance_embeds=True,
-                           qk_norm="rms_norm_across_heads"
-                           ).save_pretrained(path / "transformer", safe_serialization=True, max_shard_size="40KB")
-    SCMScheduler(num_train_timesteps=1000, prediction_type="trigflow", sigma_data=0.5).save_pretrained(
-        path / "scheduler")
-    index = json.loads((path / "model_index.json").read_text())
-    index.update({"_class_name": "SanaSprintPipeline", "_diffusers_version": "0.33.0.dev0",
-                  "scheduler": ["diffusers", "SCMScheduler"]})
-    (path / "model_index.json").write_text(json.dumps(index, indent=2))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Sana Sprint through graphs (GPU).
 
-The tiny random Sana Sprint directory (``test_sana_sprint.make_tiny_sana_sprint``), float32 on CUDA. Its step takes
+The tiny random Sana Sprint directory (``tiny_sana.make_tiny_sana_sprint``), float32 on CUDA. Its step takes
 every per-request quantity as a row (the TrigFlow angle, turned into the flow time and the input and output scales
 inside the step; the embedded guidance; the scm coefficients; the fresh noise), so one captured step serves rows at
 different steps of different step counts and scales. Held here: each bucket (1, 2, 4) of the captured step replays
@@ -28,8 +28,7 @@ PROMPTS = ("a red cat", "the big blue house", "a dog", "small green tree drawn",
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from workers.loading import load_model
-
-    from .test_sana_sprint import make_tiny_sana_sprint
+    from workers.models.tiny_sana import make_tiny_sana_sprint
 
     return load_model(make_tiny_sana_sprint(tmp_path_factory.mktemp("sprint") / "sana-sprint-tiny"), device="cuda",
                       dtype=torch.float32)
