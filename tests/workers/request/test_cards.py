@@ -27,7 +27,7 @@ def test_the_supported_pipelines_are_the_families_own():
                                      "StableDiffusion3Pipeline", "FluxPipeline", "FluxKontextPipeline",
                                      "Flux2KleinPipeline", "Flux2Pipeline", "QwenImagePipeline", "QwenImageEditPipeline",
                                      "QwenImageEditPlusPipeline", "ZImagePipeline",
-                                     "SanaPipeline"]
+                                     "SanaPipeline", "SanaSprintPipeline"]
 
 
 def test_a_pipeline_no_family_reads_is_named_with_the_supported_ones(tmp_path):
