@@ -52,3 +52,18 @@ def test_flux2_dev_fits_one_80_gb_gpu_with_its_encoder_elsewhere_and_not_with_it
     check_fits(["flux2-dev-1024"], ["bfloat16"], free, "cuda:0", encoders_here=False)
     with pytest.raises(MemoryError, match="text_encoder_device"):
         check_fits(["flux2-dev-1024"], ["bfloat16"], free, "cuda:0")
+
+
+def test_sana_sprints_builtin_counts_its_transformer_vae_and_gemma():
+    """Sana Sprint 1.6B in bf16: transformer + DC-AE 1.92 B (3.6 GiB), Gemma-2-2B 2.61 B (4.9 GiB): 8.5 GiB, which
+    fits 12 GiB free (85% of it: 10.2) and not 8 (6.8). Its encoder counts apart from Sana 1600M's (other random
+    weights)."""
+    card = read_card("sana-sprint-1600m-1024")
+    assert weight_params(card, encoders=False) == 1_610_237_472 + 312_250_275
+    assert weight_params(card) == 1_610_237_472 + 312_250_275 + 2_614_341_888
+    assert 3.5 * 2**30 < weight_bytes(card, "bfloat16", encoders=False) < 3.6 * 2**30
+    check_fits(["sana-sprint-1600m-1024"], ["bfloat16"], 12 * 2**30, "cuda:0")
+    with pytest.raises(MemoryError, match=r"need 8.5 GiB of weights \(sana-sprint-1600m-1024 8.5 GiB\)"):
+        check_fits(["sana-sprint-1600m-1024"], ["bfloat16"], 8 * 2**30, "cuda:0")
+    with pytest.raises(MemoryError, match=r"need 16.9 GiB .*sana-1600m-1024 8.4 GiB"):
+        check_fits(["sana-sprint-1600m-1024", "sana-1600m-1024"], ["bfloat16"] * 2, 16 * 2**30, "cuda:0")

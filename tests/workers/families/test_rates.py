@@ -31,6 +31,11 @@ def test_the_estimate_scales_with_tokens_weights_and_guidance_passes():
     assert estimate(sd35).rate == pytest.approx(MEASURED["flux-dev-1024"].rate * work(flux) / work(sd35))
     assert 2.3 < estimate(sd35).rate / estimate(flux).rate < 2.4
     assert estimate(dit512).source.startswith("dit-xl-2-256's 753.8 image-steps/s (H100")
+    # Sana Sprint 1.6B embeds its guidance (one pass) where Sana 1600M runs CFG (two), with 1.92 B weights each
+    # (Sprint's 5.8 M more): nearly twice the rate
+    sana, sprint = read_card("sana-1600m-1024"), read_card("sana-sprint-1600m-1024")
+    assert work(replace(sprint, guidance_mode="cfg")) == 2 * work(sprint)
+    assert 1.99 < estimate(sprint).rate / estimate(sana).rate < 2.0
 
 
 def test_every_family_names_a_measured_reference_and_every_builtin_gets_an_estimate():

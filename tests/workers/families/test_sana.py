@@ -398,6 +398,77 @@ def test_a_shrunk_builtin_loads_generates_and_its_buffers_are_a_normal_builds():
     assert all(r.latents.isfinite().all() and r.latents.abs().max() > 0 for r in results)
 
 
+def test_the_sprint_builtin_card_and_full_size_counts_on_meta():
+    """Sana Sprint 1.6B: Sana 1600M's transformer plus the guidance embedder (256 -> 2240 -> 2240) and the QK norms
+    (4 x 2240 a block), the same DC-AE and Gemma-2-2B; SanaSprintPipeline's defaults and SCMScheduler's config."""
+    from workers.families.memory import components, weight_params
+    from workers.families.sana import SANA_SPRINT_1600M_PARAMS
+    from workers.families.sana.builtin import SANA_1600M, sana_1600m_on_meta
+
+    card = read_card("sana-sprint-1600m-1024")
+    assert (card.family, card.builtin, card.image_size, card.latent_size, card.latent_channels, card.max_tokens) == (
+        "sana", "sana-sprint-1600m-1024", 1024, 32, 32, 300)
+    assert card.defaults == {"sampler": "scm", "steps": 2, "guidance": 4.5}
+    assert (card.prediction_type, card.guidance_mode, card.lowercase_prompts) == ("trigflow", "embedded", True)
+    assert card.scheduler["_class_name"] == "SCMScheduler" and card.scheduler["sigma_data"] == 0.5
+    assert card.sizes == read_card("sana-1600m-1024").sizes and (card.takes_image, card.takes_mask) == (True, True)
+    modules = sana_1600m_on_meta(1024, sprint=True)
+    config = dict(modules["transformer"].config)
+    assert {k: config[k] for k in SANA_1600M} == SANA_1600M
+    sprint = {k: config[k] for k in ("guidance_embeds", "guidance_embeds_scale", "qk_norm", "timestep_scale")}
+    assert sprint == {"guidance_embeds": True, "guidance_embeds_scale": 0.1, "qk_norm": "rms_norm_across_heads",
+                      "timestep_scale": 1.0}
+    count = {k: sum(p.numel() for p in m.parameters()) for k, m in modules.items()}
+    assert count == {"transformer": 1_604_462_752 + 2240 * (256 + 2240 + 2) + 20 * 4 * 2240, "vae": 312_250_275,
+                     "text_encoder": 2_614_341_888}
+    assert (SANA_SPRINT_1600M_PARAMS, GEMMA2_2B_PARAMS) == (count["transformer"] + count["vae"], count["text_encoder"])
+    assert components(card) == {"model": (SANA_SPRINT_1600M_PARAMS, ""),
+                                "text_encoders": (GEMMA2_2B_PARAMS, "sana-sprint-1600m-1024:encoders")}
+    assert weight_params(card) == sum(count.values())
+
+
+def test_the_sprint_builtin_is_listed_and_served_with_scm():
+    from dit_serve.schemas import JobRequest
+    from dit_serve.server.catalog import Catalog, model_entry
+    from dit_serve.server.config import LimitsConfig
+    from workers.families import builtin_names
+
+    names = builtin_names()
+    assert names.index("sana-sprint-1600m-1024") == names.index("sana-1600m-1024") + 1
+    card = read_card("sana-sprint-1600m-1024")
+    entry = model_entry(card)
+    assert (entry.samplers, entry.guidance) == (["scm"], "embedded")
+    params = Catalog([card], LimitsConfig()).resolve_job(JobRequest(prompts=["a cat"])).params
+    assert (params.sampler, params.steps, params.guidance) == ("scm", 2, 4.5)
+
+
+def test_a_shrunk_sprint_builtin_generates_as_sana_sprint_pipeline():
+    """The built-in shrunk (SMALL; Sprint's guidance embedder and QK norms kept) loads finite, generates 1 and 2 scm
+    steps at two sizes through the engine, and equals SanaSprintPipeline over its modules with its card's
+    scheduler (the family's reference hooks), as a directory's model does (test_sana_sprint)."""
+    from workers.families.sana.runtime import _load_builtin
+
+    card = dataclasses.replace(read_card("sana-sprint-1600m-1024"), image_size=128, latent_size=4, max_tokens=8,
+                               sizes=((128, 128), (192, 128)))
+    small = _load_builtin(card, "cpu", torch.float32, **SMALL)
+    config = small.transformer.config
+    assert (config.guidance_embeds, config.qk_norm, config.sample_size) == (True, "rms_norm_across_heads", 4)
+    for m in (small.transformer, small.vae, small.text_encoder):
+        assert not any(t.is_meta or not t.isfinite().all() for t in (*m.parameters(), *m.buffers()))
+    specs = [ItemSpec(id="a", seed=0, sampler="scm", steps=2, guidance=4.5, prompt="a cat"),
+             ItemSpec(id="b", seed=1, sampler="scm", steps=1, guidance=3.0, prompt="a red cat", width=192,
+                      height=128)]
+    results = Engine(small, EAGER).generate(specs)
+    assert [r.image.shape for r in results] == [(128, 128, 3), (128, 192, 3)]
+    assert all(r.latents.isfinite().all() and r.latents.abs().max() > 0 for r in results)
+    family = family_named("sana")
+    gen = torch.Generator("cpu").manual_seed(specs[0].seed)
+    x = torch.randn(small.latent_shape, generator=gen)
+    ref = family.reference_pipeline(small)(**family.reference_call(small, specs[:1]), latents=x[None], generator=gen,
+                                           output_type="latent").images[0]
+    assert (results[0].latents - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
 # -- image-to-image and inpainting (workers.edits) ----------------------------------------------------------
 # diffusers has no img2img or inpaint pipeline for Sana (Sana Sprint's img2img runs another sampler). The rule:
 # StableDiffusion3Img2ImgPipeline's and StableDiffusion3InpaintPipeline's, with the DC-AE's latent (deterministic,

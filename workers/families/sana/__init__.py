@@ -1,8 +1,8 @@
 """Sana (Xie et al. 2024, "SANA: Efficient High-Resolution Image Synthesis with Linear Diffusion Transformers";
 diffusers' ``SanaPipeline``) and Sana Sprint (Chen et al. 2025, "SANA-Sprint: One-Step Diffusion with Continuous-Time
 Consistency Distillation"; ``SanaSprintPipeline``), torch-free: the model card of a pipeline directory, read from its
-JSON files, and the built-in architecture (``sana-1600m-1024``: random weights, ``builtin``). The model runs in
-``runtime`` (Sana Sprint's step in ``sprint``).
+JSON files, and the built-in architectures (``sana-1600m-1024``, ``sana-sprint-1600m-1024``: random weights,
+``builtin``). The model runs in ``runtime`` (Sana Sprint's step in ``sprint``).
 
 The layout is ``Efficient-Large-Model/Sana_1600M_1024px_diffusers``'s (and the 512 px, 2K and 4K ones'):
 ``transformer/`` (SanaTransformer2DModel, sharded safetensors), ``vae/`` (AutoencoderDC: the deep-compression
@@ -88,16 +88,26 @@ SANA_SCHEDULER = {"_class_name": "DPMSolverMultistepScheduler", "algorithm_type"
                   "flow_shift": 3.0, "lower_order_final": True, "num_train_timesteps": 1000,
                   "prediction_type": "flow_prediction", "solver_order": 2, "solver_type": "midpoint",
                   "steps_offset": 0, "timestep_spacing": "linspace", "use_flow_sigmas": True}
+# scheduler/scheduler_config.json of Sana_Sprint_1.6B_1024px_diffusers (diffusers' conversion script); the built-in's.
+# Its max_timesteps and intermediate_timesteps play no part (the module docstring says why)
+SPRINT_SCHEDULER = {"_class_name": "SCMScheduler", "intermediate_timesteps": 1.3, "max_timesteps": 1.5708,
+                    "num_train_timesteps": 1000, "prediction_type": "trigflow", "sigma_data": 0.5}
 # Sana_1600M_1024px: transformer + DC-AE f32c32 (encoder and decoder, as the loader loads it); Gemma-2-2B's
-# decoder (Gemma2Model), counted on the meta device
+# decoder (Gemma2Model), counted on the meta device. Sana Sprint 1.6B's transformer adds the guidance embedder
+# (5,595,520) and the QK norms (179,200)
 SANA_1600M_PARAMS, GEMMA2_2B_PARAMS = 1_604_462_752 + 312_250_275, 2_614_341_888
+SANA_SPRINT_1600M_PARAMS = 1_610_237_472 + 312_250_275
+# built-in -> its scheduler config, defaults and guidance mode (Sana's, Sana Sprint's: as its directory's card)
+BUILTIN_SAMPLING = {"sana-1600m-1024": (SANA_SCHEDULER, DEFAULTS, "cfg"),
+                    "sana-sprint-1600m-1024": (SPRINT_SCHEDULER, SPRINT_DEFAULTS, "embedded")}
 
 
 class Sana(Family):
     name = "sana"
     pipelines = ("SanaPipeline", SPRINT_PIPELINE)
     transformers = ("SanaTransformer2DModel",)
-    builtins = {"sana-1600m-1024": Builtin(1024, SANA_1600M_PARAMS, GEMMA2_2B_PARAMS)}
+    builtins = {"sana-1600m-1024": Builtin(1024, SANA_1600M_PARAMS, GEMMA2_2B_PARAMS),
+                "sana-sprint-1600m-1024": Builtin(1024, SANA_SPRINT_1600M_PARAMS, GEMMA2_2B_PARAMS)}
     runtime = "workers.families.sana.runtime:SanaRuntime"
     # image-to-image and inpainting (workers.edits) by StableDiffusion3Img2ImgPipeline's and
     # StableDiffusion3InpaintPipeline's rule (diffusers has none for Sana), the DC-AE's latent; Sana Sprint's
@@ -115,11 +125,14 @@ class Sana(Family):
         return card(name, path, transformer, vae, index, scheduler)
 
     def builtin_card(self, name: str) -> ModelCard:
+        """sana-1600m-1024: Sana 1600M (SanaPipeline); sana-sprint-1600m-1024: Sana Sprint 1.6B
+        (SanaSprintPipeline: scm, 2 steps, the guidance embedded). Both snap to the 1024 px bins."""
         size = self.builtins[name].image_size
+        scheduler, defaults, guidance_mode = BUILTIN_SAMPLING[name]
         return ModelCard(name, "sana", "text", builtin=name, image_size=size, latent_channels=32,
-                         latent_size=size // 32, scheduler=dict(SANA_SCHEDULER), defaults=dict(DEFAULTS),
+                         latent_size=size // 32, scheduler=dict(scheduler), defaults=dict(defaults),
                          max_tokens=MAX_SEQUENCE_LENGTH, sizes=tuple(sana_bins(size // 32)), size_multiple=32,
-                         lowercase_prompts=True)
+                         lowercase_prompts=True, guidance_mode=guidance_mode)
 
 
 def card(name: str, path: Path, transformer: dict, vae: dict | None, index: dict, scheduler: dict) -> ModelCard:

@@ -1,7 +1,9 @@
 """Sana 1600M at 1024 px with random weights (``Efficient-Large-Model/Sana_1600M_1024px_diffusers``'s
 architecture), for benchmarks: built on the meta device and materialised on the target one
 (``workers.families.builtins``), with a Gemma-like tokenizer made here (``gemma_tokenizer``: nothing is
-downloaded; ``workers.models.tiny_sana`` writes it too)."""
+downloaded; ``workers.models.tiny_sana`` writes it too). With ``sprint``, Sana Sprint 1.6B's
+(``Efficient-Large-Model/Sana_Sprint_1.6B_1024px_diffusers``): the same modules, its transformer embedding the
+guidance scale and QK-normalised (``SANA_SPRINT_1600M``)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,11 @@ SANA_1600M = dict(in_channels=32, out_channels=32, num_attention_heads=70, atten
                   num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240,
                   caption_channels=2304, mlp_ratio=2.5, attention_bias=False, sample_size=32, patch_size=1,
                   norm_elementwise_affine=False, norm_eps=1e-6, interpolation_scale=None)
+# transformer/config.json of Sana_Sprint_1.6B_1024px_diffusers (the conversion script's SanaSprint_1600M_P1_D20):
+# Sana 1600M's plus the guidance embedder (the scale times guidance_embeds_scale) and RMS norms of the queries and
+# keys across heads in both attentions; guidance_embeds_scale and timestep_scale are the class's defaults, written out
+SANA_SPRINT_1600M = dict(SANA_1600M, guidance_embeds=True, guidance_embeds_scale=0.1, qk_norm="rms_norm_across_heads",
+                         timestep_scale=1.0)
 # vae/config.json of mit-han-lab/dc-ae-f32c32-sana-1.0-diffusers (diffusers' convert_dcae_to_diffusers.py)
 DC_AE_F32C32 = dict(
     in_channels=3, latent_channels=32, attention_head_dim=32,
@@ -66,26 +73,28 @@ def gemma_tokenizer(words: tuple[str, ...] | list[str] = ()):
 
 
 def build_sana_1600m(image_size: int, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
-                     **overrides: dict) -> dict:
-    """Sana 1600M with random weights made on ``device`` in ``dtype``, named as SanaPipeline's components:
-    transformer, vae (AutoencoderDC), text_encoder (Gemma2Model) and tokenizer. ``image_size`` sets the
-    transformer's sample_size (image_size / 32); ``overrides`` maps a module's name to keys of its config (tests
-    shrink them); one generator seeded with ``seed`` initialises the modules in that order."""
-    modules = sana_1600m_on_meta(image_size, **overrides)
+                     sprint: bool = False, **overrides: dict) -> dict:
+    """Sana 1600M (Sana Sprint 1.6B's transformer with ``sprint``) with random weights made on ``device`` in
+    ``dtype``, named as SanaPipeline's components: transformer, vae (AutoencoderDC), text_encoder (Gemma2Model) and
+    tokenizer. ``image_size`` sets the transformer's sample_size (image_size / 32); ``overrides`` maps a module's
+    name to keys of its config (tests shrink them); one generator seeded with ``seed`` initialises the modules in
+    that order."""
+    modules = sana_1600m_on_meta(image_size, sprint, **overrides)
     gen = torch.Generator(device).manual_seed(seed)
     made = {name: (_materialise_gemma if name == "text_encoder" else materialise)(m, device, dtype, gen)
             for name, m in modules.items()}
     return {**made, "tokenizer": gemma_tokenizer()}
 
 
-def sana_1600m_on_meta(image_size: int, **overrides: dict) -> dict[str, nn.Module]:
+def sana_1600m_on_meta(image_size: int, sprint: bool = False, **overrides: dict) -> dict[str, nn.Module]:
     """The modules of build_sana_1600m on the meta device: shapes, no storage."""
     from diffusers import AutoencoderDC, SanaTransformer2DModel
     from transformers import Gemma2Config, Gemma2Model
 
     o = check_overrides(overrides, ("transformer", "vae", "text_encoder"))
+    config = SANA_SPRINT_1600M if sprint else SANA_1600M
     with torch.device("meta"):
-        return {"transformer": SanaTransformer2DModel(**{**SANA_1600M, "sample_size": image_size // 32,
+        return {"transformer": SanaTransformer2DModel(**{**config, "sample_size": image_size // 32,
                                                          **o["transformer"]}),
                 "vae": AutoencoderDC(**{**DC_AE_F32C32, **o["vae"]}),
                 "text_encoder": Gemma2Model(Gemma2Config(**{**GEMMA2_2B, **o["text_encoder"]}))}

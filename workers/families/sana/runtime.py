@@ -113,7 +113,7 @@ class SanaRuntime(Sana):
         """The transformer and the DC-AE (safetensors, sharded or not), Gemma-2 (transformers, local files,
         safetensors only) and its tokenizer, from ``card.path``; the complex human instruction is the pipeline's
         unless model_index.json's ``dit_serve.complex_human_instruction`` replaces it. A built-in card
-        (``sana-1600m-1024``) gets random weights instead (``_load_builtin``)."""
+        (``sana-1600m-1024``, ``sana-sprint-1600m-1024``) gets random weights instead (``_load_builtin``)."""
         if card.builtin:
             return _load_builtin(card, device, dtype)
         from diffusers import AutoencoderDC
@@ -268,9 +268,9 @@ def _load_transformer(path: Path, device, dtype) -> torch.nn.Module:
 
 
 def _load_builtin(card, device, dtype, **overrides) -> LoadedModel:
-    """Sana 1600M with random weights made on the device (``builtin.build_sana_1600m``), with the attributes
-    ``load`` sets; ``overrides`` shrink its configs (tests)."""
-    parts = builtin.build_sana_1600m(card.image_size, device, dtype, **overrides)
+    """Sana 1600M with random weights made on the device (``builtin.build_sana_1600m``; Sana Sprint 1.6B's
+    transformer for a Sprint card), with the attributes ``load`` sets; ``overrides`` shrink its configs (tests)."""
+    parts = builtin.build_sana_1600m(card.image_size, device, dtype, sprint=is_sprint(card), **overrides)
     transformer = parts["transformer"]
     model = assemble(card, transformer, DCAE(parts["vae"], tiled=transformer.config.sample_size == TILED_SAMPLE_SIZE))
     model.text_encoder, model.tokenizer = place_encoder(parts["text_encoder"], device, dtype), parts["tokenizer"]
