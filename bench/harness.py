@@ -145,9 +145,9 @@ TEXT_ENCODER_HELP = ("where text encoders run (WorkerConfig.text_encoder_device)
 
 def text_encoders(model) -> list:
     """``model``'s text encoder modules (``text_encoder``, ``text_encoder_2``, ...), each once."""
-    found = [v for k, v in sorted(vars(model).items())
-             if k.startswith("text_encoder") and isinstance(v, torch.nn.Module)]
-    return [m for i, m in enumerate(found) if all(m is not o for o in found[:i])]
+    found = {id(v): v for k, v in sorted(vars(model).items())
+             if k.startswith("text_encoder") and isinstance(v, torch.nn.Module)}
+    return list(found.values())  # a module under two names once, at its first
 
 
 def encoder_device(model) -> str | None:

@@ -375,27 +375,41 @@ def test_the_builtin_card_and_full_size_counts_on_meta():
     assert modules["transformer"].patch_embed.pos_embed is None  # 1024 px: no positional embedding
 
 
+def _shrunk_builtin(name: str):
+    """The built-in ``name`` shrunk (SMALL) to a 128 px card that also makes 192x128, loaded on the CPU in float32;
+    every weight and buffer made (none on meta) and finite."""
+    from workers.families.sana.runtime import _load_builtin
+
+    card = dataclasses.replace(read_card(name), image_size=128, latent_size=4, max_tokens=8,
+                               sizes=((128, 128), (192, 128)))
+    small = _load_builtin(card, "cpu", torch.float32, **SMALL)
+    for m in (small.transformer, small.vae, small.text_encoder):
+        assert not any(t.is_meta or not t.isfinite().all() for t in (*m.parameters(), *m.buffers()))
+    return small
+
+
+def _generates_both_sizes(small, square, wide):
+    """Two requests through the engine, (sampler, steps, guidance) ``square`` at 128x128 and ``wide`` at 192x128:
+    (specs, results), each result an image of its size with finite, nonzero latents."""
+    specs = [ItemSpec(id="a", seed=0, sampler=square[0], steps=square[1], guidance=square[2], prompt="a cat"),
+             ItemSpec(id="b", seed=1, sampler=wide[0], steps=wide[1], guidance=wide[2], prompt="a red cat",
+                      width=192, height=128)]
+    results = Engine(small, EAGER).generate(specs)
+    assert [r.image.shape for r in results] == [(128, 128, 3), (128, 192, 3)]
+    assert all(r.latents.isfinite().all() and r.latents.abs().max() > 0 for r in results)
+    return specs, results
+
+
 def test_a_shrunk_builtin_loads_generates_and_its_buffers_are_a_normal_builds():
     from transformers import Gemma2Model
 
-    from workers.families.sana.runtime import _load_builtin
-
-    card = dataclasses.replace(read_card("sana-1600m-1024"), image_size=128, latent_size=4, max_tokens=8,
-                               sizes=((128, 128), (192, 128)))
-    small = _load_builtin(card, "cpu", torch.float32, **SMALL)
+    small = _shrunk_builtin("sana-1600m-1024")
     encoder = small.text_encoder
     ref = dict(Gemma2Model(encoder.config).named_buffers())
     assert dict(encoder.named_buffers()).keys() == ref.keys()
     assert all(torch.equal(b, ref[k]) for k, b in encoder.named_buffers())
-    for m in (small.transformer, small.vae, encoder):
-        assert not any(t.is_meta or not t.isfinite().all() for t in (*m.parameters(), *m.buffers()))
     assert small.tokenizer("a red cat").input_ids[0] == 2 and small.instruction_tokens > 100
-    specs = [ItemSpec(id="a", seed=0, sampler="flow_dpmpp_2m", steps=2, guidance=4.5, prompt="a cat"),
-             ItemSpec(id="b", seed=1, sampler="flow_euler", steps=2, guidance=1.0, prompt="a red cat", width=192,
-                      height=128)]
-    results = Engine(small, EAGER).generate(specs)
-    assert [r.image.shape for r in results] == [(128, 128, 3), (128, 192, 3)]
-    assert all(r.latents.isfinite().all() and r.latents.abs().max() > 0 for r in results)
+    _generates_both_sizes(small, ("flow_dpmpp_2m", 2, 4.5), ("flow_euler", 2, 1.0))
 
 
 def test_the_sprint_builtin_card_and_full_size_counts_on_meta():
@@ -446,21 +460,10 @@ def test_a_shrunk_sprint_builtin_generates_as_sana_sprint_pipeline():
     """The built-in shrunk (SMALL; Sprint's guidance embedder and QK norms kept) loads finite, generates 1 and 2 scm
     steps at two sizes through the engine, and equals SanaSprintPipeline over its modules with its card's
     scheduler (the family's reference hooks), as a directory's model does (test_sana_sprint)."""
-    from workers.families.sana.runtime import _load_builtin
-
-    card = dataclasses.replace(read_card("sana-sprint-1600m-1024"), image_size=128, latent_size=4, max_tokens=8,
-                               sizes=((128, 128), (192, 128)))
-    small = _load_builtin(card, "cpu", torch.float32, **SMALL)
+    small = _shrunk_builtin("sana-sprint-1600m-1024")
     config = small.transformer.config
     assert (config.guidance_embeds, config.qk_norm, config.sample_size) == (True, "rms_norm_across_heads", 4)
-    for m in (small.transformer, small.vae, small.text_encoder):
-        assert not any(t.is_meta or not t.isfinite().all() for t in (*m.parameters(), *m.buffers()))
-    specs = [ItemSpec(id="a", seed=0, sampler="scm", steps=2, guidance=4.5, prompt="a cat"),
-             ItemSpec(id="b", seed=1, sampler="scm", steps=1, guidance=3.0, prompt="a red cat", width=192,
-                      height=128)]
-    results = Engine(small, EAGER).generate(specs)
-    assert [r.image.shape for r in results] == [(128, 128, 3), (128, 192, 3)]
-    assert all(r.latents.isfinite().all() and r.latents.abs().max() > 0 for r in results)
+    specs, results = _generates_both_sizes(small, ("scm", 2, 4.5), ("scm", 1, 3.0))
     family = family_named("sana")
     gen = torch.Generator("cpu").manual_seed(specs[0].seed)
     x = torch.randn(small.latent_shape, generator=gen)
